@@ -1,0 +1,51 @@
+"""The attention-backend interface: attention whose K/V live in paged pools."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillSeq:
+    q_start: int            # first row of this sequence's queries in the flat batch
+    q_len: int
+    ctx_len: int            # tokens it attends to: cached prefix + this chunk
+    block_table: torch.Tensor  # [ceil(ctx_len / B)] physical block ids
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch, decodes first: rows [0, num_decodes) are single-token queries."""
+    slot_mapping: torch.Tensor      # [num_tokens] slot of each new token's K/V
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded
+    decode_context_lens: torch.Tensor | None  # [num_decodes]
+    decode_max_context: int
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches [num_blocks, B, KVH, D].
+        Writes k/v into their slots, then attends through the block tables. Returns [T, H, D]."""
+
+
+_REGISTRY: dict[str, type[AttentionBackend]] = {}
+
+
+def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def get_backend(name: str) -> AttentionBackend:
+    if name not in _REGISTRY:
+        raise ValueError(f"attention backend must be one of {sorted(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name]()

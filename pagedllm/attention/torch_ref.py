@@ -1,0 +1,63 @@
+"""Reference paged attention in plain torch: gathers K/V through block tables and
+runs scaled_dot_product_attention. Runs anywhere torch runs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .backend import AttentionBackend, AttentionMetadata, register
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    nb, bs, kvh, d = k_cache.shape
+    k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
+    v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
+
+
+@register
+class TorchPagedAttention(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        # All new K/V of the step land in the pool before anyone reads it, so a request
+        # that hit a prefix block filled in this same step reads it complete.
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        for p in meta.prefills:
+            out[p.q_start:p.q_start + p.q_len] = self._prefill(
+                q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale)
+        return out
+
+    @staticmethod
+    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        nblk = -(-meta.decode_max_context // bs)
+        tables = meta.decode_block_tables[:, :nblk]
+        keys = k_cache[tables].view(n, nblk * bs, kvh, d).transpose(1, 2)
+        vals = v_cache[tables].view(n, nblk * bs, kvh, d).transpose(1, 2)
+        pos = torch.arange(nblk * bs, device=q.device)
+        mask = (pos[None, :] < meta.decode_context_lens[:, None]).view(n, 1, 1, -1)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask,
+                                           scale=scale, enable_gqa=True)
+        return o.squeeze(2)
+
+    @staticmethod
+    def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float) -> torch.Tensor:
+        bs, kvh, d = k_cache.shape[1:]
+        ql = q.shape[0]
+        keys = k_cache[table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+        vals = v_cache[table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+        if ctx == ql:
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True,
+                                               scale=scale, enable_gqa=True)
+        else:
+            # Query i sits at absolute position ctx - ql + i and sees keys up to it.
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+        return o.transpose(0, 1)

@@ -1,0 +1,218 @@
+"""LLMEngine: add_request / step / abort over the scheduler, KV manager and runner."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import asdict, dataclass
+from typing import Sequence as Seq
+
+from ..config import EngineConfig
+from ..kv import KVCacheManager
+from ..loader import load_config, load_tokenizer, resolve_model_dir
+from ..models import ModelConfig
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, SeqStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine's life so far, for reports and metrics."""
+    num_blocks: int
+    block_size: int
+    bytes_per_token: int
+    used_blocks: int
+    cached_free_blocks: int
+    free_blocks: int
+    kv_usage: float
+    peak_kv_usage: float
+    peak_used_blocks: int
+    waste: float
+    prefix_queries: int
+    prefix_hits: int
+    prefix_hit_rate: float
+    cow_copies: int
+    forks: int
+    evictions: int
+    preemptions: int
+    num_running: int
+    num_waiting: int
+    prompt_tokens: int
+    generation_tokens: int
+    steps: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig) -> None:
+        from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts
+
+        self.cfg = cfg
+        model_dir = resolve_model_dir(cfg.model)
+        self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
+        self.tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
+        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
+        if self.max_model_len > self.model_cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.model_cfg.max_position_embeddings}")
+        self.runner = ModelRunner(cfg, model_dir, self.model_cfg)
+        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
+                                 cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.eos_token_ids = set(self.model_cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self._req_ids = itertools.count()
+        self.peak_used_blocks = 0
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+
+    # -- requests ------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | Seq[int],
+                    params: SamplingParams | None = None, cache_salt: str | None = None) -> Request:
+        """Validate and queue a request. Raises ValueError naming what is wrong; a
+        rejected request touches nothing."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._check_lengths(len(token_ids), params)
+        req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time())
+        base_seed = params.seed if params.seed is not None else hash((self.cfg.seed, request_id)) & 0x7FFFFFFF
+        for i in range(params.n):
+            seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
+                           seed=(base_seed * 1_000_003 + i) & 0x7FFFFFFFFFFF,
+                           status=SeqStatus.PENDING)
+            req.seqs.append(seq)
+        self.requests[request_id] = req
+        self.scheduler.add(req.seqs[0])
+        return req
+
+    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or self._empty(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return None, ids
+
+    @staticmethod
+    def _empty(prompt: str) -> list[int]:
+        raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
+
+    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        if prompt_len + max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
+                             f"{prompt_len + max_tokens} exceeds max_model_len ({self.max_model_len})")
+        if not self.kv.can_ever_fit(prompt_len + max_tokens):
+            raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs more KV blocks than "
+                             f"the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        for seq in req.seqs:
+            if seq.status is SeqStatus.PENDING:
+                seq.status = SeqStatus.FINISHED
+                seq.finish_reason = "abort"
+            else:
+                self.scheduler.finish(seq, "abort")
+        req.finish_time = time.time()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled batch; return outputs of the requests that finished."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        sampled = self.runner.execute(out, self.kv)
+        self.steps += 1
+        self.peak_used_blocks = max(self.peak_used_blocks, self.kv.pool.num_used)
+        self.prompt_tokens += out.num_prefill_tokens
+        now = time.time()
+        touched: dict[str, Request] = {}
+        for seq, token in self.scheduler.update(out, sampled):
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            req = seq.request
+            if req.first_token_time is None:
+                req.first_token_time = now
+            self._check_stop(seq, token)
+            touched[req.request_id] = req
+        finished = []
+        for req in touched.values():
+            if req.finished:
+                req.finish_time = now
+                self.requests.pop(req.request_id, None)
+                finished.append(self.make_output(req))
+        return finished
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return self.scheduler.finish(seq, "stop", token)
+        if token in p.stop_token_ids:
+            return self.scheduler.finish(seq, "stop", token)
+        if p.stop:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            # Only the tail can hold a stop string that was not there one token ago.
+            tail = max(0, len(seq.text) - max(len(s) for s in p.stop))
+            seq.text = text
+            for s in p.stop:
+                at = text.find(s, tail)
+                if at >= 0:
+                    seq.text = text[:at + len(s)] if p.include_stop_str_in_output else text[:at]
+                    return self.scheduler.finish(seq, "stop", s)
+        if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            self.scheduler.finish(seq, "length")
+
+    def make_output(self, req: Request) -> RequestOutput:
+        outs = []
+        for seq in req.seqs:
+            ids = seq.output_token_ids
+            text = seq.text if (seq.params.stop and seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)) \
+                else self.tokenizer.decode(ids, skip_special_tokens=True)
+            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason))
+        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
+                   "finish_time": req.finish_time}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                             req.num_cached_tokens, metrics)
+
+    # -- figures -------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        kv = self.kv.stats()
+        return EngineStats(
+            num_blocks=kv.num_blocks, block_size=kv.block_size,
+            bytes_per_token=self.runner.kv_cache.bytes_per_token, used_blocks=kv.used_blocks,
+            cached_free_blocks=kv.cached_free_blocks, free_blocks=kv.free_blocks, kv_usage=kv.usage,
+            peak_kv_usage=self.peak_used_blocks / kv.num_blocks, peak_used_blocks=self.peak_used_blocks,
+            waste=kv.waste, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            prefix_hit_rate=kv.hit_rate, cow_copies=kv.cow_copies, forks=kv.forks,
+            evictions=kv.evictions, preemptions=self.scheduler.num_preemptions,
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens, steps=self.steps)

@@ -1,0 +1,110 @@
+"""The offline API, vLLM-compatible: LLM(...).generate(prompts, sampling_params)."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from ..config import EngineConfig
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        prompts = _as_list(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        # Validate the whole batch before queueing any of it: a bad prompt fails fast
+        # and leaves nothing half-submitted in the engine.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            try:
+                _, ids = self.engine._tokenize(_prompt_value(p))
+                self.engine._check_lengths(len(ids), sp)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        ids = [self.engine.add_request(None, _prompt_value(p), sp, cache_salt).request_id
+               for p, sp in zip(prompts, params)]
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True, **kw) -> str:
+        if not conversation:
+            raise ValueError("messages must not be empty")
+        for m in conversation:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "tool") \
+                    or not isinstance(m.get("content"), str):
+                raise ValueError(f"each message needs a role (system, user, assistant, tool) and string content; got {m!r}")
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt, **kw)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, dynamic_ncols=True)
+        try:
+            while len(results) < len(ids):
+                for out in self.engine.step():
+                    if out.request_id in wanted:
+                        results[out.request_id] = out
+                        bar.update(1)
+        except BaseException:
+            for rid in wanted - results.keys():
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def reset_prefix_cache(self) -> int:
+        return self.engine.kv.reset_prefix_cache()
+
+
+def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # a single prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts must not be empty")
+    return prompts
+
+
+def _prompt_value(p: Prompt) -> str | list[int]:
+    if isinstance(p, dict):
+        if "prompt_token_ids" in p:
+            return p["prompt_token_ids"]
+        if "prompt" in p:
+            return p["prompt"]
+        raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+    if isinstance(p, (str, list)):
+        return p
+    raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(p).__name__}")

@@ -1,0 +1,157 @@
+"""Continuous batching: each step picks which tokens run, under a token budget, the
+sequence cap and the KV pool; preempts by recompute when blocks run out."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from ..kv import KVCacheManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    start: int            # first position computed this step
+    num_tokens: int
+    # Sequences to sample from this row's logits once the chunk reaches the end of the
+    # sequence's tokens: [seq], or [parent, *pending samples] when n > 1 forks now.
+    sample_for: list[Sequence] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq]
+    copies: list[tuple[int, int]]   # (src, dst) block copies to do before the forward
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.pending_copies: list[tuple[int, int]] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        out = SchedulerOutput([], self.pending_copies)
+        self.pending_copies = []
+
+        # Running sequences first, oldest first; the newest are preempted to make room.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            while copies is None:
+                victim = self.running.pop()
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            if copies is None:
+                break
+            out.copies.extend(copies)
+            self._add_scheduled(out, seq, n)
+            budget -= n
+            i += 1
+
+        # Then admit waiting ones, unless this step had to preempt (no room to spare).
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            seq = self.waiting[0]
+            salt = seq.request.cache_salt
+            hit = self.kv.lookup_prefix(seq.token_ids, salt)
+            cached = len(hit) * self.kv.block_size
+            n = min(len(seq.token_ids) - cached, budget)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, salt)
+            if copies is None:
+                break
+            self.waiting.popleft()
+            if seq.num_output_tokens == 0 and seq.index == 0:
+                seq.request.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.copies.extend(copies)
+            self._add_scheduled(out, seq, n)
+            budget -= n
+        return out
+
+    @staticmethod
+    def _add_scheduled(out: SchedulerOutput, seq: Sequence, n: int) -> None:
+        s = ScheduledSeq(seq, seq.num_computed_tokens, n)
+        if s.start + n == len(seq.token_ids):
+            s.sample_for = [seq]
+            if seq.index == 0 and seq.num_output_tokens == 0:
+                s.sample_for += [c for c in seq.request.seqs[1:] if c.status is SeqStatus.PENDING]
+        if n == 1 and seq.num_computed_tokens > 0:
+            out.num_decode_tokens += 1
+        else:
+            out.num_prefill_tokens += n
+        out.scheduled.append(s)
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preempt by recompute: drop its KV; it resumes from the front of the queue."""
+        self.kv.free(seq.seq_id)
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+        out.preempted.append(seq)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
+        """Advance computed counts, fork pending samples, and return (seq, new token)."""
+        new_tokens = []
+        for s in out.scheduled:
+            seq = s.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            seq.num_computed_tokens = s.start + s.num_tokens
+            for target in s.sample_for:
+                if target is not seq:
+                    self._fork(seq, target)
+                new_tokens.append((target, sampled[target.seq_id]))
+        return new_tokens
+
+    def _fork(self, parent: Sequence, child: Sequence) -> None:
+        child.token_ids = list(parent.token_ids)
+        copies = self.kv.fork(parent.seq_id, child.seq_id)
+        if copies is None:  # no room for a private copy (reserve-max): recompute it later
+            child.num_computed_tokens = 0
+            child.status = SeqStatus.WAITING
+            self.waiting.appendleft(child)
+            return
+        self.pending_copies.extend(copies)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = SeqStatus.RUNNING
+        self.running.append(child)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        if seq.status is SeqStatus.FINISHED:
+            return
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason

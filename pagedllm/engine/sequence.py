@@ -1,0 +1,66 @@
+"""Requests and their sequences (one per sample of n)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    PENDING = "pending"      # a sample of n > 1 waiting to fork off its parent
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request: "Request"
+    index: int                    # which of the request's n samples
+    token_ids: list[int]
+    num_prompt_tokens: int
+    seed: int
+    num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""                # detokenized output, kept current only when stop strings need it
+    generator: Any = None         # the sampler's per-sequence RNG, made on first use
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    cache_salt: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at first admission
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)

@@ -1,0 +1,128 @@
+"""Physical KV blocks: ref counts, the LRU free queue and the prefix-cache map."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+class NoFreeBlocksError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_cnt: int = 0
+    # Set once the block is full and registered in the prefix cache. A freed block
+    # keeps it, so it stays hittable until the pool hands it out again.
+    block_hash: int | None = None
+
+
+class BlockPool:
+    """All physical blocks. A block is exactly one of: used (ref > 0),
+    cached-free (ref 0, hashed: reusable by a prefix hit until evicted), or free."""
+
+    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be > 0, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Ordered oldest-first: the front is evicted first (LRU), in O(1).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.num_cached_free = 0
+        self.num_evictions = 0
+
+    # -- queries -------------------------------------------------------------
+    @property
+    def num_free(self) -> int:
+        """Blocks that can be handed out now (free + cached-free)."""
+        return len(self.free_queue)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free_queue)
+
+    def lookup(self, block_hash: int) -> int | None:
+        return self.cached.get(block_hash)
+
+    def is_free(self, block_id: int) -> bool:
+        return block_id in self.free_queue
+
+    # -- transitions ---------------------------------------------------------
+    def allocate(self) -> int:
+        """Hand out the least recently freed block, evicting its cache entry."""
+        if not self.free_queue:
+            raise NoFreeBlocksError("KV block pool exhausted")
+        block_id, _ = self.free_queue.popitem(last=False)
+        self._take(block_id)
+        return block_id
+
+    def allocate_run(self, length: int) -> list[int] | None:
+        """First fit of `length` physically contiguous free blocks (reserve-max policy)."""
+        run = 0
+        for block_id in range(self.num_blocks):
+            run = run + 1 if block_id in self.free_queue else 0
+            if run == length:
+                ids = list(range(block_id - length + 1, block_id + 1))
+                for i in ids:
+                    del self.free_queue[i]
+                    self._take(i)
+                return ids
+        return None
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        assert block.ref_cnt == 0, f"block {block_id} in free queue with ref {block.ref_cnt}"
+        if block.block_hash is not None:
+            self._uncache(block)
+            self.num_evictions += 1
+        block.ref_cnt = 1
+
+    def touch(self, block_id: int) -> None:
+        """Add a reference (prefix hit or fork); a cached-free block leaves the queue."""
+        block = self.blocks[block_id]
+        if block.ref_cnt == 0:
+            del self.free_queue[block_id]
+            if block.block_hash is not None:
+                self.num_cached_free -= 1
+        block.ref_cnt += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference from each block, in the given order; blocks reaching
+        ref 0 join the back of the queue (callers pass a request's blocks tail first,
+        so its shared head is evicted last)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            assert block.ref_cnt > 0, f"double free of block {block_id}"
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is not None:
+                    self.num_cached_free += 1
+
+    def cache(self, block_id: int, block_hash: int) -> None:
+        """Register a full block under its hash. If another block already holds the
+        same content, keep that one; this block stays an ordinary block."""
+        if not self.enable_caching or block_hash in self.cached:
+            return
+        block = self.blocks[block_id]
+        assert block.block_hash is None and block.ref_cnt > 0
+        block.block_hash = block_hash
+        self.cached[block_hash] = block_id
+
+    def _uncache(self, block: Block) -> None:
+        del self.cached[block.block_hash]
+        block.block_hash = None
+        self.num_cached_free -= 1
+
+    def reset_cache(self) -> int:
+        """Forget every cached-free block (used ones keep their entries)."""
+        dropped = 0
+        for block_id in list(self.free_queue):
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                self._uncache(block)
+                dropped += 1
+        return dropped

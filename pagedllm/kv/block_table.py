@@ -1,0 +1,27 @@
+"""One sequence's logical -> physical block mapping."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class BlockTable:
+    block_size: int
+    block_ids: list[int] = field(default_factory=list)
+    # Tokens that have a slot (KV written, or being written by the current step).
+    num_tokens: int = 0
+    # Chained hashes of the leading full blocks, so new full blocks extend the chain.
+    block_hashes: list[int] = field(default_factory=list)
+    salt: str | None = None
+
+    def slot(self, j: int) -> int:
+        """Physical slot of token j: pid = table[j // B], off = j % B."""
+        return self.block_ids[j // self.block_size] * self.block_size + j % self.block_size
+
+    def slots(self, start: int, end: int) -> list[int]:
+        return [self.slot(j) for j in range(start, end)]
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks that hold at least one token: ceil(num_tokens / B)."""
+        return -(-self.num_tokens // self.block_size)

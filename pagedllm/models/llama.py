@@ -1,0 +1,116 @@
+"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2) over a flat token batch.
+
+All scheduled tokens of all sequences run as one [num_tokens, hidden] batch: no
+padding in the linear layers. Only attention needs to know where sequences begin.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionBackend, AttentionMetadata
+from .config import ModelConfig
+from .rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.backend = backend
+        self.scale = self.d ** -0.5
+
+    def forward(self, x, positions, rope: RotaryEmbedding, k_cache, v_cache, meta: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k = rope(positions, q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
+        o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale)
+        return self.o_proj(o.reshape(t, self.h * self.d))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rope, k_cache, v_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, k_cache, v_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rope, k_cache, v_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load HF-named tensors, fusing q/k/v and gate/up into single matmuls."""
+        own = self.state_dict()
+        loaded: dict[str, torch.Tensor] = {}
+        for name, t in weights.items():
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
+                continue
+            loaded[name] = t
+        for i in range(self.cfg.num_layers):
+            p = f"layers.{i}."
+            for kind in ("weight", "bias"):
+                parts = [loaded.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
+                if all(x is not None for x in parts):
+                    loaded[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
+            loaded[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
+                [loaded.pop(f"{p}mlp.gate_proj.weight"), loaded.pop(f"{p}mlp.up_proj.weight")])
+        expected = {k for k in own if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)}
+        missing, unexpected = expected - loaded.keys(), loaded.keys() - expected
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not match the model: missing {sorted(missing)[:5]}, "
+                             f"unexpected {sorted(unexpected)[:5]}")
+        with torch.no_grad():
+            for name, t in loaded.items():
+                if own[name].shape != t.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(own[name].shape)}")
+                own[name].copy_(t)

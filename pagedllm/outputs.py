@@ -1,0 +1,24 @@
+"""What generate() returns (vLLM's shapes)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None   # "stop", "length", "abort" or None while running
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
+    metrics: dict = field(default_factory=dict)

@@ -1,0 +1,80 @@
+"""The KV pools: one preallocated [num_blocks, block_size, kv_heads, head_dim] K and V
+tensor per layer, sized from the memory budget."""
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..config import EngineConfig
+from ..models import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+_CPU_DEFAULT_CAP = 4 * 1024**3
+
+
+def available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """Bytes for KV blocks. CPU: kv_cache_memory, else min(4 GiB, 25 % of free RAM).
+    CUDA: gpu_memory_utilization of the device, less what weights and the rest of the
+    process already hold (vLLM's meaning), unless kv_cache_memory says otherwise."""
+    if cfg.kv_cache_memory is not None:
+        return int(cfg.kv_cache_memory)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free
+        # Room for activations of the largest step: a rough, generous allowance.
+        activations = 512 * 1024**2
+        budget = int(total * cfg.gpu_memory_utilization) - in_use - activations
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves no room for KV "
+                             f"({in_use / 2**30:.1f} GiB already in use of {total / 2**30:.1f} GiB)")
+        return budget
+    return min(_CPU_DEFAULT_CAP, available_ram() // 4)
+
+
+class KVCache:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+        elt = torch.finfo(dtype).bits // 8
+        self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
+        self.bytes_per_block = self.bytes_per_token * cfg.block_size
+        if cfg.num_gpu_blocks_override is not None:
+            num_blocks = cfg.num_gpu_blocks_override
+        else:
+            budget = kv_budget(cfg, device)
+            num_blocks = budget // self.bytes_per_block
+            if num_blocks < 1:
+                raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block "
+                                 f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
+        self.num_blocks = num_blocks
+        self.block_size = cfg.block_size
+        shape = (num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+        # torch.empty: pages are touched on first write, so an idle pool costs no RAM on CPU.
+        self.layers = [(torch.empty(shape, dtype=dtype, device=device),
+                        torch.empty(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
+        logger.info("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, "
+                    "max %d tokens", num_blocks, cfg.block_size, self.bytes_per_token,
+                    num_blocks * self.bytes_per_block / 2**30, num_blocks * cfg.block_size)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Carry out copy-on-write / fork copies decided by the KV manager."""
+        if not pairs:
+            return
+        dev = self.layers[0][0].device
+        src = torch.tensor([p[0] for p in pairs], device=dev)
+        dst = torch.tensor([p[1] for p in pairs], device=dev)
+        for k, v in self.layers:
+            k[dst] = k[src]
+            v[dst] = v[src]

@@ -1,0 +1,36 @@
+"""Turns logits rows into tokens: greedy, or temperature / top-k / top-p with a seeded
+generator per sequence, so a seed reproduces whatever else is in the batch."""
+from __future__ import annotations
+
+import torch
+
+from ..engine.sequence import Sequence
+
+
+def sample(logits: torch.Tensor, rows: list[list[Sequence]]) -> dict[int, int]:
+    """logits [R, V] float32; rows[i] lists the sequences that sample from row i."""
+    out: dict[int, int] = {}
+    greedy = logits.argmax(dim=-1).tolist()
+    for i, seqs in enumerate(rows):
+        for seq in seqs:
+            p = seq.params
+            out[seq.seq_id] = greedy[i] if p.greedy else _sample_one(logits[i], seq)
+    return out
+
+
+def _sample_one(row: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    if seq.generator is None:
+        seq.generator = torch.Generator(device=row.device).manual_seed(seq.seed)
+    row = row / p.temperature
+    if p.top_k and p.top_k < row.shape[-1]:
+        kth = torch.topk(row, p.top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, dim=-1)
+    if p.top_p < 1.0:
+        sorted_p, idx = probs.sort(descending=True)
+        # Keep the smallest set whose mass reaches top_p (the top token always stays).
+        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
+        sorted_p[drop] = 0.0
+        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
+    return int(torch.multinomial(probs, 1, generator=seq.generator).item())

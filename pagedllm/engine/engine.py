@@ -32,6 +32,7 @@ class EngineStats:
     peak_kv_usage: float
     peak_used_blocks: int
     waste: float
+    peak_waste: float        # eta at the step of peak usage
     prefix_queries: int
     prefix_hits: int
     prefix_hit_rate: float
@@ -72,6 +73,7 @@ class LLMEngine:
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0
+        self.peak_waste = 0.0
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.steps = 0
@@ -152,7 +154,9 @@ class LLMEngine:
             return []
         sampled = self.runner.execute(out, self.kv)
         self.steps += 1
-        self.peak_used_blocks = max(self.peak_used_blocks, self.kv.pool.num_used)
+        if self.kv.pool.num_used > self.peak_used_blocks:
+            self.peak_used_blocks = self.kv.pool.num_used
+            self.peak_waste = self.kv.stats().waste
         self.prompt_tokens += out.num_prefill_tokens
         now = time.time()
         touched: dict[str, Request] = {}
@@ -211,7 +215,7 @@ class LLMEngine:
             bytes_per_token=self.runner.kv_cache.bytes_per_token, used_blocks=kv.used_blocks,
             cached_free_blocks=kv.cached_free_blocks, free_blocks=kv.free_blocks, kv_usage=kv.usage,
             peak_kv_usage=self.peak_used_blocks / kv.num_blocks, peak_used_blocks=self.peak_used_blocks,
-            waste=kv.waste, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
+            waste=kv.waste, peak_waste=self.peak_waste, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             prefix_hit_rate=kv.hit_rate, cow_copies=kv.cow_copies, forks=kv.forks,
             evictions=kv.evictions, preemptions=self.scheduler.num_preemptions,
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),

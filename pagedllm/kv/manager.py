@@ -104,8 +104,12 @@ class KVCacheManager:
             need_new = self.reserve_blocks if new else 0
         else:
             need_new = max(0, -(-num_tokens // B) - have)
-        cow = (not new and start % B != 0 and start < num_tokens
-               and self.pool.blocks[table.block_ids[start // B]].ref_cnt > 1)
+        # A block is written in place only if this sequence alone holds it and it is not
+        # in the prefix cache (a cached block's content is registered under its hash).
+        cow = False
+        if not new and start % B != 0 and start < num_tokens:
+            blk = self.pool.blocks[table.block_ids[start // B]]
+            cow = blk.ref_cnt > 1 or blk.block_hash is not None
         # Cached-free hits leave the free queue when touched, so they cost capacity too.
         revived = sum(1 for b in cached_blocks if self.pool.is_free(b)) if new else 0
         if need_new + cow + revived > self.pool.num_free:

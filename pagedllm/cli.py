@@ -1,0 +1,143 @@
+"""`pagedllm` command line: generate, demo."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+from .config import EngineConfig
+
+# The seed's first scenario: many chats sharing one system prompt.
+EXAMPLE_SYSTEM = ("You are a patient support agent for a public library. Answer in two or three short "
+                  "sentences, be friendly, and suggest one next step the reader can take.")
+EXAMPLE_QUESTIONS = [
+    "How do I renew a book I borrowed last week?",
+    "Can I reserve a study room for Saturday morning?",
+    "What is the fine for returning a DVD three days late?",
+    "Do you have audiobooks for children?",
+    "How can I get a library card if I just moved here?",
+    "Is there free wifi in the reading hall?",
+    "Can I donate old magazines to the library?",
+    "What time does the library close on Sundays?",
+]
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (vLLM's flag names)")
+    g.add_argument("--model", default=None, help="GGUF file or HF model dir (default: SmolLM2-135M-Instruct)")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, bytes or e.g. 2GiB")
+    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    g.add_argument("--max-num-seqs", type=int, default=256)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--allocation", choices=["paged", "reserve-max"], default="paged")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--seed", type=int, default=0)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching, allocation=args.allocation,
+        dtype=args.dtype, device=args.device, seed=args.seed)
+
+
+def kv_report(stats) -> str:
+    s = stats
+    return "\n".join([
+        "KV cache report",
+        f"  pool: {s.num_blocks} blocks x {s.block_size} tokens, {s.bytes_per_token} bytes/token "
+        f"(2*L*d_kv*bytes), {s.num_blocks * s.block_size * s.bytes_per_token / 2**20:.0f} MiB",
+        f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
+        f"now used {s.used_blocks}, cached-free {s.cached_free_blocks}, free {s.free_blocks}",
+        f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
+        f"  prefix cache: {s.prefix_hits}/{s.prefix_queries} prompt tokens hit (H = {s.prefix_hit_rate:.1%})",
+        f"  forks {s.forks}, copy-on-write copies {s.cow_copies}, evictions {s.evictions}, "
+        f"preemptions {s.preemptions}",
+        f"  tokens: {s.prompt_tokens} prompt computed, {s.generation_tokens} generated, in {s.steps} steps",
+    ])
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .engine import LLM
+    from .sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.sampling_seed, stop=args.stop or None,
+                                ignore_eos=args.ignore_eos)
+        llm = LLM(**vars(engine_config(args)))
+        t0 = time.perf_counter()
+        if args.chat or not args.prompts:
+            questions = args.prompts or EXAMPLE_QUESTIONS
+            system = args.system if args.system is not None else (None if args.prompts else EXAMPLE_SYSTEM)
+            convs = [([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": q}]
+                     for q in questions]
+            outputs = llm.chat(convs, params)
+            shown = questions
+        else:
+            outputs = llm.generate(args.prompts, params)
+            shown = args.prompts
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    elapsed = time.perf_counter() - t0
+    for q, out in zip(shown, outputs):
+        print(f"\n>>> {q}")
+        for c in out.outputs:
+            tag = f"[{c.index}] " if len(out.outputs) > 1 else ""
+            print(f"{tag}{c.text.strip()}  ({len(c.token_ids)} tokens, {c.finish_reason})")
+    st = llm.get_stats()
+    gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    print(f"\n{len(outputs)} requests, {gen} tokens generated in {elapsed:.2f} s "
+          f"({gen / elapsed:.1f} tok/s, {llm.engine.runner.dtype}, {llm.engine.runner.device})")
+    print(kv_report(st))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_library_demo
+
+    run_library_demo()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedLLM: PagedAttention inference engine")
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="complete prompts and print a KV report")
+    g.add_argument("prompts", nargs="*", help="prompts (none: a batch of chat questions sharing a system prompt)")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--system", default=None, help="system prompt for --chat")
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("--ignore-eos", action="store_true")
+    add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    d = sub.add_parser("demo", help="worked examples on the real block manager")
+    d.add_argument("name", choices=["library"])
+    d.set_defaults(func=cmd_demo)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

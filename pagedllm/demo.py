@@ -1,0 +1,57 @@
+"""The seed's library example, run on the real KV cache manager (block size 4, 12 blocks)."""
+from __future__ import annotations
+
+from .kv import KVCacheManager
+
+SYS, A, B, C = 0, 1, 2, 3
+NAMES = {SYS: "sys", A: "A", B: "B", C: "C"}
+
+
+def run_library_demo(print_fn=print) -> dict:
+    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    system = [101, 102, 103, 104, 105, 106, 107, 108]           # an 8-token system prompt
+    tokens = {SYS: list(system)}
+    kv.allocate_slots(SYS, system, len(system))                  # 2 blocks
+    copies: list[tuple[int, int]] = []
+
+    def extend(seq: int, new: list[int]) -> None:
+        tokens[seq] += new
+        copies.extend(kv.allocate_slots(seq, tokens[seq], len(tokens[seq])))
+
+    kv.fork(SYS, A); tokens[A] = list(system)
+    for t in (201, 202, 203):                                    # A generates 3 tokens
+        extend(A, [t])
+    kv.fork(SYS, B); tokens[B] = list(system)
+    for t in (301, 302):                                         # B generates 2 tokens
+        extend(B, [t])
+    kv.fork(A, C, 9); tokens[C] = tokens[A][:9]                  # C branches off A at token 9
+    extend(C, [401])                                             # ...and writes: copy-on-write
+
+    p = print_fn
+    p("PagedLLM library demo: block size 4, 12 physical blocks (the seed's worked example)\n")
+    for seq in (SYS, A, B, C):
+        t = kv.block_table(seq)
+        row = " | ".join(f"L{i}->P{b}" for i, b in enumerate(t.block_ids))
+        p(f"  {NAMES[seq]:>3} ({t.num_tokens:2d} tokens) block table: {row}")
+    refs = [b.ref_cnt for b in kv.pool.blocks]
+    p(f"\n  ref counts per physical block: {refs}")
+    shared = [b.block_id for b in kv.pool.blocks if b.ref_cnt > 1]
+    p(f"  shared (read-only) blocks: {shared}")
+    p(f"  copy-on-write copies (src -> dst): {', '.join(f'P{s}->P{d}' for s, d in copies)}")
+    st = kv.stats()
+    p(f"\n  {st.blocks_without_sharing} blocks without sharing, {st.used_blocks} with paging + sharing "
+      f"(saved {st.blocks_without_sharing - st.used_blocks})")
+
+    # A later request with the same system prompt finds it in the prefix cache.
+    question = system + [501, 502, 503]
+    hit = kv.lookup_prefix(question)
+    p(f"  a new request with the same system prompt hits {len(hit)} cached blocks {hit} "
+      f"({len(hit) * 4} of {len(question)} tokens skip prefill)")
+
+    for seq in (C, B, A, SYS):                                   # unlike the seed's sketch, free
+        kv.free(seq)
+    kv.check_integrity()
+    p(f"\n  after all requests finish: {kv.pool.num_free} of 12 blocks free again "
+      f"({kv.pool.num_cached_free} of them still cached for future prefix hits)")
+    return {"without_sharing": st.blocks_without_sharing, "with_sharing": st.used_blocks,
+            "cow": copies, "refs": refs, "free_after": kv.pool.num_free, "hit_blocks": len(hit)}

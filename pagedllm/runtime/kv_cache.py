@@ -12,7 +12,7 @@ from ..models import ModelConfig
 
 logger = logging.getLogger(__name__)
 
-_CPU_DEFAULT_CAP = 4 * 1024**3
+_CPU_DEFAULT_CAP = 2 * 1024**3
 
 
 def available_ram() -> int:
@@ -27,7 +27,7 @@ def available_ram() -> int:
 
 
 def kv_budget(cfg: EngineConfig, device: torch.device) -> int:
-    """Bytes for KV blocks. CPU: kv_cache_memory, else min(4 GiB, 25 % of free RAM).
+    """Bytes for KV blocks. CPU: kv_cache_memory, else min(2 GiB, 25 % of free RAM).
     CUDA: gpu_memory_utilization of the device, less what weights and the rest of the
     process already hold (vLLM's meaning), unless kv_cache_memory says otherwise."""
     if cfg.kv_cache_memory is not None:
@@ -61,9 +61,10 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = cfg.block_size
         shape = (num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        # torch.empty: pages are touched on first write, so an idle pool costs no RAM on CPU.
-        self.layers = [(torch.empty(shape, dtype=dtype, device=device),
-                        torch.empty(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
+        # Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN from
+        # uninitialised memory would still poison the output.
+        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
+                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
         logger.info("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, "
                     "max %d tokens", num_blocks, cfg.block_size, self.bytes_per_token,
                     num_blocks * self.bytes_per_block / 2**30, num_blocks * cfg.block_size)

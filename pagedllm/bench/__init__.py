@@ -1,0 +1,1 @@
+"""Workloads and baselines for benchmarks."""

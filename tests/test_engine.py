@@ -1,0 +1,160 @@
+"""Engine behaviour on the real model: parallel sampling with shared blocks, seeds,
+stops, chunked prefill, reserve-max, aborts, and bad input that disturbs nobody."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+
+PROMPT = ("The old librarian kept every book in loose-leaf envelopes, so that readers of the same "
+          "chapters could share the same pages. One morning a curious student asked her why")
+
+
+def run_to_completion(engine, limit=2000):
+    done = []
+    for _ in range(limit):
+        if not engine.has_unfinished_requests():
+            return done
+        done += engine.step()
+    raise AssertionError("engine did not finish")
+
+
+def test_parallel_sampling_shares_prompt_blocks(llm_fp32):
+    engine = llm_fp32.engine
+    params = SamplingParams(n=4, temperature=1.0, seed=1234, max_tokens=12, ignore_eos=True)
+    req = engine.add_request("n4", PROMPT, params)
+    while req.seqs[0].num_output_tokens == 0:
+        engine.step()
+    tables = [engine.kv.block_table(s.seq_id).block_ids for s in req.seqs]
+    n_prompt = len(req.prompt_token_ids)
+    full = n_prompt // 16
+    assert full >= 2
+    for t in tables[1:]:
+        assert t[:full] == tables[0][:full], "samples must share the prompt's full blocks"
+    st = engine.kv.stats()
+    assert n_prompt % 16, "the prompt should end in a partial block, to exercise copy-on-write"
+    assert st.blocks_without_sharing == 4 * -(-n_prompt // 16)
+    assert st.used_blocks == -(-n_prompt // 16), "four samples, one copy of the prompt"
+    cow_before = st.cow_copies
+    outs = run_to_completion(engine)
+    texts = [c.token_ids for c in outs[0].outputs]
+    assert len(texts) == 4 and len(set(map(tuple, texts))) > 1, "samples should differ"
+    assert engine.kv.stats().cow_copies - cow_before >= 3, "3 of 4 samples copy the shared partial block"
+    # The same seed gives the same four continuations.
+    again = llm_fp32.generate([PROMPT], params, use_tqdm=False)[0]
+    assert [c.token_ids for c in again.outputs] == texts
+    assert engine.kv.pool.num_used == 0
+
+
+def test_seed_reproducible_regardless_of_batch(llm_fp32):
+    p = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, max_tokens=16, ignore_eos=True)
+    alone = llm_fp32.generate([PROMPT], p, use_tqdm=False)[0].outputs[0].token_ids
+    others = SamplingParams(temperature=1.0, max_tokens=8)
+    batch = llm_fp32.generate(["Hello there", PROMPT, "Numbers: 1 2 3"], [others, p, others], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+
+
+def test_stop_conditions(llm_fp32):
+    greedy = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    base = llm_fp32.generate(["1, 2, 3, 4,"], greedy, use_tqdm=False)[0].outputs[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    stop_at = base.text[4:8]
+    out = llm_fp32.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=30, stop=[stop_at]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert stop_at not in out.text and base.text.startswith(out.text)
+    tok = base.token_ids[5]
+    out = llm_fp32.generate(["1, 2, 3, 4,"], SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[tok]),
+                            use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == tok and len(out.token_ids) <= 6
+
+
+def test_chunked_prefill_same_as_whole(llm_fp32):
+    long_prompt = " ".join(f"item {i} costs {i * 3} coins;" for i in range(60))
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    whole = llm_fp32.generate([long_prompt], p, use_tqdm=False)[0]
+    chunked = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=48,
+                  enable_prefix_caching=False)
+    assert len(whole.prompt_token_ids) > 3 * 48
+    out = chunked.generate([long_prompt, "Hi"], p, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == whole.outputs[0].token_ids
+    assert chunked.get_stats().steps > len(whole.prompt_token_ids) // 48
+
+
+def test_reserve_max_same_tokens_more_waste():
+    prompts = [PROMPT, "Hello, my name is", "The weather today"]
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    kw = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
+    paged = LLM(**kw)
+    reserve = LLM(allocation="reserve-max", **kw)
+    a = paged.generate(prompts, p, use_tqdm=False)
+    b = reserve.generate(prompts, p, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
+    sa, sb = paged.get_stats(), reserve.get_stats()
+    assert sb.peak_used_blocks == 3 * 16 and sa.peak_used_blocks <= 8
+    assert sb.peak_waste > 0.7 > sa.peak_waste
+
+
+def test_abort_frees_blocks(llm_fp32):
+    engine = llm_fp32.engine
+    engine.add_request("to-abort", PROMPT, SamplingParams(max_tokens=100, ignore_eos=True))
+    engine.step()
+    engine.step()
+    assert engine.kv.pool.num_used > 0
+    engine.abort_request("to-abort")
+    assert engine.kv.pool.num_used == 0 and not engine.has_unfinished_requests()
+    engine.kv.check_integrity()
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(max_tokens=-1), "max_tokens"),
+    (dict(temperature=-0.5), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(n=0), "n"),
+    (dict(top_k=-3), "top_k"),
+])
+def test_invalid_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_requests_do_not_disturb_others(llm_fp32):
+    engine = llm_fp32.engine
+    good = engine.add_request("good", PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    engine.step()
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("bad1", "", SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("bad2", [], SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("bad3", [5] * 3000, SamplingParams())
+    with pytest.raises(ValueError, match="max_model_len"):
+        engine.add_request("bad4", PROMPT, SamplingParams(max_tokens=5000))
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("bad5", [1, 2, 10**9], SamplingParams())
+    with pytest.raises(ValueError, match="prompt 1"):
+        llm_fp32.generate([PROMPT, ""], SamplingParams(), use_tqdm=False)
+    outs = run_to_completion(engine)
+    assert [o.request_id for o in outs] == ["good"]
+    assert len(outs[0].outputs[0].token_ids) == 12 and good.finished
+    assert engine.kv.pool.num_used == 0
+    engine.kv.check_integrity()
+
+
+def test_request_larger_than_pool_rejected():
+    llm = LLM(dtype="float32", num_gpu_blocks_override=4, max_model_len=512)
+    with pytest.raises(ValueError, match="whole pool"):
+        llm.generate([PROMPT], SamplingParams(max_tokens=100), use_tqdm=False)
+    out = llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) <= 4
+
+
+def test_chat_applies_template(llm_fp32):
+    out = llm_fp32.chat([{"role": "user", "content": "Say hello."}],
+                        SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert "<|im_start|>assistant" in out.prompt and out.outputs[0].text
+    with pytest.raises(ValueError, match="role"):
+        llm_fp32.chat([{"role": "wizard", "content": "x"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages"):
+        llm_fp32.chat([], use_tqdm=False)

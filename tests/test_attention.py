@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention import AttentionMetadata, PrefillSeq, get_backend
+from pagedllm.attention import AttentionMetadata, PrefillSeq, get_backend, length_groups
 
 H, KVH, D = 6, 2, 16
 
@@ -22,7 +22,8 @@ def reference(q, k, v, scale):
 
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_equals_contiguous(block_size, dtype):
+@pytest.mark.parametrize("group", [None, 2])
+def test_paged_equals_contiguous(block_size, dtype, group):
     g = torch.Generator().manual_seed(block_size)
     # (cached prefix, new tokens): decodes, a fresh prefill, prefills over a cached prefix.
     seqs = [(40, 1), (7, 1), (0, 1), (0, 23), (33, 9), (64, 64), (5, 2)]
@@ -40,7 +41,8 @@ def test_paged_equals_contiguous(block_size, dtype):
         for j in range(cached):  # the prefix's KV is already in the pool
             k_cache[table[j // block_size], j % block_size] = full_k[-1][j]
             v_cache[table[j // block_size], j % block_size] = full_v[-1][j]
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i][1] != 1)  # decodes first
+    # Decodes first, shortest context first (the runner's order).
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][1] != 1, sum(seqs[i])))
     qs, ks, vs, slots, prefills, dec_tables, dec_lens = [], [], [], [], [], [], []
     row = 0
     for i in order:
@@ -60,7 +62,8 @@ def test_paged_equals_contiguous(block_size, dtype):
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decodes=len(dec_lens),
         decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-        decode_context_lens=torch.tensor(dec_lens), decode_max_context=max(dec_lens), prefills=prefills)
+        decode_context_lens=torch.tensor(dec_lens), decode_max_context=max(dec_lens), prefills=prefills,
+        decode_groups=[] if group is None else length_groups(dec_lens, group))
     q = torch.cat(qs)
     out = get_backend("torch").forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, D ** -0.5)
     row = 0

@@ -70,4 +70,4 @@ def test_logits_match_hf(hf_model, llm_fp32):
         engine.requests.pop("logits-probe")
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0, -1]
-    torch.testing.assert_close(captured["logits"][0], ref, atol=2e-3, rtol=1e-3)
+    torch.testing.assert_close(captured["logits"][0].float(), ref, atol=2e-3, rtol=1e-3)

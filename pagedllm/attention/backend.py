@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,6 +24,15 @@ class AttentionMetadata:
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     decode_max_context: int
     prefills: list[PrefillSeq]
+    # Decode rows are sorted by context length; these (start, end, max context) groups
+    # let a backend pad each group only to its own longest context.
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def length_groups(sorted_lens: list[int], size: int) -> list[tuple[int, int, int]]:
+    """(start, end, max length) for consecutive groups of `size` ascending lengths."""
+    return [(i, min(i + size, len(sorted_lens)), sorted_lens[min(i + size, len(sorted_lens)) - 1])
+            for i in range(0, len(sorted_lens), size)]
 
 
 class AttentionBackend(ABC):

@@ -15,6 +15,12 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
 
 
+def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Rows of whole blocks, in block-table order. index_select over a 2-D view copies
+    each block as one contiguous row, several times faster on CPU than fancy indexing."""
+    return cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
+
+
 @register
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
@@ -24,23 +30,25 @@ class TorchPagedAttention(AttentionBackend):
         # that hit a prefix block filled in this same step reads it complete.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
-        nd = meta.num_decodes
-        if nd:
-            out[:nd] = self._decode(q[:nd], k_cache, v_cache, meta, scale)
+        for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
+            if end > start:
+                out[start:end] = self._decode(q[start:end], k_cache, v_cache,
+                                              meta.decode_block_tables[start:end],
+                                              meta.decode_context_lens[start:end], max_ctx, scale)
         for p in meta.prefills:
             out[p.q_start:p.q_start + p.q_len] = self._prefill(
                 q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float) -> torch.Tensor:
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        nblk = -(-meta.decode_max_context // bs)
-        tables = meta.decode_block_tables[:, :nblk]
-        keys = k_cache[tables].view(n, nblk * bs, kvh, d).transpose(1, 2)
-        vals = v_cache[tables].view(n, nblk * bs, kvh, d).transpose(1, 2)
+        nblk = -(-max_ctx // bs)
+        tables = tables[:, :nblk]
+        keys = gather_blocks(k_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)
+        vals = gather_blocks(v_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)
         pos = torch.arange(nblk * bs, device=q.device)
-        mask = (pos[None, :] < meta.decode_context_lens[:, None]).view(n, 1, 1, -1)
+        mask = (pos[None, :] < context_lens[:, None]).view(n, 1, 1, -1)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask,
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
@@ -49,8 +57,8 @@ class TorchPagedAttention(AttentionBackend):
     def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float) -> torch.Tensor:
         bs, kvh, d = k_cache.shape[1:]
         ql = q.shape[0]
-        keys = k_cache[table].view(-1, kvh, d)[:ctx].transpose(0, 1)
-        vals = v_cache[table].view(-1, kvh, d)[:ctx].transpose(0, 1)
+        keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx].transpose(0, 1)
+        vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx].transpose(0, 1)
         if ctx == ql:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True,
                                                scale=scale, enable_gqa=True)

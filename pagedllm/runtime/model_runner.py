@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillSeq, get_backend
+from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups
 from ..config import EngineConfig
 from ..engine.scheduler import SchedulerOutput
 from ..kv import KVCacheManager
@@ -19,6 +19,11 @@ from .kv_cache import KVCache
 from .sampler import sample
 
 logger = logging.getLogger(__name__)
+
+# Decode attention runs in groups this size: padding each group only to its own longest
+# context, and keeping a group's K/V within cache, was ~4x faster on a 2-core CPU than
+# one batch of 100 padded to the longest.
+DECODE_GROUP = 24
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -75,8 +80,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[int, int]:
         self.kv_cache.copy_blocks(out.copies)
-        # Single-token queries first: they attend as one padded batch.
-        order = sorted(out.scheduled, key=lambda s: s.num_tokens != 1)
+        # Single-token queries first, shortest context first: they attend in padded
+        # groups of similar length.
+        order = sorted(out.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -107,7 +113,8 @@ class ModelRunner:
             slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_lens),
             decode_block_tables=_pad(decode_tables, dev) if decode_lens else None,
             decode_context_lens=torch.tensor(decode_lens, device=dev) if decode_lens else None,
-            decode_max_context=max(decode_lens, default=0), prefills=prefills)
+            decode_max_context=max(decode_lens, default=0), prefills=prefills,
+            decode_groups=length_groups(decode_lens, DECODE_GROUP))
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_cache.layers, meta)
         if not logit_rows:

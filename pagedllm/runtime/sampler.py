@@ -8,7 +8,8 @@ from ..engine.sequence import Sequence
 
 
 def sample(logits: torch.Tensor, rows: list[list[Sequence]]) -> dict[int, int]:
-    """logits [R, V] float32; rows[i] lists the sequences that sample from row i."""
+    """logits [R, V]; rows[i] lists the sequences that sample from row i. Greedy rows take
+    the argmax in the logits' own dtype (upcasting cannot change it)."""
     out: dict[int, int] = {}
     greedy = logits.argmax(dim=-1).tolist()
     for i, seqs in enumerate(rows):
@@ -22,7 +23,7 @@ def _sample_one(row: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
     if seq.generator is None:
         seq.generator = torch.Generator(device=row.device).manual_seed(seq.seed)
-    row = row / p.temperature
+    row = row.float() / p.temperature
     if p.top_k and p.top_k < row.shape[-1]:
         kth = torch.topk(row, p.top_k).values[-1]
         row = row.masked_fill(row < kth, float("-inf"))

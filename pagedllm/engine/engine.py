@@ -58,10 +58,13 @@ class LLMEngine:
         model_dir = resolve_model_dir(cfg.model)
         self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
         self.tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
-        self.max_model_len = cfg.max_model_len or self.model_cfg.max_position_embeddings
-        if self.max_model_len > self.model_cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.model_cfg.max_position_embeddings}")
+        # Sliding-window attention equals full attention up to the window, and full
+        # attention is what we compute, so a windowed model is capped at its window.
+        limit = min(self.model_cfg.max_position_embeddings, self.model_cfg.sliding_window or 1 << 62)
+        self.max_model_len = cfg.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
+                             "(max_position_embeddings, or its sliding window)")
         self.runner = ModelRunner(cfg, model_dir, self.model_cfg)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)

@@ -24,6 +24,7 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: tuple[int, ...] = field(default=())
+    sliding_window: int | None = None  # attention window, where the model uses one
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -37,6 +38,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", mt == "mistral") else None
         return cls(
             model_type=mt, hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -46,7 +48,8 @@ class ModelConfig:
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", mt == "qwen2"), eos_token_ids=eos)
+            qkv_bias=cfg.get("attention_bias", mt == "qwen2"), eos_token_ids=eos,
+            sliding_window=window)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) * L * d_kv * bytes: the seed's M_KV per token."""

@@ -34,7 +34,7 @@ def run_engine(reqs, args) -> dict:
     st = llm.get_stats()
     return {"engine": "pagedllm", "seconds": dt, "output_tokens": out_tok,
             "output_tok_s": out_tok / dt, "total_tok_s": (out_tok + sum(r.prompt_len for r in reqs)) / dt,
-            "computed_tok_s": (st.prompt_tokens + st.generation_tokens) / dt,
+            "computed_tok_s": (st.computed_prompt_tokens + st.generation_tokens) / dt,
             "peak_kv_usage": st.peak_kv_usage, "prefix_hit_rate": st.prefix_hit_rate, "steps": st.steps}
 
 

@@ -1,4 +1,4 @@
-"""`pagedllm` command line: generate, demo."""
+"""`pagedllm` command line: generate, serve, demo."""
 from __future__ import annotations
 
 import argparse
@@ -62,7 +62,8 @@ def kv_report(stats) -> str:
         f"  prefix cache: {s.prefix_hits}/{s.prefix_queries} prompt tokens hit (H = {s.prefix_hit_rate:.1%})",
         f"  forks {s.forks}, copy-on-write copies {s.cow_copies}, evictions {s.evictions}, "
         f"preemptions {s.preemptions}",
-        f"  tokens: {s.prompt_tokens} prompt computed, {s.generation_tokens} generated, in {s.steps} steps",
+        f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "
+        f"in {s.steps} steps",
     ])
 
 
@@ -110,6 +111,47 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import os
+    from contextlib import asynccontextmanager
+    from pathlib import Path
+
+    import uvicorn
+
+    from .engine.async_engine import AsyncLLMEngine
+    from .engine.engine import LLMEngine
+    from .loader import DEFAULT_MODEL_NAME
+    from .server.api import ServerState, create_app
+
+    keys = list(args.api_key or [])
+    if not keys and os.environ.get("PAGEDLLM_API_KEY"):
+        keys = [k for k in os.environ["PAGEDLLM_API_KEY"].split(",") if k]
+    isolation = args.prefix_cache_isolation or ("per-key" if keys else "none")
+    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else Path(args.model).stem)
+    try:
+        engine = LLMEngine(engine_config(args))
+        async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval)
+        state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(state)
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        yield
+        async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
+
+    app.router.lifespan_context = lifespan
+    logging.getLogger(__name__).info(
+        "serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s)",
+        name, args.host, args.port, len(keys), isolation)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False)
+    uvicorn.Server(config).run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pagedllm", description="PagedLLM: PagedAttention inference engine")
     parser.add_argument("--log-level", default="INFO")
@@ -129,6 +171,20 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--ignore-eos", action="store_true")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2)")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
+    sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
+                    help="per-key (default when keys are set): tenants never share cached blocks")
+    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
+    sv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
+    add_engine_args(sv)
+    sv.set_defaults(func=cmd_serve)
 
     d = sub.add_parser("demo", help="worked examples on the real block manager")
     d.add_argument("name", choices=["library"])

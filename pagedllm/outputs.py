@@ -5,12 +5,20 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float                       # of the chosen token, under the model's raw distribution
+    top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob)
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None = None   # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

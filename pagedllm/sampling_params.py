@@ -16,6 +16,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None   # None: off; k >= 0: the chosen token's logprob and the top k
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -39,6 +40,8 @@ class SamplingParams:
             raise bad("top_k", "an integer >= 0 (or -1 for off)")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+            raise bad("logprobs", "an integer in [0, 20]")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

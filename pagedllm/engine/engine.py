@@ -40,9 +40,10 @@ class EngineStats:
     forks: int
     evictions: int
     preemptions: int
-    num_running: int
-    num_waiting: int
-    prompt_tokens: int
+    num_running: int              # requests with a sequence running
+    num_waiting: int              # requests with a sequence waiting (and none running)
+    prompt_tokens: int            # prompt tokens of requests that started generating
+    computed_prompt_tokens: int   # prefill tokens actually run (cache hits skip, recompute repeats)
     generation_tokens: int
     steps: int
 
@@ -78,6 +79,9 @@ class LLMEngine:
         self.peak_used_blocks = 0
         self.peak_waste = 0.0
         self.prompt_tokens = 0
+        self.computed_prompt_tokens = 0
+        # Streaming callers want every request that moved in a step, not only finished ones.
+        self.stream_outputs = False
         self.generation_tokens = 0
         self.steps = 0
 
@@ -134,10 +138,11 @@ class LLMEngine:
                              f"the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
         return max_tokens
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks now; returns its final output."""
         req = self.requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         for seq in req.seqs:
             if seq.status is SeqStatus.PENDING:
                 seq.status = SeqStatus.FINISHED
@@ -145,22 +150,24 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "abort")
         req.finish_time = time.time()
+        return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; return outputs of the requests that finished."""
+        """Run one scheduled batch; return outputs of the requests that finished (or, with
+        stream_outputs, of every request that got a token)."""
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled = self.runner.execute(out, self.kv)
+        sampled, logprobs = self.runner.execute(out, self.kv)
         self.steps += 1
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used
             self.peak_waste = self.kv.stats().waste
-        self.prompt_tokens += out.num_prefill_tokens
+        self.computed_prompt_tokens += out.num_prefill_tokens
         now = time.time()
         touched: dict[str, Request] = {}
         for seq, token in self.scheduler.update(out, sampled):
@@ -169,15 +176,19 @@ class LLMEngine:
             req = seq.request
             if req.first_token_time is None:
                 req.first_token_time = now
+                self.prompt_tokens += len(req.prompt_token_ids)
+            if seq.seq_id in logprobs:
+                seq.logprobs.append(logprobs[seq.seq_id])
             self._check_stop(seq, token)
             touched[req.request_id] = req
-        finished = []
+        outputs = []
         for req in touched.values():
             if req.finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)
-                finished.append(self.make_output(req))
-        return finished
+            if req.finished or self.stream_outputs:
+                outputs.append(self.make_output(req))
+        return outputs
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -204,7 +215,8 @@ class LLMEngine:
             ids = seq.output_token_ids
             text = seq.text if (seq.params.stop and seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)) \
                 else self.tokenizer.decode(ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason))
+            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
+                                         list(seq.logprobs) if seq.params.logprobs is not None else None))
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
@@ -221,5 +233,7 @@ class LLMEngine:
             waste=kv.waste, peak_waste=self.peak_waste, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
             prefix_hit_rate=kv.hit_rate, cow_copies=kv.cow_copies, forks=kv.forks,
             evictions=kv.evictions, preemptions=self.scheduler.num_preemptions,
-            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
-            prompt_tokens=self.prompt_tokens, generation_tokens=self.generation_tokens, steps=self.steps)
+            num_running=len({s.request.request_id for s in self.scheduler.running}),
+            num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
+            prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
+            generation_tokens=self.generation_tokens, steps=self.steps)

@@ -29,6 +29,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""                # detokenized output, kept current only when stop strings need it
     generator: Any = None         # the sampler's per-sequence RNG, made on first use
+    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, if asked
 
     @property
     def output_token_ids(self) -> list[int]:

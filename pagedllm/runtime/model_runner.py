@@ -78,7 +78,7 @@ class ModelRunner:
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> dict[int, int]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict]:
         self.kv_cache.copy_blocks(out.copies)
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
@@ -118,7 +118,7 @@ class ModelRunner:
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_cache.layers, meta)
         if not logit_rows:
-            return {}
+            return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
         return sample(logits, sample_rows)
 

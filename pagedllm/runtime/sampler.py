@@ -5,18 +5,28 @@ from __future__ import annotations
 import torch
 
 from ..engine.sequence import Sequence
+from ..outputs import TokenLogprob
 
 
-def sample(logits: torch.Tensor, rows: list[list[Sequence]]) -> dict[int, int]:
+def sample(logits: torch.Tensor, rows: list[list[Sequence]]) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
     """logits [R, V]; rows[i] lists the sequences that sample from row i. Greedy rows take
     the argmax in the logits' own dtype (upcasting cannot change it)."""
     out: dict[int, int] = {}
+    logprobs: dict[int, TokenLogprob] = {}
     greedy = logits.argmax(dim=-1).tolist()
     for i, seqs in enumerate(rows):
+        row_lp = None
         for seq in seqs:
             p = seq.params
-            out[seq.seq_id] = greedy[i] if p.greedy else _sample_one(logits[i], seq)
-    return out
+            token = out[seq.seq_id] = greedy[i] if p.greedy else _sample_one(logits[i], seq)
+            if p.logprobs is not None:
+                if row_lp is None:
+                    row_lp = torch.log_softmax(logits[i].float(), dim=-1)
+                top = torch.topk(row_lp, p.logprobs) if p.logprobs else None
+                logprobs[seq.seq_id] = TokenLogprob(
+                    token, float(row_lp[token]),
+                    list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+    return out, logprobs
 
 
 def _sample_one(row: torch.Tensor, seq: Sequence) -> int:

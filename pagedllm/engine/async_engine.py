@@ -1,0 +1,180 @@
+"""A background thread steps the engine; asyncio callers add, abort and stream.
+
+The event loop never waits on a forward pass: it only validates requests and puts
+commands on a queue. The engine thread applies them between steps, runs the step, and
+hands each request's outputs back to the loop that asked.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Sequence as Seq
+
+from ..outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .engine import EngineStats, LLMEngine
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at --max-queue-len: try again later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None, log_interval: float = 10.0) -> None:
+        self.engine = engine
+        engine.stream_outputs = True
+        self.max_queue_len = max_queue_len
+        self.log_interval = log_interval
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        # Two counters, each written by one thread only: queued adds = sent - applied.
+        self._adds_sent = 0
+        self._adds_applied = 0
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self.stats: EngineStats = engine.stats()  # snapshot, republished by the engine thread
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    # -- called from the event loop ------------------------------------------
+    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        """Check a request without touching engine state (safe off the engine thread)."""
+        _, ids = self.engine._tokenize(prompt)
+        self.engine._check_lengths(len(ids), params)
+        return ids
+
+    def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+               cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Queue a request now (raising ValueError, QueueFullError or EngineDeadError at
+        once) and return its stream: the request's output after each step that moved it,
+        the last one finished. Closing the stream early (client gone) aborts the request
+        and frees its blocks. The stream must be iterated or closed."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        ids = self.validate(prompt, params)
+        if self.max_queue_len is not None and \
+                self.stats.num_waiting + self._adds_sent - self._adds_applied >= self.max_queue_len:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue_len} requests); retry later")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._adds_sent += 1
+        self._send(("add", request_id, prompt if isinstance(prompt, str) else ids, params, cache_salt))
+        return self._iterate(request_id, stream)
+
+    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        async for out in self.submit(request_id, prompt, params, cache_salt):
+            yield out
+
+    def abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def _send(self, cmd: tuple) -> None:
+        self._commands.put(cmd)
+        self._wake.set()
+
+    # -- the engine thread ---------------------------------------------------
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, salt = cmd
+                self._adds_applied += 1
+                if rid not in self._streams:
+                    continue  # the client left before it was queued
+                try:
+                    self.engine.add_request(rid, prompt, params, salt)
+                except ValueError as e:
+                    self._deliver(rid, e)
+            else:
+                out = self.engine.abort_request(cmd[1])
+                if out is not None:
+                    self._deliver(cmd[1], out)
+
+    def _run(self) -> None:
+        last_log, last = time.monotonic(), self.engine.stats()
+        try:
+            while not self._stop.is_set():
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self.stats = self.engine.stats()
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+                self.stats = self.engine.stats()
+                if time.monotonic() - last_log >= self.log_interval:
+                    last = self._log_status(last, time.monotonic() - last_log)
+                    last_log = time.monotonic()
+        except BaseException as e:  # a crashed engine must fail its requests, not hang them
+            logger.exception("engine loop died")
+            self.error = e
+            for rid in list(self._streams):
+                self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
+        finally:
+            for rid in list(self.engine.requests):
+                self.engine.abort_request(rid)
+                self._deliver(rid, EngineDeadError("the server is shutting down"))
+
+    def _log_status(self, last: EngineStats, dt: float) -> EngineStats:
+        s = self.stats
+        q, h = s.prefix_queries - last.prefix_queries, s.prefix_hits - last.prefix_hits
+        logger.info("running: %d reqs, waiting: %d reqs, KV usage: %.1f%% (%d cached-free blocks), "
+                    "prefix hit rate: %.1f%%, prompt: %.1f tok/s, generation: %.1f tok/s",
+                    s.num_running, s.num_waiting, 100 * s.kv_usage, s.cached_free_blocks,
+                    100 * h / q if q else 0.0, (s.computed_prompt_tokens - last.computed_prompt_tokens) / dt,
+                    (s.generation_tokens - last.generation_tokens) / dt)
+        return s

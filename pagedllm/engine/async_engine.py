@@ -148,16 +148,17 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self.stats = self.engine.stats()
+                if self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        self._deliver(out.request_id, out)
+                else:
                     self._wake.wait(0.5)
                     self._wake.clear()
-                    continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
                 self.stats = self.engine.stats()
                 if time.monotonic() - last_log >= self.log_interval:
-                    last = self._log_status(last, time.monotonic() - last_log)
+                    # One line per interval while there is anything to report.
+                    if self.stats.steps != last.steps or self.stats.num_running or self.stats.num_waiting:
+                        last = self._log_status(last, time.monotonic() - last_log)
                     last_log = time.monotonic()
         except BaseException as e:  # a crashed engine must fail its requests, not hang them
             logger.exception("engine loop died")

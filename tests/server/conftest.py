@@ -1,0 +1,88 @@
+"""Real `pagedllm serve` processes on 127.0.0.1 with the default model."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class Server:
+    url: str
+    proc: subprocess.Popen
+    log_path: str
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(tmp_path_factory, *extra: str, name: str = "server") -> Server:
+    port = free_port()
+    log_path = str(tmp_path_factory.mktemp(name) / "server.log")
+    args = [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(port), "--dtype", "float32",
+            "--kv-cache-memory", "160MiB", "--max-model-len", "1024", "--log-interval", "2", *extra]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    server = Server(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"server did not come up:\n{server.log()}")
+
+
+def stop_server(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory)
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--api-key", "alice-key", "--api-key", "bob-key", name="keyed")
+    yield s
+    stop_server(s)
+
+
+def metrics(url: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if not sample.labels.get("le"):
+                out[sample.name] = out.get(sample.name, 0.0) + sample.value
+    return out

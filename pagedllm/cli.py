@@ -113,6 +113,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import os
+    import signal
     from contextlib import asynccontextmanager
     from pathlib import Path
 
@@ -148,7 +149,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         name, args.host, args.port, len(keys), isolation)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False)
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
+    # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
     uvicorn.Server(config).run()
+    logging.getLogger(__name__).info("server stopped")
     return 0
 
 

@@ -158,3 +158,37 @@ def test_chat_applies_template(llm_fp32):
         llm_fp32.chat([{"role": "wizard", "content": "x"}], use_tqdm=False)
     with pytest.raises(ValueError, match="messages"):
         llm_fp32.chat([], use_tqdm=False)
+
+
+def test_async_engine_survives_a_failing_step(llm_fp32):
+    """An internal error fails the requests in flight, not the engine."""
+    import asyncio
+
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    engine = llm_fp32.engine
+    aeng = AsyncLLMEngine(engine, log_interval=1000)
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    engine.step = flaky_step
+    try:
+        async def run(rid):
+            outs = [o async for o in aeng.generate(rid, PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))]
+            return outs[-1]
+
+        with pytest.raises(RuntimeError, match="boom"):
+            asyncio.run(run("a"))
+        out = asyncio.run(run("b"))
+        assert out.finished and len(out.outputs[0].token_ids) == 5 and aeng.alive
+        assert engine.kv.pool.num_used == 0
+    finally:
+        engine.step = real_step
+        aeng.shutdown()
+        engine.stream_outputs = False

@@ -149,7 +149,13 @@ class AsyncLLMEngine:
             while not self._stop.is_set():
                 self._apply_commands()
                 if self.engine.has_unfinished_requests():
-                    for out in self.engine.step():
+                    try:
+                        outs = self.engine.step()
+                    except Exception as e:  # fail the requests in flight, keep serving
+                        logger.exception("engine step failed; aborting the requests in flight")
+                        self._fail_all(RuntimeError(f"internal error in the engine step: {type(e).__name__}: {e}"))
+                        continue
+                    for out in outs:
                         self._deliver(out.request_id, out)
                 else:
                     self._wake.wait(0.5)
@@ -166,9 +172,12 @@ class AsyncLLMEngine:
             for rid in list(self._streams):
                 self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
         finally:
-            for rid in list(self.engine.requests):
-                self.engine.abort_request(rid)
-                self._deliver(rid, EngineDeadError("the server is shutting down"))
+            self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _fail_all(self, error: BaseException) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            self._deliver(rid, error)
 
     def _log_status(self, last: EngineStats, dt: float) -> EngineStats:
         s = self.stats

@@ -1,0 +1,151 @@
+"""Concurrency with disconnects, leak checks, tenant isolation, metrics, shutdown."""
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import pytest
+
+from .conftest import MODEL, metrics, start_server
+
+LONG = ("Our return policy, in full: items may be returned within thirty days with a receipt; opened "
+        "software, gift cards and perishable goods cannot be returned; refunds go to the original card "
+        "within five business days; exchanges are free in store. ")
+
+
+async def stream_chat(client: httpx.AsyncClient, i: int, disconnect_after: int | None) -> dict:
+    body = {"model": MODEL, "stream": True, "max_tokens": 20, "temperature": 0.7, "seed": i,
+            "messages": [{"role": "user", "content": f"Tell me fact number {i} about the ocean."}]}
+    result = {"chunks": 0, "done": False, "finish": None, "disconnected": False}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                result["done"] = True
+                break
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            result["chunks"] += 1
+            if chunk["choices"] and chunk["choices"][0]["finish_reason"]:
+                result["finish"] = chunk["choices"][0]["finish_reason"]
+            if disconnect_after is not None and result["chunks"] >= disconnect_after:
+                result["disconnected"] = True
+                break  # leaving the block closes the connection mid-stream
+    return result
+
+
+def wait_idle(url: str, timeout: float = 60) -> dict:
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(url)
+        if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0 \
+                and m["pagedllm:kv_cache_usage_perc"] == 0:
+            return m
+        if time.time() > deadline:
+            raise AssertionError(f"server not idle: {m}")
+        time.sleep(0.3)
+
+
+def test_64_concurrent_streams_with_disconnects(server):
+    async def run():
+        limits = httpx.Limits(max_connections=100)
+        async with httpx.AsyncClient(base_url=server.url, timeout=240, limits=limits) as c:
+            tasks = [stream_chat(c, i, 3 if i % 4 == 0 else None) for i in range(64)]
+            return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
+
+    before = metrics(server.url)
+    results = asyncio.run(run())
+    for i, r in enumerate(results):
+        if r["disconnected"]:
+            assert not r["done"]
+        else:
+            assert r["done"] and r["finish"] in ("stop", "length"), (i, r)
+    m = wait_idle(server.url)
+    assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
+        m["pagedllm:kv_cache_total_blocks"], "every block is free or cached: no leak"
+    assert m["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0) >= 48
+    assert "running:" in server.log() and "KV usage" in server.log(), "periodic status line"
+
+
+def test_non_streaming_disconnect_aborts(server):
+    body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    m = wait_idle(server.url, timeout=20)  # aborted well before 400 tokens could finish
+    assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
+        m["pagedllm:kv_cache_total_blocks"]
+
+
+def test_metrics_parse_and_move(server):
+    before = metrics(server.url)
+    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 5,
+                                                         "ignore_eos": True}, timeout=60)
+    assert r.status_code == 200
+    after = metrics(server.url)
+    assert after["pagedllm:prefix_cache_queries_total"] >= before["pagedllm:prefix_cache_queries_total"] + 40
+    assert after["pagedllm:generation_tokens_total"] == before["pagedllm:generation_tokens_total"] + 5
+    assert after["pagedllm:prompt_tokens_total"] > before["pagedllm:prompt_tokens_total"]
+    assert after["pagedllm:e2e_request_latency_seconds_count"] == before["pagedllm:e2e_request_latency_seconds_count"] + 1
+    assert after["pagedllm:time_to_first_token_seconds_count"] > before["pagedllm:time_to_first_token_seconds_count"]
+    r2 = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 1},
+                    timeout=60)
+    hits = metrics(server.url)["pagedllm:prefix_cache_hits_total"] - after["pagedllm:prefix_cache_hits_total"]
+    assert hits == r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert metrics(server.url)["pagedllm:kv_cache_cached_free_blocks"] > 0, "idle but the cache is still warm"
+
+
+def test_api_keys_and_tenant_isolation(keyed_server):
+    url = keyed_server.url
+    body = {"model": MODEL, "prompt": LONG + "Summarize it.", "max_tokens": 1}
+
+    def post(key, **extra):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
+
+    assert post(None).status_code == 401
+    assert post("mallory-key").json()["error"]["type"] == "authentication_error"
+    assert httpx.get(url + "/v1/models").status_code == 401
+    cached = lambda r: r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
+    assert cached(post("alice-key")) == 0
+    assert cached(post("bob-key")) == 0, "another tenant's blocks must never be hit"
+    assert cached(post("bob-key", cache_salt="x")) == 0, "a client salt cannot reach another tenant"
+    assert cached(post("alice-key")) > 0
+    assert cached(post("bob-key")) > 0
+
+
+def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
+    srv = start_server(tmp_path_factory, "--max-queue-len", "2", "--max-num-seqs", "1", name="small")
+    try:
+        async def run():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True}
+                rs = await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])
+                return [r.status_code for r in rs], [r.json() for r in rs]
+        codes, bodies = asyncio.run(run())
+        assert 503 in codes and 200 in codes, codes
+        assert all(b["error"]["code"] == 503 for c, b in zip(codes, bodies) if c == 503)
+
+        async def in_flight():
+            async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
+                body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                        "stream": True}
+                text = []
+                async with c.stream("POST", "/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            text.append(json.loads(line[6:])["choices"][0]["text"])
+                            if len(text) == 2:
+                                srv.proc.send_signal(signal.SIGTERM)
+                        if line == "data: [DONE]":
+                            return len(text)
+                return -1
+        assert asyncio.run(in_flight()) >= 30, "the in-flight request finishes during graceful shutdown"
+        assert srv.proc.wait(60) == 0
+    finally:
+        if srv.proc.poll() is None:
+            srv.proc.kill()

@@ -8,14 +8,21 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Iterator
 
 
 @dataclass(frozen=True)
 class BenchRequest:
-    prompt: str
+    prompt: str | list[int]   # text (already chat-templated where the workload is a chat) or token ids
     prompt_len: int
     output_len: int
+
+
+@lru_cache(maxsize=1)
+def records() -> tuple[dict, ...]:
+    """All complete ShareGPT records, parsed once per process."""
+    return tuple(iter_records())
 
 
 def iter_records(text: str | None = None) -> Iterator[dict]:
@@ -47,7 +54,7 @@ def sample_sharegpt(tokenizer, num_prompts: int, seed: int = 0, max_prompt_len: 
     """vLLM's ShareGPT sampling: first human turn as prompt, the reply's token count as
     output length; keep prompt and output >= 4 tokens, prompt <= max_prompt_len,
     prompt + output <= max_total_len. max_output_len caps (not filters) the output."""
-    convs = [r["conversations"] for r in iter_records()
+    convs = [r["conversations"] for r in records()
              if len(r.get("conversations", [])) >= 2 and r["conversations"][0].get("from") == "human"]
     random.Random(seed).shuffle(convs)
     out: list[BenchRequest] = []

@@ -82,6 +82,9 @@ class LLMEngine:
         self.computed_prompt_tokens = 0
         # Streaming callers want every request that moved in a step, not only finished ones.
         self.stream_outputs = False
+        # Benchmarks set this to a list to get one record per step (costs a table walk).
+        self.step_log: list[dict] | None = None
+        self._t0 = time.perf_counter()
         self.generation_tokens = 0
         self.steps = 0
 
@@ -167,6 +170,8 @@ class LLMEngine:
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used
             self.peak_waste = self.kv.stats().waste
+        if self.step_log is not None:
+            self.step_log.append(self._step_record(out))
         self.computed_prompt_tokens += out.num_prefill_tokens
         now = time.time()
         touched: dict[str, Request] = {}
@@ -189,6 +194,14 @@ class LLMEngine:
             if req.finished or self.stream_outputs:
                 outputs.append(self.make_output(req))
         return outputs
+
+    def _step_record(self, out) -> dict:
+        kv = self.kv.stats()
+        return {"t": time.perf_counter() - self._t0, "used_blocks": kv.used_blocks, "usage": kv.usage,
+                "waste": kv.waste, "blocks_without_sharing": kv.blocks_without_sharing,
+                "batch_seqs": len(out.scheduled), "running_seqs": len(self.scheduler.running), "waiting_seqs": len(self.scheduler.waiting),
+                "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
+                "cached_free_blocks": kv.cached_free_blocks}
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

@@ -1,0 +1,1 @@
+"""Memory arithmetic and allocation simulation; no model run, no torch."""

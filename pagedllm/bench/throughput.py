@@ -1,0 +1,67 @@
+"""`pagedllm bench throughput`: offline throughput of this engine on a workload."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict
+
+from ..sampling_params import SamplingParams
+from .sharegpt import BenchRequest
+
+
+def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temperature: float = 0.0,
+               use_tqdm: bool = True, label: str = "pagedllm") -> dict:
+    """Generate every request (ignore_eos, max_tokens = its output length) in one batch;
+    return throughput, the engine's counters and a per-step KV record."""
+    from ..engine import LLM
+
+    llm = LLM(**engine_kwargs)
+    llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+    llm.reset_prefix_cache()
+    engine = llm.engine
+    start = engine.stats()
+    engine.step_log = []
+    params = [SamplingParams(n=n, temperature=temperature, seed=i if temperature else None,
+                             max_tokens=r.output_len, ignore_eos=True) for i, r in enumerate(reqs)]
+    t0 = time.perf_counter()
+    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=use_tqdm)
+    dt = time.perf_counter() - t0
+    st = engine.stats()
+    steps, engine.step_log = engine.step_log, None
+    out_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
+    prompt_tok = sum(len(o.prompt_token_ids) for o in outs)
+    hits, queries = st.prefix_hits - start.prefix_hits, st.prefix_queries - start.prefix_queries
+    return {
+        "engine": label, "config": {k: v for k, v in engine_kwargs.items()}, "n": n,
+        "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
+        "output_tokens": out_tok, "prompt_tokens": prompt_tok,
+        "output_tok_s": out_tok / dt, "total_tok_s": (out_tok + prompt_tok) / dt,
+        "computed_tok_s": (st.computed_prompt_tokens - start.computed_prompt_tokens
+                           + st.generation_tokens - start.generation_tokens) / dt,
+        "max_concurrent_seqs": max((s["batch_seqs"] for s in steps), default=0),
+        "mean_batch_seqs": sum(s["batch_seqs"] for s in steps) / max(1, len(steps)),
+        "peak_kv_usage": max((s["usage"] for s in steps), default=0.0),
+        "mean_kv_usage": sum(s["usage"] for s in steps) / max(1, len(steps)),
+        "mean_waste": sum(s["waste"] for s in steps) / max(1, len(steps)),
+        "prefix_hit_rate": hits / queries if queries else 0.0,
+        "prefix_hits": hits, "prefix_queries": queries,
+        "max_blocks_saved_by_sharing": max((s["blocks_without_sharing"] - s["used_blocks"] for s in steps), default=0),
+        "bytes_per_block": st.bytes_per_token * st.block_size,
+        "stats": st.as_dict(), "steps": steps,
+    }
+
+
+def print_throughput(r: dict) -> None:
+    print(f"Throughput: {r['requests_per_s']:.2f} requests/s, {r['total_tok_s']:.2f} total tokens/s, "
+          f"{r['output_tok_s']:.2f} output tokens/s")
+    print(f"  {r['num_requests']} requests, {r['prompt_tokens']} prompt + {r['output_tokens']} output tokens in "
+          f"{r['elapsed_s']:.1f} s; max {r['max_concurrent_seqs']} concurrent sequences; "
+          f"KV usage peak {r['peak_kv_usage']:.1%}, mean waste {r['mean_waste']:.1%}; "
+          f"prefix hit rate {r['prefix_hit_rate']:.1%}")
+
+
+def save(result: dict | list, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))

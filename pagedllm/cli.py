@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("name", choices=["library"])
     d.set_defaults(func=cmd_demo)
 
+    from .bench.cli import add_parsers
+
+    add_parsers(sub, add_engine_args, engine_config)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -1,0 +1,154 @@
+"""The engines people would otherwise pick, on the same model and workload:
+HF transformers `generate` (static batches, padding, contiguous KV) and llama.cpp
+(llama-cpp-python, an optional extra: its high-level API one request at a time, and
+multi-sequence batched decode through the low-level llama_batch API)."""
+from __future__ import annotations
+
+import ctypes
+import time
+
+from .sharegpt import BenchRequest
+
+
+def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int) -> dict:
+    """Static batches in arrival order, left padding; each batch runs to its longest
+    output. Only each request's own output tokens are credited."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    t0 = time.perf_counter()
+    for i in range(0, len(reqs), batch_size):
+        chunk = reqs[i:i + batch_size]
+        ids = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt, add_special_tokens=False)
+               for r in chunk]
+        width = max(map(len, ids))
+        input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+        new = max(r.output_len for r in chunk)
+        with torch.inference_mode():
+            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=False, pad_token_id=pad)
+    dt = time.perf_counter() - t0
+    return _result(f"hf-transformers bs={batch_size}", reqs, dt, batch_size=batch_size, dtype=dtype)
+
+
+def llama_cpp_available() -> str | None:
+    """None if llama-cpp-python imports, else why not (for a clean skip)."""
+    try:
+        import llama_cpp  # noqa: F401
+    except Exception as e:  # ImportError, or a broken native build
+        return f"llama-cpp-python is not installed ({type(e).__name__}: {e}); pip install '.[llamacpp]'"
+    return None
+
+
+def _llama(gguf: str, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512, threads: int | None = None):
+    import os
+
+    from llama_cpp import Llama
+
+    kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads or os.cpu_count(),
+              verbose=False)
+    if n_seq_max > 1:
+        kw["n_seq_max"] = n_seq_max
+    return Llama(**kw)
+
+
+def _tokens(llm, r: BenchRequest) -> list[int]:
+    if isinstance(r.prompt, list):
+        return list(r.prompt)
+    return llm.tokenize(r.prompt.encode(), add_bos=False, special=True)
+
+
+def llama_cpp_sequential(reqs: list[BenchRequest], gguf: str) -> dict:
+    """High-level API, one request at a time (what llama.cpp's simple server loop does)."""
+    max_len = max(r.prompt_len + r.output_len for r in reqs) + 8
+    llm = _llama(gguf, n_ctx=max_len)
+    t0 = time.perf_counter()
+    for r in reqs:
+        llm.reset()
+        n = 0
+        for _ in llm.generate(_tokens(llm, r), temp=0.0, reset=True):
+            n += 1  # ignore_eos: the generator runs until we stop it
+            if n >= r.output_len:
+                break
+    return _result("llama.cpp high-level, sequential", reqs, time.perf_counter() - t0, quant="Q4_1 GGUF")
+
+
+def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64) -> dict:
+    """Multi-sequence decode with llama_batch: waves of `batch_size` sequences, each
+    prefilled then decoded one token per live sequence per llama_decode call, greedy."""
+    import llama_cpp as lc
+    import numpy as np
+
+    wave_ctx = max(sum(r.prompt_len + r.output_len for r in reqs[i:i + batch_size])
+                   for i in range(0, len(reqs), batch_size)) + 64
+    llm = _llama(gguf, n_ctx=wave_ctx, n_seq_max=batch_size)
+    ctx = llm.ctx
+    n_vocab = lc.llama_n_vocab(lc.llama_model_get_vocab(llm.model)) if hasattr(lc, "llama_model_get_vocab") \
+        else llm.n_vocab()
+    batch = lc.llama_batch_init(max(512, batch_size), 0, batch_size)
+
+    def decode(items: list[tuple[int, int, int, bool]]) -> None:
+        """items: (token, pos, seq, want_logits), at most 512 of them."""
+        batch.n_tokens = len(items)
+        for j, (t, p, s, want) in enumerate(items):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, p, 1
+            batch.seq_id[j][0] = s
+            batch.logits[j] = want
+        if lc.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed (context too small?)")
+
+    def argmax(i: int) -> int:
+        ptr = lc.llama_get_logits_ith(ctx, i)
+        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
+                                                   shape=(n_vocab,))))
+
+    t0 = time.perf_counter()
+    try:
+        for w in range(0, len(reqs), batch_size):
+            wave = reqs[w:w + batch_size]
+            _clear_kv(lc, ctx)
+            toks = [_tokens(llm, r) for r in wave]
+            items = [(t, p, s, p == len(tk) - 1) for s, tk in enumerate(toks) for p, t in enumerate(tk)]
+            nxt: dict[int, int] = {}
+            for k in range(0, len(items), 512):  # prefill every prompt of the wave
+                piece = items[k:k + 512]
+                decode(piece)
+                for j, (_, _, s, want) in enumerate(piece):
+                    if want:
+                        nxt[s] = argmax(j)
+            pos = [len(tk) for tk in toks]
+            produced = [1] * len(wave)  # the first token comes from the prefill's logits
+            live = [s for s in range(len(wave)) if produced[s] < wave[s].output_len]
+            while live:  # one token per live sequence per llama_decode
+                decode([(nxt[s], pos[s], s, True) for s in live])
+                for j, s in enumerate(live):
+                    pos[s] += 1
+                    produced[s] += 1
+                    nxt[s] = argmax(j)
+                live = [s for s in live if produced[s] < wave[s].output_len]
+    finally:
+        lc.llama_batch_free(batch)
+    return _result(f"llama.cpp batched llama_batch bs={batch_size}", reqs, time.perf_counter() - t0,
+                   batch_size=batch_size, quant="Q4_1 GGUF")
+
+
+def _clear_kv(lc, ctx) -> None:
+    if hasattr(lc, "llama_memory_clear") and hasattr(lc, "llama_get_memory"):
+        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
+    elif hasattr(lc, "llama_kv_self_clear"):
+        lc.llama_kv_self_clear(ctx)
+    else:
+        lc.llama_kv_cache_clear(ctx)
+
+
+def _result(engine: str, reqs: list[BenchRequest], dt: float, **extra) -> dict:
+    out_tok = sum(r.output_len for r in reqs)
+    prompt_tok = sum(r.prompt_len for r in reqs)
+    return {"engine": engine, "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
+            "output_tokens": out_tok, "prompt_tokens": prompt_tok, "output_tok_s": out_tok / dt,
+            "total_tok_s": (out_tok + prompt_tok) / dt, **extra}

@@ -1,0 +1,236 @@
+"""`pagedllm bench ...`, `pagedllm kv-calc`, `pagedllm simulate`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .workloads import WORKLOADS, WorkloadOptions
+
+
+def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: bool = True) -> None:
+    """seed=False where the engine flags already bring --seed (one seed for both)."""
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    if seed:
+        g.add_argument("--seed", type=int, default=0, help="workload seed")
+    g.add_argument("--max-prompt-len", type=int, default=256, help="sharegpt: skip longer prompts (vLLM: 1024)")
+    g.add_argument("--max-output-len", type=int, default=128, help="cap on every output length")
+    g.add_argument("--input-len", type=int, default=128, help="random")
+    g.add_argument("--output-len", type=int, default=64, help="random, rag-doc-qa")
+    g.add_argument("--range-ratio", type=float, default=0.0, help="random")
+    g.add_argument("--system-tokens", type=int, default=160, help="chat-shared-system")
+    g.add_argument("--doc-tokens", type=int, default=1500, help="rag-doc-qa")
+
+
+def _opts(a: argparse.Namespace) -> WorkloadOptions:
+    return WorkloadOptions(num_prompts=a.num_prompts, seed=a.seed, max_prompt_len=a.max_prompt_len,
+                           max_output_len=a.max_output_len, input_len=a.input_len, output_len=a.output_len,
+                           range_ratio=a.range_ratio, system_tokens=a.system_tokens, doc_tokens=a.doc_tokens)
+
+
+def _tokenizer(model: str | None):
+    from ..loader import load_tokenizer, resolve_model_dir
+
+    return load_tokenizer(resolve_model_dir(model))
+
+
+def _engine_kwargs(a: argparse.Namespace, engine_config) -> dict:
+    cfg = engine_config(a)
+    kw = {k: v for k, v in vars(cfg).items()}
+    kw.pop("model", None)
+    return {"model": a.model, **{k: v for k, v in kw.items() if k not in ("tokenizer", "enforce_eager")}}
+
+
+def add_parsers(sub, add_engine_args, engine_config) -> None:
+    b = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, memory, report")
+    bs = b.add_subparsers(dest="bench_command", required=True)
+
+    t = bs.add_parser("throughput", help="offline throughput of this engine on a workload")
+    _workload_args(t, seed=False)
+    add_engine_args(t)
+    t.add_argument("--n", type=int, default=1)
+    t.add_argument("--out", default="results/throughput.json")
+    t.set_defaults(func=lambda a: _throughput(a, engine_config))
+
+    s = bs.add_parser("serve", help="drive a running server over HTTP")
+    _workload_args(s)
+    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--model", default=None, help="tokenizer source for the workload (default model)")
+    s.add_argument("--served-model-name", default=None, help="model field sent (default: the server's)")
+    s.add_argument("--request-rate", type=float, default=float("inf"))
+    s.add_argument("--max-concurrency", type=int, default=None)
+    s.add_argument("--api-key", default=None)
+    s.add_argument("--label", default=None)
+    s.add_argument("--out", default="results/serve.json")
+    s.set_defaults(func=_serve)
+
+    c = bs.add_parser("compare", help="this engine against HF transformers and llama.cpp, one run")
+    _workload_args(c, seed=False)
+    add_engine_args(c)
+    c.add_argument("--hf-batch-sizes", default="16,32,64")
+    c.add_argument("--llama-batch", type=int, default=64)
+    c.add_argument("--llama-sequential-requests", type=int, default=8)
+    c.add_argument("--skip", default="", help="comma list of pagedllm,hf,llama.cpp")
+    c.add_argument("--out", default="results/compare.json")
+    c.set_defaults(func=lambda a: _compare(a, engine_config))
+
+    m = bs.add_parser("memory", help="the seed's memory analysis on real runs")
+    _workload_args(m, num_prompts=48, seed=False)
+    add_engine_args(m)
+    m.add_argument("--parts", default="reserve,prefix,n,block-size")
+    m.add_argument("--out", default="results/memory.json")
+    m.set_defaults(func=lambda a: _memory(a, engine_config))
+
+    r = bs.add_parser("report", help="Markdown table and PNG plots from result JSON")
+    r.add_argument("results", nargs="+")
+    r.add_argument("--out-dir", default="results/report")
+    r.set_defaults(func=_report)
+
+    k = sub.add_parser("kv-calc", help="KV memory arithmetic for a model")
+    _model_source(k)
+    k.add_argument("--dtype", default="bfloat16")
+    k.add_argument("--seq-len", type=int, default=2048)
+    k.add_argument("--batch", type=int, default=1)
+    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--kv-cache-memory", default=None, help="KV budget (bytes or 4GiB)")
+    k.add_argument("--gpu-memory", default=None, help="device memory (e.g. 40GiB): budget = util * it - weights")
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    k.add_argument("--max-model-len", type=int, default=None)
+    k.set_defaults(func=_kv_calc)
+
+    sim = sub.add_parser("simulate", help="replay a length distribution through the allocator, no model")
+    _model_source(sim)
+    _workload_args(sim, num_prompts=1000)
+    sim.add_argument("--dtype", default="float16")
+    sim.add_argument("--block-size", type=int, default=16)
+    sim.add_argument("--kv-cache-memory", default=None)
+    sim.add_argument("--gpu-memory", default="40GiB")
+    sim.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    sim.add_argument("--max-model-len", type=int, default=2048)
+    sim.add_argument("--max-num-seqs", type=int, default=256)
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.set_defaults(func=_simulate)
+
+
+def _model_source(p) -> None:
+    p.add_argument("--model", default=None, help="GGUF or HF dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--config", default=None, help="an HF config.json instead of a model")
+
+
+def _model_cfg(a):
+    from ..loader import load_config, resolve_model_dir
+    from ..models import ModelConfig
+
+    if a.config:
+        with open(a.config) as f:
+            return ModelConfig.from_hf(json.load(f)), a.config
+    return ModelConfig.from_hf(load_config(resolve_model_dir(a.model))), a.model or "SmolLM2-135M-Instruct"
+
+
+def _throughput(a, engine_config) -> int:
+    from .throughput import print_throughput, run_engine, save
+
+    reqs = _load(a)
+    r = run_engine(reqs, _engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0)
+    r["workload"], r["workload_options"] = a.workload, _opts(a).as_dict()
+    print_throughput(r)
+    save(r, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _load(a):
+    from .workloads import load_workload
+
+    return load_workload(a.workload, _tokenizer(a.model), _opts(a))
+
+
+def _serve(a) -> int:
+    import httpx
+
+    from .serve_client import print_serve, run_serve_bench
+    from .throughput import save
+
+    headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
+    name = a.served_model_name or httpx.get(a.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    r = run_serve_bench(a.base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key)
+    r["label"] = a.label or f"{a.workload} rate={a.request_rate}"
+    r["workload"] = a.workload
+    print_serve(r)
+    save(r, a.out)
+    print(f"wrote {a.out}")
+    return 0 if r["successful_requests"] == r["num_requests"] else 1
+
+
+def _compare(a, engine_config) -> int:
+    from .compare import print_compare, run_compare
+    from .throughput import save
+
+    reqs = _load(a)
+    results = run_compare(reqs, a.workload, _engine_kwargs(a, engine_config),
+                          [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
+                          a.llama_sequential_requests, {x for x in a.skip.split(",") if x})
+    print_compare(results)
+    save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "results": results}, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _memory(a, engine_config) -> int:
+    from .memory import flatten, print_memory, run_memory_analysis
+    from .throughput import save
+
+    res = run_memory_analysis(_tokenizer(a.model), _engine_kwargs(a, engine_config), _opts(a),
+                              {x for x in a.parts.split(",") if x})
+    print_memory(res)
+    res["results"] = flatten(res)
+    save(res, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _report(a) -> int:
+    from .report import write_report
+
+    for p in write_report(a.results, a.out_dir):
+        print(f"wrote {p}")
+    return 0
+
+
+def _kv_calc(a) -> int:
+    from ..analysis.kv_calc import format_calc, kv_calc
+    from ..config import parse_bytes
+
+    cfg, name = _model_cfg(a)
+    c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
+                parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
+                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization)
+    print(format_calc(name, c, a.seq_len, a.batch, a.block_size, a.dtype, a.max_model_len or cfg.max_position_embeddings))
+    return 0
+
+
+def _simulate(a) -> int:
+    from ..analysis.kv_calc import kv_calc
+    from ..analysis.simulator import simulate
+    from ..config import parse_bytes
+
+    cfg, name = _model_cfg(a)
+    c = kv_calc(cfg, a.dtype, block_size=a.block_size,
+                budget_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
+                max_model_len=a.max_model_len, device_bytes=parse_bytes(a.gpu_memory),
+                gpu_memory_utilization=a.gpu_memory_utilization)
+    reqs = [r for r in _load(argparse.Namespace(**{**vars(a), "model": None})) if r.prompt_len + r.output_len <= a.max_model_len]
+    lengths = [(r.prompt_len, r.output_len) for r in reqs]
+    print(f"{name}: {c.num_blocks} blocks of {a.block_size} tokens ({c.budget_bytes / 2**30:.1f} GiB KV, "
+          f"{c.bytes_per_token} bytes/token); {len(lengths)} {a.workload} requests")
+    for policy in ("paged", "reserve-max"):
+        s = simulate(lengths, c.num_blocks, a.block_size, policy, a.max_num_seqs, a.max_num_batched_tokens,
+                     a.max_model_len, a.seed)
+        print(f"  {policy:<12} steps {s.steps:>6}  max batch {s.max_concurrent_seqs:>4}  mean batch "
+              f"{s.mean_batch_seqs:7.1f}  mean usage {s.mean_usage:6.1%}  mean waste {s.mean_waste:6.1%}  "
+              f"preemptions {s.preemptions}")
+    return 0
+
+

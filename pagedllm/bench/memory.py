@@ -1,0 +1,126 @@
+"""`pagedllm bench memory`: the seed's memory-benefit claims, from counters of real runs.
+
+- paged vs reserve-max under one KV budget: waste, utilization, concurrency, throughput;
+- prefix sharing on chat / RAG / eval: hit rate H, and blocks saved against
+  M_saved = N_p * B * bytes * (R - 1);
+- parallel sampling n > 1: blocks saved by sharing the prompt;
+- block size sweep: waste against throughput.
+"""
+from __future__ import annotations
+
+import logging
+
+from .throughput import run_engine
+from .workloads import WorkloadOptions, load_workload
+
+logger = logging.getLogger(__name__)
+
+
+def _common_prefix_len(tok, reqs) -> int:
+    ids = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt, add_special_tokens=False) for r in reqs]
+    n = min(map(len, ids))
+    for i in range(n):
+        if any(x[i] != ids[0][i] for x in ids):
+            return i
+    return n
+
+
+def _slim(r: dict) -> dict:
+    return {k: v for k, v in r.items() if k != "steps"}
+
+
+def paged_vs_reserve(tok, kw: dict, opts: WorkloadOptions) -> dict:
+    reqs = load_workload("sharegpt", tok, opts)
+    base = {**kw, "enable_prefix_caching": False}
+    paged = run_engine(reqs, base, label="paged")
+    reserve = run_engine(reqs, {**base, "allocation": "reserve-max"}, label="reserve-max")
+    paged["workload"] = reserve["workload"] = "sharegpt"
+    return {"paged": paged, "reserve_max": reserve,
+            "concurrency_ratio": paged["max_concurrent_seqs"] / max(1, reserve["max_concurrent_seqs"]),
+            "throughput_ratio": paged["output_tok_s"] / reserve["output_tok_s"]}
+
+
+def prefix_sharing(tok, kw: dict, opts: WorkloadOptions, workloads=("chat-shared-system", "rag-doc-qa", "batch-eval")) -> list[dict]:
+    out = []
+    for w in workloads:
+        reqs = load_workload(w, tok, opts)
+        r = run_engine(reqs, {**kw, "enable_prefix_caching": True}, label=f"paged + prefix cache ({w})")
+        r["workload"] = w
+        B = kw.get("block_size", 16)
+        n_p = _common_prefix_len(tok, reqs) // B
+        best = max(r["steps"], key=lambda s: s["blocks_without_sharing"] - s["used_blocks"])
+        saved = best["blocks_without_sharing"] - best["used_blocks"]
+        R = best["running_seqs"]
+        r.update({"shared_prefix_blocks": n_p, "sharing_requests_at_peak": R,
+                  "measured_saved_blocks": saved, "formula_saved_blocks": n_p * max(0, R - 1),
+                  "measured_saved_bytes": saved * r["bytes_per_block"],
+                  "formula_saved_bytes": n_p * max(0, R - 1) * r["bytes_per_block"]})
+        out.append(r)
+    return out
+
+
+def parallel_sampling(tok, kw: dict, opts: WorkloadOptions, n: int = 4) -> dict:
+    reqs = load_workload("sharegpt", tok, opts)
+    r = run_engine(reqs, {**kw, "enable_prefix_caching": False}, n=n, temperature=0.8, label=f"paged n={n}")
+    r["workload"] = "sharegpt"
+    fracs = [1 - s["used_blocks"] / s["blocks_without_sharing"] for s in r["steps"] if s["blocks_without_sharing"]]
+    r["mean_blocks_saved_frac"] = sum(fracs) / max(1, len(fracs))
+    r["max_blocks_saved_frac"] = max(fracs, default=0.0)
+    return r
+
+
+def block_size_sweep(tok, kw: dict, opts: WorkloadOptions, sizes=(1, 8, 16, 32, 64, 128)) -> list[dict]:
+    reqs = load_workload("sharegpt", tok, opts)
+    out = []
+    for b in sizes:
+        r = run_engine(reqs, {**kw, "block_size": b, "enable_prefix_caching": False}, label=f"block size {b}")
+        r["workload"], r["block_size"] = "sharegpt", b
+        out.append(r)
+    return out
+
+
+def run_memory_analysis(tok, kw: dict, opts: WorkloadOptions, parts: set[str]) -> dict:
+    res: dict = {"options": opts.as_dict(), "engine": kw}
+    if "reserve" in parts:
+        res["paged_vs_reserve"] = paged_vs_reserve(tok, kw, opts)
+    if "prefix" in parts:
+        res["prefix_sharing"] = prefix_sharing(tok, kw, opts)
+    if "n" in parts:
+        res["parallel_sampling"] = parallel_sampling(tok, kw, opts)
+    if "block-size" in parts:
+        res["block_size_sweep"] = block_size_sweep(tok, kw, opts)
+    return res
+
+
+def flatten(res: dict) -> list[dict]:
+    """The runs inside a memory-analysis result, for the report."""
+    runs = []
+    pv = res.get("paged_vs_reserve")
+    if pv:
+        runs += [pv["paged"], pv["reserve_max"]]
+    runs += res.get("prefix_sharing", [])
+    if res.get("parallel_sampling"):
+        runs.append(res["parallel_sampling"])
+    runs += res.get("block_size_sweep", [])
+    return runs
+
+
+def print_memory(res: dict) -> None:
+    pv = res.get("paged_vs_reserve")
+    if pv:
+        print("Paged vs reserve-max (same KV budget, sharegpt):")
+        for r in (pv["paged"], pv["reserve_max"]):
+            print(f"  {r['engine']:<12} max concurrent {r['max_concurrent_seqs']:>4}  mean waste {r['mean_waste']:6.1%}  "
+                  f"peak usage {r['peak_kv_usage']:6.1%}  {r['output_tok_s']:7.1f} output tok/s")
+        print(f"  concurrency x{pv['concurrency_ratio']:.1f}, throughput x{pv['throughput_ratio']:.2f}")
+    for r in res.get("prefix_sharing", []):
+        print(f"Prefix sharing, {r['workload']}: H = {r['prefix_hit_rate']:.1%}; at peak {r['sharing_requests_at_peak']} "
+              f"requests share {r['shared_prefix_blocks']} prefix blocks: saved {r['measured_saved_blocks']} blocks "
+              f"({r['measured_saved_bytes'] / 2**20:.1f} MiB) vs formula N_p*(R-1) = {r['formula_saved_blocks']} "
+              f"({r['formula_saved_bytes'] / 2**20:.1f} MiB)")
+    ps = res.get("parallel_sampling")
+    if ps:
+        print(f"Parallel sampling n={ps['n']}: blocks saved by sharing, mean {ps['mean_blocks_saved_frac']:.1%}, "
+              f"max {ps['max_blocks_saved_frac']:.1%}")
+    for r in res.get("block_size_sweep", []):
+        print(f"Block size {r['block_size']:>3}: mean waste {r['mean_waste']:6.1%}, {r['output_tok_s']:7.1f} output tok/s")

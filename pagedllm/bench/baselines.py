@@ -5,6 +5,7 @@ multi-sequence batched decode through the low-level llama_batch API)."""
 from __future__ import annotations
 
 import ctypes
+import os
 import time
 
 from .sharegpt import BenchRequest
@@ -46,8 +47,6 @@ def llama_cpp_available() -> str | None:
 
 
 def _llama(gguf: str, n_ctx: int, n_seq_max: int = 1, n_batch: int = 512, threads: int | None = None):
-    import os
-
     from llama_cpp import Llama
 
     kw = dict(model_path=str(gguf), n_ctx=n_ctx, n_batch=n_batch, n_threads=threads or os.cpu_count(),
@@ -86,10 +85,17 @@ def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64)
 
     wave_ctx = max(sum(r.prompt_len + r.output_len for r in reqs[i:i + batch_size])
                    for i in range(0, len(reqs), batch_size)) + 64
-    llm = _llama(gguf, n_ctx=wave_ctx, n_seq_max=batch_size)
-    ctx = llm.ctx
-    n_vocab = lc.llama_n_vocab(lc.llama_model_get_vocab(llm.model)) if hasattr(lc, "llama_model_get_vocab") \
-        else llm.n_vocab()
+    llm = _llama(gguf, n_ctx=256)  # the model and its tokenizer; the context is ours
+    params = lc.llama_context_default_params()
+    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = wave_ctx, 512, 512, batch_size
+    params.n_threads = params.n_threads_batch = os.cpu_count() or 1
+    if hasattr(params, "kv_unified"):  # one KV buffer shared by all sequences, as the batched example
+        params.kv_unified = True
+    ctx = lc.llama_init_from_model(llm.model, params)
+    if not ctx:
+        raise RuntimeError("llama.cpp could not create a context")
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm.model)) \
+        if hasattr(lc, "llama_vocab_n_tokens") else llm.n_vocab()
     batch = lc.llama_batch_init(max(512, batch_size), 0, batch_size)
 
     def decode(items: list[tuple[int, int, int, bool]]) -> None:
@@ -133,6 +139,7 @@ def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64)
                 live = [s for s in live if produced[s] < wave[s].output_len]
     finally:
         lc.llama_batch_free(batch)
+        lc.llama_free(ctx)
     return _result(f"llama.cpp batched llama_batch bs={batch_size}", reqs, time.perf_counter() - t0,
                    batch_size=batch_size, quant="Q4_1 GGUF")
 

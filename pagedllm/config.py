@@ -40,7 +40,6 @@ class EngineConfig:
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
     seed: int = 0
-    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

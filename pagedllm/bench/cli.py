@@ -37,10 +37,8 @@ def _tokenizer(model: str | None):
 
 
 def _engine_kwargs(a: argparse.Namespace, engine_config) -> dict:
-    cfg = engine_config(a)
-    kw = {k: v for k, v in vars(cfg).items()}
-    kw.pop("model", None)
-    return {"model": a.model, **{k: v for k, v in kw.items() if k not in ("tokenizer", "enforce_eager")}}
+    """LLM(...) keyword arguments from the engine flags."""
+    return {k: v for k, v in vars(engine_config(a)).items() if k != "tokenizer"}
 
 
 def add_parsers(sub, add_engine_args, engine_config) -> None:

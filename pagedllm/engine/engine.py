@@ -116,7 +116,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False) or self._empty(prompt)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            if not ids:
+                raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
+            return prompt, ids
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
@@ -124,10 +127,6 @@ class LLMEngine:
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
-
-    @staticmethod
-    def _empty(prompt: str) -> list[int]:
-        raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         if prompt_len >= self.max_model_len:

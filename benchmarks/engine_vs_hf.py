@@ -17,43 +17,10 @@ import time
 
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm.bench.baselines import hf_generate
 from pagedllm.bench.sharegpt import sample_sharegpt
+from pagedllm.bench.throughput import run_engine
 from pagedllm.loader import resolve_model_dir
-
-
-def run_engine(reqs, args) -> dict:
-    llm = LLM(dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=2048)
-    params = [SamplingParams(temperature=0, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    llm.generate(["warm up"], SamplingParams(max_tokens=4), use_tqdm=False)
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    out_tok = sum(len(o.outputs[0].token_ids) for o in outs)
-    st = llm.get_stats()
-    return {"engine": "pagedllm", "seconds": dt, "output_tokens": out_tok,
-            "output_tok_s": out_tok / dt, "total_tok_s": (out_tok + sum(r.prompt_len for r in reqs)) / dt,
-            "computed_tok_s": (st.computed_prompt_tokens + st.generation_tokens) / dt,
-            "peak_kv_usage": st.peak_kv_usage, "prefix_hit_rate": st.prefix_hit_rate, "steps": st.steps}
-
-
-def run_hf(reqs, args, batch_size: int, model, tok) -> dict:
-    tok.padding_side = "left"
-    out_tok = 0
-    t0 = time.perf_counter()
-    for i in range(0, len(reqs), batch_size):
-        chunk = reqs[i:i + batch_size]
-        enc = tok([r.prompt for r in chunk], return_tensors="pt", padding=True, add_special_tokens=False)
-        new = max(r.output_len for r in chunk)
-        with torch.inference_mode():
-            model.generate(**enc, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                           pad_token_id=tok.pad_token_id)
-        out_tok += sum(r.output_len for r in chunk)
-    dt = time.perf_counter() - t0
-    return {"engine": f"hf-transformers bs={batch_size}", "batch_size": batch_size, "seconds": dt,
-            "output_tokens": out_tok, "output_tok_s": out_tok / dt,
-            "total_tok_s": (out_tok + sum(r.prompt_len for r in reqs)) / dt}
 
 
 def main() -> None:
@@ -81,13 +48,16 @@ def main() -> None:
           f"+ {sum(r.output_len for r in reqs)} output tokens, ignore_eos, greedy, {args.dtype}")
     dtype = getattr(torch, args.dtype)
 
-    results = [run_engine(reqs, args)]
-    print(f"  pagedllm: {results[0]['output_tok_s']:.1f} output tok/s ({results[0]['seconds']:.1f} s)")
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+    results = [run_engine(reqs, {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                                 "max_num_batched_tokens": args.max_num_batched_tokens, "max_model_len": 2048},
+                          use_tqdm=False)]
+    results[0].pop("steps")
+    print(f"  pagedllm: {results[0]['output_tok_s']:.1f} output tok/s ({results[0]['elapsed_s']:.1f} s)")
     for bs in [int(x) for x in args.hf_batch_sizes.split(",")]:
-        r = run_hf(reqs, args, bs, hf, tok)
+        r = hf_generate(reqs, model_dir, args.dtype, bs)
         results.append(r)
-        print(f"  {r['engine']}: {r['output_tok_s']:.1f} output tok/s ({r['seconds']:.1f} s)")
+        print(f"  {r['engine']}: {r['output_tok_s']:.1f} output tok/s ({r['elapsed_s']:.1f} s)")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
 
     peak = args.matmul_peak_gflops or measure_matmul_gflops(dtype)
     n_params = sum(p.numel() for p in hf.parameters())

@@ -59,10 +59,7 @@ class AsyncLLMEngine:
 
     # -- called from the event loop ------------------------------------------
     def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
-        """Check a request without touching engine state (safe off the engine thread)."""
-        _, ids = self.engine._tokenize(prompt)
-        self.engine._check_lengths(len(ids), params)
-        return ids
+        return self.engine.validate(prompt, params)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -112,6 +112,13 @@ class LLMEngine:
         self.scheduler.add(req.seqs[0])
         return req
 
+    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+        """Token ids of a request that add_request would accept; ValueError otherwise.
+        Reads no mutable engine state, so it is safe to call from another thread."""
+        _, ids = self._tokenize(prompt)
+        self._check_lengths(len(ids), params)
+        return ids
+
     def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:

@@ -35,8 +35,7 @@ class LLM:
         # and leaves nothing half-submitted in the engine.
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                _, ids = self.engine._tokenize(_prompt_value(p))
-                self.engine._check_lengths(len(ids), sp)
+                self.engine.validate(_prompt_value(p), sp)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         ids = [self.engine.add_request(None, _prompt_value(p), sp, cache_salt).request_id

@@ -83,14 +83,16 @@ def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64)
     import llama_cpp as lc
     import numpy as np
 
-    wave_ctx = max(sum(r.prompt_len + r.output_len for r in reqs[i:i + batch_size])
-                   for i in range(0, len(reqs), batch_size)) + 64
+    # Each sequence gets its own slice of the context (kv_unified off), sized for the
+    # longest request: attention then spans a sequence's own cells, not every wave's.
+    per_seq = max(r.prompt_len + r.output_len for r in reqs) + 16
     llm = _llama(gguf, n_ctx=256)  # the model and its tokenizer; the context is ours
     params = lc.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = wave_ctx, 512, 512, batch_size
+    params.n_ctx, params.n_batch, params.n_ubatch = per_seq * batch_size, 512, 512
+    params.n_seq_max = batch_size
     params.n_threads = params.n_threads_batch = os.cpu_count() or 1
-    if hasattr(params, "kv_unified"):  # one KV buffer shared by all sequences, as the batched example
-        params.kv_unified = True
+    if hasattr(params, "kv_unified"):
+        params.kv_unified = False
     ctx = lc.llama_init_from_model(llm.model, params)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")

@@ -17,7 +17,10 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     from ..engine import LLM
 
     llm = LLM(**engine_kwargs)
-    llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+    # Warm up over a spread of batch shapes: oneDNN builds a kernel per matmul shape on first
+    # use, which would otherwise be charged to whichever run comes first.
+    warm = [[(7 * i + j) % 1000 + 1000 for j in range(8 + 4 * i)] for i in range(64)]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     llm.reset_prefix_cache()
     engine = llm.engine
     start = engine.stats()

@@ -76,12 +76,15 @@ def plots(results: list[dict], out_dir: Path) -> list[Path]:
         ax.set_title("Throughput per engine")
         ax.legend(fontsize=7)
         save(fig, "throughput.png")
-    stepped = [r for r in runs if r.get("steps")]
-    if stepped:  # KV utilization over time per allocation policy
+    # KV utilization over time per allocation policy: the policy runs, not the sweeps.
+    stepped = [r for r in runs if r.get("steps") and r.get("n", 1) == 1 and "block size" not in r["engine"]
+               and "prefix cache (" not in r["engine"]]
+    if stepped:
         fig, ax = plt.subplots(figsize=(7, 4))
         for r in stepped:
-            ax.plot([s["t"] for s in r["steps"]], [100 * s["usage"] for s in r["steps"]],
-                    label=f"{r['engine']} ({r.get('workload', '')})")
+            t0 = r["steps"][0]["t"]
+            ax.plot([s["t"] - t0 for s in r["steps"]], [100 * s["usage"] for s in r["steps"]],
+                    label=f"{r['engine']} ({r.get('workload', '')}, {r['stats']['num_blocks']} blocks)")
         ax.set_xlabel("seconds")
         ax.set_ylabel("KV blocks allocated (%)")
         ax.set_title("KV utilization over time")

@@ -192,3 +192,16 @@ def test_async_engine_survives_a_failing_step(llm_fp32):
         engine.step = real_step
         aeng.shutdown()
         engine.stream_outputs = False
+
+
+def test_max_num_seqs_counts_parallel_samples():
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_seqs=4)
+    engine = llm.engine
+    engine.add_request("a", "Hello there", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    engine.add_request("b", "General Kenobi", SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=6, ignore_eos=True))
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak <= 4, "a request's forks count against max_num_seqs"
+    assert engine.kv.pool.num_used == 0

@@ -75,8 +75,13 @@ class Scheduler:
             i += 1
 
         # Then admit waiting ones, unless this step had to preempt (no room to spare).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+        # Samples of n > 1 join at fork time; they count against max_num_seqs from admission.
+        seats = len(self.running) + sum(self._pending_forks(s) for s in self.running) if self.waiting else 0
+        while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
+            need = 1 + self._pending_forks(seq)
+            if seats + need > self.max_num_seqs and self.running:
+                break
             salt = seq.request.cache_salt
             hit = self.kv.lookup_prefix(seq.token_ids, salt)
             cached = len(hit) * self.kv.block_size
@@ -85,6 +90,7 @@ class Scheduler:
             if copies is None:
                 break
             self.waiting.popleft()
+            seats += need
             if seq.num_output_tokens == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = cached
             seq.num_computed_tokens = cached
@@ -94,6 +100,12 @@ class Scheduler:
             self._add_scheduled(out, seq, n)
             budget -= n
         return out
+
+    @staticmethod
+    def _pending_forks(seq: Sequence) -> int:
+        if seq.index != 0 or seq.num_output_tokens:
+            return 0
+        return sum(1 for c in seq.request.seqs if c.status is SeqStatus.PENDING)
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, n: int) -> None:

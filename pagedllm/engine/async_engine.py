@@ -101,10 +101,6 @@ class AsyncLLMEngine:
         async for out in self.submit(request_id, prompt, params, cache_salt):
             yield out
 
-    def abort(self, request_id: str) -> None:
-        self._streams.pop(request_id, None)
-        self._send(("abort", request_id))
-
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -152,12 +148,15 @@ class AsyncLLMEngine:
                         logger.exception("engine step failed; aborting the requests in flight")
                         self._fail_all(RuntimeError(f"internal error in the engine step: {type(e).__name__}: {e}"))
                         continue
+                    # Publish the counters before the outputs: a client that has its answer
+                    # must find it counted in /metrics.
+                    self.stats = self.engine.stats()
                     for out in outs:
                         self._deliver(out.request_id, out)
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()
-                self.stats = self.engine.stats()
+                    self.stats = self.engine.stats()
                 if time.monotonic() - last_log >= self.log_interval:
                     # One line per interval while there is anything to report.
                     if self.stats.steps != last.steps or self.stats.num_running or self.stats.num_waiting:

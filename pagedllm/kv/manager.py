@@ -195,9 +195,6 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> BlockTable:
         return self.tables[seq_id]
 
-    def num_tokens(self, seq_id: int) -> int:
-        return self.tables[seq_id].num_tokens
-
     def can_ever_fit(self, num_tokens: int) -> bool:
         need = self.reserve_blocks if self.policy == "reserve-max" else -(-num_tokens // self.block_size)
         return need <= self.pool.num_blocks

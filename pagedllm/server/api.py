@@ -273,15 +273,12 @@ class _Response:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
-    def _finish(self, out: RequestOutput) -> None:
-        self.state.metrics.observe(out)
-
     async def collect(self, merged) -> dict:
         finals: dict[int, RequestOutput] = {}
         async for i, out in merged:
             if out.finished:
                 finals[i] = out
-                self._finish(out)
+                self.state.metrics.observe(out)
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
@@ -307,7 +304,7 @@ class _Response:
             async for i, out in merged:
                 if out.finished:
                     finals[i] = out
-                    self._finish(out)
+                    self.state.metrics.observe(out)
                 for c in out.outputs:
                     idx = self._index(i, c)
                     done = c.finish_reason is not None

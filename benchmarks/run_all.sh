@@ -8,6 +8,9 @@ mkdir -p $R
 # 1. Offline throughput on ShareGPT against HF transformers and llama.cpp (needs the llamacpp extra).
 pagedllm bench compare --workload sharegpt --num-prompts 100 --max-model-len 2048 \
   --hf-batch-sizes 32,64 --llama-batch 64 --llama-sequential-requests 8 --out $R/compare_sharegpt.json
+# ...and llama.cpp again with the continuous-batching harness (HF skipped: it is slow and unchanged).
+pagedllm bench compare --workload sharegpt --num-prompts 100 --max-model-len 2048 --skip hf \
+  --llama-batch 64 --llama-sequential-requests 8 --out $R/compare_sharegpt_llamacpp.json
 
 # 2. The seed's memory analysis: paged vs reserve-max, prefix sharing, n > 1, block sizes.
 pagedllm bench memory --num-prompts 48 --max-output-len 64 --kv-cache-memory 256MiB --max-model-len 2048 \

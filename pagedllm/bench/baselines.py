@@ -81,30 +81,37 @@ def llama_cpp_sequential(reqs: list[BenchRequest], gguf: str) -> dict:
 
 
 def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64) -> dict:
-    """Multi-sequence decode with llama_batch: waves of `batch_size` sequences, each
-    prefilled then decoded one token per live sequence per llama_decode call, greedy."""
+    """Continuous batching over `batch_size` llama.cpp sequence slots, as llama-server
+    does with --parallel: every llama_decode call carries one token per live slot plus
+    the prompts of requests just admitted into free slots; a finished slot's KV is
+    dropped and the next request takes it. Greedy."""
     import llama_cpp as lc
     import numpy as np
 
-    # Each sequence gets its own slice of the context (kv_unified off), sized for the
-    # longest request: attention then spans a sequence's own cells, not every wave's.
+    # Each slot gets its own slice of the context (kv_unified off), sized for the
+    # longest request: attention then spans a sequence's own cells, not every slot's.
     per_seq = max(r.prompt_len + r.output_len for r in reqs) + 16
+    n_batch = max(512, batch_size + max(r.prompt_len for r in reqs))
     llm = _llama(gguf, n_ctx=256)  # the model and its tokenizer; the context is ours
     params = lc.llama_context_default_params()
-    params.n_ctx, params.n_batch, params.n_ubatch = per_seq * batch_size, 512, 512
+    params.n_ctx, params.n_batch, params.n_ubatch = per_seq * batch_size, n_batch, 512
     params.n_seq_max = batch_size
     params.n_threads = params.n_threads_batch = os.cpu_count() or 1
     if hasattr(params, "kv_unified"):
         params.kv_unified = False
+    if hasattr(params, "flash_attn_type"):  # measured here: ~10 % faster decode than off or auto
+        params.flash_attn_type = 1
     ctx = lc.llama_init_from_model(llm.model, params)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context")
-    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm.model)) \
-        if hasattr(lc, "llama_vocab_n_tokens") else llm.n_vocab()
-    batch = lc.llama_batch_init(max(512, batch_size), 0, batch_size)
+    mem = lc.llama_get_memory(ctx)
+    n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(llm.model))
+    batch = lc.llama_batch_init(n_batch, 0, 1)
+    queue = [(_tokens(llm, r), r.output_len) for r in reqs]
+    queue.reverse()  # pop() from the end takes them in order
 
-    def decode(items: list[tuple[int, int, int, bool]]) -> None:
-        """items: (token, pos, seq, want_logits), at most 512 of them."""
+    def decode(items: list[tuple[int, int, int, bool]]) -> np.ndarray:
+        """items: (token, pos, slot, want_logits); returns the wanted rows' logits."""
         batch.n_tokens = len(items)
         for j, (t, p, s, want) in enumerate(items):
             batch.token[j], batch.pos[j], batch.n_seq_id[j] = t, p, 1
@@ -112,50 +119,37 @@ def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64)
             batch.logits[j] = want
         if lc.llama_decode(ctx, batch) != 0:
             raise RuntimeError("llama_decode failed (context too small?)")
-
-    def argmax(i: int) -> int:
-        ptr = lc.llama_get_logits_ith(ctx, i)
-        return int(np.argmax(np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)),
-                                                   shape=(n_vocab,))))
+        n_out = sum(1 for it in items if it[3])
+        return np.ctypeslib.as_array(lc.llama_get_logits(ctx), shape=(n_out * n_vocab,)).reshape(n_out, n_vocab)
 
     t0 = time.perf_counter()
     try:
-        for w in range(0, len(reqs), batch_size):
-            wave = reqs[w:w + batch_size]
-            _clear_kv(lc, ctx)
-            toks = [_tokens(llm, r) for r in wave]
-            items = [(t, p, s, p == len(tk) - 1) for s, tk in enumerate(toks) for p, t in enumerate(tk)]
-            nxt: dict[int, int] = {}
-            for k in range(0, len(items), 512):  # prefill every prompt of the wave
-                piece = items[k:k + 512]
-                decode(piece)
-                for j, (_, _, s, want) in enumerate(piece):
-                    if want:
-                        nxt[s] = argmax(j)
-            pos = [len(tk) for tk in toks]
-            produced = [1] * len(wave)  # the first token comes from the prefill's logits
-            live = [s for s in range(len(wave)) if produced[s] < wave[s].output_len]
-            while live:  # one token per live sequence per llama_decode
-                decode([(nxt[s], pos[s], s, True) for s in live])
-                for j, s in enumerate(live):
-                    pos[s] += 1
-                    produced[s] += 1
-                    nxt[s] = argmax(j)
-                live = [s for s in live if produced[s] < wave[s].output_len]
+        # slot -> [next token, position, tokens still to produce]; None for a free slot
+        slots: list[list[int] | None] = [None] * batch_size
+        while queue or any(slots):
+            items, order = [], []
+            for s, st in enumerate(slots):
+                if st is not None:
+                    items.append((st[0], st[1], s, True))
+                    order.append(s)
+            for s in range(batch_size):  # admit into free slots while the batch has room
+                if slots[s] is None and queue and len(items) + len(queue[-1][0]) <= n_batch:
+                    toks, out_len = queue.pop()
+                    lc.llama_memory_seq_rm(mem, s, -1, -1)
+                    items += [(t, p, s, p == len(toks) - 1) for p, t in enumerate(toks)]
+                    slots[s] = [0, len(toks) - 1, out_len]
+                    order.append(s)
+            nxt = decode(items).argmax(axis=1)
+            for s, tok in zip(order, nxt.tolist()):
+                st = slots[s]
+                st[0], st[1], st[2] = tok, st[1] + 1, st[2] - 1
+                if st[2] <= 0:
+                    slots[s] = None
     finally:
         lc.llama_batch_free(batch)
         lc.llama_free(ctx)
     return _result(f"llama.cpp batched llama_batch bs={batch_size}", reqs, time.perf_counter() - t0,
                    batch_size=batch_size, quant="Q4_1 GGUF")
-
-
-def _clear_kv(lc, ctx) -> None:
-    if hasattr(lc, "llama_memory_clear") and hasattr(lc, "llama_get_memory"):
-        lc.llama_memory_clear(lc.llama_get_memory(ctx), True)
-    elif hasattr(lc, "llama_kv_self_clear"):
-        lc.llama_kv_self_clear(ctx)
-    else:
-        lc.llama_kv_cache_clear(ctx)
 
 
 def _result(engine: str, reqs: list[BenchRequest], dt: float, **extra) -> dict:

@@ -35,3 +35,7 @@ pagedllm simulate --config benchmarks/configs/llama-13b.json --gpu-memory 40GiB 
 # 5. Tables and plots.
 pagedllm bench report $R/compare_sharegpt.json $R/memory.json $R/serve_chat_enable.json \
   $R/serve_chat_no-enable.json --out-dir $R/report
+
+# 6. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
+python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3 \
+  --out $R/viz_overhead.json

@@ -112,6 +112,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    return _run_server(args, engine_config(args))
+
+
+def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start=None) -> int:
+    """Build the engine and serve it; on_start(state, hub) runs as a task once serving."""
+    import asyncio
     import os
     import signal
     from contextlib import asynccontextmanager
@@ -123,6 +129,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .engine.engine import LLMEngine
     from .loader import DEFAULT_MODEL_NAME
     from .server.api import ServerState, create_app
+    from .viz.hub import VizHub
 
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -130,23 +137,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     isolation = args.prefix_cache_isolation or ("per-key" if keys else "none")
     name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else Path(args.model).stem)
     try:
-        engine = LLMEngine(engine_config(args))
+        engine = LLMEngine(cfg)
         async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval)
+        async_engine.step_delay = step_delay
+        hub = VizHub(engine, wake=async_engine.wake) if args.viz else None
         state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(state)
+    app = create_app(state, hub)
 
     @asynccontextmanager
     async def lifespan(_app):
+        task = asyncio.get_running_loop().create_task(on_start(state, hub)) if on_start else None
         yield
+        if task is not None:
+            task.cancel()
         async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
 
     app.router.lifespan_context = lifespan
     logging.getLogger(__name__).info(
-        "serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s)",
-        name, args.host, args.port, len(keys), isolation)
+        "serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s, visualizer: %s)",
+        name, args.host, args.port, len(keys), isolation,
+        f"http://{args.host}:{args.port}/viz/" if hub else "off")
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False)
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
@@ -155,6 +168,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     uvicorn.Server(config).run()
     logging.getLogger(__name__).info("server stopped")
     return 0
+
+
+def cmd_viz(args: argparse.Namespace) -> int:
+    """Serve the engine with the visualizer and play a scenario on it."""
+    import asyncio
+
+    from .viz.routes import run_scenario
+    from .viz.scenarios import SCENARIOS
+
+    sc = SCENARIOS[args.scenario]
+    cfg = engine_config(args)
+    for field, value in sc.engine.items():  # the scenario's pool size etc., unless given as flags
+        if getattr(args, field, None) == args.engine_defaults.get(field):
+            setattr(cfg, field, value)
+    cfg.__post_init__()
+    base = f"http://{args.host}:{args.port}/viz/"
+    url = f"{base}?trace={sc.name}" if not sc.requests else base
+
+    async def start(state, hub) -> None:
+        print(f"\nPagedLLM visualizer: open {url}\n  scenario {sc.name}: {sc.description}", flush=True)
+        if not sc.requests:
+            print("  (replayed in the page from its trace; the live engine is idle)", flush=True)
+            return
+        if args.wait_for_viewer:
+            print("  it starts when the page connects; run it again from the page or with "
+                  f"POST {base}scenarios/{sc.name}/run", flush=True)
+            while hub.num_subscribers == 0:
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1.0)  # let the page draw its snapshot first
+        await run_scenario(state, sc.name)
+
+    return _run_server(args, cfg, args.step_delay, start)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,18 +223,21 @@ def main(argv: list[str] | None = None) -> int:
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2)")
-    sv.add_argument("--served-model-name", default=None)
-    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
-    sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
-                    help="per-key (default when keys are set): tenants never share cached blocks")
-    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
-    sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
-    sv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
+    add_server_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
+
+    from .viz.scenarios import SCENARIOS
+
+    vz = sub.add_parser("viz", help="serve the engine with the live KV visualizer and play a scenario")
+    vz.add_argument("--scenario", choices=list(SCENARIOS), default="chat")
+    vz.add_argument("--step-delay", type=float, default=0.3, help="seconds the engine waits after each step, "
+                    "so the eye can follow (the page's speed control changes it)")
+    vz.add_argument("--no-wait", dest="wait_for_viewer", action="store_false",
+                    help="start the scenario at once, not when the page connects")
+    add_server_args(vz)
+    add_engine_args(vz)
+    vz.set_defaults(func=cmd_viz, engine_defaults={a.dest: a.default for a in vz._actions})
 
     d = sub.add_parser("demo", help="worked examples on the real block manager")
     d.add_argument("name", choices=["library"])
@@ -201,6 +249,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)
+
+
+def add_server_args(sv: argparse.ArgumentParser) -> None:
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2)")
+    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
+    sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
+                    help="per-key (default when keys are set): tenants never share cached blocks")
+    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
+    sv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
+    sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
+                    help="serve the KV visualizer at /viz/ (it shows every request's text: with API keys it "
+                         "asks for one)")
 
 
 if __name__ == "__main__":

@@ -1,31 +1,56 @@
 """The seed's library example, run on the real KV cache manager (block size 4, 12 blocks)."""
 from __future__ import annotations
 
+from typing import Iterator
+
 from .kv import KVCacheManager
 
 SYS, A, B, C = 0, 1, 2, 3
 NAMES = {SYS: "sys", A: "A", B: "B", C: "C"}
+SYSTEM = [101, 102, 103, 104, 105, 106, 107, 108]  # an 8-token system prompt
+# Words for the token ids, so the visualizer can show what each block holds.
+WORDS = {101: "You", 102: " are", 103: " a", 104: " helpful", 105: " library", 106: " assistant",
+         107: ".", 108: "\n", 201: " Find", 202: " Dune", 203: "?", 301: " Hours", 302: "?",
+         401: " Dune", 501: " Where", 502: " is", 503: " Emma"}
 
 
-def run_library_demo(print_fn=print) -> dict:
-    kv = KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
-    system = [101, 102, 103, 104, 105, 106, 107, 108]           # an 8-token system prompt
-    tokens = {SYS: list(system)}
-    kv.allocate_slots(SYS, system, len(system))                  # 2 blocks
-    copies: list[tuple[int, int]] = []
+def library_kv() -> KVCacheManager:
+    return KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True)
 
+
+def library_steps(kv: KVCacheManager, tokens: dict[int, list[int]],
+                  copies: list[tuple[int, int]]) -> Iterator[tuple[str, dict[int, list[int]]]]:
+    """Run the example one operation at a time; after each, yield what happened and the
+    tokens each sequence gained (`tokens` and `copies` are filled in as it goes)."""
     def extend(seq: int, new: list[int]) -> None:
         tokens[seq] += new
         copies.extend(kv.allocate_slots(seq, tokens[seq], len(tokens[seq])))
 
-    kv.fork(SYS, A); tokens[A] = list(system)
+    tokens[SYS] = list(SYSTEM)
+    kv.allocate_slots(SYS, SYSTEM, len(SYSTEM))                   # 2 blocks
+    yield "the system prompt fills 2 blocks", {SYS: list(SYSTEM)}
+    kv.fork(SYS, A); tokens[A] = list(SYSTEM)
+    yield "reader A shares the system prompt's blocks", {}
     for t in (201, 202, 203):                                    # A generates 3 tokens
         extend(A, [t])
-    kv.fork(SYS, B); tokens[B] = list(system)
+        yield f"A writes {WORDS[t]!r}", {A: [t]}
+    kv.fork(SYS, B); tokens[B] = list(SYSTEM)
+    yield "reader B shares the system prompt's blocks", {}
     for t in (301, 302):                                         # B generates 2 tokens
         extend(B, [t])
+        yield f"B writes {WORDS[t]!r}", {B: [t]}
     kv.fork(A, C, 9); tokens[C] = tokens[A][:9]                  # C branches off A at token 9
+    yield "C branches off A after 9 tokens: A's third block is now shared", {}
     extend(C, [401])                                             # ...and writes: copy-on-write
+    yield "C writes into the shared block: copy-on-write", {C: [401]}
+
+
+def run_library_demo(print_fn=print) -> dict:
+    kv = library_kv()
+    tokens: dict[int, list[int]] = {}
+    copies: list[tuple[int, int]] = []
+    for _ in library_steps(kv, tokens, copies):
+        pass
 
     p = print_fn
     p("PagedLLM library demo: block size 4, 12 physical blocks (the seed's worked example)\n")
@@ -43,7 +68,7 @@ def run_library_demo(print_fn=print) -> dict:
       f"(saved {st.blocks_without_sharing - st.used_blocks})")
 
     # A later request with the same system prompt finds it in the prefix cache.
-    question = system + [501, 502, 503]
+    question = SYSTEM + [501, 502, 503]
     hit = kv.lookup_prefix(question)
     p(f"  a new request with the same system prompt hits {len(hit)} cached blocks {hit} "
       f"({len(hit) * 4} of {len(question)} tokens skip prefill)")

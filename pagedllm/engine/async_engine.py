@@ -35,6 +35,15 @@ class _Stream:
     queue: asyncio.Queue
 
 
+def _settle(fut: asyncio.Future, result, ok: bool) -> None:
+    if fut.done():
+        return
+    if ok:
+        fut.set_result(result)
+    else:
+        fut.set_exception(result)
+
+
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queue_len: int | None = None, log_interval: float = 10.0) -> None:
         self.engine = engine
@@ -48,6 +57,11 @@ class AsyncLLMEngine:
         self._adds_sent = 0
         self._adds_applied = 0
         self._stop = threading.Event()
+        # Stepping controls for watching the engine (the visualizer): pause between steps,
+        # run `_step_budget` steps while paused, sleep `step_delay` s after each step.
+        self.paused = False
+        self._step_budget = 0
+        self.step_delay = 0.0
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()  # snapshot, republished by the engine thread
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
@@ -101,6 +115,31 @@ class AsyncLLMEngine:
         async for out in self.submit(request_id, prompt, params, cache_salt):
             yield out
 
+    def wake(self) -> None:
+        """Have the engine thread look at its inputs now (not after its idle wait)."""
+        self._wake.set()
+
+    def pause(self) -> None:
+        self.paused = True
+
+    def resume(self) -> None:
+        self.paused = False
+        self._wake.set()
+
+    def step_once(self) -> None:
+        """While paused: run exactly one more step (once there is work)."""
+        self._send(("step",))
+
+    async def call(self, fn):
+        """Run fn(engine) on the engine thread between steps and return its result: a
+        consistent read of state the engine thread owns."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        self._send(("call", fn, loop, fut))
+        return await fut
+
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._wake.set()
@@ -131,6 +170,15 @@ class AsyncLLMEngine:
                     self.engine.add_request(rid, prompt, params, salt)
                 except ValueError as e:
                     self._deliver(rid, e)
+            elif cmd[0] == "step":
+                self._step_budget += 1
+            elif cmd[0] == "call":
+                _, fn, loop, fut = cmd
+                try:
+                    result, ok = fn(self.engine), True
+                except Exception as e:  # handed to the caller, like any exception it would raise
+                    result, ok = e, False
+                loop.call_soon_threadsafe(_settle, fut, result, ok)
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
@@ -141,7 +189,10 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                if self.engine.has_unfinished_requests():
+                if self.engine.viz is not None:
+                    self.engine.viz.poll()
+                if self.engine.has_unfinished_requests() and (not self.paused or self._step_budget):
+                    self._step_budget = max(0, self._step_budget - 1)
                     try:
                         outs = self.engine.step()
                     except Exception as e:  # fail the requests in flight, keep serving
@@ -153,6 +204,8 @@ class AsyncLLMEngine:
                     self.stats = self.engine.stats()
                     for out in outs:
                         self._deliver(out.request_id, out)
+                    if self.step_delay:
+                        self._stop.wait(self.step_delay)
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

@@ -5,11 +5,12 @@ import itertools
 import logging
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
 from ..kv import KVCacheManager
-from ..loader import load_config, load_tokenizer, resolve_model_dir
+from ..loader import DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_model_dir
 from ..models import ModelConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
@@ -87,6 +88,10 @@ class LLMEngine:
         self._t0 = time.perf_counter()
         self.generation_tokens = 0
         self.steps = 0
+        self.model_name = DEFAULT_MODEL_NAME if cfg.model is None else Path(cfg.model).stem
+        # The visualizer's hub (pagedllm.viz.hub.VizHub) when one is attached; its hooks
+        # run only while someone watches.
+        self.viz = None
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
@@ -110,6 +115,8 @@ class LLMEngine:
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
+        if self.viz is not None and self.viz.active:
+            self.viz.on_request(req)
         return req
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
@@ -159,6 +166,8 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "abort")
         req.finish_time = time.time()
+        if self.viz is not None and self.viz.active:
+            self.viz.on_abort(req)
         return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -181,7 +190,8 @@ class LLMEngine:
         self.computed_prompt_tokens += out.num_prefill_tokens
         now = time.time()
         touched: dict[str, Request] = {}
-        for seq, token in self.scheduler.update(out, sampled):
+        new_tokens = self.scheduler.update(out, sampled)
+        for seq, token in new_tokens:
             seq.token_ids.append(token)
             self.generation_tokens += 1
             req = seq.request
@@ -192,6 +202,8 @@ class LLMEngine:
                 seq.logprobs.append(logprobs[seq.seq_id])
             self._check_stop(seq, token)
             touched[req.request_id] = req
+        if self.viz is not None and self.viz.active:
+            self.viz.on_step(out, new_tokens)
         outputs = []
         for req in touched.values():
             if req.finished:

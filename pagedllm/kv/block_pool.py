@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -33,6 +34,7 @@ class BlockPool:
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_cached_free = 0
         self.num_evictions = 0
+        self.on_evict: Callable[[int], None] | None = None  # set by whoever watches the pool
 
     # -- queries -------------------------------------------------------------
     @property
@@ -78,6 +80,8 @@ class BlockPool:
         if block.block_hash is not None:
             self._uncache(block)
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block_id)
         block.ref_cnt = 1
 
     def touch(self, block_id: int) -> None:
@@ -102,15 +106,16 @@ class BlockPool:
                 if block.block_hash is not None:
                     self.num_cached_free += 1
 
-    def cache(self, block_id: int, block_hash: int) -> None:
-        """Register a full block under its hash. If another block already holds the
-        same content, keep that one; this block stays an ordinary block."""
+    def cache(self, block_id: int, block_hash: int) -> bool:
+        """Register a full block under its hash; True if it now is. If another block
+        already holds the same content, keep that one; this block stays ordinary."""
         if not self.enable_caching or block_hash in self.cached:
-            return
+            return False
         block = self.blocks[block_id]
         assert block.block_hash is None and block.ref_cnt > 0
         block.block_hash = block_hash
         self.cached[block_hash] = block_id
+        return True
 
     def _uncache(self, block: Block) -> None:
         del self.cached[block.block_hash]

@@ -6,7 +6,7 @@ made here and returned as (src, dst) block pairs for the model runner to copy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .block_pool import BlockPool
 from .block_table import BlockTable
@@ -58,10 +58,18 @@ class KVCacheManager:
                              f"(max_model_len {max_model_len}) but the pool has {num_blocks}")
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.tables: dict[int, BlockTable] = {}
+        # Receives every block-level change as a small dict (see pagedllm.viz.state for
+        # their meaning). None when nobody watches: then emitting costs one test.
+        self.listener: Callable[[dict], None] | None = None
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.cow_copies = 0
         self.forks = 0
+
+    def watch(self, listener: Callable[[dict], None] | None) -> None:
+        """Send every block-level change to `listener` (None: stop)."""
+        self.listener = listener
+        self.pool.on_evict = None if listener is None else (lambda b: listener({"type": "evict", "block": b}))
 
     # -- prefix cache --------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
@@ -122,6 +130,8 @@ class KVCacheManager:
                 if run is None:  # enough free blocks, but not contiguous: external fragmentation
                     return None
                 table.block_ids = run
+                if self.listener is not None:
+                    self.listener({"type": "alloc", "seq": seq_id, "blocks": list(run)})
             else:
                 for b in cached_blocks:
                     self.pool.touch(b)
@@ -129,6 +139,9 @@ class KVCacheManager:
                 if self.enable_prefix_caching:
                     self.prefix_queries += len(token_ids)
                     self.prefix_hits += start
+                if self.listener is not None:
+                    self.listener({"type": "hit", "seq": seq_id, "blocks": list(cached_blocks),
+                                   "tokens": start, "queried": len(token_ids)})
             table.num_tokens = start
             self.tables[seq_id] = table
         elif cow:
@@ -139,9 +152,16 @@ class KVCacheManager:
             table.block_ids[i] = dst
             copies.append((src, dst))
             self.cow_copies += 1
-        if self.policy == "paged":
-            table.block_ids.extend(self.pool.allocate() for _ in range(need_new))
+            if self.listener is not None:
+                self.listener({"type": "cow", "seq": seq_id, "index": i, "src": src, "dst": dst})
+        if self.policy == "paged" and need_new:
+            fresh = [self.pool.allocate() for _ in range(need_new)]
+            table.block_ids.extend(fresh)
+            if self.listener is not None:
+                self.listener({"type": "alloc", "seq": seq_id, "blocks": fresh})
         table.num_tokens = num_tokens
+        if self.listener is not None:
+            self.listener({"type": "fill", "seq": seq_id, "tokens": num_tokens})
         self._cache_full_blocks(table, token_ids)
         return copies
 
@@ -153,7 +173,8 @@ class KVCacheManager:
             parent = table.block_hashes[-1] if table.block_hashes else None
             h = hash_block(parent, token_ids[i * B:(i + 1) * B], table.salt)
             table.block_hashes.append(h)
-            self.pool.cache(table.block_ids[i], h)
+            if self.pool.cache(table.block_ids[i], h) and self.listener is not None:
+                self.listener({"type": "cache", "block": table.block_ids[i]})
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None
              ) -> list[tuple[int, int]] | None:
@@ -183,6 +204,9 @@ class KVCacheManager:
                 self.pool.touch(b)
         self.tables[child_id] = child
         self.forks += 1
+        if self.listener is not None:
+            self.listener({"type": "fork", "parent": parent_id, "seq": child_id, "blocks": list(child.block_ids),
+                           "tokens": n, "shared": self.policy == "paged"})
         return copies
 
     def free(self, seq_id: int) -> None:
@@ -190,6 +214,8 @@ class KVCacheManager:
         table = self.tables.pop(seq_id, None)
         if table is not None:
             self.pool.release(table.block_ids[::-1])
+            if self.listener is not None:
+                self.listener({"type": "free", "seq": seq_id, "blocks": table.block_ids[::-1]})
 
     # -- queries -------------------------------------------------------------
     def block_table(self, seq_id: int) -> BlockTable:
@@ -200,7 +226,10 @@ class KVCacheManager:
         return need <= self.pool.num_blocks
 
     def reset_prefix_cache(self) -> int:
-        return self.pool.reset_cache()
+        dropped = self.pool.reset_cache()
+        if self.listener is not None:
+            self.listener({"type": "reset_cache"})
+        return dropped
 
     def stats(self) -> KVStats:
         B = self.block_size

@@ -107,7 +107,8 @@ class ServerState:
         return req
 
 
-def create_app(state: ServerState) -> FastAPI:
+def create_app(state: ServerState, viz=None) -> FastAPI:
+    """The OpenAI routes, /metrics, and with `viz` (a VizHub) the visualizer at /viz/."""
     app = FastAPI(title="PagedLLM", version=__version__)
     app.state.pagedllm = state
 
@@ -170,6 +171,9 @@ def create_app(state: ServerState) -> FastAPI:
         return await _serve(state, request, req, "chatcmpl", [prompt], params,
                             state.cache_salt(key, req.cache_salt), chat=True)
 
+    if viz is not None:
+        from ..viz.routes import add_viz_routes
+        add_viz_routes(app, state, viz)
     return app
 
 

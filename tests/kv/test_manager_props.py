@@ -8,6 +8,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
+from pagedllm.viz.state import KVReplay
 
 B = 4
 NUM_BLOCKS = 24
@@ -15,10 +16,25 @@ NUM_BLOCKS = 24
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
 
 
+def watched(kv: KVCacheManager) -> KVReplay:
+    replay = KVReplay(kv.pool.num_blocks)
+    kv.watch(replay.apply)
+    return replay
+
+
+def assert_replay_matches(kv: KVCacheManager, replay: KVReplay) -> None:
+    """The event stream alone rebuilds the manager's tables, ref counts and cache marks."""
+    assert replay.refs == [b.ref_cnt for b in kv.pool.blocks]
+    assert replay.hashed == {b.block_id for b in kv.pool.blocks if b.block_hash is not None}
+    assert {s: (t.blocks, t.tokens) for s, t in replay.tables.items()} == \
+        {s: (t.block_ids, t.num_tokens) for s, t in kv.tables.items()}
+
+
 class KVManagerMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True)
+        self.replay = watched(self.kv)
         self.tokens: dict[int, list[int]] = {}  # seq -> tokens it holds KV for
         self.store: dict[int, int] = {}         # slot -> token id whose KV sits there
         self.next_id = 0
@@ -94,6 +110,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert len(cached_free) == pool.num_cached_free
 
     @invariant()
+    def events_rebuild_state(self) -> None:
+        assert_replay_matches(self.kv, self.replay)
+
+    @invariant()
     def tables_cover_tokens(self) -> None:
         for s, toks in self.tokens.items():
             t = self.kv.block_table(s)
@@ -126,6 +146,7 @@ class ReserveMaxMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, B, policy="reserve-max", max_model_len=5 * B)
+        self.replay = watched(self.kv)
         self.live: dict[int, int] = {}
         self.next_id = 0
 
@@ -153,6 +174,7 @@ class ReserveMaxMachine(RuleBasedStateMachine):
     @invariant()
     def integrity(self) -> None:
         self.kv.check_integrity()
+        assert_replay_matches(self.kv, self.replay)
         assert self.kv.pool.num_used == 5 * len(self.live)
 
 

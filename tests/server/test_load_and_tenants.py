@@ -149,3 +149,23 @@ def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
     finally:
         if srv.proc.poll() is None:
             srv.proc.kill()
+
+
+def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_server, server):
+    url = keyed_server.url
+    assert httpx.get(url + "/viz/", timeout=10).status_code == 401, "the page shows every request's text"
+    assert httpx.get(url + "/viz/state", timeout=10).status_code == 401
+    assert httpx.get(url + "/viz/?api_key=alice-key", timeout=10).status_code == 200
+    assert httpx.get(url + "/viz/state", headers={"Authorization": "Bearer bob-key"}, timeout=30).json()["step"] >= 0
+    with httpx.stream("GET", url + "/viz/events?api_key=alice-key", timeout=30) as r:  # SSE starts with a snapshot
+        line = next(x for x in r.iter_lines() if x.startswith("data: "))
+        assert '"kind":"snapshot"' in line
+    bad = [({"action": "explode"}, "action"), ({"action": "delay", "seconds": -1}, "seconds"),
+           ({"action": "delay", "seconds": "slow"}, "seconds")]
+    for body, param in bad:
+        r = httpx.post(server.url + "/viz/control", json=body, timeout=10)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+    r = httpx.post(server.url + "/viz/scenarios/nope/run", timeout=10)
+    assert r.status_code == 404 and "chat" in r.json()["error"]["message"]
+    assert {s["name"] for s in httpx.get(server.url + "/viz/scenarios", timeout=10).json()} >= {
+        "library", "chat", "parallel-n4", "preemption"}

@@ -1,0 +1,207 @@
+"""VizHub: turns a running LLMEngine into a stream of small JSON messages.
+
+Messages (all plain dicts of ints and short strings, never tensors):
+  snapshot  the whole picture: pool (ref counts, cached marks), tables, sequences and
+            their token texts, scheduler queues, figures. Sent first to each subscriber.
+  request   a request was queued: its sequences and prompt token texts.
+  step      one engine step: the KV events it caused (see pagedllm.viz.state), the batch
+            (prefill vs decode tokens per sequence), queues, new token texts, figures.
+  abort     KV events of requests aborted between steps.
+
+Engine-side methods run on the engine's thread. While nobody subscribes or records,
+`active` is False: the engine skips every hook and the KV manager has no listener.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from ..kv import KVCacheManager
+
+if TYPE_CHECKING:
+    from ..engine.engine import LLMEngine
+    from ..engine.scheduler import SchedulerOutput
+    from ..engine.sequence import Request, Sequence
+
+# A subscriber this far behind is dropped rather than let the engine's memory grow.
+MAX_BACKLOG = 20_000
+
+
+@dataclass(eq=False)
+class Subscriber:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    closed: bool = False
+
+
+class VizHub:
+    def __init__(self, engine: LLMEngine, wake: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        engine.viz = self
+        self.wake = wake or (lambda: None)
+        self._lock = threading.Lock()
+        self._subscribers: list[Subscriber] = []
+        self._joining: list[Subscriber] = []
+        self.recording: list[dict] | None = None
+        self.active = False
+        self._kv_events: list[dict] = []
+        self._t0 = time.time()
+
+    # -- subscribers (any thread) ----------------------------------------------
+    def subscribe(self) -> Subscriber:
+        """Call from an event loop; the engine thread sends the snapshot at its next turn."""
+        sub = Subscriber(asyncio.get_running_loop())
+        with self._lock:
+            self._joining.append(sub)
+        self.wake()
+        return sub
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        sub.closed = True
+        self.wake()
+
+    @property
+    def num_subscribers(self) -> int:
+        with self._lock:
+            return len(self._subscribers) + len(self._joining)
+
+    # -- engine thread -----------------------------------------------------------
+    def poll(self) -> None:
+        """Between steps: greet new subscribers with a snapshot, forget closed ones,
+        and switch the engine hooks on or off."""
+        with self._lock:
+            joining, self._joining = self._joining, []
+            self._subscribers = [s for s in self._subscribers if not s.closed]
+        if joining:
+            self._set_active(True)
+            snap = self.snapshot()
+            for sub in joining:
+                if not sub.closed:
+                    self._send(sub, snap)
+            with self._lock:
+                self._subscribers += [s for s in joining if not s.closed]
+        with self._lock:
+            idle = not self._subscribers and not self._joining
+        if idle and self.recording is None:
+            self._set_active(False)
+
+    def start_recording(self) -> None:
+        """Record every message from now on (offline use: same thread as the engine)."""
+        self._set_active(True)
+        self.recording = [self.snapshot()]
+
+    def stop_recording(self) -> list[dict]:
+        trace, self.recording = self.recording or [], None
+        self.poll()
+        return trace
+
+    def _set_active(self, on: bool) -> None:
+        if on != self.active:
+            self.active = on
+            self._kv_events = []
+            self.engine.kv.watch(self._kv_events_append if on else None)
+
+    def _kv_events_append(self, ev: dict) -> None:
+        self._kv_events.append(ev)
+
+    def _publish(self, msg: dict) -> None:
+        if self.recording is not None:
+            self.recording.append(msg)
+        with self._lock:
+            subs = list(self._subscribers)
+        for sub in subs:
+            self._send(sub, msg)
+
+    def _send(self, sub: Subscriber, msg: dict) -> None:
+        if sub.closed:
+            return
+        if sub.queue.qsize() > MAX_BACKLOG:
+            sub.closed = True
+            msg = {"kind": "dropped", "reason": f"more than {MAX_BACKLOG} messages behind"}
+        try:
+            sub.loop.call_soon_threadsafe(sub.queue.put_nowait, msg)
+        except RuntimeError:  # its event loop is gone
+            sub.closed = True
+
+    # -- engine hooks (called only while active) ---------------------------------
+    def on_request(self, req: Request) -> None:
+        self._publish({"kind": "request", "t": self._now(), "req": req.request_id,
+                       "seqs": [s.seq_id for s in req.seqs], "n": len(req.seqs),
+                       "max_tokens": req.max_tokens, "prompt": self._pieces(req.prompt_token_ids)})
+
+    def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]]) -> None:
+        tokens: dict[int, list[str]] = {}
+        for seq, tok in new_tokens:
+            tokens.setdefault(seq.seq_id, []).append(self._piece(tok))
+        kv_events, self._kv_events = self._kv_events, []
+        self._publish({
+            "kind": "step", "t": self._now(), "step": self.engine.steps, "kv": kv_events,
+            "batch": [[s.seq.seq_id, s.start, s.num_tokens] for s in out.scheduled],
+            "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
+            "preempted": [s.seq_id for s in out.preempted], "tokens": tokens,
+            "finished": {s.seq_id: s.finish_reason for s, _ in new_tokens if s.finish_reason},
+            **self._queues(), "figures": self.figures()})
+
+    def on_abort(self, req: Request) -> None:
+        kv_events, self._kv_events = self._kv_events, []
+        self._publish({"kind": "abort", "t": self._now(), "req": req.request_id, "kv": kv_events,
+                       "finished": {s.seq_id: "abort" for s in req.seqs}, **self._queues(),
+                       "figures": self.figures()})
+
+    # -- pictures ------------------------------------------------------------------
+    def snapshot(self) -> dict:
+        eng, kv = self.engine, self.engine.kv
+        seqs = {}
+        for req in eng.requests.values():
+            for s in req.seqs:
+                seqs[s.seq_id] = {"req": req.request_id, "index": s.index, "status": s.status.name.lower(),
+                                  "prompt_len": len(req.prompt_token_ids),
+                                  "tokens": self._pieces(s.token_ids)}
+        return {"kind": "snapshot", "t": self._now(), "step": eng.steps, "config": self.config(),
+                "refs": [b.ref_cnt for b in kv.pool.blocks],
+                "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
+                "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in kv.tables.items()},
+                "seqs": seqs,
+                "requests": {rid: {"seqs": [s.seq_id for s in r.seqs], "n": len(r.seqs),
+                                   "max_tokens": r.max_tokens} for rid, r in eng.requests.items()},
+                **self._queues(), "figures": self.figures()}
+
+    def config(self) -> dict:
+        eng = self.engine
+        return {"num_blocks": eng.kv.pool.num_blocks, "block_size": eng.kv.block_size,
+                "policy": eng.kv.policy, "prefix_caching": eng.kv.enable_prefix_caching,
+                "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
+                "model": eng.model_name}
+
+    def figures(self) -> dict:
+        eng = self.engine
+        # The traditional scheme reserves max length (prompt + max_tokens) per running sequence.
+        reserve = sum(-(-min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len)
+                        // eng.kv.block_size) for s in eng.scheduler.running)
+        return kv_figures(eng.kv, reserve, eng.scheduler.num_preemptions)
+
+    def _queues(self) -> dict:
+        sch = self.engine.scheduler
+        return {"running": [s.seq_id for s in sch.running], "waiting": [s.seq_id for s in sch.waiting]}
+
+    def _pieces(self, ids: list[int]) -> list[str]:
+        return self.engine.tokenizer.batch_decode([[t] for t in ids]) if ids else []
+
+    def _piece(self, tok: int) -> str:
+        return self.engine.tokenizer.decode([tok])
+
+    def _now(self) -> float:
+        return round(time.time() - self._t0, 4)
+
+
+def kv_figures(kv: KVCacheManager, reserve_max_blocks: int, preemptions: int = 0) -> dict:
+    """The live figures: U_kv, H, eta, and blocks used against no sharing and reserve-max."""
+    st = kv.stats()
+    return {"used": st.used_blocks, "shared": sum(1 for b in kv.pool.blocks if b.ref_cnt > 1),
+            "cached_free": st.cached_free_blocks, "free": st.free_blocks, "usage": round(st.usage, 4),
+            "hit_rate": round(st.hit_rate, 4), "waste": round(st.waste, 4),
+            "without_sharing": st.blocks_without_sharing, "reserve_max": reserve_max_blocks,
+            "cow": st.cow_copies, "forks": st.forks, "evictions": st.evictions, "preemptions": preemptions}

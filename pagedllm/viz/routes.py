@@ -1,0 +1,161 @@
+"""The visualizer's HTTP side: the page at /viz/, its SSE event stream, engine controls,
+a consistent state read, and the built-in scenarios (as traces, or run on the live engine)."""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+
+from .hub import VizHub
+from .scenarios import SCENARIOS, prompt_text, trace_path
+
+if TYPE_CHECKING:
+    from ..server.api import ServerState
+
+logger = logging.getLogger(__name__)
+STATIC = Path(__file__).parent / "static"
+KEEPALIVE_S = 15.0
+
+
+def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
+    from ..server.api import APIError
+
+    def check_key(request: Request) -> None:
+        # EventSource cannot send headers, so the page passes the key as ?api_key=.
+        if not state.api_keys:
+            return
+        key = request.query_params.get("api_key", "")
+        auth = request.headers.get("authorization", "")
+        if auth.lower().startswith("bearer "):
+            key = auth[7:].strip()
+        if not any(hmac.compare_digest(key.encode(), k) for k in state.api_keys):
+            raise APIError(401, "the visualizer needs an API key: /viz/?api_key=<key>", "authentication_error")
+
+    @app.get("/viz", include_in_schema=False)
+    async def viz_redirect(request: Request):
+        q = f"?{request.url.query}" if request.url.query else ""
+        return RedirectResponse(f"/viz/{q}")
+
+    @app.get("/viz/", include_in_schema=False)
+    async def viz_page(request: Request):
+        check_key(request)
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/viz/static", StaticFiles(directory=STATIC), name="viz-static")
+
+    @app.get("/viz/events")
+    async def viz_events(request: Request):
+        """Server-sent events: a snapshot, then one message per engine step."""
+        check_key(request)
+        sub = hub.subscribe()
+
+        async def stream():
+            try:
+                while True:
+                    try:
+                        msg = await asyncio.wait_for(sub.queue.get(), KEEPALIVE_S)
+                    except asyncio.TimeoutError:
+                        yield ": keep-alive\n\n"
+                        continue
+                    yield f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
+                    if msg.get("kind") == "dropped":
+                        return
+            finally:
+                hub.unsubscribe(sub)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    @app.get("/viz/state")
+    async def viz_state(request: Request):
+        """The manager's own figures, read on the engine thread between two steps."""
+        check_key(request)
+
+        def read(engine):
+            return {"step": engine.steps, "config": hub.config(), "figures": hub.figures(),
+                    "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in engine.kv.tables.items()},
+                    "paused": state.engine.paused, "step_delay": state.engine.step_delay,
+                    "subscribers": hub.num_subscribers}
+        return await asyncio.wait_for(state.engine.call(read), 30)
+
+    @app.post("/viz/control")
+    async def viz_control(request: Request):
+        """{"action": "pause" | "resume" | "step" | "delay", "seconds": s}"""
+        check_key(request)
+        body = await state.read_json(request)
+        action = body.get("action") if isinstance(body, dict) else None
+        eng = state.engine
+        if action == "pause":
+            eng.pause()
+        elif action == "resume":
+            eng.resume()
+        elif action == "step":
+            eng.step_once()
+        elif action == "delay":
+            s = body.get("seconds")
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= 10:
+                raise APIError(400, "seconds: must be a number in [0, 10]", param="seconds")
+            eng.step_delay = float(s)
+        else:
+            raise APIError(400, "action: must be one of pause, resume, step, delay", param="action")
+        return {"paused": eng.paused, "step_delay": eng.step_delay}
+
+    @app.get("/viz/scenarios")
+    async def viz_scenarios(request: Request):
+        check_key(request)
+        return [{"name": s.name, "title": s.title, "description": s.description,
+                 "trace": trace_path(s.name).exists(), "live": bool(s.requests)} for s in SCENARIOS.values()]
+
+    @app.post("/viz/scenarios/{name}/run")
+    async def viz_run(name: str, request: Request):
+        """Send a scenario's requests to the live engine (in the background)."""
+        check_key(request)
+        sc = SCENARIOS.get(name)
+        if sc is None or not sc.requests:
+            live = [s.name for s in SCENARIOS.values() if s.requests]
+            raise APIError(404, f"no live scenario {name!r}; live ones: {', '.join(live)}", "NotFoundError", "name")
+        task = asyncio.get_running_loop().create_task(run_scenario(state, name))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+        return JSONResponse({"scenario": name, "requests": len(sc.requests)}, status_code=202)
+
+
+_background: set[asyncio.Task] = set()
+_runs = itertools.count()
+
+
+async def run_scenario(state: ServerState, name: str) -> None:
+    """Queue a scenario's requests on the live engine, each once the engine has run its
+    `at_step` steps since the scenario started, and drain their outputs."""
+    from ..sampling_params import SamplingParams
+
+    sc = SCENARIOS[name]
+    eng = state.engine
+    start, run = eng.stats.steps, next(_runs)
+
+    async def one(i: int, r) -> None:
+        idle_since = None
+        while eng.stats.steps - start < r.at_step and eng.alive:
+            # Arrivals count engine steps; if the engine goes idle first, do not wait forever.
+            busy = eng.stats.num_running or eng.stats.num_waiting
+            idle_since = None if busy else (idle_since or time.monotonic())
+            if idle_since and time.monotonic() - idle_since > 1.0:
+                break
+            await asyncio.sleep(0.05)
+        try:
+            async for _ in eng.submit(f"viz-{name}-{run}-{i}", prompt_text(state.tokenizer, r),
+                                      SamplingParams(**r.params)):
+                pass
+        except Exception as e:  # a scenario request failing must not take the server down
+            logger.warning("scenario %s request %d failed: %s", name, i, e)
+
+    await asyncio.gather(*(one(i, r) for i, r in enumerate(sc.requests)))

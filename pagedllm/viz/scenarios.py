@@ -1,0 +1,170 @@
+"""Built-in scenarios for the visualizer, and recording them as replayable traces.
+
+`library` is the seed's worked example on the KV manager alone (block size 4, 12 blocks,
+no model). The others run the real engine on the default model with a small pool so that
+every block is visible: a shared-system-prompt chat, parallel sampling n=4, and a
+preemption under a tight KV budget.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..demo import NAMES, SYSTEM, WORDS, library_kv, library_steps
+from .hub import kv_figures
+
+TRACE_DIR = Path(__file__).parent / "static" / "traces"
+TRACE_VERSION = 1
+
+SYSTEM_PROMPT = ("You are the help desk of the city library. Answer in one or two short sentences, "
+                 "politely, and suggest where in the library the reader can look next.")
+QUESTIONS = ["When does the library open on Sundays?", "Can I renew a book online?",
+             "Where are the science fiction novels?", "How many books can I borrow at once?",
+             "Is there a quiet room for studying?", "Do you have newspapers from last year?"]
+
+
+@dataclass
+class ScenarioRequest:
+    at_step: int                 # queued once the engine has run this many steps
+    messages: list[dict]         # chat messages; the model's chat template is applied
+    params: dict = field(default_factory=dict)   # SamplingParams fields
+
+
+@dataclass
+class Scenario:
+    name: str
+    title: str
+    description: str
+    engine: dict = field(default_factory=dict)   # EngineConfig fields
+    requests: list[ScenarioRequest] = field(default_factory=list)
+
+
+def _chat(q: str) -> list[dict]:
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
+    Scenario("library", "The seed's library example",
+             "A system prompt, readers A and B sharing it, C branching off A and writing: copy-on-write. "
+             "11 blocks without sharing, 5 with paging and sharing. Block size 4, 12 blocks, KV manager only."),
+    Scenario("chat", "Chat with a shared system prompt",
+             "Six chats arrive one after another, all with the same system prompt: from the second on, "
+             "its blocks are prefix hits (ref count > 1) and only the question is prefilled.",
+             engine={"num_gpu_blocks_override": 48, "max_num_seqs": 8},
+             requests=[ScenarioRequest(3 * i, _chat(q), {"max_tokens": 24}) for i, q in enumerate(QUESTIONS)]),
+    Scenario("parallel-n4", "Parallel sampling, n = 4",
+             "One prompt, four samples: the samples fork from the prompt's blocks after prefill and share "
+             "them; the first write into the shared partial block copies it (copy-on-write).",
+             engine={"num_gpu_blocks_override": 32, "max_num_seqs": 8},
+             requests=[ScenarioRequest(0, [{"role": "user", "content": "Write a one-line poem about books."}],
+                                       {"n": 4, "temperature": 0.9, "seed": 7, "max_tokens": 40})]),
+    Scenario("preemption", "Preemption under a small KV budget",
+             "Four long answers in a pool of 20 blocks: when a running sequence needs a block and none "
+             "is free, the newest is preempted (its blocks freed) and recomputed later.",
+             engine={"num_gpu_blocks_override": 20, "max_num_seqs": 4, "enable_prefix_caching": False},
+             requests=[ScenarioRequest(0, [{"role": "user", "content": q}],
+                                       {"max_tokens": 72, "ignore_eos": True}) for q in QUESTIONS[:4]]),
+]}
+
+
+def trace_path(name: str) -> Path:
+    return TRACE_DIR / f"{name}.json"
+
+
+def record(name: str, engine_overrides: dict | None = None) -> dict:
+    """Run a scenario and return its trace: {version, scenario, title, description, messages}."""
+    sc = SCENARIOS[name]
+    messages = library_messages() if name == "library" else _engine_messages(sc, engine_overrides or {})
+    return {"version": TRACE_VERSION, "scenario": sc.name, "title": sc.title,
+            "description": sc.description, "messages": messages}
+
+
+def save(trace: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(trace, separators=(",", ":")) + "\n")
+
+
+def engine_config(sc: Scenario, overrides: dict):
+    from ..config import EngineConfig
+    return EngineConfig(**{**sc.engine, **overrides})
+
+
+def prompt_text(tokenizer, req: ScenarioRequest) -> str:
+    return tokenizer.apply_chat_template(req.messages, tokenize=False, add_generation_prompt=True)
+
+
+def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
+    from ..engine.engine import LLMEngine
+    from ..sampling_params import SamplingParams
+    from .hub import VizHub
+
+    engine = LLMEngine(engine_config(sc, overrides))
+    hub = VizHub(engine)
+    hub.start_recording()
+    pending = sorted(sc.requests, key=lambda r: r.at_step)
+    while pending or engine.has_unfinished_requests():
+        # Arrivals are counted in engine steps; an idle engine takes the next one at once.
+        while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
+            r = pending.pop(0)
+            engine.add_request(None, prompt_text(engine.tokenizer, r), SamplingParams(**r.params))
+        engine.step()
+    return hub.stop_recording()
+
+
+def library_messages() -> list[dict]:
+    """The library example as a trace: one message per KV manager operation."""
+    kv = library_kv()
+    events: list[dict] = []
+    kv.watch(events.append)
+    tokens: dict[int, list[int]] = {}
+    copies: list[tuple[int, int]] = []
+    max_len = 16  # what a reader would reserve up front in the traditional scheme
+    reserve = lambda: len(kv.tables) * -(-max_len // kv.block_size)  # noqa: E731
+    msgs = [{"kind": "snapshot", "t": 0, "step": 0,
+             "config": {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size, "policy": kv.policy,
+                        "prefix_caching": True, "max_num_seqs": 4, "max_model_len": max_len,
+                        "model": "none (KV manager only)"},
+             "refs": [0] * kv.pool.num_blocks, "hashed": [], "tables": {}, "seqs": {}, "requests": {},
+             "running": [], "waiting": [], "figures": kv_figures(kv, 0)}]
+    msgs.append({"kind": "request", "t": 0, "req": NAMES[0], "label": NAMES[0], "seqs": [0], "n": 1, "max_tokens": 8,
+                 "prompt": [WORDS[t] for t in SYSTEM]})
+    for step, (label, new) in enumerate(library_steps(kv, tokens, copies), 1):
+        for ev in events:  # the forked readers become requests of their own on the page
+            if ev["type"] == "fork":
+                msgs.append({"kind": "request", "t": step, "req": NAMES[ev["seq"]], "label": NAMES[ev["seq"]],
+                             "seqs": [ev["seq"]], "n": 1,
+                             "max_tokens": max_len - ev["tokens"], "prompt": [], "forked_from": ev["parent"]})
+        msgs.append({"kind": "step", "t": step, "step": step, "label": label, "kv": list(events),
+                     "batch": [[s, len(tokens[s]) - len(t), len(t)] for s, t in new.items()],
+                     "prefill_tokens": sum(len(t) for t in new.values() if len(t) > 1),
+                     "decode_tokens": sum(1 for t in new.values() if len(t) == 1), "preempted": [],
+                     "tokens": {s: [WORDS[x] for x in t] for s, t in new.items() if s != 0},
+                     "finished": {}, "running": sorted(kv.tables), "waiting": [],
+                     "figures": kv_figures(kv, reserve())})
+        events.clear()
+    return msgs
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Record the built-in traces: python -m pagedllm.viz.scenarios [NAME ...] [--out DIR]"""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m pagedllm.viz.scenarios", description=main.__doc__)
+    p.add_argument("names", nargs="*", help=f"scenarios to record (default: all of {', '.join(SCENARIOS)})")
+    p.add_argument("--out", type=Path, default=TRACE_DIR)
+    p.add_argument("--dtype", default="float32", help="engine dtype for the model scenarios")
+    args = p.parse_args(argv)
+    unknown = [n for n in args.names if n not in SCENARIOS]
+    if unknown:
+        p.error(f"unknown scenario {unknown[0]!r}; choose from {', '.join(SCENARIOS)}")
+    for name in args.names or list(SCENARIOS):
+        trace = record(name, {} if name == "library" else {"dtype": args.dtype})
+        save(trace, args.out / f"{name}.json")
+        print(f"{name}: {len(trace['messages'])} messages -> {args.out / f'{name}.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,83 @@
+"""Rebuild the block pool and block tables from KV events alone (no engine, no torch).
+
+The page runs the same logic in JavaScript; this copy lets the tests check that the
+event stream carries everything: replaying it must give the manager's own state.
+
+Events (dicts, as KVCacheManager emits them):
+  hit    seq, blocks, tokens   a new sequence starts from cached blocks (each ref +1)
+  alloc  seq, blocks           fresh blocks appended to the sequence's table (ref 1)
+  cow    seq, index, src, dst  copy-on-write: table[index] src -> dst (src ref -1)
+  fill   seq, tokens           the sequence now holds `tokens` slots
+  cache  block                 a full block is registered in the prefix cache
+  fork   parent, seq, blocks, tokens, shared   the child's table (shared: each ref +1)
+  free   seq, blocks           the sequence's blocks, each ref -1 (tail first)
+  evict  block                 a cached-free block is handed out: its cache entry goes
+  reset_cache                  every cached-free block forgets its hash
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TableState:
+    blocks: list[int] = field(default_factory=list)
+    tokens: int = 0
+
+
+@dataclass
+class KVReplay:
+    num_blocks: int
+    refs: list[int] = field(default_factory=list)
+    hashed: set[int] = field(default_factory=set)
+    tables: dict[int, TableState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.refs:
+            self.refs = [0] * self.num_blocks
+
+    def apply(self, ev: dict) -> None:
+        kind = ev["type"]
+        if kind == "hit":
+            for b in ev["blocks"]:
+                self.refs[b] += 1
+            self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
+        elif kind == "alloc":
+            for b in ev["blocks"]:
+                assert self.refs[b] == 0, f"alloc of used block {b}"
+                self.refs[b] = 1
+            self.tables.setdefault(ev["seq"], TableState()).blocks.extend(ev["blocks"])
+        elif kind == "cow":
+            self.refs[ev["src"]] -= 1
+            self.refs[ev["dst"]] = 1
+            self.tables[ev["seq"]].blocks[ev["index"]] = ev["dst"]
+        elif kind == "fill":
+            self.tables[ev["seq"]].tokens = ev["tokens"]
+        elif kind == "cache":
+            self.hashed.add(ev["block"])
+        elif kind == "fork":
+            for b in ev["blocks"]:
+                self.refs[b] = self.refs[b] + 1 if ev["shared"] else 1
+            self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
+        elif kind == "free":
+            for b in ev["blocks"]:
+                self.refs[b] -= 1
+            del self.tables[ev["seq"]]
+        elif kind == "evict":
+            self.hashed.discard(ev["block"])
+        elif kind == "reset_cache":
+            self.hashed = {b for b in self.hashed if self.refs[b] > 0}
+        else:
+            raise ValueError(f"unknown KV event type {kind!r}")
+
+    @property
+    def used(self) -> int:
+        return sum(1 for r in self.refs if r > 0)
+
+    @property
+    def shared(self) -> int:
+        return sum(1 for r in self.refs if r > 1)
+
+    @property
+    def cached_free(self) -> int:
+        return sum(1 for b in self.hashed if self.refs[b] == 0)

@@ -1,0 +1,496 @@
+// PagedLLM visualizer: rebuilds the KV block pool, block tables and scheduler queues from
+// the engine's messages (live over SSE, or a recorded trace) and draws them. The KV event
+// rules mirror pagedllm/viz/state.py. No dependencies, no build step.
+"use strict";
+
+const $ = (id) => document.getElementById(id);
+const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1",
+                 "#ff9da7", "#9c755f", "#bab0ac", "#17becf", "#bcbd22"];
+const SPEEDS = [0.25, 0.5, 1, 2, 4, 8, Infinity];  // replay: steps per second
+const LIVE_DELAYS = [2, 1, 0.5, 0.25, 0.1, 0.03, 0];  // live: seconds the engine waits after a step
+const MAX_LOG = 400, MAX_TIMELINE = 160;
+const params = new URLSearchParams(location.search);
+const keyQuery = params.get("api_key") ? `?api_key=${encodeURIComponent(params.get("api_key"))}` : "";
+
+let S = null;              // the picture being drawn
+let source = null;         // {kind: "live", es} or {kind: "replay", messages, pos, playing, timer}
+let received = [];         // what this page got, for "save trace"
+
+// ---------------------------------------------------------------- state
+function fresh(config) {
+  return { config, refs: new Array(config.num_blocks).fill(0), hashed: new Set(), tables: new Map(),
+           seqs: new Map(), reqs: new Map(), running: [], waiting: [], preempted: new Set(), figures: {},
+           step: 0, batch: [], prefill: 0, decode: 0, timeline: [], flashes: new Map(), blockText: new Map(),
+           log: [], nreq: 0, cows: 0 };
+}
+
+function addRequest(rid, seqIds, n, prompt, maxTokens, label) {
+  if (!S.reqs.has(rid)) {
+    S.nreq += 1;
+    S.reqs.set(rid, { label: label || `R${S.nreq}`, color: PALETTE[(S.nreq - 1) % PALETTE.length], seqs: seqIds, n, maxTokens });
+  }
+  seqIds.forEach((sid, i) => {
+    if (!S.seqs.has(sid)) S.seqs.set(sid, { req: rid, index: i, status: i === 0 ? "waiting" : "pending", tokens: [...prompt] });
+  });
+}
+
+function seqLabel(sid) {
+  const s = S.seqs.get(sid);
+  if (!s) return `s${sid}`;
+  const r = S.reqs.get(s.req);
+  return r.n > 1 ? `${r.label}.${s.index}` : r.label;
+}
+function seqColor(sid) { const s = S.seqs.get(sid); return s ? S.reqs.get(s.req).color : "#999"; }
+
+function flash(blocks, kind) { blocks.forEach((b) => S.flashes.set(b, kind)); }
+function log(type, text) {
+  S.log.push({ type, text, step: S.step });
+  if (S.log.length > MAX_LOG) S.log.shift();
+}
+function ids(blocks) { return blocks.map((b) => `P${b}`).join(" "); }
+
+function applyKV(ev) {
+  const t = S.tables.get(ev.seq);
+  switch (ev.type) {
+    case "hit":
+      ev.blocks.forEach((b) => { S.refs[b] += 1; });
+      S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
+      if (ev.blocks.length) {
+        log("hit", `${seqLabel(ev.seq)} prefix hit: shares ${ev.blocks.length} cached blocks ${ids(ev.blocks)} (${ev.tokens} of ${ev.queried} prompt tokens skip prefill)`);
+        flash(ev.blocks, "hit");
+      }
+      break;
+    case "alloc":
+      ev.blocks.forEach((b) => { S.refs[b] = 1; S.blockText.delete(b); });
+      if (t) t.blocks.push(...ev.blocks); else S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: 0 });
+      log("alloc", `${seqLabel(ev.seq)} allocates ${ids(ev.blocks)}`);
+      flash(ev.blocks, "alloc");
+      break;
+    case "cow":
+      S.refs[ev.src] -= 1; S.refs[ev.dst] = 1; t.blocks[ev.index] = ev.dst; S.cows += 1;
+      log("cow", `${seqLabel(ev.seq)} copy-on-write: logical block ${ev.index} P${ev.src} → P${ev.dst} (P${ev.src} was shared)`);
+      flash([ev.src, ev.dst], "cow");
+      break;
+    case "fill":
+      t.tokens = ev.tokens;
+      break;
+    case "cache": {
+      S.hashed.add(ev.block);
+      for (const [sid, tab] of S.tables) {  // remember its text: it outlives its sequence
+        const i = tab.blocks.indexOf(ev.block);
+        if (i >= 0 && S.seqs.has(sid)) {
+          const B = S.config.block_size;
+          S.blockText.set(ev.block, S.seqs.get(sid).tokens.slice(i * B, (i + 1) * B).join(""));
+          break;
+        }
+      }
+      break;
+    }
+    case "fork": {
+      ev.blocks.forEach((b) => { S.refs[b] = ev.shared ? S.refs[b] + 1 : 1; });
+      S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
+      const parent = S.seqs.get(ev.parent), child = S.seqs.get(ev.seq);
+      if (parent && child) { child.tokens = parent.tokens.slice(0, ev.tokens); child.status = "running"; }
+      log("fork", `${seqLabel(ev.parent)} → ${seqLabel(ev.seq)}: fork at ${ev.tokens} tokens, ${ev.shared ? "shares" : "copies"} ${ids(ev.blocks)}`);
+      flash(ev.blocks, "fork");
+      break;
+    }
+    case "free":
+      ev.blocks.forEach((b) => { S.refs[b] -= 1; });
+      S.tables.delete(ev.seq);
+      log("free", `${seqLabel(ev.seq)} frees ${ids(ev.blocks)}`);
+      flash(ev.blocks, "free");
+      break;
+    case "evict":
+      S.hashed.delete(ev.block); S.blockText.delete(ev.block);
+      log("evict", `P${ev.block} evicted from the prefix cache (least recently used)`);
+      flash([ev.block], "evict");
+      break;
+    case "reset_cache":
+      for (const b of [...S.hashed]) if (S.refs[b] === 0) S.hashed.delete(b);
+      log("free", "prefix cache reset");
+      break;
+    default:
+      console.warn("unknown KV event", ev);
+  }
+}
+
+function setQueues(m) {
+  S.running = m.running; S.waiting = m.waiting;
+  for (const sid of m.running) { const s = S.seqs.get(sid); if (s) s.status = "running"; S.preempted.delete(sid); }
+  for (const sid of m.waiting) { const s = S.seqs.get(sid); if (s && s.status !== "preempted") s.status = "waiting"; }
+}
+
+function finish(finished) {
+  for (const [sid, reason] of Object.entries(finished || {})) {
+    const s = S.seqs.get(Number(sid));
+    if (s) s.status = `finished (${reason})`;
+    S.preempted.delete(Number(sid));
+    log("finish", `${seqLabel(Number(sid))} finished: ${reason}`);
+  }
+  // Forget requests whose every sequence is done and holds no blocks: the page stays small.
+  for (const [rid, r] of S.reqs) {
+    if (r.seqs.every((sid) => !S.tables.has(sid) && (S.seqs.get(sid)?.status || "").startsWith("finished"))) {
+      r.seqs.forEach((sid) => S.seqs.delete(sid));
+      S.reqs.delete(rid);
+    }
+  }
+}
+
+function applyMessage(m) {
+  if (m.kind === "snapshot") {
+    S = fresh(m.config);
+    S.refs = [...m.refs]; S.hashed = new Set(m.hashed); S.step = m.step;
+    for (const [rid, r] of Object.entries(m.requests)) addRequest(rid, r.seqs, r.n, [], r.max_tokens);
+    for (const [sid, s] of Object.entries(m.seqs)) {
+      const e = S.seqs.get(Number(sid)) || {};
+      S.seqs.set(Number(sid), { ...e, req: s.req, index: s.index, status: s.status, tokens: s.tokens });
+    }
+    for (const [sid, [blocks, tokens]] of Object.entries(m.tables)) S.tables.set(Number(sid), { blocks, tokens });
+    setQueues(m); S.figures = m.figures;
+    showInfo();
+    return;
+  }
+  if (!S) return;
+  if (m.kind === "request") {
+    addRequest(m.req, m.seqs, m.n, m.prompt, m.max_tokens, m.label);
+    const r = S.reqs.get(m.req);
+    log("request", `${r.label} arrives: ${m.prompt.length} prompt tokens${m.n > 1 ? `, n=${m.n}` : ""}${m.forked_from !== undefined ? ` (reader forked from ${seqLabel(m.forked_from)})` : ""}`);
+    return;
+  }
+  if (m.kind === "step") {
+    S.step = m.step;
+    if (m.label) log("step", `step ${m.step}: ${m.label}`);
+    for (const sid of m.preempted) {
+      S.preempted.add(sid);
+      const s = S.seqs.get(sid); if (s) s.status = "preempted";
+      log("preempt", `${seqLabel(sid)} preempted: out of free blocks, its blocks are freed and it will be recomputed`);
+    }
+    m.kv.forEach(applyKV);
+    for (const [sid, pieces] of Object.entries(m.tokens)) {
+      const s = S.seqs.get(Number(sid)); if (s) s.tokens.push(...pieces);
+    }
+    S.batch = m.batch; S.prefill = m.prefill_tokens; S.decode = m.decode_tokens;
+    setQueues(m); S.figures = m.figures;
+    S.timeline.push({ step: m.step, prefill: m.prefill_tokens, decode: m.decode_tokens, used: m.figures.used });
+    if (S.timeline.length > MAX_TIMELINE) S.timeline.shift();
+    finish(m.finished);
+    return;
+  }
+  if (m.kind === "abort") {
+    m.kv.forEach(applyKV);
+    setQueues(m); S.figures = m.figures;
+    finish(m.finished);
+    return;
+  }
+  if (m.kind === "dropped") log("evict", `live stream dropped: ${m.reason}; reload the page`);
+}
+
+// ---------------------------------------------------------------- drawing
+let dirty = false;
+function redraw() { if (!dirty) { dirty = true; requestAnimationFrame(draw); } }
+
+function owners() {
+  const own = new Map();  // block -> [[seq, logical index], ...]
+  for (const [sid, t] of S.tables) t.blocks.forEach((b, i) => { if (!own.has(b)) own.set(b, []); own.get(b).push([sid, i]); });
+  return own;
+}
+
+function blockFill(sid, i) {
+  const t = S.tables.get(sid), B = S.config.block_size;
+  return Math.max(0, Math.min(B, t.tokens - i * B));
+}
+
+function draw() {
+  dirty = false;
+  if (!S) return;
+  const own = owners(), B = S.config.block_size, n = S.config.num_blocks;
+  let used = 0, shared = 0, cached = 0;
+  S.refs.forEach((r, b) => { if (r > 0) used += 1; if (r > 1) shared += 1; if (r === 0 && S.hashed.has(b)) cached += 1; });
+  const f = S.figures || {};
+  $("fig-step").textContent = S.step;
+  $("fig-used").textContent = used; $("cmp-used").textContent = used;
+  $("fig-shared").textContent = shared; $("fig-cached").textContent = cached; $("fig-free").textContent = n - used - cached;
+  $("fig-usage").textContent = pct(used / n);
+  $("fig-hit").textContent = pct(f.hit_rate || 0);
+  $("fig-waste").textContent = pct(f.waste || 0);
+  $("fig-events").textContent = `${f.cow || 0} · ${f.forks || 0} · ${f.evictions || 0} · ${f.preemptions || 0}`;
+  $("fig-without").textContent = f.without_sharing ?? 0; $("fig-reserve").textContent = f.reserve_max ?? 0;
+  const top = Math.max(used, f.without_sharing || 0, f.reserve_max || 0, 1);
+  $("bar-used").style.width = pct(used / top); $("bar-without").style.width = pct((f.without_sharing || 0) / top);
+  $("bar-reserve").style.width = pct((f.reserve_max || 0) / top);
+
+  // The pool: one cell per physical block.
+  const pool = $("pool");
+  pool.classList.toggle("dense", n > 768);
+  const cells = [];
+  for (let b = 0; b < n; b++) {
+    const ref = S.refs[b], h = own.get(b), cls = ["cell"];
+    let fill = "", ownTxt = "";
+    if (ref > 0 && h) {
+      const [sid, i] = h[0], k = blockFill(sid, i);
+      fill = `<div class="fill" style="height:${(100 * k) / B}%;background:${seqColor(sid)}"></div>`;
+      ownTxt = seqLabel(sid);
+    } else if (S.hashed.has(b)) cls.push("cached");
+    if (ref > 1) cls.push("shared");
+    const fl = S.flashes.get(b); if (fl) cls.push(`flash-${fl}`);
+    cells.push(`<div class="${cls.join(" ")}" data-block="${b}">${fill}<span class="id">${b}</span>` +
+               `<span class="own">${ownTxt}</span>${ref > 1 ? `<span class="ref">×${ref}</span>` : ""}</div>`);
+  }
+  pool.innerHTML = cells.join("");
+  S.flashes.clear();
+
+  // Block tables, one row per sequence holding blocks.
+  const rows = [];
+  for (const sid of [...S.tables.keys()].sort((a, b) => a - b)) {
+    const t = S.tables.get(sid), s = S.seqs.get(sid);
+    const tc = t.blocks.map((b, i) => {
+      const k = blockFill(sid, i);
+      return `<div class="tcell${S.refs[b] > 1 ? " shared" : ""}" data-block="${b}" data-seq="${sid}" title="L${i} → P${b}">` +
+             `<div class="fill" style="width:${(100 * k) / B}%;background:${seqColor(sid)}"></div>` +
+             `<span>L${i}→P${b}${k < B ? ` ${k}/${B}` : ""}</span></div>`;
+    });
+    rows.push(`<div class="trow" data-seq="${sid}"><span class="label"><i class="sw" style="background:${seqColor(sid)}"></i>` +
+              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok</span>${tc.join("")}</div>`);
+  }
+  $("tables").innerHTML = rows.join("") || "<small>no sequence holds blocks</small>";
+
+  // Scheduler.
+  const chip = (sid, extra = "") => `<span class="chip ${extra}" data-seq="${sid}" style="background:${seqColor(sid)}33">${seqLabel(sid)}</span>`;
+  $("q-running").innerHTML = S.running.map((sid) => chip(sid)).join("");
+  $("q-waiting").innerHTML = S.waiting.filter((sid) => !S.preempted.has(sid)).map((sid) => chip(sid)).join("");
+  $("q-preempted").innerHTML = [...S.preempted].map((sid) => chip(sid)).join("");
+  $("batch").innerHTML = S.batch.map(([sid, start, k]) =>
+    `<span class="chip ${k > 1 || start === 0 ? "prefill" : "decode"}" data-seq="${sid}">${seqLabel(sid)} ${k > 1 || start === 0 ? `prefill ${k}` : "decode 1"}</span>`).join("");
+  $("batch-info").textContent = `${S.batch.length} sequences: ${S.prefill} prefill + ${S.decode} decode tokens`;
+  drawTimeline();
+
+  const logEl = $("log");
+  logEl.innerHTML = S.log.map((e) => `<li data-type="${e.type}"><b>${e.type}</b> ${esc(e.text)}</li>`).join("");
+  logEl.scrollTop = logEl.scrollHeight;
+}
+
+function drawTimeline() {
+  const c = $("timeline"), ctx = c.getContext("2d");
+  c.width = c.clientWidth * devicePixelRatio; c.height = 110 * devicePixelRatio;
+  ctx.scale(devicePixelRatio, devicePixelRatio);
+  const w = c.clientWidth, h = 110, T = S.timeline;
+  ctx.clearRect(0, 0, w, h);
+  if (!T.length) return;
+  const maxTok = Math.max(1, ...T.map((p) => p.prefill + p.decode)), maxUsed = Math.max(1, S.config.num_blocks);
+  const bw = w / MAX_TIMELINE, css = getComputedStyle(document.documentElement);
+  T.forEach((p, i) => {
+    const x = i * bw, hp = ((h - 12) * p.prefill) / maxTok, hd = ((h - 12) * p.decode) / maxTok;
+    ctx.fillStyle = css.getPropertyValue("--decode"); ctx.fillRect(x, h - hd, Math.max(1, bw - 1), hd);
+    ctx.fillStyle = css.getPropertyValue("--prefill"); ctx.fillRect(x, h - hd - hp, Math.max(1, bw - 1), hp);
+  });
+  ctx.strokeStyle = "#111"; ctx.lineWidth = 1.5; ctx.beginPath();
+  T.forEach((p, i) => { const y = h - ((h - 12) * p.used) / maxUsed; i ? ctx.lineTo(i * bw + bw / 2, y) : ctx.moveTo(bw / 2, y); });
+  ctx.stroke();
+  ctx.fillStyle = "#555"; ctx.font = "10px sans-serif";
+  ctx.fillText(`max ${maxTok} tok/step · ${S.config.num_blocks} blocks`, 4, 10);
+}
+
+function showInfo() {
+  const c = S.config;
+  $("pool-info").textContent = `${c.num_blocks} blocks × ${c.block_size} tokens · ${c.policy}` +
+    `${c.prefix_caching ? " · prefix caching" : ""} · model ${c.model}`;
+  $("legend").innerHTML = [
+    ["#4e79a7", "owned: colour and label = request (height = how full)"],
+    ["#fff; border:2px dashed #111", "shared (ref > 1, read-only) ×ref"],
+    ["repeating-linear-gradient(45deg,#e9e9ee 0 3px,#fff 3px 6px)", "cached-free (reusable prefix)"],
+    ["#fff", "free"]].map(([bg, t]) => `<span><i class="sw" style="background:${bg}"></i>${t}</span>`).join("");
+}
+
+const pct = (x) => `${(100 * x).toFixed(1)}%`;
+const esc = (s) => String(s).replace(/[&<>"]/g, (ch) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[ch]));
+const show = (s) => esc(s).replace(/\n/g, "⏎\n");
+
+// ---------------------------------------------------------------- hover
+function tipFor(el) {
+  if (!S) return null;
+  const B = S.config.block_size;
+  if (el.dataset.block !== undefined) {
+    const b = Number(el.dataset.block), holders = owners().get(b) || [];
+    let text = S.blockText.get(b) || "";
+    if (holders.length) {
+      const [sid, i] = holders[0], s = S.seqs.get(sid);
+      if (s) text = s.tokens.slice(i * B, Math.min((i + 1) * B, S.tables.get(sid).tokens)).join("");
+    }
+    const state = S.refs[b] > 0 ? `used, ref ${S.refs[b]}${S.refs[b] > 1 ? " (shared, read-only)" : ""}`
+      : S.hashed.has(b) ? "cached-free (a prefix hit can reuse it)" : "free";
+    const who = holders.map(([sid, i]) => `${seqLabel(sid)} L${i} (${blockFill(sid, i)}/${B})`).join(", ");
+    return `P${b}: ${state}${who ? `\nheld by ${who}` : ""}${text ? `\ntokens: ${show(text)}` : ""}`;
+  }
+  if (el.dataset.seq !== undefined) {
+    const sid = Number(el.dataset.seq), s = S.seqs.get(sid), t = S.tables.get(sid);
+    if (!s) return `s${sid}`;
+    const table = t ? t.blocks.map((b, i) => `L${i}→P${b}`).join(" ") : "(no blocks)";
+    return `${seqLabel(sid)} · ${s.status} · ${s.tokens.length} tokens\ntable: ${table}\ntext: ${show(s.tokens.join("").slice(-1200))}`;
+  }
+  return null;
+}
+
+document.addEventListener("mouseover", (e) => {
+  const el = e.target.closest("[data-block],[data-seq]"), tip = $("tip");
+  document.querySelectorAll(".hl").forEach((x) => x.classList.remove("hl"));
+  const text = el && tipFor(el);
+  if (!text) { tip.hidden = true; return; }
+  tip.textContent = text; tip.hidden = false;
+  if (el.dataset.block !== undefined) document.querySelectorAll(`[data-block="${el.dataset.block}"]`).forEach((x) => x.classList.add("hl"));
+  if (el.dataset.seq !== undefined) {
+    const t = S.tables.get(Number(el.dataset.seq));
+    (t ? t.blocks : []).forEach((b) => document.querySelectorAll(`#pool [data-block="${b}"]`).forEach((x) => x.classList.add("hl")));
+  }
+});
+document.addEventListener("mousemove", (e) => {
+  const tip = $("tip");
+  tip.style.left = `${Math.min(e.clientX + 14, innerWidth - 430)}px`; tip.style.top = `${e.clientY + 14}px`;
+});
+
+// ---------------------------------------------------------------- sources
+function stop() {
+  if (source?.kind === "live") source.es.close();
+  if (source?.kind === "replay") clearTimeout(source.timer);
+  source = null;
+}
+
+function setMode(mode, text) { $("mode").dataset.mode = mode; $("mode").textContent = text; }
+
+function goLive() {
+  stop();
+  received = [];
+  S = null;
+  $("scenario-desc").textContent = "";
+  setMode("live", "live: connecting…");
+  const es = new EventSource(`events${keyQuery}`);
+  source = { kind: "live", es, playing: true };
+  es.onopen = () => setMode("live", "live engine");
+  es.onmessage = (e) => { const m = JSON.parse(e.data); received.push(m); applyMessage(m); redraw(); };
+  es.onerror = () => setMode("live", "live: disconnected (retrying)");
+  $("play").textContent = "pause";
+}
+
+async function loadTrace(name) {
+  const r = await fetch(`static/traces/${encodeURIComponent(name)}.json`);
+  if (!r.ok) { setMode("replay", `no trace named ${name}`); return; }
+  startReplay(await r.json());
+}
+
+function startReplay(trace) {
+  if (!trace || !Array.isArray(trace.messages) || trace.messages[0]?.kind !== "snapshot")
+    throw new Error("not a PagedLLM trace: it needs a messages list starting with a snapshot");
+  stop();
+  received = trace.messages;
+  source = { kind: "replay", trace, messages: trace.messages, pos: 0, playing: true, timer: null };
+  $("scenario-desc").textContent = `${trace.title || trace.scenario || "trace"}: ${trace.description || ""}`;
+  S = null;
+  setMode("replay", `replay: ${trace.scenario || "trace"}`);
+  $("play").textContent = "pause";
+  advance();  // the snapshot
+  schedule();
+}
+
+function advance() {  // apply messages up to and including the next step
+  const R = source;
+  while (R.pos < R.messages.length) {
+    const m = R.messages[R.pos++];
+    applyMessage(m);
+    if (m.kind === "step" || m.kind === "snapshot") break;
+  }
+  if (R.pos >= R.messages.length) { R.playing = false; $("play").textContent = "replay"; setMode("replay", `replay: ${R.trace.scenario || "trace"} (end)`); }
+  redraw();
+}
+
+function schedule() {
+  const R = source;
+  if (!R || R.kind !== "replay" || !R.playing) return;
+  const speed = SPEEDS[Number($("speed").value)];
+  if (speed === Infinity) {  // as fast as possible, drawing now and then
+    for (let i = 0; i < 200 && R.playing; i++) advance();
+    R.timer = setTimeout(schedule, 0);
+  } else {
+    advance();
+    R.timer = setTimeout(schedule, 1000 / speed);
+  }
+}
+
+async function control(action, extra = {}) {
+  await fetch(`control${keyQuery}`, { method: "POST", headers: { "content-type": "application/json" },
+                                      body: JSON.stringify({ action, ...extra }) });
+}
+
+function speedLabel() {
+  const i = Number($("speed").value);
+  $("speed-label").textContent = source?.kind === "live" ? `${LIVE_DELAYS[i]} s/step` : (SPEEDS[i] === Infinity ? "max" : `${SPEEDS[i]} steps/s`);
+}
+function speedChanged() {  // only a user's move changes the live engine's pace
+  speedLabel();
+  if (source?.kind === "live") control("delay", { seconds: LIVE_DELAYS[Number($("speed").value)] });
+}
+async function syncLiveSpeed() {  // show the engine's own pace; opening the page must not change it
+  try {
+    const st = await (await fetch(`state${keyQuery}`)).json();
+    let best = 0;
+    LIVE_DELAYS.forEach((d, i) => { if (Math.abs(d - st.step_delay) < Math.abs(LIVE_DELAYS[best] - st.step_delay)) best = i; });
+    $("speed").value = best;
+    if (st.paused && source?.kind === "live") { source.playing = false; $("play").textContent = "play"; }
+  } catch (_) { /* not served by pagedllm */ }
+  speedLabel();
+}
+
+$("play").onclick = () => {
+  if (source?.kind === "replay") {
+    if (source.pos >= source.messages.length) { startReplay(source.trace); return; }
+    source.playing = !source.playing;
+    $("play").textContent = source.playing ? "pause" : "play";
+    if (source.playing) schedule(); else clearTimeout(source.timer);
+  } else if (source?.kind === "live") {
+    source.playing = !source.playing;
+    $("play").textContent = source.playing ? "pause" : "play";
+    control(source.playing ? "resume" : "pause");
+  }
+};
+$("step").onclick = () => {
+  if (source?.kind === "replay") {
+    source.playing = false; clearTimeout(source.timer); $("play").textContent = "play";
+    if (source.pos < source.messages.length) advance();
+  } else if (source?.kind === "live") {
+    if (source.playing) { source.playing = false; $("play").textContent = "play"; control("pause"); }
+    control("step");
+  }
+};
+$("speed").oninput = speedChanged;
+$("go-live").onclick = () => { history.replaceState(null, "", location.pathname + keyQuery); goLive(); syncLiveSpeed(); };
+$("trace-select").onchange = (e) => { if (e.target.value) { loadTrace(e.target.value); speedLabel(); } };
+$("trace-file").onchange = async (e) => {
+  const file = e.target.files[0];
+  if (!file) return;
+  try { startReplay(JSON.parse(await file.text())); speedLabel(); } catch (err) { setMode("replay", `cannot replay ${file.name}: ${err.message}`); }
+};
+$("record").onclick = () => {
+  const trace = { version: 1, scenario: source?.kind === "replay" ? source.trace.scenario : "live-recording",
+                  title: "Recorded from the page", description: `${received.length} messages`, messages: received };
+  const a = document.createElement("a");
+  a.href = URL.createObjectURL(new Blob([JSON.stringify(trace)], { type: "application/json" }));
+  a.download = `pagedllm-trace-${Date.now()}.json`; a.click();
+};
+document.addEventListener("keydown", (e) => {
+  if (e.target.tagName === "INPUT" || e.target.tagName === "SELECT") return;
+  if (e.key === " ") { e.preventDefault(); $("play").click(); }
+  if (e.key === "ArrowRight") $("step").click();
+});
+
+async function init() {
+  try {
+    const r = await fetch(`scenarios${keyQuery}`);
+    if (r.ok) for (const s of await r.json()) {
+      if (s.trace) $("trace-select").insertAdjacentHTML("beforeend", `<option value="${esc(s.name)}">${esc(s.title)}</option>`);
+    }
+  } catch (_) { /* opened as a file: traces come from the file picker */ }
+  if (params.get("speed")) $("speed").value = params.get("speed");
+  if (params.get("trace")) { await loadTrace(params.get("trace")); speedLabel(); }
+  else if (location.protocol === "file:") setMode("replay", "offline: open a trace file");
+  else { goLive(); await syncLiveSpeed(); }
+}
+init();

@@ -1,0 +1,134 @@
+"""The visualizer page in headless Chromium against a real `pagedllm serve`: live requests
+(two sharing a prefix, one with n=2), numbers on the page against the manager's own, and the
+library trace replayed in the page. Screenshots land in test-artifacts/."""
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from .conftest import MODEL, start_server, stop_server
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARTIFACTS = Path(os.environ.get("PAGEDLLM_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
+# Without the background-networking flags Chromium keeps dialing out, which this closed network refuses.
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync"]
+PREFIX = ("You are the help desk of the city library. Answer in one short sentence and always suggest "
+          "a shelf where the reader can look next. The library has four floors and a reading garden. ")
+
+
+def _browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        pytest.skip("playwright is not installed (pip install -e '.[test]')")
+    if not os.path.exists(CHROMIUM):
+        pytest.skip("Debian's chromium is not installed (scripts/install.sh installs it when run as root)")
+    return sync_playwright
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", name="viz")
+    yield s
+    stop_server(s)
+
+
+def _stream(url: str, body: dict, first: threading.Event, errors: list) -> None:
+    try:
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "model": MODEL, "stream": True},
+                          timeout=300) as r:
+            r.raise_for_status()
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    first.set()
+    except Exception as e:  # reported by the test, not lost in the thread
+        errors.append(e)
+        first.set()
+
+
+def _text(page, sel: str) -> int:
+    return int(page.text_content(sel))
+
+
+def test_live_page_matches_block_manager(server, model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    sync_playwright = _browser()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    poem = "Write a short poem about a library at night"
+    assert len(tok.encode(poem, add_special_tokens=False)) % 16, "n=2 must share a partial block to copy on write"
+    ctl = lambda action, **kw: httpx.post(server.url + "/viz/control", json={"action": action, **kw}).raise_for_status()  # noqa: E731
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors_js: list[str] = []
+        page.on("pageerror", lambda e: errors_js.append(str(e)))
+        page.goto(server.url + "/viz")
+        page.wait_for_function("document.getElementById('mode').textContent === 'live engine'", timeout=30_000)
+        ctl("delay", seconds=0.05)  # slow enough that requests are still running when we pause
+
+        errors: list = []
+        first_a = threading.Event()
+        threads = [threading.Thread(target=_stream, args=(server.url, {
+            "prompt": PREFIX + "When do you open on Sunday?", "max_tokens": 400, "ignore_eos": True}, first_a, errors))]
+        threads[0].start()
+        assert first_a.wait(120), "request A produced nothing"
+        for body in ({"prompt": PREFIX + "Can I renew a book online?", "max_tokens": 400, "ignore_eos": True},
+                     {"prompt": poem, "n": 2, "temperature": 0.9, "seed": 3, "max_tokens": 400, "ignore_eos": True}):
+            threads.append(threading.Thread(target=_stream, args=(server.url, body, threading.Event(), errors)))
+            threads[-1].start()
+
+        # The page logs the prefix hit of B on A's blocks and the copy-on-write of the n=2 fork.
+        page.wait_for_selector("#log li[data-type=cow]", timeout=120_000)
+        page.wait_for_selector("#log li[data-type=hit]", timeout=60_000)
+        ctl("pause")
+        state = httpx.get(server.url + "/viz/state", timeout=30).json()
+        assert state["paused"]
+        page.wait_for_function(f"document.getElementById('fig-step').textContent === '{state['step']}'",
+                               timeout=30_000)
+        time.sleep(0.3)  # one more animation frame
+        fig = state["figures"]
+        shown = {k: _text(page, f"#fig-{k}") for k in ("used", "shared", "free", "cached")}
+        assert shown == {"used": fig["used"], "shared": fig["shared"], "free": fig["free"],
+                         "cached": fig["cached_free"]}
+        # A and B share the prefix's full blocks; the two samples share their prompt's full blocks.
+        assert fig["shared"] >= 2 and fig["cow"] >= 1 and fig["used"] > 0
+        assert fig["used"] < fig["without_sharing"] < fig["reserve_max"]
+        assert page.locator("#pool .cell.shared").count() == fig["shared"]
+        assert page.locator("#tables .trow").count() == len(state["tables"])
+        page.screenshot(path=str(ARTIFACTS / "viz_live.png"), full_page=True)
+
+        # Hovering a shared block names its holders and shows its text.
+        page.hover("#pool .cell.shared >> nth=0")
+        assert "shared" in page.text_content("#tip") and "tokens:" in page.text_content("#tip")
+
+        ctl("delay", seconds=0)
+        ctl("resume")
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        deadline = time.time() + 30
+        while httpx.get(server.url + "/viz/state").json()["figures"]["used"] and time.time() < deadline:
+            time.sleep(0.2)
+        assert httpx.get(server.url + "/viz/state").json()["figures"]["used"] == 0, "KV blocks leaked"
+        page.wait_for_function("document.getElementById('fig-used').textContent === '0'", timeout=10_000)
+
+        # The library example replayed in the page, at full speed.
+        page.goto(server.url + "/viz/?trace=library&speed=6")
+        page.wait_for_function("document.getElementById('mode').textContent.includes('(end)')", timeout=30_000)
+        time.sleep(0.3)
+        assert _text(page, "#fig-used") == 5 and _text(page, "#fig-without") == 11
+        assert _text(page, "#fig-shared") == 2
+        assert page.locator("#log li[data-type=cow]").count() == 1
+        page.screenshot(path=str(ARTIFACTS / "viz_library.png"), full_page=True)
+        assert not errors_js, errors_js
+        browser.close()

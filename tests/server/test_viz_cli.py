@@ -1,0 +1,39 @@
+"""`pagedllm viz` end to end: it serves the page and plays its scenario on the live engine."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+
+from .conftest import free_port
+
+
+def test_viz_command_plays_its_scenario(tmp_path):
+    port = free_port()
+    log = tmp_path / "viz.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "viz", "--scenario", "parallel-n4", "--no-wait",
+                                 "--step-delay", "0", "--dtype", "float32", "--port", str(port)],
+                                stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline, state = time.time() + 180, None
+        while time.time() < deadline:
+            assert proc.poll() is None, log.read_text()
+            try:
+                state = httpx.get(url + "/viz/state", timeout=5).json()
+                if state["figures"]["forks"] >= 3 and state["figures"]["used"] == 0:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        assert state and state["figures"]["forks"] == 3 and state["figures"]["cow"] >= 1, (state, log.read_text())
+        assert state["config"]["num_blocks"] == 32, "the scenario's pool size applies"
+        assert f"open {url}/viz/" in log.read_text()
+        assert httpx.get(url + "/viz/", timeout=5).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)

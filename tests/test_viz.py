@@ -1,0 +1,125 @@
+"""The visualizer's event stream against the real engine: replaying the messages must
+rebuild the block manager's tables, ref counts and cache marks, step after step."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagedllm.config import EngineConfig
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.viz.hub import VizHub
+from pagedllm.viz.scenarios import SCENARIOS, library_messages, record, trace_path
+from pagedllm.viz.state import KVReplay
+
+
+def replay_messages(messages: list[dict]) -> KVReplay:
+    snap = messages[0]
+    assert snap["kind"] == "snapshot"
+    r = KVReplay(snap["config"]["num_blocks"], refs=list(snap["refs"]), hashed=set(snap["hashed"]))
+    for sid, (blocks, tokens) in snap["tables"].items():
+        from pagedllm.viz.state import TableState
+        r.tables[int(sid)] = TableState(list(blocks), tokens)
+    for m in messages[1:]:
+        for ev in m.get("kv", []):
+            r.apply(ev)
+    return r
+
+
+def assert_matches(kv, r: KVReplay) -> None:
+    assert r.refs == [b.ref_cnt for b in kv.pool.blocks]
+    assert r.hashed == {b.block_id for b in kv.pool.blocks if b.block_hash is not None}
+    assert {s: (t.blocks, t.tokens) for s, t in r.tables.items()} == \
+        {s: (t.block_ids, t.num_tokens) for s, t in kv.tables.items()}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from pagedllm.engine.engine import LLMEngine
+
+    # A tight pool so the run has prefix hits, forks, copy-on-write, evictions and preemptions.
+    return LLMEngine(EngineConfig(dtype="float32", num_gpu_blocks_override=12, max_model_len=256, block_size=8))
+
+
+def test_events_rebuild_manager_state_every_step(engine):
+    hub = VizHub(engine)
+    hub.start_recording()
+    system = "You are a terse assistant for a public library. Answer briefly. " * 2
+    engine.add_request("a", system + "Opening hours?", SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("b", system + "Can I renew online?", SamplingParams(max_tokens=12, ignore_eos=True))
+    engine.add_request("c", "Name a poem.", SamplingParams(n=2, temperature=0.9, seed=1, max_tokens=40,
+                                                           ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 3:
+            engine.abort_request("b")  # between steps, as a client disconnect would
+        assert_matches(engine.kv, replay_messages(hub.recording))
+    trace = hub.stop_recording()
+    kinds = {ev["type"] for m in trace for ev in m.get("kv", [])}
+    assert {"alloc", "hit", "fork", "cow", "free", "fill", "cache"} <= kinds
+    assert any(m["kind"] == "abort" for m in trace)
+    assert any(m.get("preempted") for m in trace), "the tight pool should force a preemption"
+    assert engine.stats().preemptions > 0
+    assert engine.viz is hub and not hub.active and engine.kv.listener is None
+    json.dumps(trace)  # a trace is plain JSON
+
+
+def test_snapshot_midway_then_events(engine):
+    """A subscriber joining mid-run starts from a snapshot; snapshot + later events = state."""
+    hub = VizHub(engine)
+    engine.add_request("x", "Tell me about paged attention in one line.", SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.step()
+    engine.step()
+    hub.start_recording()
+    snap = hub.recording[0]
+    assert snap["seqs"] and snap["tables"]
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert_matches(engine.kv, replay_messages(hub.recording))
+    hub.stop_recording()
+
+
+def test_hub_inactive_costs_nothing(engine):
+    hub = VizHub(engine)
+    assert not hub.active and engine.kv.listener is None and engine.kv.pool.on_evict is None
+    hub.poll()
+    assert not hub.active
+
+
+def test_library_trace_ends_with_5_blocks_vs_11():
+    msgs = library_messages()
+    r = replay_messages(msgs)
+    last = msgs[-1]
+    assert r.used == 5 and last["figures"]["used"] == 5
+    assert last["figures"]["without_sharing"] == 11
+    assert any(ev["type"] == "cow" for m in msgs for ev in m.get("kv", []))
+    assert r.shared == 2
+
+
+def test_committed_traces_replay_consistently():
+    """Every built-in trace exists and its events replay into its own final figures."""
+    for name in SCENARIOS:
+        path = trace_path(name)
+        assert path.exists(), f"missing trace {path}: run `python -m pagedllm.viz.scenarios`"
+        trace = json.loads(path.read_text())
+        r = replay_messages(trace["messages"])
+        fig = [m for m in trace["messages"] if "figures" in m][-1]["figures"]
+        assert (r.used, r.shared, r.cached_free) == (fig["used"], fig["shared"], fig["cached_free"]), name
+
+
+def test_scenarios_show_what_they_promise():
+    def kinds(trace):
+        return {ev["type"] for m in trace["messages"] for ev in m.get("kv", [])}
+
+    traces = {n: json.loads(trace_path(n).read_text()) for n in SCENARIOS}
+    assert "hit" in kinds(traces["chat"]) and any(
+        ev["type"] == "hit" and ev["blocks"] for m in traces["chat"]["messages"] for ev in m.get("kv", []))
+    assert {"fork", "cow"} <= kinds(traces["parallel-n4"])
+    assert any(m.get("preempted") for m in traces["preemption"]["messages"])
+
+
+def test_library_trace_is_reproducible():
+    fresh = json.loads(json.dumps(record("library")["messages"]))
+    assert fresh == json.loads(trace_path("library").read_text())["messages"]

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from ..server.api import ServerState
 
 logger = logging.getLogger(__name__)
+# index.html sits beside static/, so the page also opens from disk (file://) for replays.
+PAGE = Path(__file__).parent / "index.html"
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0
 
@@ -48,7 +50,7 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
     @app.get("/viz/", include_in_schema=False)
     async def viz_page(request: Request):
         check_key(request)
-        return FileResponse(STATIC / "index.html")
+        return FileResponse(PAGE)
 
     app.mount("/viz/static", StaticFiles(directory=STATIC), name="viz-static")
 

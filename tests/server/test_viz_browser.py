@@ -132,3 +132,21 @@ def test_live_page_matches_block_manager(server, model_dir):
         page.screenshot(path=str(ARTIFACTS / "viz_library.png"), full_page=True)
         assert not errors_js, errors_js
         browser.close()
+
+
+def test_page_from_disk_replays_a_trace_file():
+    """No server at all: the page opened from disk replays a trace chosen in its file picker."""
+    from pagedllm.viz.routes import PAGE
+    from pagedllm.viz.scenarios import trace_path
+
+    sync_playwright = _browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        page.goto(PAGE.as_uri() + "?speed=6")
+        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
+        page.set_input_files("#trace-file", str(trace_path("parallel-n4")))
+        page.wait_for_function("document.getElementById('mode').textContent.includes('(end)')", timeout=30_000)
+        assert page.locator("#log li[data-type=fork]").count() == 3
+        assert page.locator("#log li[data-type=cow]").count() >= 1
+        browser.close()

@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: Triton paged-attention kernels on CUDA, the torch reference elsewhere")
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -47,7 +50,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, allocation=args.allocation,
-        dtype=args.dtype, device=args.device, seed=args.seed)
+        dtype=args.dtype, device=args.device, seed=args.seed, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
 
 
 def kv_report(stats) -> str:

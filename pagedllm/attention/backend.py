@@ -27,6 +27,8 @@ class AttentionMetadata:
     # Decode rows are sorted by context length; these (start, end, max context) groups
     # let a backend pad each group only to its own longest context.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # A backend's own derived tensors for this step, built by the first layer, reused by the rest.
+    backend_state: dict = field(default_factory=dict)
 
 
 def length_groups(sorted_lens: list[int], size: int) -> list[tuple[int, int, int]]:
@@ -55,6 +57,16 @@ def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def get_backend(name: str) -> AttentionBackend:
+    if name == "triton" and "triton" not in _REGISTRY:
+        from .triton_backend import triton_available
+        raise ValueError(f"attention backend triton cannot run here: {triton_available()}")
     if name not in _REGISTRY:
         raise ValueError(f"attention backend must be one of {sorted(_REGISTRY)}, got {name!r}")
     return _REGISTRY[name]()
+
+
+def pick_backend(name: str, device: str) -> str:
+    """auto: Triton kernels on CUDA when Triton imports, the torch reference otherwise."""
+    if name != "auto":
+        return name
+    return "triton" if device == "cuda" and "triton" in _REGISTRY else "torch"

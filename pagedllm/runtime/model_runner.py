@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups
+from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pick_backend
 from ..config import EngineConfig
 from ..engine.scheduler import SchedulerOutput
 from ..kv import KVCacheManager
@@ -62,7 +62,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.block_size = cfg.block_size
         t0 = time.perf_counter()
-        backend = get_backend("torch")
+        backend = get_backend(pick_backend(cfg.attention_backend, self.device.type))
+        self.backend_name = backend.name
         with torch.device("meta"):  # no random init of weights we overwrite anyway
             model = LlamaForCausalLM(model_cfg, backend)
         model = model.to_empty(device=self.device)
@@ -74,7 +75,8 @@ class ModelRunner:
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
-        logger.info("model loaded in %.1f s (%s, %s)", time.perf_counter() - t0, self.dtype, self.device)
+        logger.info("model loaded in %.1f s (%s, %s, %s attention)", time.perf_counter() - t0, self.dtype,
+                    self.device, backend.name)
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device)
 
     @torch.inference_mode()

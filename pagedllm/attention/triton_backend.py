@@ -1,0 +1,59 @@
+"""The CUDA attention backend: Triton kernels that read K/V in place through the block
+tables (see triton_kernels). Chosen automatically on CUDA when Triton imports."""
+from __future__ import annotations
+
+import torch
+
+from .backend import AttentionBackend, AttentionMetadata, register
+
+
+def triton_available() -> str | None:
+    """None if the Triton backend can run here, else why not."""
+    import importlib.util
+    # find_spec, not import: importing Triton costs every start-up half a second.
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (pip install triton)"
+    return None
+
+
+class TritonPagedAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self) -> None:
+        from . import triton_kernels  # imported here: it sets TRITON_INTERPRET on CPU machines
+        self.k = triton_kernels
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+        kern = self.k
+        kern.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        n = meta.num_decodes
+        if n:
+            kern.paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
+                              scale, meta.decode_max_context, out=out[:n])
+        if meta.prefills:
+            t = self._prefill_tensors(meta, q.device)
+            kern.paged_prefill(q, k_cache, v_cache, out, t["tables"], t["q_starts"], t["q_lens"],
+                               t["ctx_lens"], t["tiles"], scale)
+        return out
+
+    def _prefill_tensors(self, meta: AttentionMetadata, device: torch.device) -> dict:
+        """The step's prefill descriptors as device tensors, built once and shared by every layer."""
+        t = meta.backend_state.get("triton_prefill")
+        if t is None:
+            ps = meta.prefills
+            width = max(p.block_table.numel() for p in ps)
+            tables = torch.zeros((len(ps), width), dtype=torch.int32, device=device)
+            for i, p in enumerate(ps):
+                tables[i, :p.block_table.numel()] = p.block_table
+            as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+            t = {"tables": tables, "q_starts": as_t([p.q_start for p in ps]), "q_lens": as_t([p.q_len for p in ps]),
+                 "ctx_lens": as_t([p.ctx_len for p in ps]),
+                 "tiles": self.k.prefill_tiles([p.q_len for p in ps], device)}
+            meta.backend_state["triton_prefill"] = t
+        return t
+
+
+if triton_available() is None:
+    register(TritonPagedAttention)

@@ -1,0 +1,236 @@
+"""Triton kernels for paged attention: K/V stay in their blocks and are read in place
+through the block tables (no gather copy).
+
+  reshape_and_cache  write the step's new K/V rows into their slots
+  paged_decode       one query token per sequence; the context is split into partitions
+                     run in parallel (split-K), then reduced: long contexts fill the GPU
+  paged_prefill      query chunks of variable length over a cached prefix plus themselves,
+                     causal by absolute position
+
+Cache layout: [num_blocks, block_size, kv_heads, head_dim], contiguous; token j of a
+sequence lives at slot table[j // B] * B + j % B. GQA: query head h reads kv head h // (H / KVH).
+
+On a machine without CUDA these run under Triton's interpreter (TRITON_INTERPRET=1, set
+here before the kernels are defined), which is how the tests check them on CPU.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+# Decode: tokens per partition (one program) and per inner tile.
+PARTITION = 512
+DECODE_TILE = 64
+PREFILL_M = 32
+PREFILL_N = 64
+
+
+def _p2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+@triton.jit
+def _reshape_and_cache(k_ptr, v_ptr, k_cache, v_cache, slots, stride_k, stride_v,
+                       KVD: tl.constexpr, BKVD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots + t).to(tl.int64)
+    offs = tl.arange(0, BKVD)
+    m = (offs < KVD) & ((offs * 0 + slot) >= 0)  # slot -1: a padding row (CUDA graph buckets)
+    k = tl.load(k_ptr + t * stride_k + offs, mask=m)
+    v = tl.load(v_ptr + t * stride_v + offs, mask=m)
+    tl.store(k_cache + slot * KVD + offs, k, mask=m)
+    tl.store(v_cache + slot * KVD + offs, v, mask=m)
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """k, v [T, KVH, D] (rows may be strided, each row contiguous) -> their slots."""
+    t, kvh, d = k.shape
+    if t == 0:
+        return
+    assert k.stride(2) == 1 and k.stride(1) == d and v.stride(2) == 1 and v.stride(1) == d
+    _reshape_and_cache[(t,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                             KVD=kvh * d, BKVD=triton.next_power_of_2(kvh * d))
+
+
+@triton.jit
+def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, acc_out, scale,
+                      stride_tab, max_parts,
+                      H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                      B: tl.constexpr, QG: tl.constexpr, BQ: tl.constexpr,
+                      PART: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
+    s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    part = tl.program_id(2)
+    ctx = tl.load(ctx_lens + s)
+    start = part * PART
+    end = tl.minimum(start + PART, ctx)
+    g = tl.arange(0, BQ)
+    gmask = g < QG
+    qh = kvh * QG + g
+    d = tl.arange(0, BD)
+    dmask = d < D
+    q = tl.load(q_ptr + s * H * D + qh[:, None] * D + d[None, :], mask=gmask[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([BQ], float("-inf"), tl.float32)
+    l = tl.zeros([BQ], tl.float32)  # noqa: E741
+    acc = tl.zeros([BQ, BD], tl.float32)
+    for t0 in range(start, end, TILE):
+        pos = t0 + tl.arange(0, TILE)
+        pmask = pos < end
+        blk = tl.load(tables + s * stride_tab + pos // B, mask=pmask, other=0).to(tl.int64)
+        off = (blk * B + pos % B) * (KVH * D) + kvh * D
+        kv_mask = pmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(pmask[None, :], sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(sc - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    base = (s * H + qh) * max_parts + part
+    tl.store(m_out + base, m, mask=gmask)
+    tl.store(l_out + base, l, mask=gmask)
+    tl.store(acc_out + base[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _decode_reduce(out_ptr, ctx_lens, m_out, l_out, acc_out, max_parts,
+                   H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PART: tl.constexpr):
+    s = tl.program_id(0)
+    h = tl.program_id(1)
+    ctx = tl.load(ctx_lens + s)
+    parts = tl.arange(0, BP)
+    pm = (parts < (ctx + PART - 1) // PART) & (parts < max_parts)
+    base = (s * H + h) * max_parts
+    m = tl.load(m_out + base + parts, mask=pm, other=float("-inf"))
+    l = tl.load(l_out + base + parts, mask=pm, other=0.0)  # noqa: E741
+    gm = tl.max(m, 0)
+    gm = tl.where(gm == float("-inf"), 0.0, gm)  # an empty sequence (padding row): output 0
+    w = tl.where(pm, tl.exp(m - gm), 0.0)
+    total = tl.sum(w * l, 0)
+    d = tl.arange(0, BD)
+    dmask = d < D
+    acc = tl.load(acc_out + (base + parts)[:, None] * D + d[None, :], mask=pm[:, None] & dmask[None, :], other=0.0)
+    o = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + (s * H + h) * D + d, o.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float, max_context: int, out: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """q [S, H, D]; block_tables [S, max_blocks] (int); context_lens [S] (0 = padding row).
+    `max_context` bounds every context_lens entry: it fixes the partition count, so a
+    CUDA graph captured with max_model_len serves any length."""
+    s, h, d = q.shape
+    out = torch.empty_like(q) if out is None else out
+    if s == 0:
+        return out
+    _, bs, kvh, _ = k_cache.shape
+    qg = h // kvh
+    parts = max(1, triton.cdiv(max_context, PARTITION))
+    m_out = torch.empty((s, h, parts), dtype=torch.float32, device=q.device)
+    l_out = torch.empty_like(m_out)
+    acc_out = torch.empty((s, h, parts, d), dtype=torch.float32, device=q.device)
+    bd = _p2(d)
+    ieee = q.dtype == torch.float32
+    _decode_partition[(s, kvh, parts)](
+        q, k_cache, v_cache, block_tables, context_lens, m_out, l_out, acc_out, scale,
+        block_tables.stride(0), parts, H=h, KVH=kvh, D=d, BD=bd, B=bs, QG=qg, BQ=_p2(qg),
+        PART=PARTITION, TILE=DECODE_TILE, IEEE=ieee)
+    _decode_reduce[(s, h)](out, context_lens, m_out, l_out, acc_out, parts, H=h, D=d, BD=bd,
+                           BP=triton.next_power_of_2(parts), PART=PARTITION)
+    return out
+
+
+@triton.jit
+def _prefill(q_ptr, k_cache, v_cache, out_ptr, tables, stride_tab, tile_seq, tile_row,
+             q_starts, q_lens, ctx_lens, scale,
+             H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, B: tl.constexpr,
+             QG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    kvh = h // QG
+    sq = tl.load(tile_seq + tile)
+    r0 = tl.load(tile_row + tile)
+    qs = tl.load(q_starts + sq)
+    ql = tl.load(q_lens + sq)
+    ctx = tl.load(ctx_lens + sq)
+    rows = r0 + tl.arange(0, BM)
+    rmask = rows < ql
+    qpos = ctx - ql + rows  # absolute position of each query
+    d = tl.arange(0, BD)
+    dmask = d < D
+    q = tl.load(q_ptr + (qs + rows)[:, None] * (H * D) + h * D + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    m = tl.full([BM], float("-inf"), tl.float32)
+    l = tl.zeros([BM], tl.float32)  # noqa: E741
+    acc = tl.zeros([BM, BD], tl.float32)
+    hi = tl.minimum(ctx, ctx - ql + r0 + BM)  # the tile's last query sees keys < hi
+    for n0 in range(0, hi, BN):
+        pos = n0 + tl.arange(0, BN)
+        pmask = pos < hi
+        blk = tl.load(tables + sq * stride_tab + pos // B, mask=pmask, other=0).to(tl.int64)
+        off = (blk * B + pos % B) * (KVH * D) + kvh * D
+        kv_mask = pmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        else:
+            sc = tl.dot(q, tl.trans(k)) * scale
+        sc = tl.where(pmask[None, :] & (pos[None, :] <= qpos[:, None]), sc, float("-inf"))
+        m_new = tl.maximum(m, tl.max(sc, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(sc - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)  # noqa: E741
+        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    o = acc / tl.where(l > 0, l, 1.0)[:, None]
+    tl.store(out_ptr + (qs + rows)[:, None] * (H * D) + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & dmask[None, :])
+
+
+def prefill_tiles(q_lens: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence index, first query row) of each PREFILL_M-row query tile."""
+    seq, row = [], []
+    for i, n in enumerate(q_lens):
+        for r in range(0, n, PREFILL_M):
+            seq.append(i)
+            row.append(r)
+    return (torch.tensor(seq, dtype=torch.int32, device=device),
+            torch.tensor(row, dtype=torch.int32, device=device))
+
+
+def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                  block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
+                  ctx_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor], scale: float) -> None:
+    """Rows q[q_starts[i] : q_starts[i] + q_lens[i]] of sequence i sit at absolute positions
+    ctx_lens[i] - q_lens[i] ...; each attends to keys 0..its position through block_tables[i]."""
+    n_tiles = tiles[0].numel()
+    if n_tiles == 0:
+        return
+    _, h, d = q.shape
+    _, bs, kvh, _ = k_cache.shape
+    _prefill[(n_tiles, h)](q, k_cache, v_cache, out, block_tables, block_tables.stride(0), tiles[0], tiles[1],
+                           q_starts, q_lens, ctx_lens, scale, H=h, KVH=kvh, D=d, BD=_p2(d), B=bs,
+                           QG=h // kvh, BM=PREFILL_M, BN=PREFILL_N, IEEE=q.dtype == torch.float32)

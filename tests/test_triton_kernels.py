@@ -122,6 +122,10 @@ def test_empty_batch_and_padding_rows():
     out = tk.paged_decode(q, k_cache, v_cache, torch.tensor([[0], [0]], device=DEV),
                           torch.tensor([6, 0], device=DEV), 0.1, max_context=2048)
     assert torch.isfinite(out).all() and out[1].eq(0).all()
+    # A graph-sized bound (128k) makes longer partitions, not hundreds of them; same answer.
+    big = tk.paged_decode(q, k_cache, v_cache, torch.tensor([[0], [0]], device=DEV),
+                          torch.tensor([6, 0], device=DEV), 0.1, max_context=131072)
+    torch.testing.assert_close(big, out)
 
 
 @pytest.mark.skipif(not CUDA, reason="bf16 tensor-core path: needs a GPU (the interpreter has no bf16 dot)")

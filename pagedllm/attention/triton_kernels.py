@@ -25,8 +25,11 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-# Decode: tokens per partition (one program) and per inner tile.
+# Decode: tokens per partition (one program) and per inner tile. Very long bounds (a CUDA
+# graph captured at a 128k max_model_len) get longer partitions, at most MAX_PARTS of them,
+# so the partial-result buffers stay small.
 PARTITION = 512
+MAX_PARTS = 32
 DECODE_TILE = 64
 PREFILL_M = 32
 PREFILL_N = 64
@@ -143,7 +146,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return out
     _, bs, kvh, _ = k_cache.shape
     qg = h // kvh
-    parts = max(1, triton.cdiv(max_context, PARTITION))
+    part_size = max(PARTITION, triton.next_power_of_2(triton.cdiv(max(max_context, 1), MAX_PARTS)))
+    parts = max(1, triton.cdiv(max_context, part_size))
     m_out = torch.empty((s, h, parts), dtype=torch.float32, device=q.device)
     l_out = torch.empty_like(m_out)
     acc_out = torch.empty((s, h, parts, d), dtype=torch.float32, device=q.device)
@@ -152,9 +156,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     _decode_partition[(s, kvh, parts)](
         q, k_cache, v_cache, block_tables, context_lens, m_out, l_out, acc_out, scale,
         block_tables.stride(0), parts, H=h, KVH=kvh, D=d, BD=bd, B=bs, QG=qg, BQ=_p2(qg),
-        PART=PARTITION, TILE=DECODE_TILE, IEEE=ieee)
+        PART=part_size, TILE=DECODE_TILE, IEEE=ieee)
     _decode_reduce[(s, h)](out, context_lens, m_out, l_out, acc_out, parts, H=h, D=d, BD=bd,
-                           BP=triton.next_power_of_2(parts), PART=PARTITION)
+                           BP=triton.next_power_of_2(parts), PART=part_size)
     return out
 
 

@@ -26,17 +26,21 @@ def available_ram() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+# Beyond the profiled peak: CUDA graphs' own pool, allocator fragmentation.
+_CUDA_MARGIN = 256 * 1024**2
+
+
+def kv_budget(cfg: EngineConfig, device: torch.device, activations: int | None = None) -> int:
     """Bytes for KV blocks. CPU: kv_cache_memory, else min(2 GiB, 25 % of free RAM).
     CUDA: gpu_memory_utilization of the device, less what weights and the rest of the
-    process already hold (vLLM's meaning), unless kv_cache_memory says otherwise."""
+    process already hold and the activations of the largest step as the profile run
+    measured them (vLLM's meaning), unless kv_cache_memory says otherwise."""
     if cfg.kv_cache_memory is not None:
         return int(cfg.kv_cache_memory)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
-        # Room for activations of the largest step: a rough, generous allowance.
-        activations = 512 * 1024**2
+        activations = (512 * 1024**2 if activations is None else activations) + _CUDA_MARGIN
         budget = int(total * cfg.gpu_memory_utilization) - in_use - activations
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves no room for KV "
@@ -46,14 +50,15 @@ def kv_budget(cfg: EngineConfig, device: torch.device) -> int:
 
 
 class KVCache:
-    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 activations: int | None = None) -> None:
         elt = torch.finfo(dtype).bits // 8
         self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
         self.bytes_per_block = self.bytes_per_token * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
-            budget = kv_budget(cfg, device)
+            budget = kv_budget(cfg, device, activations)
             num_blocks = budget // self.bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block "

@@ -75,9 +75,50 @@ class ModelRunner:
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
+        self.cfg = cfg
         logger.info("model loaded in %.1f s (%s, %s, %s attention)", time.perf_counter() - t0, self.dtype,
                     self.device, backend.name)
-        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device)
+        activations = self._profile_activations(cfg, model_cfg) if self._sizes_from_gpu(cfg) else None
+        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, activations)
+        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
+                                 model_cfg.max_position_embeddings)
+        self.graphs = None
+        if self.device.type == "cuda" and backend.name == "triton" and not cfg.enforce_eager:
+            from .cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, cfg.max_num_seqs, self.max_model_len,
+                                       cfg.block_size, self.device)
+            self.graphs.capture()
+
+    def _sizes_from_gpu(self, cfg: EngineConfig) -> bool:
+        return self.device.type == "cuda" and cfg.num_gpu_blocks_override is None and cfg.kv_cache_memory is None
+
+    @torch.inference_mode()
+    def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:
+        """Peak bytes a forward of the largest step takes beyond the weights (vLLM's
+        profile run): max_num_batched_tokens in one prefill, then the logits of
+        max_num_seqs rows. What is left of the budget goes to KV blocks."""
+        t = cfg.max_num_batched_tokens
+        nblk = -(-t // cfg.block_size)
+        shape = (nblk, cfg.block_size, mc.num_kv_heads, mc.head_dim)
+        tmp = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(t, device=dev), num_decodes=0, decode_block_tables=None,
+            decode_context_lens=None, decode_max_context=0,
+            prefills=[PrefillSeq(0, t, t, torch.arange(nblk, device=dev))])
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        base = torch.cuda.memory_allocated(dev)
+        hidden = self.model(torch.zeros(t, dtype=torch.long, device=dev),
+                            torch.arange(t, device=dev) % mc.max_position_embeddings, tmp, meta)
+        self.model.compute_logits(hidden[:min(t, cfg.max_num_seqs)]).float()
+        torch.cuda.synchronize(dev)
+        peak = torch.cuda.max_memory_allocated(dev) - base
+        del tmp, hidden
+        torch.cuda.empty_cache()
+        logger.info("profile run: %d tokens need %.2f GiB of activations", t, peak / 2**30)
+        return peak
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict]:
@@ -111,6 +152,9 @@ class ModelRunner:
             if s.sample_for:
                 logit_rows.append(len(ids) - 1)
                 sample_rows.append(s.sample_for)
+        if self.graphs is not None and not prefills and self.graphs.fits(len(decode_lens)):
+            hidden = self.graphs.run(ids, positions, slots, decode_tables, decode_lens)
+            return self._sample(hidden, logit_rows, sample_rows)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_lens),
             decode_block_tables=_pad(decode_tables, dev) if decode_lens else None,
@@ -119,9 +163,12 @@ class ModelRunner:
             decode_groups=length_groups(decode_lens, DECODE_GROUP))
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_cache.layers, meta)
+        return self._sample(hidden, logit_rows, sample_rows)
+
+    def _sample(self, hidden: torch.Tensor, logit_rows: list[int], sample_rows: list) -> tuple[dict[int, int], dict]:
         if not logit_rows:
             return {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=dev)])
+        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
         return sample(logits, sample_rows)
 
 

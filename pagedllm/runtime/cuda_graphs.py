@@ -1,0 +1,82 @@
+"""CUDA graphs for decode steps: the model's forward captured once per batch-size bucket
+over static input buffers, then replayed. A decode step of a small model is otherwise
+dominated by kernel-launch overhead (hundreds of launches per step).
+
+Padding rows (bucket size > live sequences) get slot -1 (no KV write) and context 0
+(attention output 0). Decode attention is captured with max_model_len as its bound, so
+one graph serves every context length. Needs the Triton attention backend.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from ..attention import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+
+BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512]
+
+
+class DecodeGraphs:
+    def __init__(self, model, kv_layers: list, max_num_seqs: int, max_model_len: int, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_layers = kv_layers
+        self.max_model_len = max_model_len
+        self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs),
+                                                                        max_num_seqs)]
+        n = self.buckets[-1]
+        max_blocks = -(-max_model_len // block_size)
+        self.ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
+        self.ctx = torch.zeros(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def _meta(self, bs: int) -> AttentionMetadata:
+        return AttentionMetadata(slot_mapping=self.slots[:bs], num_decodes=bs, decode_block_tables=self.tables[:bs],
+                                 decode_context_lens=self.ctx[:bs], decode_max_context=self.max_model_len,
+                                 prefills=[])
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        t0 = time.perf_counter()
+        pool = None
+        for bs in reversed(self.buckets):  # largest first: the smaller ones reuse its memory pool
+            meta = self._meta(bs)
+            self.model(self.ids[:bs], self.positions[:bs], self.kv_layers, meta)  # compiles the kernels
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=pool):
+                self.outputs[bs] = self.model(self.ids[:bs], self.positions[:bs], self.kv_layers, self._meta(bs))
+            pool = g.pool()
+            self.graphs[bs] = g
+        torch.cuda.synchronize()
+        logger.info("captured %d decode CUDA graphs (batch %d..%d) in %.1f s", len(self.graphs),
+                    self.buckets[0], self.buckets[-1], time.perf_counter() - t0)
+
+    def fits(self, num_seqs: int) -> bool:
+        return num_seqs <= self.buckets[-1]
+
+    def run(self, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            ctx_lens: list[int]) -> torch.Tensor:
+        """Hidden states [n, hidden] of n single-token decodes."""
+        n = len(ids)
+        bs = next(b for b in self.buckets if b >= n)
+        dev = self.ids.device
+        self.ids[:n].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
+        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
+        self.slots[n:bs].fill_(-1)
+        self.ctx[:n].copy_(torch.tensor(ctx_lens, dtype=torch.int32), non_blocking=True)
+        self.ctx[n:bs].zero_()
+        width = max(len(t) for t in tables)
+        rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        self.tables[:n, :width].copy_(rows.to(dev, non_blocking=True))
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The GPU check (issue 6): kernel tests at GPU shapes, decode-attention bandwidth, engine vs
+# HF transformers on a random ~1B Llama. Needs CUDA, torch, triton, transformers; no network,
+# no model file. About 3-4 minutes on one H200. Results: $OUT (or benchmarks/results/).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+OUT_DIR="${OUT:-benchmarks/results}"
+mkdir -p "$OUT_DIR"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device: this script is for a GPU machine')"
+python - <<'PY' 2>/dev/null || pip install --no-deps -q -e . 2>/dev/null || true
+import pagedllm
+PY
+echo "== kernel tests at GPU shapes"
+python -m pytest -q -p no:cacheprovider tests/test_triton_kernels.py 2>&1 | tee "$OUT_DIR/gpu_kernel_tests.txt" | tail -5
+echo "== benchmarks"
+python scripts/gpu_check.py --out "$OUT_DIR/gpu_check.json" 2>&1 | grep -v "^INFO" | tee "$OUT_DIR/gpu_check.txt"

@@ -169,7 +169,15 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
     # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    if hub is not None:  # open /viz pages hold event streams: end them first, or shutdown waits on them
+        exit_handler = server.handle_exit
+
+        def handle_exit(sig, frame) -> None:
+            hub.close_all()
+            exit_handler(sig, frame)
+        server.handle_exit = handle_exit
+    server.run()
     logging.getLogger(__name__).info("server stopped")
     return 0
 

@@ -63,6 +63,15 @@ class VizHub:
         sub.closed = True
         self.wake()
 
+    def close_all(self, reason: str = "the server is shutting down") -> None:
+        """End every event stream (a server draining its connections must not wait on them)."""
+        with self._lock:
+            subs, self._subscribers, self._joining = self._subscribers + self._joining, [], []
+        for sub in subs:
+            self._send(sub, {"kind": "closing", "reason": reason})
+            sub.closed = True
+        self.wake()
+
     @property
     def num_subscribers(self) -> int:
         with self._lock:

@@ -69,7 +69,7 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
                         yield ": keep-alive\n\n"
                         continue
                     yield f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
-                    if msg.get("kind") == "dropped":
+                    if msg.get("kind") in ("dropped", "closing"):
                         return
             finally:
                 hub.unsubscribe(sub)

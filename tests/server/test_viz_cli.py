@@ -37,3 +37,31 @@ def test_viz_command_plays_its_scenario(tmp_path):
     finally:
         proc.terminate()
         proc.wait(60)
+
+
+def test_open_viz_stream_does_not_hold_up_shutdown(tmp_path_factory):
+    import signal
+    import threading
+
+    from .conftest import start_server
+
+    server = start_server(tmp_path_factory, name="viz-shutdown")
+    got: list[str] = []
+
+    def watch() -> None:
+        with httpx.stream("GET", server.url + "/viz/events", timeout=60) as r:
+            for line in r.iter_lines():
+                got.append(line)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    deadline = time.time() + 30
+    while not any('"kind":"snapshot"' in x for x in got) and time.time() < deadline:
+        time.sleep(0.1)
+    assert got, "no snapshot on the event stream"
+    t0 = time.time()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(20) == 0
+    assert time.time() - t0 < 10, "an open /viz page held the shutdown up"
+    t.join(5)
+    assert any('"kind":"closing"' in x for x in got)

@@ -184,6 +184,7 @@ function applyMessage(m) {
     return;
   }
   if (m.kind === "dropped") log("evict", `live stream dropped: ${m.reason}; reload the page`);
+  if (m.kind === "closing") log("evict", `live stream closed: ${m.reason}`);
 }
 
 // ---------------------------------------------------------------- drawing

@@ -64,6 +64,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         backend = get_backend(pick_backend(cfg.attention_backend, self.device.type))
         self.backend_name = backend.name
+        if backend.name == "triton" and self.device.type == "cpu":
+            logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
+                           "(meant for tests); use --attention-backend torch")
         with torch.device("meta"):  # no random init of weights we overwrite anyway
             model = LlamaForCausalLM(model_cfg, backend)
         model = model.to_empty(device=self.device)

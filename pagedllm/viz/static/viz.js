@@ -21,7 +21,7 @@ function fresh(config) {
   return { config, refs: new Array(config.num_blocks).fill(0), hashed: new Set(), tables: new Map(),
            seqs: new Map(), reqs: new Map(), running: [], waiting: [], preempted: new Set(), figures: {},
            step: 0, batch: [], prefill: 0, decode: 0, timeline: [], flashes: new Map(), blockText: new Map(),
-           log: [], nreq: 0, cows: 0 };
+           log: [], nreq: 0, cows: 0, labels: new Map() };
 }
 
 function addRequest(rid, seqIds, n, prompt, maxTokens, label) {
@@ -29,18 +29,16 @@ function addRequest(rid, seqIds, n, prompt, maxTokens, label) {
     S.nreq += 1;
     S.reqs.set(rid, { label: label || `R${S.nreq}`, color: PALETTE[(S.nreq - 1) % PALETTE.length], seqs: seqIds, n, maxTokens });
   }
+  const r = S.reqs.get(rid);
   seqIds.forEach((sid, i) => {
     if (!S.seqs.has(sid)) S.seqs.set(sid, { req: rid, index: i, status: i === 0 ? "waiting" : "pending", tokens: [...prompt] });
+    // Labels outlive the request, for the log and the last batch.
+    S.labels.set(sid, { label: r.n > 1 ? `${r.label}.${i}` : r.label, color: r.color });
   });
 }
 
-function seqLabel(sid) {
-  const s = S.seqs.get(sid);
-  if (!s) return `s${sid}`;
-  const r = S.reqs.get(s.req);
-  return r.n > 1 ? `${r.label}.${s.index}` : r.label;
-}
-function seqColor(sid) { const s = S.seqs.get(sid); return s ? S.reqs.get(s.req).color : "#999"; }
+function seqLabel(sid) { return S.labels.get(sid)?.label ?? `s${sid}`; }
+function seqColor(sid) { return S.labels.get(sid)?.color ?? "#999"; }
 
 function flash(blocks, kind) { blocks.forEach((b) => S.flashes.set(b, kind)); }
 function log(type, text) {
@@ -464,6 +462,15 @@ $("step").onclick = () => {
 $("speed").oninput = speedChanged;
 $("go-live").onclick = () => { history.replaceState(null, "", location.pathname + keyQuery); goLive(); syncLiveSpeed(); };
 $("trace-select").onchange = (e) => { if (e.target.value) { loadTrace(e.target.value); speedLabel(); } };
+$("run-select").onchange = async (e) => {
+  const name = e.target.value;
+  e.target.value = "";
+  if (!name) return;
+  if (source?.kind !== "live") { history.replaceState(null, "", location.pathname + keyQuery); goLive(); await syncLiveSpeed(); }
+  const r = await fetch(`scenarios/${encodeURIComponent(name)}/run${keyQuery}`, { method: "POST" });
+  const body = await r.json();
+  if (S) { log("request", r.ok ? `scenario ${name}: ${body.requests} requests sent to the engine` : `scenario ${name}: ${body.error?.message}`); redraw(); }
+};
 $("trace-file").onchange = async (e) => {
   const file = e.target.files[0];
   if (!file) return;
@@ -487,6 +494,7 @@ async function init() {
     const r = await fetch(`scenarios${keyQuery}`);
     if (r.ok) for (const s of await r.json()) {
       if (s.trace) $("trace-select").insertAdjacentHTML("beforeend", `<option value="${esc(s.name)}">${esc(s.title)}</option>`);
+      if (s.live) $("run-select").insertAdjacentHTML("beforeend", `<option value="${esc(s.name)}">${esc(s.title)}</option>`);
     }
   } catch (_) { /* opened as a file: traces come from the file picker */ }
   if (params.get("speed")) $("speed").value = params.get("speed");

@@ -133,7 +133,33 @@ def test_bf16_on_gpu():
     run_both(6, 16, SHAPES[0], [2048] * 8 + [17], [(512, 300)], dtype=torch.bfloat16, atol=2e-2)
 
 
-def test_engine_greedy_output_same_as_torch_backend():
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_dir):
+    """A 2-layer random Llama with the default model's tokenizer: the interpreter runs the
+    whole engine on it in seconds, where the real 30 layers take minutes."""
+    import shutil
+
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8)  # sharp logits: no near-ties for greedy to break differently
+        for layer in model.model.layers:  # attention must dominate the residual stream, or the
+            for proj, k in (("q_proj", 3), ("k_proj", 3), ("v_proj", 6), ("o_proj", 6)):  # test
+                getattr(layer.self_attn, proj).weight.mul_(k)  # could not see an attention bug
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    for f in model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def test_engine_greedy_output_same_as_torch_backend(tiny_model):
     """The whole engine on the Triton backend (interpreted on CPU): prefill, a prefix hit,
     n=2 fork with copy-on-write, decode; greedy tokens equal the torch backend's."""
     from pagedllm import LLM, SamplingParams
@@ -142,13 +168,47 @@ def test_engine_greedy_output_same_as_torch_backend():
     prompts = [system + "The capital of France is", system + "The longest river is", "List three colors:"]
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, attention_backend=backend,
-                  device=DEV)
+        llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+                  attention_backend=backend, device=DEV)
         assert llm.engine.runner.backend_name == backend
-        greedy = [llm.generate(p, SamplingParams(max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+        greedy = [llm.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
+                               use_tqdm=False)[0]
                   for p in prompts[:2]]  # one after the other: the second hits the first's blocks
-        forked = llm.generate(prompts[2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=3,
-                                                          ignore_eos=True), use_tqdm=False)
-        outs[backend] = [c.token_ids for o in greedy + forked for c in o.outputs]
+        forked = llm.generate(prompts[2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8,
+                                                          ignore_eos=True, logprobs=0), use_tqdm=False)
+        outs[backend] = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in greedy + forked
+                         for c in o.outputs]
         assert llm.get_stats().cow_copies >= 1 and llm.get_stats().prefix_hits > 0
-    assert outs["triton"] == outs["torch"]
+    assert [t for t, _ in outs["triton"]] == [t for t, _ in outs["torch"]]
+    for (_, a), (_, b) in zip(outs["triton"], outs["torch"]):  # logprobs show errors argmax hides
+        assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
+    """The CUDA-graph decode path's static buffers, buckets and padding rows (slot -1,
+    context 0), run eagerly here: greedy tokens equal the plain Triton path's."""
+    import torch as _torch
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.runtime.cuda_graphs import DecodeGraphs
+
+    prompts = ["Name a fruit:", "The sky is", "One plus one is"]  # 3 decodes -> bucket 4, one padding row
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+              attention_backend="triton", device=DEV, max_num_seqs=6, enforce_eager=True)
+    r = llm.engine.runner
+    assert r.graphs is None
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    # Tokens and their logprobs: a wrong position or length shows in the logprobs even when
+    # the argmax survives it.
+    run = lambda: [(c.token_ids, [lp.logprob for lp in c.logprobs])  # noqa: E731
+                   for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
+    plain = run()
+    r.graphs = DecodeGraphs(r.model, r.kv_cache.layers, 6, r.max_model_len, r.block_size, _torch.device(DEV),
+                            use_graphs=CUDA)
+    r.graphs.capture()
+    assert r.graphs.buckets == [1, 2, 4, 8]
+    llm.reset_prefix_cache()
+    graphed = run()
+    assert [t for t, _ in graphed] == [t for t, _ in plain]
+    for (_, a), (_, b) in zip(graphed, plain):
+        assert a == pytest.approx(b, abs=1e-4)

@@ -187,6 +187,7 @@ function applyMessage(m) {
 
 // ---------------------------------------------------------------- drawing
 let dirty = false;
+let poolCells = [], poolSigs = [];
 function redraw() { if (!dirty) { dirty = true; requestAnimationFrame(draw); } }
 
 function owners() {
@@ -219,10 +220,15 @@ function draw() {
   $("bar-used").style.width = pct(used / top); $("bar-without").style.width = pct((f.without_sharing || 0) / top);
   $("bar-reserve").style.width = pct((f.reserve_max || 0) / top);
 
-  // The pool: one cell per physical block.
+  // The pool: one cell per physical block, created once; a frame rewrites only the cells
+  // whose look changed (thousands of blocks, a handful change per step).
   const pool = $("pool");
   pool.classList.toggle("dense", n > 768);
-  const cells = [];
+  if (poolCells.length !== n || pool.children.length !== n) {
+    pool.innerHTML = Array.from({ length: n }, (_, b) => `<div class="cell" data-block="${b}"></div>`).join("");
+    poolCells = Array.from(pool.children);
+    poolSigs = new Array(n).fill("");
+  }
   for (let b = 0; b < n; b++) {
     const ref = S.refs[b], h = own.get(b), cls = ["cell"];
     let fill = "", ownTxt = "";
@@ -233,10 +239,14 @@ function draw() {
     } else if (S.hashed.has(b)) cls.push("cached");
     if (ref > 1) cls.push("shared");
     const fl = S.flashes.get(b); if (fl) cls.push(`flash-${fl}`);
-    cells.push(`<div class="${cls.join(" ")}" data-block="${b}">${fill}<span class="id">${b}</span>` +
-               `<span class="own">${ownTxt}</span>${ref > 1 ? `<span class="ref">×${ref}</span>` : ""}</div>`);
+    const html = `${fill}<span class="id">${b}</span><span class="own">${ownTxt}</span>${ref > 1 ? `<span class="ref">×${ref}</span>` : ""}`;
+    const sig = cls.join(" ") + html;
+    if (sig !== poolSigs[b]) {
+      poolSigs[b] = sig;
+      poolCells[b].className = cls.join(" ");
+      poolCells[b].innerHTML = html;
+    }
   }
-  pool.innerHTML = cells.join("");
   S.flashes.clear();
 
   // Block tables, one row per sequence holding blocks.

@@ -125,13 +125,11 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     import os
     import signal
     from contextlib import asynccontextmanager
-    from pathlib import Path
 
     import uvicorn
 
     from .engine.async_engine import AsyncLLMEngine
     from .engine.engine import LLMEngine
-    from .loader import DEFAULT_MODEL_NAME
     from .server.api import ServerState, create_app
     from .viz.hub import VizHub
 
@@ -139,9 +137,9 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     if not keys and os.environ.get("PAGEDLLM_API_KEY"):
         keys = [k for k in os.environ["PAGEDLLM_API_KEY"].split(",") if k]
     isolation = args.prefix_cache_isolation or ("per-key" if keys else "none")
-    name = args.served_model_name or (DEFAULT_MODEL_NAME if args.model is None else Path(args.model).stem)
     try:
         engine = LLMEngine(cfg)
+        name = args.served_model_name or engine.model_name
         async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval)
         async_engine.step_delay = step_delay
         hub = VizHub(engine, wake=async_engine.wake) if args.viz else None
@@ -185,16 +183,15 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
 def cmd_viz(args: argparse.Namespace) -> int:
     """Serve the engine with the visualizer and play a scenario on it."""
     import asyncio
+    import dataclasses
 
     from .viz.routes import run_scenario
     from .viz.scenarios import SCENARIOS
 
     sc = SCENARIOS[args.scenario]
-    cfg = engine_config(args)
-    for field, value in sc.engine.items():  # the scenario's pool size etc., unless given as flags
-        if getattr(args, field, None) == args.engine_defaults.get(field):
-            setattr(cfg, field, value)
-    cfg.__post_init__()
+    # The scenario's pool size etc., unless given as flags.
+    cfg = dataclasses.replace(engine_config(args), **{k: v for k, v in sc.engine.items()
+                                                      if getattr(args, k) == args.engine_defaults[k]})
     base = f"http://{args.host}:{args.port}/viz/"
     url = f"{base}?trace={sc.name}" if not sc.requests else base
 

@@ -10,16 +10,12 @@ from pagedllm.config import EngineConfig
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.viz.hub import VizHub
 from pagedllm.viz.scenarios import SCENARIOS, library_messages, record, trace_path
-from pagedllm.viz.state import KVReplay
+from pagedllm.viz.state import KVReplay, kv_picture
 
 
 def replay_messages(messages: list[dict]) -> KVReplay:
-    snap = messages[0]
-    assert snap["kind"] == "snapshot"
-    r = KVReplay(snap["config"]["num_blocks"], refs=list(snap["refs"]), hashed=set(snap["hashed"]))
-    for sid, (blocks, tokens) in snap["tables"].items():
-        from pagedllm.viz.state import TableState
-        r.tables[int(sid)] = TableState(list(blocks), tokens)
+    assert messages[0]["kind"] == "snapshot"
+    r = KVReplay.from_picture(messages[0])
     for m in messages[1:]:
         for ev in m.get("kv", []):
             r.apply(ev)
@@ -27,10 +23,7 @@ def replay_messages(messages: list[dict]) -> KVReplay:
 
 
 def assert_matches(kv, r: KVReplay) -> None:
-    assert r.refs == [b.ref_cnt for b in kv.pool.blocks]
-    assert r.hashed == {b.block_id for b in kv.pool.blocks if b.block_hash is not None}
-    assert {s: (t.blocks, t.tokens) for s, t in r.tables.items()} == \
-        {s: (t.block_ids, t.num_tokens) for s, t in kv.tables.items()}
+    assert r.picture() == kv_picture(kv)
 
 
 @pytest.fixture(scope="module")

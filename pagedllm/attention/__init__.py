@@ -1,8 +1,8 @@
 from . import torch_ref  # noqa: F401  (registers the reference backend)
 from . import triton_backend  # noqa: F401  (registers the Triton backend where Triton imports)
-from .backend import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups,
+from .backend import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows,
                       pick_backend)
 from .triton_backend import triton_available
 
-__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSeq", "get_backend", "length_groups", "pick_backend",
-           "triton_available"]
+__all__ = ["AttentionBackend", "AttentionMetadata", "PrefillSeq", "get_backend", "length_groups", "pad_rows",
+           "pick_backend", "triton_available"]

@@ -37,6 +37,12 @@ def length_groups(sorted_lens: list[int], size: int) -> list[tuple[int, int, int
             for i in range(0, len(sorted_lens), size)]
 
 
+def pad_rows(rows: list[list[int]], device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Block tables of different lengths as one [len(rows), longest] tensor, zero-padded."""
+    width = max(len(r) for r in rows)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=dtype, device=device)
+
+
 class AttentionBackend(ABC):
     name: str
 

@@ -64,6 +64,37 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 
 @triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    # fp32 inputs: exact products (tl.dot would round them to TF32 on a GPU).
+    if IEEE:
+        out = tl.dot(a, b, input_precision="ieee")
+    else:
+        out = tl.dot(a, b)
+    return out
+
+
+@triton.jit
+def _attend_tile(q, k_cache, v_cache, table_row, pos, pmask, visible, kvh, d, dmask, m, l, acc, scale,  # noqa: E741
+                 B: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):
+    """Fold one tile of keys (token positions `pos`, read in place through the block
+    table) into the running softmax state (max m, sum l, output acc) of the queries q.
+    `visible` [rows, tile] masks what each query may see."""
+    blk = tl.load(table_row + pos // B, mask=pmask, other=0).to(tl.int64)
+    off = (blk * B + pos % B) * (KVH * D) + kvh * D
+    kv_mask = pmask[:, None] & dmask[None, :]
+    k = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    sc = tl.where(visible, _dot(q, tl.trans(k), IEEE) * scale, float("-inf"))
+    m_new = tl.maximum(m, tl.max(sc, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees nothing yet
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(sc - m_safe[:, None])
+    l = l * alpha + tl.sum(p, 1)  # noqa: E741
+    v = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l, acc
+
+
+@triton.jit
 def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, acc_out, scale,
                       stride_tab, max_parts,
                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -87,25 +118,8 @@ def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, a
     for t0 in range(start, end, TILE):
         pos = t0 + tl.arange(0, TILE)
         pmask = pos < end
-        blk = tl.load(tables + s * stride_tab + pos // B, mask=pmask, other=0).to(tl.int64)
-        off = (blk * B + pos % B) * (KVH * D) + kvh * D
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            sc = tl.dot(q, tl.trans(k)) * scale
-        sc = tl.where(pmask[None, :], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(sc - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, l, acc = _attend_tile(q, k_cache, v_cache, tables + s * stride_tab, pos, pmask,  # noqa: E741
+                                 pmask[None, :], kvh, d, dmask, m, l, acc, scale, B, KVH, D, IEEE)
     base = (s * H + qh) * max_parts + part
     tl.store(m_out + base, m, mask=gmask)
     tl.store(l_out + base, l, mask=gmask)
@@ -189,26 +203,9 @@ def _prefill(q_ptr, k_cache, v_cache, out_ptr, tables, stride_tab, tile_seq, til
     for n0 in range(0, hi, BN):
         pos = n0 + tl.arange(0, BN)
         pmask = pos < hi
-        blk = tl.load(tables + sq * stride_tab + pos // B, mask=pmask, other=0).to(tl.int64)
-        off = (blk * B + pos % B) * (KVH * D) + kvh * D
-        kv_mask = pmask[:, None] & dmask[None, :]
-        k = tl.load(k_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            sc = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        else:
-            sc = tl.dot(q, tl.trans(k)) * scale
-        sc = tl.where(pmask[None, :] & (pos[None, :] <= qpos[:, None]), sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(sc - m_safe[:, None])
-        l = l * alpha + tl.sum(p, 1)  # noqa: E741
-        v = tl.load(v_cache + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        visible = pmask[None, :] & (pos[None, :] <= qpos[:, None])  # causal by absolute position
+        m, l, acc = _attend_tile(q, k_cache, v_cache, tables + sq * stride_tab, pos, pmask, visible,  # noqa: E741
+                                 kvh, d, dmask, m, l, acc, scale, B, KVH, D, IEEE)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
     tl.store(out_ptr + (qs + rows)[:, None] * (H * D) + h * D + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=rmask[:, None] & dmask[None, :])

@@ -67,7 +67,7 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
                              "(max_position_embeddings, or its sliding window)")
-        self.runner = ModelRunner(cfg, model_dir, self.model_cfg)
+        self.runner = ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)

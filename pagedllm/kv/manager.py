@@ -213,9 +213,10 @@ class KVCacheManager:
         """Return a sequence's blocks, tail first (its tail is the least likely reused)."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            self.pool.release(table.block_ids[::-1])
+            tail_first = table.block_ids[::-1]
+            self.pool.release(tail_first)
             if self.listener is not None:
-                self.listener({"type": "free", "seq": seq_id, "blocks": table.block_ids[::-1]})
+                self.listener({"type": "free", "seq": seq_id, "blocks": tail_first})
 
     # -- queries -------------------------------------------------------------
     def block_table(self, seq_id: int) -> BlockTable:

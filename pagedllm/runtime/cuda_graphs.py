@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ..attention import AttentionMetadata
+from ..attention import AttentionMetadata, pad_rows
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +80,8 @@ class DecodeGraphs:
         self.slots[n:bs].fill_(-1)
         self.ctx[:n].copy_(torch.tensor(ctx_lens, dtype=torch.int32), non_blocking=True)
         self.ctx[n:bs].zero_()
-        width = max(len(t) for t in tables)
-        rows = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        self.tables[:n, :width].copy_(rows.to(dev, non_blocking=True))
+        rows = pad_rows(tables, "cpu", torch.int32)
+        self.tables[:n, :rows.shape[1]].copy_(rows.to(dev, non_blocking=True))
         if not self.use_graphs:
             return self.model(self.ids[:bs], self.positions[:bs], self.kv_layers, self._meta(bs))[:n]
         self.graphs[bs].replay()

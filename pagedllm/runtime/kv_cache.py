@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Callable
 
 import torch
 
@@ -30,17 +31,17 @@ def available_ram() -> int:
 _CUDA_MARGIN = 256 * 1024**2
 
 
-def kv_budget(cfg: EngineConfig, device: torch.device, activations: int | None = None) -> int:
+def kv_budget(cfg: EngineConfig, device: torch.device, profile: Callable[[], int] | None = None) -> int:
     """Bytes for KV blocks. CPU: kv_cache_memory, else min(2 GiB, 25 % of free RAM).
     CUDA: gpu_memory_utilization of the device, less what weights and the rest of the
     process already hold and the activations of the largest step as the profile run
-    measured them (vLLM's meaning), unless kv_cache_memory says otherwise."""
+    measured them (`profile`, run only here), unless kv_cache_memory says otherwise."""
     if cfg.kv_cache_memory is not None:
         return int(cfg.kv_cache_memory)
     if device.type == "cuda":
+        activations = (512 * 1024**2 if profile is None else profile()) + _CUDA_MARGIN
         free, total = torch.cuda.mem_get_info(device)
         in_use = total - free
-        activations = (512 * 1024**2 if activations is None else activations) + _CUDA_MARGIN
         budget = int(total * cfg.gpu_memory_utilization) - in_use - activations
         if budget <= 0:
             raise ValueError(f"gpu_memory_utilization {cfg.gpu_memory_utilization} leaves no room for KV "
@@ -51,14 +52,14 @@ def kv_budget(cfg: EngineConfig, device: torch.device, activations: int | None =
 
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 activations: int | None = None) -> None:
+                 profile: Callable[[], int] | None = None) -> None:
         elt = torch.finfo(dtype).bits // 8
         self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
         self.bytes_per_block = self.bytes_per_token * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
-            budget = kv_budget(cfg, device, activations)
+            budget = kv_budget(cfg, device, profile)
             num_blocks = budget // self.bytes_per_block
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block "

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pick_backend
+from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows, pick_backend
 from ..config import EngineConfig
 from ..engine.scheduler import SchedulerOutput
 from ..kv import KVCacheManager
@@ -57,7 +57,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig) -> None:
+    def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.block_size = cfg.block_size
@@ -78,22 +78,17 @@ class ModelRunner:
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
-        self.cfg = cfg
         logger.info("model loaded in %.1f s (%s, %s, %s attention)", time.perf_counter() - t0, self.dtype,
                     self.device, backend.name)
-        activations = self._profile_activations(cfg, model_cfg) if self._sizes_from_gpu(cfg) else None
-        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, activations)
-        self.max_model_len = min(cfg.max_model_len or model_cfg.max_position_embeddings,
-                                 model_cfg.max_position_embeddings)
+        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device,
+                                profile=lambda: self._profile_activations(cfg, model_cfg))
+        self.max_model_len = max_model_len
         self.graphs = None
         if self.device.type == "cuda" and backend.name == "triton" and not cfg.enforce_eager:
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
             self.graphs.capture()
-
-    def _sizes_from_gpu(self, cfg: EngineConfig) -> bool:
-        return self.device.type == "cuda" and cfg.num_gpu_blocks_override is None and cfg.kv_cache_memory is None
 
     @torch.inference_mode()
     def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -160,7 +155,7 @@ class ModelRunner:
             return self._sample(hidden, logit_rows, sample_rows)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_lens),
-            decode_block_tables=_pad(decode_tables, dev) if decode_lens else None,
+            decode_block_tables=pad_rows(decode_tables, dev) if decode_lens else None,
             decode_context_lens=torch.tensor(decode_lens, device=dev) if decode_lens else None,
             decode_max_context=max(decode_lens, default=0), prefills=prefills,
             decode_groups=length_groups(decode_lens, DECODE_GROUP))
@@ -173,8 +168,3 @@ class ModelRunner:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
         return sample(logits, sample_rows)
-
-
-def _pad(rows: list[list[int]], device: torch.device) -> torch.Tensor:
-    width = max(len(r) for r in rows)
-    return torch.tensor([r + [0] * (width - len(r)) for r in rows], device=device)

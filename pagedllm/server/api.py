@@ -55,13 +55,18 @@ class ServerState:
         self.tokenizer = engine.engine.tokenizer
 
     # -- request checks ------------------------------------------------------
-    def authenticate(self, request: Request) -> str | None:
+    def authenticate(self, request: Request, query_key: bool = False) -> str | None:
+        """The caller's API key (None when the server has none). query_key also takes
+        ?api_key=, for clients that cannot set headers (a browser's EventSource)."""
         if not self.api_keys:
             return None
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        if not key and query_key:
+            key = request.query_params.get("api_key", "")
         if not any(hmac.compare_digest(key.encode(), k) for k in self.api_keys):
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", "authentication_error")
+            how = "Authorization: Bearer <key>" + (", or ?api_key=<key>" if query_key else "")
+            raise APIError(401, f"invalid or missing API key ({how})", "authentication_error")
         return key
 
     def cache_salt(self, key: str | None, requested: str | None) -> str | None:

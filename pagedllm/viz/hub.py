@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..kv import KVCacheManager
+from .state import kv_picture
 
 if TYPE_CHECKING:
     from ..engine.engine import LLMEngine
@@ -162,18 +163,14 @@ class VizHub:
 
     # -- pictures ------------------------------------------------------------------
     def snapshot(self) -> dict:
-        eng, kv = self.engine, self.engine.kv
+        eng = self.engine
         seqs = {}
         for req in eng.requests.values():
             for s in req.seqs:
                 seqs[s.seq_id] = {"req": req.request_id, "index": s.index, "status": s.status.name.lower(),
-                                  "prompt_len": len(req.prompt_token_ids),
                                   "tokens": self._pieces(s.token_ids)}
         return {"kind": "snapshot", "t": self._now(), "step": eng.steps, "config": self.config(),
-                "refs": [b.ref_cnt for b in kv.pool.blocks],
-                "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
-                "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in kv.tables.items()},
-                "seqs": seqs,
+                **kv_picture(eng.kv), "seqs": seqs,
                 "requests": {rid: {"seqs": [s.seq_id for s in r.seqs], "n": len(r.seqs),
                                    "max_tokens": r.max_tokens} for rid, r in eng.requests.items()},
                 **self._queues(), "figures": self.figures()}

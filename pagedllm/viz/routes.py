@@ -3,7 +3,6 @@ a consistent state read, and the built-in scenarios (as traces, or run on the li
 from __future__ import annotations
 
 import asyncio
-import hmac
 import itertools
 import json
 import logging
@@ -17,6 +16,7 @@ from fastapi.staticfiles import StaticFiles
 
 from .hub import VizHub
 from .scenarios import SCENARIOS, prompt_text, trace_path
+from .state import kv_picture
 
 if TYPE_CHECKING:
     from ..server.api import ServerState
@@ -32,15 +32,8 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
     from ..server.api import APIError
 
     def check_key(request: Request) -> None:
-        # EventSource cannot send headers, so the page passes the key as ?api_key=.
-        if not state.api_keys:
-            return
-        key = request.query_params.get("api_key", "")
-        auth = request.headers.get("authorization", "")
-        if auth.lower().startswith("bearer "):
-            key = auth[7:].strip()
-        if not any(hmac.compare_digest(key.encode(), k) for k in state.api_keys):
-            raise APIError(401, "the visualizer needs an API key: /viz/?api_key=<key>", "authentication_error")
+        # The page shows every request's text; EventSource cannot send headers, hence ?api_key=.
+        state.authenticate(request, query_key=True)
 
     @app.get("/viz", include_in_schema=False)
     async def viz_redirect(request: Request):
@@ -84,7 +77,7 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
 
         def read(engine):
             return {"step": engine.steps, "config": hub.config(), "figures": hub.figures(),
-                    "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in engine.kv.tables.items()},
+                    "tables": kv_picture(engine.kv)["tables"],
                     "paused": state.engine.paused, "step_delay": state.engine.step_delay,
                     "subscribers": hub.num_subscribers}
         return await asyncio.wait_for(state.engine.call(read), 30)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..demo import NAMES, SYSTEM, WORDS, library_kv, library_steps
 from .hub import kv_figures
+from .state import kv_picture
 
 TRACE_DIR = Path(__file__).parent / "static" / "traces"
 TRACE_VERSION = 1
@@ -125,7 +126,7 @@ def library_messages() -> list[dict]:
              "config": {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size, "policy": kv.policy,
                         "prefix_caching": True, "max_num_seqs": 4, "max_model_len": max_len,
                         "model": "none (KV manager only)"},
-             "refs": [0] * kv.pool.num_blocks, "hashed": [], "tables": {}, "seqs": {}, "requests": {},
+             **kv_picture(kv), "seqs": {}, "requests": {},
              "running": [], "waiting": [], "figures": kv_figures(kv, 0)}]
     msgs.append({"kind": "request", "t": 0, "req": NAMES[0], "label": NAMES[0], "seqs": [0], "n": 1, "max_tokens": 8,
                  "prompt": [WORDS[t] for t in SYSTEM]})

@@ -19,6 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def kv_picture(kv) -> dict:
+    """A KVCacheManager's block-level state in the shape snapshots carry:
+    refs per block, hashed (prefix-cached) block ids, and tables {seq: [blocks, tokens]}."""
+    return {"refs": [b.ref_cnt for b in kv.pool.blocks],
+            "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
+            "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in kv.tables.items()}}
+
+
 @dataclass
 class TableState:
     blocks: list[int] = field(default_factory=list)
@@ -35,6 +43,17 @@ class KVReplay:
     def __post_init__(self) -> None:
         if not self.refs:
             self.refs = [0] * self.num_blocks
+
+    @classmethod
+    def from_picture(cls, pic: dict) -> KVReplay:
+        """Start from a snapshot (or kv_picture); JSON may have turned seq ids into strings."""
+        return cls(len(pic["refs"]), list(pic["refs"]), set(pic["hashed"]),
+                   {int(sid): TableState(list(blocks), tokens) for sid, (blocks, tokens) in pic["tables"].items()})
+
+    def picture(self) -> dict:
+        """The same shape as kv_picture, to compare the two."""
+        return {"refs": list(self.refs), "hashed": sorted(self.hashed),
+                "tables": {sid: [t.blocks, t.tokens] for sid, t in self.tables.items()}}
 
     def apply(self, ev: dict) -> None:
         kind = ev["type"]

@@ -8,7 +8,7 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
-from pagedllm.viz.state import KVReplay
+from pagedllm.viz.state import KVReplay, kv_picture
 
 B = 4
 NUM_BLOCKS = 24
@@ -24,10 +24,7 @@ def watched(kv: KVCacheManager) -> KVReplay:
 
 def assert_replay_matches(kv: KVCacheManager, replay: KVReplay) -> None:
     """The event stream alone rebuilds the manager's tables, ref counts and cache marks."""
-    assert replay.refs == [b.ref_cnt for b in kv.pool.blocks]
-    assert replay.hashed == {b.block_id for b in kv.pool.blocks if b.block_hash is not None}
-    assert {s: (t.blocks, t.tokens) for s, t in replay.tables.items()} == \
-        {s: (t.block_ids, t.num_tokens) for s, t in kv.tables.items()}
+    assert replay.picture() == kv_picture(kv)
 
 
 class KVManagerMachine(RuleBasedStateMachine):

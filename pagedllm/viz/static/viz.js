@@ -21,13 +21,13 @@ function fresh(config) {
   return { config, refs: new Array(config.num_blocks).fill(0), hashed: new Set(), tables: new Map(),
            seqs: new Map(), reqs: new Map(), running: [], waiting: [], preempted: new Set(), figures: {},
            step: 0, batch: [], prefill: 0, decode: 0, timeline: [], flashes: new Map(), blockText: new Map(),
-           log: [], nreq: 0, cows: 0, labels: new Map() };
+           log: [], nreq: 0, labels: new Map() };
 }
 
-function addRequest(rid, seqIds, n, prompt, maxTokens, label) {
+function addRequest(rid, seqIds, n, prompt, label) {
   if (!S.reqs.has(rid)) {
     S.nreq += 1;
-    S.reqs.set(rid, { label: label || `R${S.nreq}`, color: PALETTE[(S.nreq - 1) % PALETTE.length], seqs: seqIds, n, maxTokens });
+    S.reqs.set(rid, { label: label || `R${S.nreq}`, color: PALETTE[(S.nreq - 1) % PALETTE.length], seqs: seqIds, n });
   }
   const r = S.reqs.get(rid);
   seqIds.forEach((sid, i) => {
@@ -65,7 +65,7 @@ function applyKV(ev) {
       flash(ev.blocks, "alloc");
       break;
     case "cow":
-      S.refs[ev.src] -= 1; S.refs[ev.dst] = 1; t.blocks[ev.index] = ev.dst; S.cows += 1;
+      S.refs[ev.src] -= 1; S.refs[ev.dst] = 1; t.blocks[ev.index] = ev.dst;
       log("cow", `${seqLabel(ev.seq)} copy-on-write: logical block ${ev.index} P${ev.src} → P${ev.dst} (P${ev.src} was shared)`);
       flash([ev.src, ev.dst], "cow");
       break;
@@ -139,7 +139,7 @@ function applyMessage(m) {
   if (m.kind === "snapshot") {
     S = fresh(m.config);
     S.refs = [...m.refs]; S.hashed = new Set(m.hashed); S.step = m.step;
-    for (const [rid, r] of Object.entries(m.requests)) addRequest(rid, r.seqs, r.n, [], r.max_tokens);
+    for (const [rid, r] of Object.entries(m.requests)) addRequest(rid, r.seqs, r.n, []);
     for (const [sid, s] of Object.entries(m.seqs)) {
       const e = S.seqs.get(Number(sid)) || {};
       S.seqs.set(Number(sid), { ...e, req: s.req, index: s.index, status: s.status, tokens: s.tokens });
@@ -151,7 +151,7 @@ function applyMessage(m) {
   }
   if (!S) return;
   if (m.kind === "request") {
-    addRequest(m.req, m.seqs, m.n, m.prompt, m.max_tokens, m.label);
+    addRequest(m.req, m.seqs, m.n, m.prompt, m.label);
     const r = S.reqs.get(m.req);
     log("request", `${r.label} arrives: ${m.prompt.length} prompt tokens${m.n > 1 ? `, n=${m.n}` : ""}${m.forked_from !== undefined ? ` (reader forked from ${seqLabel(m.forked_from)})` : ""}`);
     return;

@@ -94,7 +94,9 @@ def _attend_tile(q, k_cache, v_cache, table_row, pos, pmask, visible, kvh, d, dm
     return m_new, l, acc
 
 
-@triton.jit
+# Arguments that change from step to step are not specialized on (Triton would otherwise
+# compile a variant for each of "== 1", "% 16 == 0", "other": a stall mid-serving).
+@triton.jit(do_not_specialize=["stride_tab", "max_parts"])
 def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, acc_out, scale,
                       stride_tab, max_parts,
                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
@@ -126,7 +128,7 @@ def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, a
     tl.store(acc_out + base[:, None] * D + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_parts"])
 def _decode_reduce(out_ptr, ctx_lens, m_out, l_out, acc_out, max_parts,
                    H: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr, PART: tl.constexpr):
     s = tl.program_id(0)
@@ -149,34 +151,38 @@ def _decode_reduce(out_ptr, ctx_lens, m_out, l_out, acc_out, max_parts,
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor, scale: float, max_context: int, out: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 context_lens: torch.Tensor, scale: float, max_context: int, out: torch.Tensor | None = None,
+                 partition: int = PARTITION, tile: int | None = None, **launch) -> torch.Tensor:
     """q [S, H, D]; block_tables [S, max_blocks] (int); context_lens [S] (0 = padding row).
     `max_context` bounds every context_lens entry: it fixes the partition count, so a
-    CUDA graph captured with max_model_len serves any length."""
+    CUDA graph captured with max_model_len serves any length. `partition`, `tile` and
+    `launch` (num_warps, num_stages) are for tuning sweeps (scripts/gpu_check.py)."""
     s, h, d = q.shape
     out = torch.empty_like(q) if out is None else out
     if s == 0:
         return out
     _, bs, kvh, _ = k_cache.shape
     qg = h // kvh
-    part_size = max(PARTITION, triton.next_power_of_2(triton.cdiv(max(max_context, 1), MAX_PARTS)))
+    part_size = max(partition, triton.next_power_of_2(triton.cdiv(max(max_context, 1), MAX_PARTS)))
     parts = max(1, triton.cdiv(max_context, part_size))
     m_out = torch.empty((s, h, parts), dtype=torch.float32, device=q.device)
     l_out = torch.empty_like(m_out)
     acc_out = torch.empty((s, h, parts, d), dtype=torch.float32, device=q.device)
     bd = _p2(d)
     ieee = q.dtype == torch.float32
+    # fp32 (IEEE, no tensor cores): half the tile, or ptxas spills registers at head dim 128.
+    tile = tile or (DECODE_TILE // 2 if ieee else DECODE_TILE)
     _decode_partition[(s, kvh, parts)](
         q, k_cache, v_cache, block_tables, context_lens, m_out, l_out, acc_out, scale,
         block_tables.stride(0), parts, H=h, KVH=kvh, D=d, BD=bd, B=bs, QG=qg, BQ=_p2(qg),
-        PART=part_size, TILE=DECODE_TILE, IEEE=ieee)
+        PART=part_size, TILE=tile, IEEE=ieee, **launch)
+    # BP fixed at MAX_PARTS (parts never exceed it): one compiled reduce for every length.
     _decode_reduce[(s, h)](out, context_lens, m_out, l_out, acc_out, parts, H=h, D=d, BD=bd,
-                           BP=triton.next_power_of_2(parts), PART=part_size)
+                           BP=MAX_PARTS, PART=part_size)
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tab"])
 def _prefill(q_ptr, k_cache, v_cache, out_ptr, tables, stride_tab, tile_seq, tile_row,
              q_starts, q_lens, ctx_lens, scale,
              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, B: tl.constexpr,
@@ -232,6 +238,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         return
     _, h, d = q.shape
     _, bs, kvh, _ = k_cache.shape
+    ieee = q.dtype == torch.float32
     _prefill[(n_tiles, h)](q, k_cache, v_cache, out, block_tables, block_tables.stride(0), tiles[0], tiles[1],
                            q_starts, q_lens, ctx_lens, scale, H=h, KVH=kvh, D=d, BD=_p2(d), B=bs,
-                           QG=h // kvh, BM=PREFILL_M, BN=PREFILL_N, IEEE=q.dtype == torch.float32)
+                           QG=h // kvh, BM=PREFILL_M, BN=PREFILL_N // 2 if ieee else PREFILL_N, IEEE=ieee,
+                           num_warps=8 if ieee else 4)  # fp32: smaller key tiles, more warps, no register spills

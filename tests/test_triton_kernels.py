@@ -212,3 +212,35 @@ def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
     assert [t for t, _ in graphed] == [t for t, _ in plain]
     for (_, a), (_, b) in zip(graphed, plain):
         assert a == pytest.approx(b, abs=1e-4)
+
+
+def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
+    """What a CUDA graph replays must not read tensor values on the host (.item(), nonzero,
+    ...: capture fails or bakes one step's values in) nor build tensors from Python data.
+    The decode forward over the graph buffers, every aten op recorded."""
+    import torch as _torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from pagedllm import LLM
+    from pagedllm.runtime.cuda_graphs import DecodeGraphs
+
+    host_reads = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::equal",
+                  "aten::is_nonzero", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::_unique2"}
+    ops: list[str] = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            ops.append(func._schema.name)
+            return func(*args, **(kwargs or {}))
+
+    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+              attention_backend="triton", device=DEV, max_num_seqs=4, enforce_eager=True)
+    r = llm.engine.runner
+    g = DecodeGraphs(r.model, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),
+                     use_graphs=False)
+    g.ctx[:2] = _torch.tensor([5, 9], dtype=_torch.int32)
+    g.slots[:2] = _torch.tensor([4, 40])
+    with _torch.inference_mode(), Record():
+        g.model(g.ids[:4], g.positions[:4], g.kv_layers, g._meta(4))
+    assert {"aten::linear", "aten::embedding", "aten::rms_norm"} <= set(ops)  # the forward ran under the recorder
+    assert not host_reads & set(ops), sorted(host_reads & set(ops))

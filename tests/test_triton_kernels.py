@@ -128,9 +128,13 @@ def test_empty_batch_and_padding_rows():
     torch.testing.assert_close(big, out)
 
 
-@pytest.mark.skipif(not CUDA, reason="bf16 tensor-core path: needs a GPU (the interpreter has no bf16 dot)")
-def test_bf16_on_gpu():
-    run_both(6, 16, SHAPES[0], [2048] * 8 + [17], [(512, 300)], dtype=torch.bfloat16, atol=2e-2)
+def test_bf16():
+    """bf16 K/V and queries (tensor cores on a GPU; widened to fp32 dots in the interpreter,
+    whose numpy dot has no bf16)."""
+    if BIG:
+        run_both(6, 16, SHAPES[0], [2048] * 8 + [17], [(512, 300)], dtype=torch.bfloat16, atol=2e-2)
+    else:
+        run_both(6, 16, SHAPES[0], [MAX_CTX, 40, 17, 1], [(20, 45)], dtype=torch.bfloat16, atol=2e-2)
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +248,19 @@ def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
         g.model(g.ids[:4], g.positions[:4], g.kv_layers, g._meta(4))
     assert {"aten::linear", "aten::embedding", "aten::rms_norm"} <= set(ops)  # the forward ran under the recorder
     assert not host_reads & set(ops), sorted(host_reads & set(ops))
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter is only used without CUDA")
+def test_triton_imported_before_the_interpreter_was_set_is_a_clear_error():
+    """transformers imports triton; if that happens before PagedLLM sets TRITON_INTERPRET=1,
+    the interpreter cannot run Triton's own library functions. Say so, at backend creation."""
+    import subprocess
+    import sys
+
+    code = ("import os; os.environ.pop('TRITON_INTERPRET', None); import triton\n"
+            "from pagedllm.attention import get_backend\n"
+            "try:\n    get_backend('triton')\nexcept ValueError as e:\n    print('ValueError:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "ValueError: attention backend triton cannot run here" in res.stdout, res.stdout + res.stderr
+    assert "export TRITON_INTERPRET=1" in res.stdout and "--attention-backend torch" in res.stdout

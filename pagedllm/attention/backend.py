@@ -68,7 +68,10 @@ def get_backend(name: str) -> AttentionBackend:
         raise ValueError(f"attention backend triton cannot run here: {triton_available()}")
     if name not in _REGISTRY:
         raise ValueError(f"attention backend must be one of {sorted(_REGISTRY)}, got {name!r}")
-    return _REGISTRY[name]()
+    try:
+        return _REGISTRY[name]()
+    except ImportError as e:
+        raise ValueError(f"attention backend {name} cannot run here: {e}") from e
 
 
 def pick_backend(name: str, device: str) -> str:

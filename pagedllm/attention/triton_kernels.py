@@ -25,6 +25,17 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+if not torch.cuda.is_available():
+    from triton.runtime.interpreter import InterpretedFunction
+
+    # Triton's own library functions (tl.zeros, tl.sum, ...) are interpreted only if the
+    # variable was set before triton was first imported; otherwise the kernels fail deep
+    # inside the interpreter with "Cannot call @triton.jit'd outside of the scope of a kernel".
+    if triton.knobs.runtime.interpret and not isinstance(tl.zeros, InterpretedFunction):
+        raise ImportError("the Triton backend on a machine without CUDA runs under Triton's interpreter, but triton "
+                          "was imported (by transformers or another library) before TRITON_INTERPRET=1 could be "
+                          "set: export TRITON_INTERPRET=1 before starting, or use --attention-backend torch")
+
 # Decode: tokens per partition (one program) and per inner tile. Very long bounds (a CUDA
 # graph captured at a 128k max_model_len) get longer partitions, at most MAX_PARTS of them,
 # so the partial-result buffers stay small.
@@ -63,10 +74,17 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
                              KVD=kvh * d, BKVD=triton.next_power_of_2(kvh * d))
 
 
+# The interpreter's dot is numpy's, which has no bf16: it would multiply raw bits. There,
+# half-precision tiles are widened first (same products: bf16 x bf16 is exact in fp32).
+_WIDEN_DOT = tl.constexpr(bool(triton.knobs.runtime.interpret))
+
+
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     # fp32 inputs: exact products (tl.dot would round them to TF32 on a GPU).
-    if IEEE:
+    if _WIDEN_DOT:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    elif IEEE:
         out = tl.dot(a, b, input_precision="ieee")
     else:
         out = tl.dot(a, b)

@@ -244,12 +244,12 @@ def main() -> None:
         return gpu_smoke.parity(path, hf_model)
     section(res, "parity", out, parity)
 
-    if small:
-        big, _ = gpu_smoke.make_dir(root, "tiny", tok, torch.bfloat16, hidden_size=128, intermediate_size=256,
-                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-    else:
-        big, _ = gpu_smoke.make_dir(root, "llama-1b", tok, torch.bfloat16, hidden_size=2048, intermediate_size=5632,
-                                    num_hidden_layers=args.layers, num_attention_heads=32, num_key_value_heads=8)
+    size = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2) if small else \
+        dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=args.layers, num_attention_heads=32,
+             num_key_value_heads=8)
+    big = gpu_smoke.make_dir(root, "llama", tok, torch.bfloat16, **size)[0]  # the HF copy is dropped here
+    gpu_smoke.empty_cache()
     work = gpu_smoke.mixed_workload(8 if small else args.requests)
     res["workload"] = {"requests": len(work), "prompt_tokens": sum(len(p) for p, _ in work),
                        "output_tokens": sum(o for _, o in work)}

@@ -148,8 +148,9 @@ def main() -> None:
                                num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2)
     res.update(parity(small, small_hf))
     print(json.dumps(res), flush=True)
-    big, _ = make_dir(root, "llama-1b", tok_dir, torch.bfloat16, hidden_size=2048, intermediate_size=5632,
-                      num_hidden_layers=args.big_layers, num_attention_heads=32, num_key_value_heads=8)
+    big = make_dir(root, "llama-1b", tok_dir, torch.bfloat16, hidden_size=2048, intermediate_size=5632,
+                   num_hidden_layers=args.big_layers, num_attention_heads=32, num_key_value_heads=8)[0]
+    empty_cache()
     res.update(throughput(big, args.requests, args.hf_batch))
     print(json.dumps(res, indent=2))
     if args.out:

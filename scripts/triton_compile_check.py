@@ -159,11 +159,14 @@ def decode_meta(s: int, max_blocks: int, max_context: int, graph: bool) -> Atten
                              prefills=[])
 
 
-def prefill_meta(block: int) -> AttentionMetadata:
-    # Two chunks: 40 new tokens over a 64-token cached prefix, and a fresh 100-token prompt.
-    seqs = [PrefillSeq(0, 40, 104, torch.arange(-(-104 // block))),
-            PrefillSeq(40, 100, 100, torch.arange(-(-100 // block)))]
-    return AttentionMetadata(slot_mapping=torch.arange(140), num_decodes=0, decode_block_tables=None,
+def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> AttentionMetadata:
+    """Prefill chunks (new tokens, context they end at). Default: 40 new tokens over a
+    64-token cached prefix, and a fresh 100-token prompt."""
+    seqs, at = [], 0
+    for q_len, ctx in chunks:
+        seqs.append(PrefillSeq(at, q_len, ctx, torch.arange(-(-ctx // block))))
+        at += q_len
+    return AttentionMetadata(slot_mapping=torch.arange(at), num_decodes=0, decode_block_tables=None,
                              decode_context_lens=None, decode_max_context=0, prefills=seqs)
 
 
@@ -186,8 +189,9 @@ def check_model(comp: Compiler, model: tuple, arch: int, dt: str) -> None:
 
 
 def recompiles(comp: Compiler, model: tuple, arch: int) -> list[str]:
-    """Decode steps as serving produces them: batch 1..256, contexts 1..32k, tables as wide
-    as the longest. Each kernel may compile once per partition size, no more."""
+    """Steps as serving produces them: decodes of batch 1..256 over contexts 1..32k (tables
+    as wide as the longest), prefill chunks of any length over any cached prefix. Each
+    decode kernel may compile once per partition size, the others once."""
     comp.context = (model[0], arch, "bf16")
     comp.keys_by_kernel.clear()
     block = model[4]
@@ -196,8 +200,10 @@ def recompiles(comp: Compiler, model: tuple, arch: int) -> list[str]:
                    (2, 16384), (5, 16385), (7, 32768)]:
         run_backend(model, torch.bfloat16, decode_meta(s, -(-ctx // block), ctx, graph=False))
         parts.add(max(tk.PARTITION, triton.next_power_of_2(triton.cdiv(ctx, tk.MAX_PARTS))))
+    for chunks in [((1, 1),), ((7, 7), (300, 900)), ((2048, 2048),), ((16, 4000), (5, 5), (33, 65), (64, 64))]:
+        run_backend(model, torch.bfloat16, prefill_meta(block, chunks))
     got = {k: len(v) for k, v in comp.keys_by_kernel.items()}
-    want = {"_reshape_and_cache": 1, "_decode_partition": len(parts), "_decode_reduce": len(parts)}
+    want = {"_reshape_and_cache": 1, "_decode_partition": len(parts), "_decode_reduce": len(parts), "_prefill": 1}
     return [f"{k}: {got.get(k, 0)} compiled variants over the sweep, expected {n}"
             for k, n in want.items() if got.get(k, 0) != n]
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
 import time
 import traceback
 from pathlib import Path
-
-import os
 
 import torch
 

@@ -221,9 +221,10 @@ def main() -> int:
     archs = [int(a) for a in args.arch.split(",")]
     dtypes = args.dtype.split(",")
     models = QUICK if args.quick else MODELS
-    plan = [(m, a, d) for a in archs for m in models for d in dtypes]
+    plan = {a: [(m, d) for m in models for d in dtypes] for a in archs}  # per arch: (model, dtype)
     if args.quick:
-        plan = [(m, a, "bf16") for a in archs for m in models] + [(models[-1], archs[-1], "fp32")]
+        plan = {a: [(m, "bf16") for m in models] for a in archs}
+        plan[archs[-1]].append((models[-1], "fp32"))
     comp = Compiler()
     knobs.runtime.jit_cache_hook = comp
     problems: list[str] = []
@@ -231,9 +232,8 @@ def main() -> int:
         driver.set_active(StandInDriver(arch))
         for kern in (tk._reshape_and_cache, tk._decode_partition, tk._decode_reduce, tk._prefill):
             kern.device_caches.clear()  # binders hold the target they were made for
-        for model, a, dt in plan:
-            if a == arch:
-                check_model(comp, model, arch, dt)
+        for model, dt in plan[arch]:
+            check_model(comp, model, arch, dt)
         problems += [f"sm_{arch} {QUICK[-1][0]}: {p}" for p in recompiles(comp, QUICK[-1], arch)]
     knobs.runtime.jit_cache_hook = None
 

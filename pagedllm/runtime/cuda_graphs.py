@@ -33,9 +33,10 @@ class DecodeGraphs:
                                                                         max_num_seqs)]
         n = self.buckets[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), -1, dtype=torch.long, device=device)
+        # ids, positions and slots share one buffer: a step fills all three with one copy.
+        self.io = torch.zeros((3, n), dtype=torch.long, device=device)
+        self.ids, self.positions, self.slots = self.io
+        self.slots.fill_(-1)
         self.tables = torch.zeros((n, max_blocks), dtype=torch.int32, device=device)
         self.ctx = torch.zeros(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -73,15 +74,12 @@ class DecodeGraphs:
         """Hidden states [n, hidden] of n single-token decodes."""
         n = len(ids)
         bs = next(b for b in self.buckets if b >= n)
-        dev = self.ids.device
-        self.ids[:n].copy_(torch.tensor(ids), non_blocking=True)
-        self.positions[:n].copy_(torch.tensor(positions), non_blocking=True)
-        self.slots[:n].copy_(torch.tensor(slots), non_blocking=True)
-        self.slots[n:bs].fill_(-1)
-        self.ctx[:n].copy_(torch.tensor(ctx_lens, dtype=torch.int32), non_blocking=True)
-        self.ctx[n:bs].zero_()
+        pad = bs - n  # padding rows: token 0 at position 0, no slot (-1), context 0
+        self.io[:, :bs].copy_(torch.tensor([ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad]),
+                              non_blocking=True)
+        self.ctx[:bs].copy_(torch.tensor(ctx_lens + [0] * pad, dtype=torch.int32), non_blocking=True)
         rows = pad_rows(tables, "cpu", torch.int32)
-        self.tables[:n, :rows.shape[1]].copy_(rows.to(dev, non_blocking=True))
+        self.tables[:n, :rows.shape[1]].copy_(rows, non_blocking=True)
         if not self.use_graphs:
             return self.model(self.ids[:bs], self.positions[:bs], self.kv_layers, self._meta(bs))[:n]
         self.graphs[bs].replay()

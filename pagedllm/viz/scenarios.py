@@ -147,7 +147,6 @@ def library_messages() -> list[dict]:
     return msgs
 
 
-
 def main(argv: list[str] | None = None) -> int:
     """Record the built-in traces: python -m pagedllm.viz.scenarios [NAME ...] [--out DIR]"""
     import argparse

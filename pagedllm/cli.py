@@ -38,9 +38,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     g.add_argument("--device", default="auto")
     g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="auto: Triton paged-attention kernels on CUDA, the torch reference elsewhere")
+    g.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton"], default="auto",
+                   help="auto: Triton paged-attention kernels on CUDA, the compiled CPU kernel elsewhere "
+                        "(torch: the reference, gathers blocks for SDPA)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--num-threads", type=int, default=None,
+                   help="CPU threads (default: OMP_NUM_THREADS, else one per physical core); fewer are used "
+                        "while other processes keep cores busy")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -51,7 +55,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, allocation=args.allocation,
         dtype=args.dtype, device=args.device, seed=args.seed, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager)
+        enforce_eager=args.enforce_eager, num_threads=args.num_threads)
 
 
 def kv_report(stats) -> str:
@@ -103,7 +107,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     st = llm.get_stats()
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"\n{len(outputs)} requests, {gen} tokens generated in {elapsed:.2f} s "
-          f"({gen / elapsed:.1f} tok/s, {llm.engine.runner.dtype}, {llm.engine.runner.device})")
+          f"({gen / elapsed:.1f} tok/s, {llm.engine.runner.describe()})")
     print(kv_report(st))
     return 0
 

@@ -40,8 +40,9 @@ class EngineConfig:
     dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
     device: str = "auto"                # auto | cpu | cuda
     seed: int = 0
-    attention_backend: str = "auto"     # auto (Triton on CUDA, torch elsewhere) | torch | triton
+    attention_backend: str = "auto"     # auto (triton on CUDA, cpu on CPU) | cpu | torch | triton
     enforce_eager: bool = False         # True: no CUDA graphs for decode steps
+    num_threads: int | None = None      # CPU threads; None: OMP_NUM_THREADS, else one per physical core
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -62,7 +63,9 @@ class EngineConfig:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
+            raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
         if self.allocation == "reserve-max":
             self.enable_prefix_caching = False

@@ -246,7 +246,7 @@ def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
     g.slots[:2] = _torch.tensor([4, 40])
     with _torch.inference_mode(), Record():
         g.model(g.ids[:4], g.positions[:4], g.kv_layers, g._meta(4))
-    assert {"aten::linear", "aten::embedding", "aten::rms_norm"} <= set(ops)  # the forward ran under the recorder
+    assert {"aten::linear", "aten::embedding"} <= set(ops)  # the forward ran under the recorder
     assert not host_reads & set(ops), sorted(host_reads & set(ops))
 
 

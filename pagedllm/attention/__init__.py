@@ -1,4 +1,5 @@
 from . import torch_ref  # noqa: F401  (registers the reference backend)
+from . import cpu_backend  # noqa: F401  (registers the compiled CPU kernel's backend)
 from . import triton_backend  # noqa: F401  (registers the Triton backend where Triton imports)
 from .backend import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows,
                       pick_backend)

@@ -27,6 +27,12 @@ class AttentionMetadata:
     # Decode rows are sorted by context length; these (start, end, max context) groups
     # let a backend pad each group only to its own longest context.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # Every sequence of the step in row order (decodes, then prefills), for backends that
+    # take the whole step at once: block tables [S, W] int32 (zero-padded), keys after
+    # this step [S] int32, first query row [S + 1] int32.
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    query_start_loc: torch.Tensor | None = None
     # A backend's own derived tensors for this step, built by the first layer, reused by the rest.
     backend_state: dict = field(default_factory=dict)
 
@@ -45,6 +51,17 @@ def pad_rows(rows: list[list[int]], device: torch.device | str, dtype: torch.dty
 
 class AttentionBackend(ABC):
     name: str
+
+    @staticmethod
+    def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Raise ValueError if this backend cannot run a model with these heads."""
+
+    @staticmethod
+    def cache_shapes(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                     dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Shapes of one layer's K and V pools; a block is always the first dimension."""
+        shape = (num_blocks, block_size, kv_heads, head_dim)
+        return shape, shape
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -75,7 +92,9 @@ def get_backend(name: str) -> AttentionBackend:
 
 
 def pick_backend(name: str, device: str) -> str:
-    """auto: Triton kernels on CUDA when Triton imports, the torch reference otherwise."""
+    """auto: Triton kernels on CUDA when Triton imports, the compiled kernel on CPU."""
     if name != "auto":
         return name
-    return "triton" if device == "cuda" and "triton" in _REGISTRY else "torch"
+    if device == "cuda":
+        return "triton" if "triton" in _REGISTRY else "torch"
+    return "cpu"

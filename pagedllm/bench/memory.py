@@ -32,8 +32,8 @@ def _slim(r: dict) -> dict:
 def paged_vs_reserve(tok, kw: dict, opts: WorkloadOptions) -> dict:
     reqs = load_workload("sharegpt", tok, opts)
     base = {**kw, "enable_prefix_caching": False}
-    paged = run_engine(reqs, base, label="paged")
-    reserve = run_engine(reqs, {**base, "allocation": "reserve-max"}, label="reserve-max")
+    paged = run_engine(reqs, base, label="paged", passes=1)
+    reserve = run_engine(reqs, {**base, "allocation": "reserve-max"}, label="reserve-max", passes=1)
     paged["workload"] = reserve["workload"] = "sharegpt"
     return {"paged": paged, "reserve_max": reserve,
             "concurrency_ratio": paged["max_concurrent_seqs"] / max(1, reserve["max_concurrent_seqs"]),
@@ -44,7 +44,7 @@ def prefix_sharing(tok, kw: dict, opts: WorkloadOptions, workloads=("chat-shared
     out = []
     for w in workloads:
         reqs = load_workload(w, tok, opts)
-        r = run_engine(reqs, {**kw, "enable_prefix_caching": True}, label=f"paged + prefix cache ({w})")
+        r = run_engine(reqs, {**kw, "enable_prefix_caching": True}, label=f"paged + prefix cache ({w})", passes=1)
         r["workload"] = w
         B = kw.get("block_size", 16)
         n_p = _common_prefix_len(tok, reqs) // B
@@ -61,7 +61,7 @@ def prefix_sharing(tok, kw: dict, opts: WorkloadOptions, workloads=("chat-shared
 
 def parallel_sampling(tok, kw: dict, opts: WorkloadOptions, n: int = 4) -> dict:
     reqs = load_workload("sharegpt", tok, opts)
-    r = run_engine(reqs, {**kw, "enable_prefix_caching": False}, n=n, temperature=0.8, label=f"paged n={n}")
+    r = run_engine(reqs, {**kw, "enable_prefix_caching": False}, n=n, temperature=0.8, label=f"paged n={n}", passes=1)
     r["workload"] = "sharegpt"
     fracs = [1 - s["used_blocks"] / s["blocks_without_sharing"] for s in r["steps"] if s["blocks_without_sharing"]]
     r["mean_blocks_saved_frac"] = sum(fracs) / max(1, len(fracs))
@@ -73,7 +73,7 @@ def block_size_sweep(tok, kw: dict, opts: WorkloadOptions, sizes=(1, 8, 16, 32, 
     reqs = load_workload("sharegpt", tok, opts)
     out = []
     for b in sizes:
-        r = run_engine(reqs, {**kw, "block_size": b, "enable_prefix_caching": False}, label=f"block size {b}")
+        r = run_engine(reqs, {**kw, "block_size": b, "enable_prefix_caching": False}, label=f"block size {b}", passes=1)
         r["workload"], r["block_size"] = "sharegpt", b
         out.append(r)
     return out

@@ -50,10 +50,14 @@ def iter_records(text: str | None = None) -> Iterator[dict]:
 
 
 def sample_sharegpt(tokenizer, num_prompts: int, seed: int = 0, max_prompt_len: int = 1024,
-                    max_output_len: int | None = None, max_total_len: int = 2048) -> list[BenchRequest]:
+                    max_output_len: int | None = None, max_total_len: int = 2048, truncate: bool = False,
+                    fixed_output_len: int | None = None) -> list[BenchRequest]:
     """vLLM's ShareGPT sampling: first human turn as prompt, the reply's token count as
     output length; keep prompt and output >= 4 tokens, prompt <= max_prompt_len,
-    prompt + output <= max_total_len. max_output_len caps (not filters) the output."""
+    prompt + output <= max_total_len. truncate cuts longer prompts to max_prompt_len
+    instead of dropping them (long prompts stay in the sample). max_output_len caps the
+    output; fixed_output_len replaces it (vLLM's --sharegpt-output-len). Prompts are
+    token ids, so every engine gets exactly the same tokens."""
     convs = [r["conversations"] for r in records()
              if len(r.get("conversations", [])) >= 2 and r["conversations"][0].get("from") == "human"]
     random.Random(seed).shuffle(convs)
@@ -61,12 +65,13 @@ def sample_sharegpt(tokenizer, num_prompts: int, seed: int = 0, max_prompt_len: 
     for conv in convs:
         if len(out) >= num_prompts:
             break
-        prompt, reply = conv[0]["value"], conv[1]["value"]
-        p_len = len(tokenizer.encode(prompt, add_special_tokens=False))
-        o_len = len(tokenizer.encode(reply, add_special_tokens=False))
-        if p_len < 4 or o_len < 4 or p_len > max_prompt_len or p_len + o_len > max_total_len:
+        ids = tokenizer.encode(conv[0]["value"], add_special_tokens=False)
+        o_len = fixed_output_len or len(tokenizer.encode(conv[1]["value"], add_special_tokens=False))
+        if truncate:
+            ids = ids[:max_prompt_len]
+        if len(ids) < 4 or o_len < 4 or len(ids) > max_prompt_len or len(ids) + o_len > max_total_len:
             continue
-        if max_output_len is not None:
+        if max_output_len is not None and fixed_output_len is None:
             o_len = min(o_len, max_output_len)
-        out.append(BenchRequest(prompt, p_len, o_len))
+        out.append(BenchRequest(ids, len(ids), o_len))
     return out

@@ -11,25 +11,27 @@ from .sharegpt import BenchRequest
 
 
 def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temperature: float = 0.0,
-               use_tqdm: bool = True, label: str = "pagedllm") -> dict:
-    """Generate every request (ignore_eos, max_tokens = its output length) in one batch;
-    return throughput, the engine's counters and a per-step KV record."""
+               use_tqdm: bool = True, label: str = "pagedllm", passes: int = 2) -> dict:
+    """Generate every request (ignore_eos, max_tokens = its output length) in one batch,
+    `passes` times in this process: the first is cold (a fresh engine, nothing warmed
+    up), the last is reported, with the first's figures beside it. Returns throughput,
+    the engine's counters and a per-step KV record of the last pass."""
     from ..engine import LLM
 
     llm = LLM(**engine_kwargs)
-    # Warm up over a spread of batch shapes: oneDNN builds a kernel per matmul shape on first
-    # use, which would otherwise be charged to whichever run comes first.
-    warm = [[(7 * i + j) % 1000 + 1000 for j in range(8 + 4 * i)] for i in range(64)]
-    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    llm.reset_prefix_cache()
     engine = llm.engine
-    start = engine.stats()
-    engine.step_log = []
     params = [SamplingParams(n=n, temperature=temperature, seed=i if temperature else None,
                              max_tokens=r.output_len, ignore_eos=True) for i, r in enumerate(reqs)]
-    t0 = time.perf_counter()
-    outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=use_tqdm)
-    dt = time.perf_counter() - t0
+    cold = None
+    for i in range(passes):
+        llm.reset_prefix_cache()  # every pass starts from an empty prefix cache
+        start = engine.stats()
+        engine.step_log = []
+        t0 = time.perf_counter()
+        outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=use_tqdm)
+        dt = time.perf_counter() - t0
+        if i == 0:
+            cold = {"elapsed_s": dt, "output_tok_s": sum(len(c.token_ids) for o in outs for c in o.outputs) / dt}
     st = engine.stats()
     steps, engine.step_log = engine.step_log, None
     out_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -37,9 +39,11 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     hits, queries = st.prefix_hits - start.prefix_hits, st.prefix_queries - start.prefix_queries
     return {
         "engine": label, "config": {k: v for k, v in engine_kwargs.items()}, "n": n,
+        "runner": engine.runner.describe(),
         "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
         "output_tokens": out_tok, "prompt_tokens": prompt_tok,
         "output_tok_s": out_tok / dt, "total_tok_s": (out_tok + prompt_tok) / dt,
+        "cold": cold, "cold_over_warm": cold["output_tok_s"] / (out_tok / dt) if passes > 1 else None,
         "computed_tok_s": (st.computed_prompt_tokens - start.computed_prompt_tokens
                            + st.generation_tokens - start.generation_tokens) / dt,
         "max_concurrent_seqs": max((s["batch_seqs"] for s in steps), default=0),
@@ -53,6 +57,16 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
         "bytes_per_block": st.bytes_per_token * st.block_size,
         "stats": st.as_dict(), "steps": steps,
     }
+
+
+def in_own_process(fn, *args, **kwargs):
+    """fn(*args, **kwargs) in a fresh process (spawned, not forked): every engine of a
+    comparison starts cold, with its own oneDNN kernel cache and thread pool."""
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+        return ex.submit(fn, *args, **kwargs).result()
 
 
 def print_throughput(r: dict) -> None:

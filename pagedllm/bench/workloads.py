@@ -21,7 +21,7 @@ WORKLOADS = ("sharegpt", "random", "chat-shared-system", "rag-doc-qa", "batch-ev
 class WorkloadOptions:
     num_prompts: int = 100
     seed: int = 0
-    max_prompt_len: int = 256         # sharegpt filters; chat caps the user turn
+    max_prompt_len: int = 256         # sharegpt filters (or truncates); chat caps the user turn
     max_output_len: int = 128         # caps every workload's output length
     input_len: int = 128              # random
     output_len: int = 64              # random, rag-doc-qa
@@ -29,6 +29,8 @@ class WorkloadOptions:
     system_tokens: int = 160          # chat-shared-system
     doc_tokens: int = 1500            # rag-doc-qa
     shots: int = 5                    # batch-eval
+    truncate: bool = False            # sharegpt: cut long prompts to max_prompt_len instead of dropping them
+    fixed_output_len: int | None = None  # sharegpt: every output this long (vLLM's --sharegpt-output-len)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -47,7 +49,8 @@ def _n_tokens(tok, text: str) -> int:
 
 
 def _sharegpt(tok, o: WorkloadOptions) -> list[BenchRequest]:
-    return sample_sharegpt(tok, o.num_prompts, o.seed, o.max_prompt_len, o.max_output_len)
+    return sample_sharegpt(tok, o.num_prompts, o.seed, o.max_prompt_len, o.max_output_len,
+                           truncate=o.truncate, fixed_output_len=o.fixed_output_len)
 
 
 def _random(tok, o: WorkloadOptions) -> list[BenchRequest]:

@@ -25,6 +25,51 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+class Ops:
+    """The per-token pieces of a layer: the compiled CPU kernels (pagedllm.kernels) when
+    given, plain torch otherwise (CUDA, or where the kernels cannot be built). Both
+    compute the same thing; tests hold one against the other."""
+
+    def __init__(self, kernels=None) -> None:
+        self.k = kernels
+
+    def fused(self, x: torch.Tensor) -> bool:
+        return self.k is not None and x.device.type == "cpu" and x.shape[-1] % 16 == 0
+
+    def norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        if not self.fused(x):
+            return norm(x)
+        out = torch.empty_like(x)
+        self.k.rms_norm(out, x, norm.weight, norm.eps)
+        return out
+
+    def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual)."""
+        if not self.fused(x):
+            residual = x + residual
+            return norm(residual), residual
+        self.k.add_rms_norm(x, residual, norm.weight, norm.eps)  # in place: both were ours to reuse
+        return x, residual
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if not self.fused(gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+        self.k.silu_and_mul(out, gate_up)
+        return out
+
+    def rotary(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        """A function rotating (q, k) for this step's positions, tables looked up once."""
+        if self.k is not None and positions.device.type == "cpu" and rope.cos.shape[1] % 16 == 0:
+            def rotate(q, k):
+                self.k.rope(q, k, positions, rope.cos, rope.sin)  # in place, fp32 tables
+                return q, k
+            return rotate
+        cos, sin = rope(positions, dtype)
+        return lambda q, k: (apply_rope(q, cos, sin), apply_rope(k, cos, sin))
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -34,11 +79,11 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.d ** -0.5
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, rotate, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q = apply_rope(q.view(t, self.h, self.d), *rope)
-        k = apply_rope(k.view(t, self.kvh, self.d), *rope)
+        qkv = self.qkv_proj(x)
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k = rotate(q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.h * self.d))
 
@@ -49,9 +94,8 @@ class MLP(nn.Module):
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -62,15 +106,23 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, rope, k_cache, v_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, ops: Ops, rotate, k_cache, v_cache, meta):
+        """x: the previous layer's output (not yet added to the residual stream), or the
+        embeddings with residual None. Returns (this layer's output, residual stream)."""
+        if residual is None:
+            residual, x = x, ops.norm(x, self.input_layernorm)
+        else:
+            x, residual = ops.add_norm(x, residual, self.input_layernorm)
+        x = self.self_attn(x, rotate, k_cache, v_cache, meta)
+        x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
+        return self.mlp(x, ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels=None) -> None:
         super().__init__()
         self.cfg = cfg
+        self.ops = Ops(kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -82,10 +134,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        rope = self.rope(positions, x.dtype)
+        rotate = self.ops.rotary(self.rope, positions, x.dtype)
+        residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x = layer(x, rope, k_cache, v_cache, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, meta)
+        return self.ops.add_norm(x, residual, self.norm)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples."""

@@ -1,5 +1,5 @@
-"""The KV pools: one preallocated [num_blocks, block_size, kv_heads, head_dim] K and V
-tensor per layer, sized from the memory budget."""
+"""The KV pools: one preallocated K and V tensor per layer, a block per row (the attention
+backend picks the layout inside a block), sized from the memory budget."""
 from __future__ import annotations
 
 import logging
@@ -50,8 +50,37 @@ def kv_budget(cfg: EngineConfig, device: torch.device, profile: Callable[[], int
     return min(_CPU_DEFAULT_CAP, available_ram() // 4)
 
 
+def _pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool. On CPU its pages are asked to be 2 MiB huge pages before first touch:
+    blocks are read in table order, all over the pool, and 4 KiB pages then cost a TLB
+    miss per block (decode attention measured 1.2-1.4x faster with huge pages)."""
+    t = torch.empty(shape, dtype=dtype, device=device)
+    if device.type == "cpu":
+        _advise_huge_pages(t)
+    # Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN from
+    # uninitialised memory would still poison the output.
+    return t.zero_()
+
+
+def _advise_huge_pages(t: torch.Tensor) -> None:
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    huge = 2 * 1024**2
+    start = -(-t.data_ptr() // huge) * huge
+    end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
+    if end > start:
+        try:
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+        except (OSError, AttributeError):
+            pass  # advice only
+
+
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
+                 cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
                  profile: Callable[[], int] | None = None) -> None:
         elt = torch.finfo(dtype).bits // 8
         self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
@@ -66,11 +95,9 @@ class KVCache:
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
         self.num_blocks = num_blocks
         self.block_size = cfg.block_size
-        shape = (num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-        # Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN from
-        # uninitialised memory would still poison the output.
-        self.layers = [(torch.zeros(shape, dtype=dtype, device=device),
-                        torch.zeros(shape, dtype=dtype, device=device)) for _ in range(model_cfg.num_layers)]
+        k_shape, v_shape = cache_shapes(num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
+        self.layers = [(_pool(k_shape, dtype, device), _pool(v_shape, dtype, device))
+                       for _ in range(model_cfg.num_layers)]
         logger.info("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, "
                     "max %d tokens", num_blocks, cfg.block_size, self.bytes_per_token,
                     num_blocks * self.bytes_per_block / 2**30, num_blocks * cfg.block_size)

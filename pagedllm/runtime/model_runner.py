@@ -8,15 +8,18 @@ from pathlib import Path
 
 import torch
 
-from ..attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows, pick_backend
+from ..attention import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows,
+                         pick_backend)
 from ..config import EngineConfig
 from ..engine.scheduler import SchedulerOutput
+from ..kernels import load_ops
 from ..kv import KVCacheManager
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
 from ..models.rope import RotaryEmbedding
 from .kv_cache import KVCache
 from .sampler import sample
+from .threads import ThreadGovernor, resolve_num_threads
 
 logger = logging.getLogger(__name__)
 
@@ -56,19 +59,65 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def step_bucket(n: int) -> int:
+    """Token count a step is padded to: powers of two to 16, then multiples of 16 to 512,
+    of 64 to 2048, of 256 beyond (at most 1/8 extra rows past 128 tokens)."""
+    if n <= 16:
+        return 1 << max(0, n - 1).bit_length()
+    step = 16 if n <= 512 else 64 if n <= 2048 else 256
+    return -(-n // step) * step
+
+
+def _cpu_kernels():
+    """torch.ops of the compiled CPU kernels (fused norm, SiLU, RoPE), or None with a
+    warning where they cannot be built: the model then runs plain torch ops."""
+    try:
+        return load_ops()
+    except RuntimeError as e:
+        logger.warning("%s; running the model's norms, SiLU and RoPE as plain torch ops", e)
+        return None
+
+
+def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
+    """The attention backend asked for; auto on CPU falls back to the torch reference,
+    with a warning, where the compiled kernel cannot be built or cannot run this model."""
+    chosen = pick_backend(name, device)
+    if chosen == "cpu" and device != "cpu":
+        raise ValueError(f"attention backend cpu runs on the CPU only, not on {device}")
+    try:
+        backend = get_backend(chosen)
+        backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        return backend
+    except ValueError as e:
+        if name != "auto" or chosen != "cpu":
+            raise
+        logger.warning("%s; using the torch reference attention instead", e)
+        return get_backend("torch")
+
+
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> None:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
+        self.threads = None
+        if self.device.type == "cpu":
+            n, source = resolve_num_threads(cfg.num_threads)
+            self.threads = ThreadGovernor(n)
+            logger.info("CPU: %d threads (%s; --num-threads or OMP_NUM_THREADS to change)", n, source)
         self.block_size = cfg.block_size
         t0 = time.perf_counter()
-        backend = get_backend(pick_backend(cfg.attention_backend, self.device.type))
+        backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
         self.backend_name = backend.name
+        # oneDNN builds a kernel per matmul shape on first use (5-25 ms each): padding the
+        # step's token count to a few buckets bounds how many a run ever builds, so a cold
+        # process runs as fast as a warm one. The cpu backend leaves padding rows alone.
+        self.pad_steps = backend.name == "cpu"
         if backend.name == "triton" and self.device.type == "cpu":
             logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
                            "(meant for tests); use --attention-backend torch")
+        kernels = _cpu_kernels() if self.device.type == "cpu" else None
         with torch.device("meta"):  # no random init of weights we overwrite anyway
-            model = LlamaForCausalLM(model_cfg, backend)
+            model = LlamaForCausalLM(model_cfg, backend, kernels)
         model = model.to_empty(device=self.device)
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
@@ -80,7 +129,7 @@ class ModelRunner:
         self.model = model
         logger.info("model loaded in %.1f s (%s, %s, %s attention)", time.perf_counter() - t0, self.dtype,
                     self.device, backend.name)
-        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device,
+        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
                                 profile=lambda: self._profile_activations(cfg, model_cfg))
         self.max_model_len = max_model_len
         self.graphs = None
@@ -89,6 +138,11 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, cfg.max_num_seqs, self.max_model_len,
                                        cfg.block_size, self.device)
             self.graphs.capture()
+
+    def describe(self) -> str:
+        """dtype, device, attention backend and threads, for reports."""
+        threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
+        return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}"
 
     @torch.inference_mode()
     def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -120,6 +174,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict]:
+        if self.threads is not None:
+            self.threads.tick()
         self.kv_cache.copy_blocks(out.copies)
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
@@ -127,38 +183,45 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
+        tables: list[list[int]] = []
+        seq_lens: list[int] = []
+        q_starts: list[int] = [0]
         logit_rows: list[int] = []
         sample_rows = []
         dev = self.device
         for s in order:
             table = kv.block_table(s.seq.seq_id)
             end = s.start + s.num_tokens
-            q_start = len(ids)
             ids.extend(s.seq.token_ids[s.start:end])
             positions.extend(range(s.start, end))
             slots.extend(table.slots(s.start, end))
-            nblk = -(-end // self.block_size)
-            if s.num_tokens == 1:
-                decode_tables.append(table.block_ids[:nblk])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillSeq(q_start, s.num_tokens, end,
-                                           torch.tensor(table.block_ids[:nblk], device=dev)))
+            tables.append(table.block_ids[:-(-end // self.block_size)])
+            seq_lens.append(end)
+            q_starts.append(len(ids))
             if s.sample_for:
                 logit_rows.append(len(ids) - 1)
                 sample_rows.append(s.sample_for)
-        if self.graphs is not None and not prefills and self.graphs.fits(len(decode_lens)):
-            hidden = self.graphs.run(ids, positions, slots, decode_tables, decode_lens)
+        nd = sum(1 for s in order if s.num_tokens == 1)
+        decode_lens = seq_lens[:nd]
+        if self.graphs is not None and nd == len(order) and self.graphs.fits(nd):
+            hidden = self.graphs.run(ids, positions, slots, tables, decode_lens)
             return self._sample(hidden, logit_rows, sample_rows)
+        if self.pad_steps:  # padding rows: token 0 at position 0, no slot, in no sequence
+            pad = step_bucket(len(ids)) - len(ids)
+            ids += [0] * pad
+            positions += [0] * pad
+            slots += [-1] * pad
+        block_tables = pad_rows(tables, dev, torch.int32)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev), num_decodes=len(decode_lens),
-            decode_block_tables=pad_rows(decode_tables, dev) if decode_lens else None,
-            decode_context_lens=torch.tensor(decode_lens, device=dev) if decode_lens else None,
-            decode_max_context=max(decode_lens, default=0), prefills=prefills,
-            decode_groups=length_groups(decode_lens, DECODE_GROUP))
+            slot_mapping=torch.tensor(slots, device=dev), num_decodes=nd,
+            decode_block_tables=block_tables[:nd] if nd else None,
+            decode_context_lens=torch.tensor(decode_lens, device=dev) if nd else None,
+            decode_max_context=max(decode_lens, default=0),
+            prefills=[PrefillSeq(q_starts[i], q_starts[i + 1] - q_starts[i], seq_lens[i],
+                                 block_tables[i, :len(tables[i])]) for i in range(nd, len(order))],
+            decode_groups=length_groups(decode_lens, DECODE_GROUP),
+            block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor(q_starts, dtype=torch.int32, device=dev))
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_cache.layers, meta)
         return self._sample(hidden, logit_rows, sample_rows)
@@ -167,4 +230,4 @@ class ModelRunner:
         if not logit_rows:
             return {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
-        return sample(logits, sample_rows)
+        return sample(logits, sample_rows, self.model.ops.k)

@@ -1,5 +1,10 @@
-"""Turns logits rows into tokens: greedy, or temperature / top-k / top-p with a seeded
-generator per sequence, so a seed reproduces whatever else is in the batch."""
+"""Turns logits rows into tokens: greedy, or temperature / top-k / top-p sampling with a
+seeded generator per sequence, so a seed reproduces whatever else is in the batch.
+
+Sampled rows are drawn by the Gumbel-max race (argmax of log-probability plus Gumbel
+noise), which a tiny numeric change in the logits flips only on a near tie. On CPU the
+compiled kernel (kernels/csrc/sampling.cpp) does every row at once from one 64-bit draw
+of the sequence's generator; elsewhere each row draws its exponentials with torch."""
 from __future__ import annotations
 
 import torch
@@ -8,41 +13,77 @@ from ..engine.sequence import Sequence
 from ..outputs import TokenLogprob
 
 
-def sample(logits: torch.Tensor, rows: list[list[Sequence]]) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
+def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None
+           ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
     """logits [R, V]; rows[i] lists the sequences that sample from row i. Greedy rows take
     the argmax in the logits' own dtype (upcasting cannot change it)."""
     out: dict[int, int] = {}
+    picks = [(i, seq) for i, seqs in enumerate(rows) for seq in seqs if not seq.params.greedy]
+    if len(picks) < sum(map(len, rows)):
+        # max(dim).indices: the first maximal index like argmax, but vectorized on CPU (2x faster).
+        greedy = logits.max(dim=-1).indices.tolist()
+        for i, seqs in enumerate(rows):
+            for seq in seqs:
+                if seq.params.greedy:
+                    out[seq.seq_id] = greedy[i]
+    if picks:
+        if kernels is not None and logits.device.type == "cpu":
+            tokens = _sample_kernel(kernels, logits, picks)
+        else:
+            tokens = [_sample_torch(logits[i], seq) for i, seq in picks]
+        for (_, seq), t in zip(picks, tokens):
+            out[seq.seq_id] = t
+    return out, _logprobs(logits, rows, out)
+
+
+def _generator(seq: Sequence) -> torch.Generator:
+    if seq.generator is None:
+        seq.generator = torch.Generator().manual_seed(seq.seed)
+    return seq.generator
+
+
+def _sample_kernel(kernels, logits: torch.Tensor, picks: list[tuple[int, Sequence]]) -> list[int]:
+    params = [seq.params for _, seq in picks]
+    rows = logits[torch.tensor([i for i, _ in picks])].contiguous()
+    # One draw per sequence and step keys the kernel's noise for the whole row.
+    seeds = torch.stack([torch.empty((), dtype=torch.int64).random_(generator=_generator(seq)) for _, seq in picks])
+    return kernels.sample(rows, torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
+                          torch.tensor([p.top_k for p in params], dtype=torch.int64),
+                          torch.tensor([float(p.top_p) for p in params], dtype=torch.float32), seeds).tolist()
+
+
+def _sample_torch(row: torch.Tensor, seq: Sequence) -> int:
+    p = seq.params
+    # Shift by the max before dividing: values stay <= 0 and finite (or -inf) however small
+    # the temperature; a temperature below float32's range acts as greedy.
+    x = (row.float() - row.float().max()) / max(float(p.temperature), 1e-30)
+    if 0 < p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    w = x.exp()
+    if p.top_p < 1.0:
+        sw, order = w.sort(descending=True)
+        cum = sw.cumsum(0)
+        drop = cum - sw >= p.top_p * cum[-1]
+        drop[0] = False  # the top token always stays, even for a top_p below float32's range
+        w = torch.zeros_like(w).scatter_(0, order, sw.masked_fill(drop, 0.0))
+    gen = _generator(seq)
+    noise = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=gen).to(w.device)
+    return int((w / noise).argmax())
+
+
+def _logprobs(logits: torch.Tensor, rows: list[list[Sequence]], tokens: dict[int, int]) -> dict[int, TokenLogprob]:
     logprobs: dict[int, TokenLogprob] = {}
-    # max(dim).indices: the first maximal index like argmax, but vectorized on CPU (2x faster).
-    greedy = logits.max(dim=-1).indices.tolist()
     for i, seqs in enumerate(rows):
         row_lp = None
         for seq in seqs:
             p = seq.params
-            token = out[seq.seq_id] = greedy[i] if p.greedy else _sample_one(logits[i], seq)
-            if p.logprobs is not None:
-                if row_lp is None:
-                    row_lp = torch.log_softmax(logits[i].float(), dim=-1)
-                top = torch.topk(row_lp, p.logprobs) if p.logprobs else None
-                logprobs[seq.seq_id] = TokenLogprob(
-                    token, float(row_lp[token]),
-                    list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
-    return out, logprobs
-
-
-def _sample_one(row: torch.Tensor, seq: Sequence) -> int:
-    p = seq.params
-    if seq.generator is None:
-        seq.generator = torch.Generator(device=row.device).manual_seed(seq.seed)
-    row = row.float() / p.temperature
-    if p.top_k and p.top_k < row.shape[-1]:
-        kth = torch.topk(row, p.top_k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, dim=-1)
-    if p.top_p < 1.0:
-        sorted_p, idx = probs.sort(descending=True)
-        # Keep the smallest set whose mass reaches top_p (the top token always stays).
-        drop = sorted_p.cumsum(0) - sorted_p >= p.top_p
-        sorted_p[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, idx, sorted_p)
-    return int(torch.multinomial(probs, 1, generator=seq.generator).item())
+            if p.logprobs is None:
+                continue
+            if row_lp is None:
+                row_lp = torch.log_softmax(logits[i].float(), dim=-1)
+            token = tokens[seq.seq_id]
+            top = torch.topk(row_lp, p.logprobs) if p.logprobs else None
+            logprobs[seq.seq_id] = TokenLogprob(
+                token, float(row_lp[token]),
+                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+    return logprobs

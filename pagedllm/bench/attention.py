@@ -1,0 +1,94 @@
+"""`pagedllm bench attention`: decode attention of one layer against its memory floor.
+
+For each batch x context, the CPU kernel and the torch reference read the same logical
+KV (each in its own pool layout, blocks scattered over a pool 2x larger than needed).
+The floor is the time to stream the K/V bytes once at this machine's copy bandwidth,
+measured here on a buffer of the same size (STREAM's convention: bytes read + bytes
+written per second), so kernel / floor = 1 means memory speed.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from ..attention import AttentionMetadata, get_backend, length_groups, pad_rows
+
+
+def copy_bandwidth(nbytes: int, reps: int = 9) -> float:
+    """Bytes moved (read + written) per second by a copy of nbytes, median of reps."""
+    n = max(nbytes, 1 << 22) // 4
+    a, b = torch.ones(n), torch.empty(n)
+    b.copy_(a)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        ts.append(time.perf_counter() - t0)
+    return 2 * 4 * n / statistics.median(ts)
+
+
+def _time(fn, reps: int) -> float:
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 16, dtype=torch.bfloat16,
+                 reps: int = 15, reference: bool = True) -> dict:
+    h, kvh, d = heads
+    nblk = -(-context // block_size)
+    pool = 2 * batch * nblk  # blocks scattered over twice the space, as in a busy pool
+    g = torch.Generator().manual_seed(batch * 7919 + context)
+    tables = torch.randperm(pool, generator=g)[:batch * nblk].view(batch, nblk).to(torch.int32)
+    q = torch.randn(batch, h, d, generator=g).to(dtype)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((batch,), -1), num_decodes=batch, decode_block_tables=tables,
+        decode_context_lens=torch.full((batch,), context), decode_max_context=context, prefills=[],
+        decode_groups=length_groups([context] * batch, 24), block_tables=pad_rows(tables.tolist(), "cpu", torch.int32),
+        seq_lens=torch.full((batch,), context, dtype=torch.int32),
+        query_start_loc=torch.arange(batch + 1, dtype=torch.int32))
+    kv_bytes = 2 * batch * context * kvh * d * torch.finfo(dtype).bits // 8
+    out = {"batch": batch, "context": context, "heads": list(heads), "block_size": block_size,
+           "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
+    cpu = get_backend("cpu")
+    kc, vc = (torch.randn(s, generator=g).to(dtype) for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
+    ops = cpu.ops
+    res = torch.empty_like(q)
+    out["kernel_s"] = _time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,
+                                                         meta.query_start_loc, d ** -0.5), reps)
+    del kc, vc
+    if reference:
+        ref = get_backend("torch")
+        rk, rv = (torch.randn(s, generator=g).to(dtype) for s in ref.cache_shapes(pool, block_size, kvh, d, dtype))
+        meta.slot_mapping = torch.zeros(0, dtype=torch.long)
+        k0 = torch.zeros(0, kvh, d, dtype=dtype)
+
+        def run_ref():  # attention only: the reference's write of zero new tokens is free
+            ref.forward(q, k0, k0, rk, rv, meta, d ** -0.5)
+        out["reference_s"] = _time(run_ref, max(3, reps // 3))
+        del rk, rv
+    bw = copy_bandwidth(kv_bytes)
+    out["copy_bandwidth_gbs"] = bw / 1e9
+    out["floor_s"] = kv_bytes / bw
+    out["kernel_over_floor"] = out["kernel_s"] / out["floor_s"]
+    out["kernel_read_gbs"] = kv_bytes / out["kernel_s"] / 1e9
+    return out
+
+
+def run_attention_bench(batches: list[int], contexts: list[int], reference: bool = True) -> list[dict]:
+    rows = []
+    for b in batches:
+        for c in contexts:
+            r = bench_decode(b, c, reference=reference)
+            rows.append(r)
+            ref = f"{r['reference_s'] * 1e3:9.3f}" if "reference_s" in r else ""
+            print(f"batch {b:4d} context {c:5d}: kernel {r['kernel_s'] * 1e3:8.3f} ms  floor {r['floor_s'] * 1e3:7.3f} ms "
+                  f" kernel/floor {r['kernel_over_floor']:5.2f}  ({r['kernel_read_gbs']:5.1f} GB/s read)  "
+                  f"torch reference {ref} ms", flush=True)
+    return rows

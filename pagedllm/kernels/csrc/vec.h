@@ -1,0 +1,124 @@
+// 16-float vectors for the CPU kernels: GCC vector extensions (one AVX-512 register,
+// two AVX2 ones, four NEON ones), with AVX-512 intrinsics only where GCC's generic code
+// is slow. Storage types are converted to fp32 16 at a time.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace pagedllm {
+
+constexpr int L = 16;  // lanes of a vector
+
+typedef float vf __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+typedef _Float16 vhf __attribute__((vector_size(32)));
+
+constexpr vi IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+
+inline vf splat(float x) { return vf{x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x}; }
+inline vf loadf(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void storef(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// Storage <-> fp32, 16 elements at a time.
+inline vf load16(const float* p) { return loadf(p); }
+inline vf load16(const c10::BFloat16* p) {
+#ifdef __AVX512F__  // one widening load + shift (GCC's generic conversion takes five)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16);
+#else
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vf)(__builtin_convertvector(h, vu) << 16);
+#endif
+}
+inline vf load16(const c10::Half* p) {
+  vhf h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vf);
+}
+inline void store16(float* p, vf v) { storef(p, v); }
+inline void store16(c10::BFloat16* p, vf v) {
+  vu u = (vu)v;
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
+  u = (v != v) ? vu{} + 0x7FC0u : u;           // keep NaN a NaN
+  vh h = __builtin_convertvector(u, vh);
+  std::memcpy(p, &h, sizeof h);
+}
+inline void store16(c10::Half* p, vf v) {
+  vhf h = __builtin_convertvector(v, vhf);
+  std::memcpy(p, &h, sizeof h);
+}
+
+inline float hmax(vf v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_max_ps((__m512)v);
+#else
+  float m = v[0];
+  for (int i = 1; i < L; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+inline float hsum(vf v) {
+#ifdef __AVX512F__
+  return _mm512_reduce_add_ps((__m512)v);
+#else
+  float s = 0.f;
+  for (int i = 0; i < L; ++i) s += v[i];
+  return s;
+#endif
+}
+
+// 2^x; x < -126 (and -inf) gives 0, x > 126 gives 2^126.
+inline vf exp2v(vf x) {
+  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  vf xc = x < -126.f ? splat(-126.f) : x;
+  xc = xc > 126.f ? splat(126.f) : xc;
+  vf n = (xc + magic) - magic;
+  vf t = (xc - n) * 0.6931471805599453f;  // |t| <= ln2 / 2
+  // e^t, Taylor to t^7: relative error < 2e-8 on the range.
+  vf p = splat(1.f / 5040);
+  p = p * t + 1.f / 720;
+  p = p * t + 1.f / 120;
+  p = p * t + 1.f / 24;
+  p = p * t + 1.f / 6;
+  p = p * t + 0.5f;
+  p = p * t + 1.f;
+  p = p * t + 1.f;
+  vi e = __builtin_convertvector(n, vi) << 23;
+  vf r = (vf)((vi)p + e);
+  return x < -126.f ? vf{} : r;
+}
+
+inline vf expv(vf x) { return exp2v(x * 1.4426950408889634f); }
+
+// Natural log for x > 0 (normal floats): x = 2^e * m, m in [sqrt(1/2), sqrt(2)),
+// log m = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172: series to t^11.
+inline vf logv(vf x) {
+  vi bits = (vi)x;
+  vi e = ((bits >> 23) & 0xFF) - 127;
+  vf m = (vf)((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
+  const vi big = m > 1.41421356f;
+  m = big ? m * 0.5f : m;
+  e = big ? e + 1 : e;
+  const vf t = (m - 1.f) / (m + 1.f), t2 = t * t;
+  vf p = splat(1.f / 11);
+  p = p * t2 + 1.f / 9;
+  p = p * t2 + 1.f / 7;
+  p = p * t2 + 1.f / 5;
+  p = p * t2 + 1.f / 3;
+  p = p * t2 + 1.f;
+  return 2.f * t * p + __builtin_convertvector(e, vf) * 0.6931471805599453f;
+}
+
+}  // namespace pagedllm

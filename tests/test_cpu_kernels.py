@@ -1,0 +1,201 @@
+"""The compiled CPU kernels against the torch reference: paged attention (its own block
+layout) equals the reference backend on the same logical KV, and the fused norm / SiLU /
+RoPE ops equal the torch expressions they replace."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows
+from pagedllm.kernels import load_ops
+from pagedllm.models.rope import RotaryEmbedding, apply_rope
+
+
+def build_step(seqs, heads, block_size, dtype, g, pad_rows_to=0):
+    """KV pools for both backends holding each sequence's cached prefix, and the step's
+    inputs: seqs = [(cached, new)], decodes ordered first as the runner does."""
+    h, kvh, d = heads
+    ref, cpu = get_backend("torch"), get_backend("cpu")
+    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
+    # Stale data everywhere: a kernel reading outside its blocks or slots would show.
+    ref_k = torch.randn(ref.cache_shapes(num_blocks, block_size, kvh, d, dtype)[0], generator=g).to(dtype)
+    ref_v = torch.randn(ref.cache_shapes(num_blocks, block_size, kvh, d, dtype)[1], generator=g).to(dtype)
+    cpu_k = torch.randn(cpu.cache_shapes(num_blocks, block_size, kvh, d, dtype)[0], generator=g).to(dtype)
+    cpu_v = torch.randn(cpu.cache_shapes(num_blocks, block_size, kvh, d, dtype)[1], generator=g).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
+    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][1] != 1, sum(seqs[i])))
+    qs, ks, vs, slots, tables, lens, starts = [], [], [], [], [], [], [0]
+    for i in order:
+        cached, new = seqs[i]
+        n = cached + new
+        table = [free.pop() for _ in range(-(-n // block_size))]
+        k_all = torch.randn(n, kvh, d, generator=g).to(dtype)
+        v_all = torch.randn(n, kvh, d, generator=g).to(dtype)
+        if cached:  # the prefix's KV is already in both pools, written by each backend's own writer
+            pre = [table[j // block_size] * block_size + j % block_size for j in range(cached)]
+            meta = AttentionMetadata(slot_mapping=torch.tensor(pre), num_decodes=0, decode_block_tables=None,
+                                     decode_context_lens=None, decode_max_context=0, prefills=[])
+            from pagedllm.attention.torch_ref import write_kv
+            write_kv(k_all[:cached], v_all[:cached], ref_k, ref_v, meta.slot_mapping)
+            load_ops().write_kv(k_all[:cached], v_all[:cached], cpu_k, cpu_v, meta.slot_mapping)
+        qs.append(torch.randn(new, h, d, generator=g).to(dtype))
+        ks.append(k_all[cached:])
+        vs.append(v_all[cached:])
+        slots += [table[j // block_size] * block_size + j % block_size for j in range(cached, n)]
+        tables.append(table)
+        lens.append(n)
+        starts.append(starts[-1] + new)
+    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
+    pad = pad_rows_to - len(q) if pad_rows_to else 0
+    nd = sum(1 for i in order if seqs[i][1] == 1)
+    bt = pad_rows(tables, "cpu", torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots + [-1] * pad), num_decodes=nd,
+        decode_block_tables=bt[:nd] if nd else None,
+        decode_context_lens=torch.tensor(lens[:nd]) if nd else None, decode_max_context=max(lens[:nd], default=0),
+        prefills=[PrefillSeq(starts[i], starts[i + 1] - starts[i], lens[i], bt[i, :len(tables[i])])
+                  for i in range(nd, len(order))],
+        decode_groups=length_groups(lens[:nd], 4),
+        block_tables=bt, seq_lens=torch.tensor(lens, dtype=torch.int32),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32))
+    return (ref, ref_k, ref_v), (cpu, cpu_k, cpu_v), q, k, v, meta, pad
+
+
+# (cached prefix, new tokens): decodes (one at context 1), a fresh prefill, a chunk over
+# a cached prefix, a chunk longer than a query tile, a long decode.
+SEQS = [(40, 1), (7, 1), (0, 1), (300, 1), (0, 23), (33, 9), (64, 64), (5, 2), (17, 70)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)], ids=["gqa3-64", "mha-32", "gqa4-128"])
+def test_cpu_attention_equals_reference(block_size, dtype, heads):
+    g = torch.Generator().manual_seed(block_size + heads[2])
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step(SEQS, heads, block_size, dtype, g)
+    scale = heads[2] ** -0.5
+    want = ref.forward(q, k, v, rk, rv, meta, scale)
+    got = cpu.forward(q, k, v, ck, cv, meta, scale)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_decodes_split_across_threads(threads):
+    """Few long decodes: keys are split into parts merged afterwards (split-K)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        g = torch.Generator().manual_seed(threads)
+        (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step([(3000, 1), (1200, 1)], (9, 3, 64), 16,
+                                                                    torch.float32, g)
+        torch.testing.assert_close(cpu.forward(q, k, v, ck, cv, meta, 0.125),
+                                   ref.forward(q, k, v, rk, rv, meta, 0.125), atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_padding_rows_are_zero_and_write_nothing():
+    g = torch.Generator().manual_seed(3)
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, pad = build_step([(10, 1), (0, 5)], (9, 3, 64), 16,
+                                                                  torch.float32, g, pad_rows_to=16)
+    n = len(q)
+    qp = torch.cat([q, torch.randn(pad, *q.shape[1:])])
+    kp, vp = torch.cat([k, torch.randn(pad, *k.shape[1:])]), torch.cat([v, torch.randn(pad, *v.shape[1:])])
+    before = ck.clone(), cv.clone()
+    out = cpu.forward(qp, kp, vp, ck, cv, meta, 0.125)
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    changed = (ck != before[0]).any(dim=(1, 2, 3)).sum() + (cv != before[1]).any(dim=(1, 2, 3)).sum()
+    assert changed <= 2 * 2  # only the blocks of the real tokens' slots (one per sequence, K and V)
+    meta.slot_mapping = meta.slot_mapping[:n]
+    torch.testing.assert_close(out[:n], ref.forward(q, k, v, rk, rv, meta, 0.125), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_tables_and_slots_are_errors_not_crashes():
+    ops = load_ops()
+    kc, vc = torch.zeros(4, 3, 64, 16, 1), torch.zeros(4, 3, 16, 64, 1)
+    q = torch.zeros(1, 9, 64)
+    lens, starts = torch.tensor([5], dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.paged_attention(torch.empty_like(q), q, kc, vc, torch.tensor([[7]], dtype=torch.int32), lens, starts, 1.0)
+    with pytest.raises(RuntimeError, match="keys for a table"):
+        ops.paged_attention(torch.empty_like(q), q, kc, vc, torch.tensor([[0]], dtype=torch.int32),
+                            torch.tensor([40], dtype=torch.int32), starts, 1.0)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        ops.write_kv(torch.zeros(1, 3, 64), torch.zeros(1, 3, 64), kc, vc, torch.tensor([64]))
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.paged_attention(torch.empty(1, 9, 48), torch.zeros(1, 9, 48), torch.zeros(4, 3, 48, 16, 1),
+                            torch.zeros(4, 3, 16, 48, 1), torch.tensor([[0]], dtype=torch.int32), lens, starts, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_fused_elementwise_equal_torch(dtype, rows):
+    ops = load_ops()
+    g = torch.Generator().manual_seed(rows)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    x = torch.randn(rows, 576, generator=g).to(dtype)
+    res = torch.randn(rows, 576, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-5)
+    torch.testing.assert_close(out.float(), F.rms_norm(x.float(), (576,), w.float(), 1e-5), **tol)
+
+    x2, r2 = x.clone(), res.clone()
+    ops.add_rms_norm(x2, r2, w, 1e-5)
+    summed = (x + res)  # rounded to dtype, as the unfused add is
+    assert torch.equal(r2, summed)
+    torch.testing.assert_close(x2.float(), F.rms_norm(summed.float(), (576,), w.float(), 1e-5), **tol)
+
+    gu = (3 * torch.randn(rows, 2 * 1536, generator=g)).to(dtype)
+    act = torch.empty(rows, 1536, dtype=dtype)
+    ops.silu_and_mul(act, gu)
+    gate, up = gu.float().chunk(2, dim=-1)
+    torch.testing.assert_close(act.float(), F.silu(gate) * up, **tol)
+
+    rope = RotaryEmbedding(64, 4096, 10000.0, None)
+    pos = torch.randint(0, 4096, (rows,), generator=g)
+    qkv = torch.randn(rows, (9 + 6) * 64, generator=g).to(dtype)  # q and k as views of one buffer
+    q, k = qkv[:, :576].view(rows, 9, 64), qkv[:, 576:768].view(rows, 3, 64)
+    cos, sin = rope(pos, torch.float32)
+    want_q, want_k = apply_rope(q.float(), cos, sin), apply_rope(k.float(), cos, sin)
+    v_before = qkv[:, 768:].clone()
+    ops.rope(q, k, pos, rope.cos, rope.sin)
+    torch.testing.assert_close(q.float(), want_q, **tol)
+    torch.testing.assert_close(k.float(), want_k, **tol)
+    assert torch.equal(qkv[:, 768:], v_before)
+    with pytest.raises(RuntimeError, match="outside the table"):
+        ops.rope(q, k, torch.full((rows,), 4096), rope.cos, rope.sin)
+
+
+AVX2_CHECK = """
+import torch, sys
+sys.path.insert(0, {tests!r})
+from test_cpu_kernels import SEQS, build_step
+from pagedllm.kernels import load_ops
+ops = load_ops()
+for dtype in (torch.float32, torch.bfloat16):
+    g = torch.Generator().manual_seed(0)
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step(SEQS, (9, 3, 64), 16, dtype, g)
+    torch.testing.assert_close(cpu.forward(q, k, v, ck, cv, meta, 0.125).float(),
+                               ref.forward(q, k, v, rk, rv, meta, 0.125).float(), atol=2e-2, rtol=2e-2)
+    x = torch.randn(5, 576).to(dtype); w = torch.ones(576).to(dtype); out = torch.empty_like(x)
+    ops.rms_norm(out, x, w, 1e-5)
+    torch.testing.assert_close(out.float(), torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5), atol=2e-2, rtol=2e-2)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the AVX2 build is an x86 check")
+def test_avx2_build_without_avx512(tmp_path):
+    """Laptops without AVX-512 get the generic vector code: build that copy (-march=x86-64-v3)
+    in a separate cache and check it against the reference in its own process."""
+    env = {**os.environ, "PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(tmp_path)}
+    r = subprocess.run([sys.executable, "-c", AVX2_CHECK.format(tests=os.path.dirname(__file__))], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
+    assert list(tmp_path.glob("ext/*/*.so")), "the AVX2 copy was not built in its own cache"

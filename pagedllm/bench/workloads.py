@@ -44,6 +44,16 @@ def load_workload(name: str, tokenizer, opts: WorkloadOptions) -> list[BenchRequ
     return _BUILDERS[name](tokenizer, opts)
 
 
+def sharegpt_truncated(num_prompts: int, max_prompt_len: int, max_output_len: int, **kw) -> list[BenchRequest]:
+    """The default model's ShareGPT sample with long prompts cut, not dropped (the scripts'
+    workload); kw: other WorkloadOptions fields."""
+    from ..loader import load_tokenizer, resolve_model_dir
+
+    return load_workload("sharegpt", load_tokenizer(resolve_model_dir(None)),
+                         WorkloadOptions(num_prompts=num_prompts, max_prompt_len=max_prompt_len,
+                                         max_output_len=max_output_len, truncate=True, **kw))
+
+
 def _n_tokens(tok, text: str) -> int:
     return len(tok.encode(text, add_special_tokens=False))
 

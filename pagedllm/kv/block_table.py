@@ -19,7 +19,15 @@ class BlockTable:
         return self.block_ids[j // self.block_size] * self.block_size + j % self.block_size
 
     def slots(self, start: int, end: int) -> list[int]:
-        return [self.slot(j) for j in range(start, end)]
+        """Slots of tokens start..end-1, a run per block (a prefill chunk is thousands)."""
+        B, out, j = self.block_size, [], start
+        while j < end:
+            off = j % B
+            n = min(B - off, end - j)
+            base = self.block_ids[j // B] * B + off
+            out.extend(range(base, base + n))
+            j += n
+        return out
 
     @property
     def num_used_blocks(self) -> int:

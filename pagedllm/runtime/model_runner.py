@@ -3,6 +3,7 @@ scheduler decided and returns one sampled token per sequence that reached its en
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -102,7 +103,8 @@ class ModelRunner:
         self.threads = None
         if self.device.type == "cpu":
             n, source = resolve_num_threads(cfg.num_threads)
-            self.threads = ThreadGovernor(n)
+            # PAGEDLLM_ADAPT_THREADS=0 keeps n threads whatever the neighbours do (to measure it).
+            self.threads = ThreadGovernor(n, enabled=os.environ.get("PAGEDLLM_ADAPT_THREADS", "1") != "0")
             logger.info("CPU: %d threads (%s; --num-threads or OMP_NUM_THREADS to change)", n, source)
         self.block_size = cfg.block_size
         t0 = time.perf_counter()

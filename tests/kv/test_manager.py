@@ -110,3 +110,18 @@ def test_library_demo_numbers():
     assert (r["without_sharing"], r["with_sharing"]) == (11, 5)
     assert len(r["cow"]) == 1 and r["free_after"] == 12 and r["hit_blocks"] == 2
     assert r["refs"][:2] == [4, 4]
+
+
+def test_slots_of_a_range_equal_slot_by_slot():
+    """slots() builds runs per block; it must equal pid = table[j // B] * B + j % B per token."""
+    import random
+
+    from pagedllm.kv.block_table import BlockTable
+
+    rng = random.Random(0)
+    for b in (1, 3, 16):
+        t = BlockTable(b, block_ids=rng.sample(range(1000), 50))
+        for _ in range(100):
+            lo = rng.randint(0, 50 * b)
+            hi = rng.randint(lo, 50 * b)
+            assert t.slots(lo, hi) == [t.block_ids[j // b] * b + j % b for j in range(lo, hi)]

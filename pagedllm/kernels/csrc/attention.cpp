@@ -6,7 +6,8 @@
 // query tokens; the query heads that share the KV head (GQA) ride along, so every K/V
 // row is read once per item. Small decode batches split long contexts across threads
 // and merge the parts' softmax states afterwards. Math in fp32 whatever the storage
-// type (fp32, bf16, fp16).
+// type (fp32, bf16, fp16); the bf16 dot-product path rounds the softmax weights to bf16
+// for P.V, as flash attention on GPUs does.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <omp.h>

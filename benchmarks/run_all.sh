@@ -62,3 +62,7 @@ pagedllm bench report $R/compare_sharegpt_256.json $R/compare_sharegpt_1024.json
 # 9. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
 python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3 \
   --out $R/viz_overhead.json
+
+# 10. Batch-invariant mode: throughput off / on / on without AMX (alternating rounds), and greedy
+#     requests matching their run alone with the mode off and on.
+python benchmarks/batch_invariant.py --match --rounds 3 --out $R/batch_invariant.json | tee $R/batch_invariant.txt

@@ -42,9 +42,20 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: Triton paged-attention kernels on CUDA, the compiled CPU kernel elsewhere "
                         "(torch: the reference, gathers blocks for SDPA)")
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="a prompt with more uncomputed tokens than this is prefilled this many tokens a step, "
+                        "leaving room for decodes and short prompts (0: a quarter of --max-num-batched-tokens)")
+    g.add_argument("--max-num-partial-prefills", type=int, default=1,
+                   help="long prompts prefilled at once; shorter ones are admitted past those that wait")
     g.add_argument("--num-threads", type=int, default=None,
                    help="CPU threads (default: OMP_NUM_THREADS, else one per physical core); fewer are used "
                         "while other processes keep cores busy")
+    g.add_argument("--batch-invariant", action="store_true",
+                   help="a request's tokens the same alone, in any batch and after preemption (vLLM's "
+                        "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own "
+                        "kernel, measured 1.1-1.2x oneDNN's throughput; otherwise oneDNN on 32-row tiles, "
+                        "0.5-0.8x) and attention without split-K (a long context decoding alone uses fewer "
+                        "threads); CPU attention backend only")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -55,7 +66,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching, allocation=args.allocation,
         dtype=args.dtype, device=args.device, seed=args.seed, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, num_threads=args.num_threads)
+        enforce_eager=args.enforce_eager, num_threads=args.num_threads,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills, batch_invariant=args.batch_invariant)
 
 
 def kv_report(stats) -> str:
@@ -135,6 +148,7 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     from .engine.async_engine import AsyncLLMEngine
     from .engine.engine import LLMEngine
     from .server.api import ServerState, create_app
+    from .server.http import ConcurrencyLimit, GracefulShutdown, timed_h11
     from .viz.hub import VizHub
 
     keys = list(args.api_key or [])
@@ -147,7 +161,9 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval)
         async_engine.step_delay = step_delay
         hub = VizHub(engine, wake=async_engine.wake) if args.viz else None
-        state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes)
+        state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes,
+                            admin_key=args.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
+                            body_timeout=args.body_timeout)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -166,19 +182,26 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         "serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s, visualizer: %s)",
         name, args.host, args.port, len(keys), isolation,
         f"http://{args.host}:{args.port}/viz/" if hub else "off")
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=args.graceful_shutdown_timeout, access_log=False)
+    asgi = ConcurrencyLimit(app, args.limit_concurrency) if args.limit_concurrency else app
+    shutdown = GracefulShutdown(asgi, state.closing, args.graceful_shutdown_timeout)
+    # uvicorn's own graceful timeout is the backstop: it cancels what is left, tearing
+    # streams. It starts a moment after the signal; ours ends them cleanly first, and
+    # the margin lets their last events go out and their connections close.
+    config = uvicorn.Config(shutdown, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 5, access_log=False,
+                            http=timed_h11(args.header_timeout, args.body_timeout))
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
     # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server = uvicorn.Server(config)
-    if hub is not None:  # open /viz pages hold event streams: end them first, or shutdown waits on them
-        exit_handler = server.handle_exit
+    exit_handler = server.handle_exit
 
-        def handle_exit(sig, frame) -> None:
+    def handle_exit(sig, frame) -> None:
+        if hub is not None:  # open /viz pages hold event streams: end them first, or shutdown waits on them
             hub.close_all()
-            exit_handler(sig, frame)
-        server.handle_exit = handle_exit
+        shutdown.begin()
+        exit_handler(sig, frame)
+    server.handle_exit = handle_exit
     server.run()
     logging.getLogger(__name__).info("server stopped")
     return 0
@@ -264,20 +287,51 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
+def _number(kind: type, low: float, strict: bool = False):
+    """argparse type: a `kind` number >= low (> low if strict), so a bad flag fails
+    before the model loads."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a{'n' if kind is int else ''} {kind.__name__}: {text!r}") \
+                from None
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
+        return value
+    return parse
+
+
 def add_server_args(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2)")
+    sv.add_argument("--admin-key", default=None,
+                    help="key for the visualizer's engine controls (pause, step, delay, scenarios) and for "
+                         "seeing every tenant's text in it (or PAGEDLLM_ADMIN_KEY); with API keys and no admin "
+                         "key the controls are off")
     sv.add_argument("--served-model-name", default=None)
     sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
     sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
                     help="per-key (default when keys are set): tenants never share cached blocks")
     sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
     sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
-    sv.add_argument("--graceful-shutdown-timeout", type=int, default=30)
+    sv.add_argument("--graceful-shutdown-timeout", "--shutdown-timeout", dest="graceful_shutdown_timeout",
+                    type=_number(float, 0), default=30.0, metavar="SECONDS",
+                    help="on SIGTERM, stop accepting and give in-flight requests this long to finish; then "
+                         "streams end with an error event and data: [DONE], other requests get 503 "
+                         "(default: %(default)g; vLLM's --shutdown-timeout defaults to 0)")
+    sv.add_argument("--header-timeout", type=_number(float, 0, strict=True), default=10.0, metavar="SECONDS",
+                    help="a connection must send complete request headers this soon, else 408 and closed "
+                         "(default: %(default)g)")
+    sv.add_argument("--body-timeout", type=_number(float, 0, strict=True), default=30.0, metavar="SECONDS",
+                    help="a request body must arrive this soon after its headers, else 408 "
+                         "(default: %(default)g)")
+    sv.add_argument("--limit-concurrency", type=_number(int, 1), default=None, metavar="N",
+                    help="API requests (/v1/...) in flight beyond N get 503 at once (default: no limit)")
     sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
-                    help="serve the KV visualizer at /viz/ (it shows every request's text: with API keys it "
-                         "asks for one)")
+                    help="serve the KV visualizer at /viz/ (with API keys, each key sees its own requests' text "
+                         "and only anonymous block ownership of others')")
 
 
 if __name__ == "__main__":

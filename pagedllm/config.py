@@ -43,6 +43,9 @@ class EngineConfig:
     attention_backend: str = "auto"     # auto (triton on CUDA, cpu on CPU) | cpu | torch | triton
     enforce_eager: bool = False         # True: no CUDA graphs for decode steps
     num_threads: int | None = None      # CPU threads; None: OMP_NUM_THREADS, else one per physical core
+    batch_invariant: bool = False       # a request's tokens independent of the batch (CPU kernels; slower)
+    long_prefill_token_threshold: int = 0   # chunk cap for long prompts; 0: max_num_batched_tokens / 4
+    max_num_partial_prefills: int = 1       # long prompts in prefill at once
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -67,5 +70,16 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
+        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: automatic), "
+                             f"got {self.long_prefill_token_threshold!r}")
+        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be an integer >= 1, got {self.max_num_partial_prefills!r}")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and (self.attention_backend not in ("auto", "cpu") or self.device.startswith("cuda")):
+            raise ValueError("batch_invariant runs on the CPU attention backend only (attention_backend auto or cpu, "
+                             f"device auto or cpu), got attention_backend={self.attention_backend!r}, "
+                             f"device={self.device!r}")
         if self.allocation == "reserve-max":
             self.enable_prefix_caching = False

@@ -16,7 +16,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None   # "stop", "length", "abort" or None while running
+    finish_reason: str | None = None   # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None
     logprobs: list[TokenLogprob] | None = None
 
@@ -30,3 +30,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
+    error: str | None = None           # why the request failed (finish_reason "error"), alone in its batch

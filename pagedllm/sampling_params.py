@@ -1,7 +1,15 @@
 """Per-request sampling settings, validated at construction (vLLM's names)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy, as in vLLM: dividing logits by 1e-40 gives
+# inf - inf = nan, and no distribution is that sharp in any float format we compute in.
+SAMPLING_EPS = 1e-5
+# The nucleus always keeps the top token, so any top_p below this floor means the same
+# thing, and a floor keeps top_p * sum away from underflow.
+TOP_P_FLOOR = 1e-6
 
 
 @dataclass
@@ -26,29 +34,42 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._check()
+        if self.temperature < SAMPLING_EPS:
+            self.temperature, self.top_p, self.top_k = 0.0, 1.0, 0
+        self.top_p = max(float(self.top_p), TOP_P_FLOOR)
+        if self.top_k >= 1 << 31:  # larger than any vocabulary: off (and it must fit an int64)
+            self.top_k = 0
 
     def _check(self) -> None:
         def bad(name: str, rule: str) -> ValueError:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise bad("temperature", ">= 0")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0")
+        if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0 (or -1 for off)")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not _int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20]")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", "an integer")
+        if self.seed is not None and (not _int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
+            raise bad("seed", "a 64-bit integer")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not _int(t) or not 0 <= t < 1 << 63 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -205,3 +205,69 @@ def test_max_num_seqs_counts_parallel_samples():
         peak = max(peak, len(engine.scheduler.running))
     assert peak <= 4, "a request's forks count against max_num_seqs"
     assert engine.kv.pool.num_used == 0
+
+
+def test_one_request_failing_inside_a_step_fails_alone(llm_fp32, monkeypatch):
+    """A fault in one request's sampling or stop check (injected: nothing known triggers
+    one now) ends that request only; the batch's others finish as they would alone."""
+    import pagedllm.runtime.sampler as sampler
+
+    engine = llm_fp32.engine
+    params = SamplingParams(temperature=0.7, seed=3, max_tokens=10, ignore_eos=True)
+    alone = llm_fp32.generate([PROMPT, "Name three colors."], params, use_tqdm=False)
+    real = sampler._sample_batch
+
+    def faulty(logits, rows, kernels):
+        if any(seq.request.request_id == "bad-sample" for seqs in rows for seq in seqs):
+            raise FloatingPointError("injected")
+        return real(logits, rows, kernels)
+    monkeypatch.setattr(sampler, "_sample_batch", faulty)
+    engine.add_request("ok-1", PROMPT, params)
+    engine.add_request("bad-sample", "Tell me a story.", params)
+    engine.add_request("ok-2", "Name three colors.", params)
+    engine.add_request("bad-stop", "Hello", SamplingParams(max_tokens=10, stop=["zzz"], temperature=0))
+    monkeypatch.setattr(engine, "_check_stop", _failing_for("bad-stop", engine._check_stop))
+    outs = {o.request_id: o for o in run_to_completion(engine)}
+    for rid in ("bad-sample", "bad-stop"):
+        assert outs[rid].outputs[0].finish_reason == "error" and outs[rid].error, rid
+    assert "injected" in outs["bad-sample"].error
+    assert outs["ok-1"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert outs["ok-2"].outputs[0].token_ids == alone[1].outputs[0].token_ids
+    assert engine.kv.pool.num_used == 0
+    engine.kv.check_integrity()
+
+
+def _failing_for(rid, check):
+    def wrapped(seq, token):
+        if seq.request.request_id == rid:
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return check(seq, token)
+    return wrapped
+
+
+def test_tiny_temperature_and_top_p_are_well_defined():
+    assert SamplingParams(temperature=1e-40).greedy
+    assert SamplingParams(top_p=5e-324).top_p > 0
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(top_p=float("nan")),
+                dict(n=True), dict(seed=2**80)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+
+
+def test_long_prefill_leaves_room_for_decodes_and_short_prompts():
+    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=2048, max_num_batched_tokens=256)
+    engine = llm.engine
+    assert engine.scheduler.long_prefill_token_threshold == 64
+    engine.add_request("decoding", "Hi", SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.step()
+    engine.add_request("long-1", [7] * 1000, SamplingParams(max_tokens=1))
+    engine.add_request("long-2", [8] * 1000, SamplingParams(max_tokens=1))
+    engine.add_request("short", "Hello there", SamplingParams(max_tokens=1))
+    out = engine.scheduler.schedule()
+    got = {s.seq.request.request_id: s.num_tokens for s in out.scheduled}
+    # one long prompt at a time, 64 tokens a step; the short one jumps the waiting long one
+    assert got == {"decoding": 1, "long-1": 64, "short": len(engine.tokenizer.encode("Hello there"))}
+    assert [s.request.request_id for s in engine.scheduler.waiting] == ["long-2"]
+    for rid in list(engine.requests):
+        engine.abort_request(rid)
+    assert engine.kv.pool.num_used == 0

@@ -30,7 +30,7 @@ def seqs(n: int, first_id: int = 0, **kw) -> list[Sequence]:
 
 def frequencies(kernels, n: int = 6000, **kw) -> torch.Tensor:
     logits = torch.log(PROBS + 1e-30).repeat(n, 1)
-    out, _ = sample(logits, [[s] for s in seqs(n, **kw)], kernels)
+    out, _, _ = sample(logits, [[s] for s in seqs(n, **kw)], kernels)
     counts = collections.Counter(out.values())
     return torch.tensor([counts.get(i, 0) / n for i in range(len(PROBS))])
 
@@ -55,10 +55,10 @@ def test_extreme_settings_pick_the_top_token(kernels, kw):
 
 def test_same_seed_same_tokens_whatever_the_batch(kernels):
     logits = torch.randn(1, 1000)
-    alone, _ = sample(logits, [seqs(1, first_id=7, temperature=0.9, top_p=0.9)], kernels)
+    alone, _, _ = sample(logits, [seqs(1, first_id=7, temperature=0.9, top_p=0.9)], kernels)
     mixed_logits = torch.cat([torch.randn(3, 1000), logits])
     batch = seqs(3, first_id=0, temperature=1.0, top_k=5) + seqs(1, first_id=7, temperature=0.9, top_p=0.9)
-    together, _ = sample(mixed_logits, [[s] for s in batch], kernels)
+    together, _, _ = sample(mixed_logits, [[s] for s in batch], kernels)
     assert together[7] == alone[7]
 
 
@@ -70,15 +70,15 @@ def test_tiny_logit_changes_rarely_change_the_draw(kernels, kw):
     n = 400
     logits = 3 * torch.randn(n, 49152, generator=g)
     nudged = logits * (1 + 1e-6 * torch.randn(n, 49152, generator=g))
-    a, _ = sample(logits, [[s] for s in seqs(n, **kw)], kernels)
-    b, _ = sample(nudged, [[s] for s in seqs(n, **kw)], kernels)
+    a, _, _ = sample(logits, [[s] for s in seqs(n, **kw)], kernels)
+    b, _, _ = sample(nudged, [[s] for s in seqs(n, **kw)], kernels)
     assert sum(a[i] != b[i] for i in a) <= 2
 
 
 def test_greedy_and_sampled_rows_mix_with_logprobs(kernels):
     logits = torch.log(PROBS + 1e-30).repeat(3, 1)
     g, r = seqs(1, temperature=0.0, logprobs=2)[0], seqs(1, first_id=1, temperature=1.0, logprobs=0)[0]
-    out, lps = sample(logits, [[g], [r], []], kernels)
+    out, lps, _ = sample(logits, [[g], [r], []], kernels)
     assert out[0] == 0 and lps[0].token_id == 0 and [t for t, _ in lps[0].top] == [0, 1]
     assert lps[1].token_id == out[1] and lps[1].top == []
     assert abs(lps[0].logprob - float(torch.log(PROBS[0]))) < 1e-4

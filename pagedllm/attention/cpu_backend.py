@@ -27,6 +27,10 @@ class CpuPagedAttention(AttentionBackend):
             self.ops = load_ops()
         except RuntimeError as e:
             raise ImportError(str(e)) from e
+        # Split long decodes across threads when the step has too few items for them.
+        # Batch-invariant mode turns it off: merging the parts sums in another order than
+        # one pass over the keys, so a row's result would depend on what else is decoding.
+        self.split_k = True
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -44,5 +48,5 @@ class CpuPagedAttention(AttentionBackend):
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale)
+                                 scale, self.split_k)
         return out

@@ -29,6 +29,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class RequestFailedError(RuntimeError):
+    """This request failed inside a step (the others of the batch went on)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
@@ -76,7 +80,7 @@ class AsyncLLMEngine:
         return self.engine.validate(prompt, params)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-               cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+               cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request now (raising ValueError, QueueFullError or EngineDeadError at
         once) and return its stream: the request's output after each step that moved it,
         the last one finished. Closing the stream early (client gone) aborts the request
@@ -90,7 +94,7 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._send(("add", request_id, prompt if isinstance(prompt, str) else ids, params, cache_salt))
+        self._send(("add", request_id, ids, params, cache_salt, owner))
         return self._iterate(request_id, stream)
 
     async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
@@ -162,12 +166,12 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, salt = cmd
+                _, rid, prompt, params, salt, owner = cmd
                 self._adds_applied += 1
                 if rid not in self._streams:
                     continue  # the client left before it was queued
                 try:
-                    self.engine.add_request(rid, prompt, params, salt)
+                    self.engine.add_request(rid, prompt, params, salt, owner)
                 except ValueError as e:
                     self._deliver(rid, e)
             elif cmd[0] == "step":
@@ -203,7 +207,8 @@ class AsyncLLMEngine:
                     # must find it counted in /metrics.
                     self.stats = self.engine.stats()
                     for out in outs:
-                        self._deliver(out.request_id, out)
+                        self._deliver(out.request_id, out if out.error is None else
+                                      RequestFailedError(f"request failed: {out.error}"))
                     if self.step_delay:
                         self._stop.wait(self.step_delay)
                 else:

@@ -70,7 +70,11 @@ class LLMEngine:
         self.runner = ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills)
+        # No token spans more characters than the longest vocabulary entry (2x for
+        # normalizers that merge characters): a bound on a prompt's length before encoding.
+        self._chars_per_token = 2 * max(map(len, self.tokenizer.get_vocab()), default=1)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -95,7 +99,8 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None) -> Request:
+                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    owner: str | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing."""
         params = params or SamplingParams()
@@ -106,7 +111,7 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._check_lengths(len(token_ids), params)
-        req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time())
+        req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
         base_seed = params.seed if params.seed is not None else hash((self.cfg.seed, request_id)) & 0x7FFFFFFF
         for i in range(params.n):
             seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
@@ -130,6 +135,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if len(prompt) > self._chars_per_token * self.max_model_len:  # too long: spare the encoding
+                raise ValueError(f"prompt is {len(prompt)} characters, so at least "
+                                 f"{len(prompt) // self._chars_per_token} tokens; "
+                                 f"it must be < max_model_len ({self.max_model_len}) tokens")
             ids = self.tokenizer.encode(prompt, add_special_tokens=False)
             if not ids:
                 raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
@@ -137,6 +146,8 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(ids)} tokens; it must be < max_model_len ({self.max_model_len})")
         vocab = self.model_cfg.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
@@ -180,7 +191,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled, logprobs = self.runner.execute(out, self.kv)
+        sampled, logprobs, errors = self.runner.execute(out, self.kv)
         self.steps += 1
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used
@@ -192,16 +203,19 @@ class LLMEngine:
         touched: dict[str, Request] = {}
         new_tokens = self.scheduler.update(out, sampled)
         for seq, token in new_tokens:
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
             req = seq.request
-            if req.first_token_time is None:
-                req.first_token_time = now
-                self.prompt_tokens += len(req.prompt_token_ids)
-            if seq.seq_id in logprobs:
-                seq.logprobs.append(logprobs[seq.seq_id])
-            self._check_stop(seq, token)
             touched[req.request_id] = req
+            if req.error is not None:
+                continue
+            try:
+                self._accept(seq, token, logprobs.get(seq.seq_id), now)
+            except Exception as e:  # e.g. detokenizing for stop strings: this request only
+                self._fail(req, f"{type(e).__name__}: {e}")
+        for s in out.scheduled:
+            for seq in s.sample_for:
+                if seq.seq_id in errors and seq.request.error is None:
+                    self._fail(seq.request, errors[seq.seq_id])
+                    touched[seq.request.request_id] = seq.request
         if self.viz is not None and self.viz.active:
             self.viz.on_step(out, new_tokens)
         outputs = []
@@ -212,6 +226,28 @@ class LLMEngine:
             if req.finished or self.stream_outputs:
                 outputs.append(self.make_output(req))
         return outputs
+
+    def _accept(self, seq: Sequence, token: int, logprob, now: float) -> None:
+        seq.token_ids.append(token)
+        self.generation_tokens += 1
+        req = seq.request
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.prompt_tokens += len(req.prompt_token_ids)
+        if logprob is not None:
+            seq.logprobs.append(logprob)
+        self._check_stop(seq, token)
+
+    def _fail(self, req: Request, error: str) -> None:
+        """Something went wrong for this request alone inside a step: end it (its blocks
+        go back now) and let the rest of the batch go on."""
+        logger.warning("request %s failed inside a step: %s", req.request_id, error)
+        req.error = error
+        for seq in req.seqs:
+            if seq.status is SeqStatus.PENDING:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            else:
+                self.scheduler.finish(seq, "error")
 
     def _step_record(self, out) -> dict:
         kv = self.kv.stats()
@@ -251,7 +287,7 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
                    "finish_time": req.finish_time}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens, metrics)
+                             req.num_cached_tokens, metrics, req.error)
 
     # -- figures -------------------------------------------------------------
     def stats(self) -> EngineStats:

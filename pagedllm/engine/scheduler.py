@@ -32,11 +32,24 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
+def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) -> int:
+    """A quarter of the step budget, in whole blocks: a long prompt's chunk leaves three
+    quarters of every step to decodes and to short prompts arriving behind it."""
+    return max(block_size, max_num_batched_tokens // 4 // block_size * block_size)
+
+
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A prompt with more uncomputed tokens than this is long: it is prefilled at most this
+        # many tokens a step, and at most max_num_partial_prefills long ones at a time
+        # (vLLM's knobs); shorter prompts are admitted past a long one that must wait.
+        self.long_prefill_token_threshold = long_prefill_token_threshold or \
+            auto_long_prefill_threshold(max_num_batched_tokens, kv.block_size)
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
@@ -56,13 +69,28 @@ class Scheduler:
         self.pending_copies = []
 
         # Running sequences first, oldest first; the newest are preempted to make room.
+        # Each decode later in the list keeps one token of budget: a prefill chunk never
+        # starves a decode.
+        decodes_after = sum(1 for s in self.running if self._remaining(s) == 1)
+        long_prefills = 0
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(len(seq.token_ids) - seq.num_computed_tokens, budget)
+            remaining = self._remaining(seq)
+            if remaining == 1:
+                decodes_after -= 1
+                n = 1
+            else:
+                long_prefills += remaining > self.long_prefill_token_threshold
+                n = min(remaining, self.long_prefill_token_threshold, budget - decodes_after)
+                if n <= 0:
+                    i += 1
+                    continue
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
             while copies is None:
                 victim = self.running.pop()
+                if self._remaining(victim) == 1 and victim is not seq:
+                    decodes_after -= 1
                 self._preempt(victim, out)
                 if victim is seq:
                     break
@@ -77,6 +105,7 @@ class Scheduler:
         # Then admit waiting ones, unless this step had to preempt (no room to spare).
         # Samples of n > 1 join at fork time; they count against max_num_seqs from admission.
         seats = len(self.running) + sum(self._pending_forks(s) for s in self.running) if self.waiting else 0
+        skipped: list[Sequence] = []   # long prompts waiting for a partial-prefill slot
         while self.waiting and budget > 0 and not out.preempted:
             seq = self.waiting[0]
             need = 1 + self._pending_forks(seq)
@@ -85,11 +114,17 @@ class Scheduler:
             salt = seq.request.cache_salt
             hit = self.kv.lookup_prefix(seq.token_ids, salt)
             cached = len(hit) * self.kv.block_size
-            n = min(len(seq.token_ids) - cached, budget)
+            remaining = len(seq.token_ids) - cached
+            long = remaining > self.long_prefill_token_threshold
+            if long and long_prefills >= self.max_num_partial_prefills:
+                skipped.append(self.waiting.popleft())
+                continue
+            n = min(remaining, budget, self.long_prefill_token_threshold)
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, salt)
             if copies is None:
                 break
             self.waiting.popleft()
+            long_prefills += long
             seats += need
             if seq.num_output_tokens == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = cached
@@ -99,7 +134,12 @@ class Scheduler:
             out.copies.extend(copies)
             self._add_scheduled(out, seq, n)
             budget -= n
+        self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
         return out
+
+    @staticmethod
+    def _remaining(seq: Sequence) -> int:
+        return len(seq.token_ids) - seq.num_computed_tokens
 
     @staticmethod
     def _pending_forks(seq: Sequence) -> int:
@@ -138,6 +178,8 @@ class Scheduler:
                 continue
             seq.num_computed_tokens = s.start + s.num_tokens
             for target in s.sample_for:
+                if target.seq_id not in sampled:  # its sampling failed: the engine fails it
+                    continue
                 if target is not seq:
                     self._fork(seq, target)
                 new_tokens.append((target, sampled[target.seq_id]))

@@ -60,6 +60,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at first admission
+    owner: str | None = None      # the tenant that sent it (the visualizer shows others' text to nobody)
+    error: str | None = None      # set when this request alone failed inside a step
     seqs: list[Sequence] = field(default_factory=list)
 
     @property

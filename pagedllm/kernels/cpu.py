@@ -1,5 +1,5 @@
-"""Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling) once, caches
-them, loads them as torch.ops.pagedllm_cpu.
+"""Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling, the
+batch-invariant matmul) once, caches them, loads them as torch.ops.pagedllm_cpu.
 
 The library is compiled for this CPU (-march=native) by torch's extension builder (g++,
 ninja) and cached under ~/.cache/pagedllm/ext/ keyed by the sources, torch version, flags
@@ -21,7 +21,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "sampling.cpp"]
+SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "sampling.cpp"]
 
 
 def _arch_flags() -> list[str]:

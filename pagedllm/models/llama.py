@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend, AttentionMetadata
+from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rope
 
@@ -28,10 +29,16 @@ class RMSNorm(nn.Module):
 class Ops:
     """The per-token pieces of a layer: the compiled CPU kernels (pagedllm.kernels) when
     given, plain torch otherwise (CUDA, or where the kernels cannot be built). Both
-    compute the same thing; tests hold one against the other."""
+    compute the same thing; tests hold one against the other. All of them work row by
+    row; only the linear layers need batch-invariant mode (batch_invariant.py) for a row's
+    result not to depend on the others."""
 
     def __init__(self, kernels=None) -> None:
         self.k = kernels
+        self.batch_invariant = False
+
+    def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return invariant_linear(layer, x, self.k) if self.batch_invariant else layer(x)
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.k is not None and x.device.type == "cpu" and x.shape[-1] % 16 == 0
@@ -79,13 +86,13 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.d ** -0.5
 
-    def forward(self, x, rotate, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: AttentionMetadata):
         t = x.shape[0]
-        qkv = self.qkv_proj(x)
+        qkv = ops.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k = rotate(q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.h * self.d))
+        return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
 
 
 class MLP(nn.Module):
@@ -95,7 +102,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, x)))
 
 
 class DecoderLayer(nn.Module):
@@ -113,7 +120,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, ops.norm(x, self.input_layernorm)
         else:
             x, residual = ops.add_norm(x, residual, self.input_layernorm)
-        x = self.self_attn(x, rotate, k_cache, v_cache, meta)
+        x = self.self_attn(x, ops, rotate, k_cache, v_cache, meta)
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
         return self.mlp(x, ops), residual
 
@@ -140,9 +147,22 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, meta)
         return self.ops.add_norm(x, residual, self.norm)[0]
 
+    def make_batch_invariant(self) -> str:
+        """Batch-invariant mode for the linear layers (once the weights are loaded and in
+        their dtype): packs what the AMX matmul can run. Returns how they run, for the log."""
+        self.ops.batch_invariant = True
+        keep = {id(self.embed_tokens.weight)}  # a tied lm_head shares it: the embedding still needs it
+        packed = pack_linears(self, self.ops.k, keep)
+        total = sum(1 for m in self.modules() if isinstance(m, nn.Linear))
+        if packed == total:
+            return "AMX matmuls in a fixed order"
+        if packed == 0:
+            return f"matmuls on {ROW_TILE}-row tiles"
+        return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples."""
-        return self.lm_head(hidden)
+        return self.ops.linear(self.lm_head, hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into single matmuls."""

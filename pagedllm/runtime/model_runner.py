@@ -110,10 +110,17 @@ class ModelRunner:
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
         self.backend_name = backend.name
+        self.batch_invariant = cfg.batch_invariant
+        if cfg.batch_invariant:
+            if backend.name != "cpu" or self.device.type != "cpu":
+                raise ValueError(f"batch_invariant needs the compiled CPU attention kernel, but this engine runs "
+                                 f"{backend.name} attention on {self.device.type}")
+            backend.split_k = False
         # oneDNN builds a kernel per matmul shape on first use (5-25 ms each): padding the
         # step's token count to a few buckets bounds how many a run ever builds, so a cold
         # process runs as fast as a warm one. The cpu backend leaves padding rows alone.
-        self.pad_steps = backend.name == "cpu"
+        # Batch-invariant matmuls build nothing per shape (or run one tile shape): no padding.
+        self.pad_steps = backend.name == "cpu" and not cfg.batch_invariant
         if backend.name == "triton" and self.device.type == "cpu":
             logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
                            "(meant for tests); use --attention-backend torch")
@@ -125,12 +132,14 @@ class ModelRunner:
             model.lm_head.weight = model.embed_tokens.weight
         model.load_hf_weights(load_weights(model_dir))
         model = model.to(self.dtype).eval()
+        invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         # RoPE tables stay float32 whatever the weights' dtype.
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
-        logger.info("model loaded in %.1f s (%s, %s, %s attention)", time.perf_counter() - t0, self.dtype,
-                    self.device, backend.name)
+        logger.info("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype,
+                    self.device, backend.name,
+                    f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
                                 profile=lambda: self._profile_activations(cfg, model_cfg))
         self.max_model_len = max_model_len
@@ -142,9 +151,10 @@ class ModelRunner:
             self.graphs.capture()
 
     def describe(self) -> str:
-        """dtype, device, attention backend and threads, for reports."""
+        """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
-        return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}"
+        mode = ", batch-invariant" if self.batch_invariant else ""
+        return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}"
 
     @torch.inference_mode()
     def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -175,7 +185,8 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict]:
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict, dict[int, str]]:
+        """Run the step; (token, logprobs, sampling error) by seq id for each sampled row."""
         if self.threads is not None:
             self.threads.tick()
         self.kv_cache.copy_blocks(out.copies)
@@ -228,8 +239,9 @@ class ModelRunner:
                             self.kv_cache.layers, meta)
         return self._sample(hidden, logit_rows, sample_rows)
 
-    def _sample(self, hidden: torch.Tensor, logit_rows: list[int], sample_rows: list) -> tuple[dict[int, int], dict]:
+    def _sample(self, hidden: torch.Tensor, logit_rows: list[int], sample_rows: list
+                ) -> tuple[dict[int, int], dict, dict[int, str]]:
         if not logit_rows:
-            return {}, {}
+            return {}, {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
         return sample(logits, sample_rows, self.model.ops.k)

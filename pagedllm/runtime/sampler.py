@@ -14,9 +14,28 @@ from ..outputs import TokenLogprob
 
 
 def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None
-           ) -> tuple[dict[int, int], dict[int, TokenLogprob]]:
-    """logits [R, V]; rows[i] lists the sequences that sample from row i. Greedy rows take
-    the argmax in the logits' own dtype (upcasting cannot change it)."""
+           ) -> tuple[dict[int, int], dict[int, TokenLogprob], dict[int, str]]:
+    """logits [R, V]; rows[i] lists the sequences that sample from row i. Returns tokens
+    and logprobs by seq id, and the error of each sequence whose sampling failed: one bad
+    request must not fail the others of the batch, so a failed batch is redone row by row."""
+    try:
+        tokens = _sample_batch(logits, rows, kernels)
+        return tokens, _logprobs(logits, rows, tokens), {}
+    except Exception:  # find which rows fail; every other row keeps its token
+        tokens, logprobs, errors = {}, {}, {}
+        for i, seqs in enumerate(rows):
+            for seq in seqs:
+                try:
+                    one = _sample_batch(logits[i:i + 1], [[seq]], kernels)
+                    logprobs.update(_logprobs(logits[i:i + 1], [[seq]], one))
+                    tokens.update(one)
+                except Exception as e:
+                    errors[seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
+        return tokens, logprobs, errors
+
+
+def _sample_batch(logits: torch.Tensor, rows: list[list[Sequence]], kernels) -> dict[int, int]:
+    """Greedy rows take the argmax in the logits' own dtype (upcasting cannot change it)."""
     out: dict[int, int] = {}
     picks = [(i, seq) for i, seqs in enumerate(rows) for seq in seqs if not seq.params.greedy]
     if len(picks) < sum(map(len, rows)):
@@ -33,7 +52,7 @@ def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None
             tokens = [_sample_torch(logits[i], seq) for i, seq in picks]
         for (_, seq), t in zip(picks, tokens):
             out[seq.seq_id] = t
-    return out, _logprobs(logits, rows, out)
+    return out
 
 
 def _generator(seq: Sequence) -> torch.Generator:

@@ -11,17 +11,21 @@ import hashlib
 import hmac
 import json
 import logging
+import math
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
 from .. import __version__
-from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError
+from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
 from ..outputs import CompletionOutput, RequestOutput
+from .http import ServerClosing, until, until_closing
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -43,31 +47,50 @@ class APIError(Exception):
 
 class ServerState:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_keys: list[str], isolation: str,
-                 max_body_bytes: int) -> None:
+                 max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0) -> None:
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
         self.engine = engine
         self.model_name = model_name
         self.api_keys = [k.encode() for k in api_keys]
+        self.admin_key = admin_key.encode() if admin_key else None
         self.isolation = isolation
         self.max_body_bytes = max_body_bytes
+        self.body_timeout = body_timeout  # seconds the whole body may take to arrive: no trickling
+        self.closing = asyncio.Event()  # set when the shutdown grace is over (server.http.GracefulShutdown)
         self.metrics = ServerMetrics(lambda: engine.stats, model_name)
         self.tokenizer = engine.engine.tokenizer
+        self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
 
     # -- request checks ------------------------------------------------------
     def authenticate(self, request: Request, query_key: bool = False) -> str | None:
         """The caller's API key (None when the server has none). query_key also takes
         ?api_key=, for clients that cannot set headers (a browser's EventSource)."""
-        if not self.api_keys:
-            return None
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         if not key and query_key:
             key = request.query_params.get("api_key", "")
+        if self.is_admin(key):
+            return key
+        if not self.api_keys:
+            return None
         if not any(hmac.compare_digest(key.encode(), k) for k in self.api_keys):
             how = "Authorization: Bearer <key>" + (", or ?api_key=<key>" if query_key else "")
             raise APIError(401, f"invalid or missing API key ({how})", "authentication_error")
         return key
+
+    def is_admin(self, key: str | None) -> bool:
+        return self.admin_key is not None and key is not None and hmac.compare_digest(key.encode(), self.admin_key)
+
+    def may_control(self, key: str | None) -> bool:
+        """Engine controls (the visualizer's pause, step, delay, scenarios) slow every
+        tenant: only the admin key may use them, or anyone on a server without keys."""
+        return self.is_admin(key) or (self.admin_key is None and not self.api_keys)
+
+    def tenant(self, key: str | None) -> str | None:
+        """A key's tenant label (never the key itself): who owns a request, for the
+        visualizer. None on a server without keys, where everyone is one tenant."""
+        return None if key is None else "tenant:" + hashlib.sha256(key.encode()).hexdigest()[:16]
 
     def cache_salt(self, key: str | None, requested: str | None) -> str | None:
         """Per-key isolation: the salt comes from the key, server-side, so one tenant can
@@ -78,24 +101,28 @@ class ServerState:
             return tenant if requested is None else f"{tenant}|{requested}"
         return requested
 
+    async def off_loop(self, fn, *args):
+        """Run CPU-bound request work (JSON parsing, chat templates, tokenizing) on the
+        worker threads: a 4 MB prompt must not stall other tenants' streams or /health.
+        The tokenizer releases the GIL while it encodes."""
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
+
     async def read_json(self, request: Request) -> Any:
         length = request.headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             raise APIError(413, f"request body is {length} bytes; the limit is {self.max_body_bytes}")
         body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > self.max_body_bytes:
-                raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
+
+        async def read() -> None:
+            async for chunk in request.stream():
+                body.extend(chunk)
+                if len(body) > self.max_body_bytes:
+                    raise APIError(413, f"request body exceeds the limit of {self.max_body_bytes} bytes")
         try:
-            text = body.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise APIError(400, f"request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError as e:
-            raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
-                from None
+            await asyncio.wait_for(read(), self.body_timeout)
+        except asyncio.TimeoutError:
+            raise APIError(408, f"request body not received within {self.body_timeout:g} s") from None
+        return await self.off_loop(_parse_json, bytes(body))
 
     def parse(self, model: type[BaseModel], data: Any) -> Any:
         if not isinstance(data, dict):
@@ -110,6 +137,69 @@ class ServerState:
             raise APIError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
                            "NotFoundError", "model")
         return req
+
+
+MAX_JSON_DEPTH = 32
+
+
+def _parse_json(body: bytes) -> Any:
+    """A request body as JSON, or APIError naming what is wrong with it (never a 500)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 ({e.reason} at byte {e.start})") from None
+    try:
+        data = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") \
+            from None
+    except RecursionError:
+        raise APIError(400, f"request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)") \
+            from None
+    except ValueError as e:  # NaN / Infinity, or an integer past Python's digit limit
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+    _check_tree(data)
+    return data
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise ValueError(f"number {text[:40]} is out of the float range")
+    return x
+
+
+def _check_tree(data: Any) -> None:
+    """Walk a parsed body without recursion: reject deep nesting (before pydantic recurses
+    into it) and strings that are not Unicode text (lone surrogates, which JSON's \\u
+    escapes allow but no tokenizer or encoder accepts)."""
+    stack = [(data, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, str):
+            _check_text(node)
+            continue
+        if depth > MAX_JSON_DEPTH and isinstance(node, (dict, list)):
+            raise APIError(400, f"request body is nested too deeply (the limit is {MAX_JSON_DEPTH} levels)")
+        if isinstance(node, dict):
+            for k, v in node.items():
+                _check_text(k)
+                stack.append((v, depth + 1))
+        elif isinstance(node, list):
+            stack.extend((v, depth + 1) for v in node)
+
+
+def _check_text(s: str) -> None:
+    if not s.isascii():
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"request body holds a string that is not valid Unicode text "
+                                f"(a lone surrogate \\u{ord(s[e.start]):04x})") from None
 
 
 def create_app(state: ServerState, viz=None) -> FastAPI:
@@ -149,37 +239,69 @@ def create_app(state: ServerState, viz=None) -> FastAPI:
             "max_model_len": state.engine.engine.max_model_len, "kv_cache_blocks": s.num_blocks,
             "block_size": s.block_size}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):
         key = state.authenticate(request)
-        req: CompletionRequest = state.parse(CompletionRequest, await state.read_json(request))
-        params = _params(req, req.max_tokens, req.logprobs)
-        prompts = req.prompts()
-        return await _serve(state, request, req, "cmpl", prompts, params, state.cache_salt(key, req.cache_salt),
-                            chat=False)
+        body = await state.read_json(request)
+        req, params, prompts = await state.off_loop(_prepare_completion, state, body)
+        return await _serve(state, request, req, "cmpl", prompts, params, key, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         key = state.authenticate(request)
-        req: ChatCompletionRequest = state.parse(ChatCompletionRequest, await state.read_json(request))
-        try:
-            conv = req.conversation()
-            prompt = state.tokenizer.apply_chat_template(conv, tokenize=False,
-                                                         add_generation_prompt=req.add_generation_prompt)
-        except ValueError as e:
-            raise APIError(400, f"messages: {e}", param="messages") from None
-        except Exception as e:  # a template that rejects this conversation (e.g. role order)
-            raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
-        max_tokens = req.max_completion_tokens or req.max_tokens
-        logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = _params(req, max_tokens, logprobs)
-        return await _serve(state, request, req, "chatcmpl", [prompt], params,
-                            state.cache_salt(key, req.cache_salt), chat=True)
+        body = await state.read_json(request)
+        req, params, prompts = await state.off_loop(_prepare_chat, state, body)
+        return await _serve(state, request, req, "chatcmpl", prompts, params, key, chat=True)
 
     if viz is not None:
         from ..viz.routes import add_viz_routes
         add_viz_routes(app, state, viz)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+BODIES = (CompletionRequest, ChatCompletionRequest)
+
+
+def _body(model: type[BaseModel]) -> dict:
+    """The request body in the OpenAPI schema: routes read their bodies themselves (for
+    OpenAI-shaped errors), so FastAPI would not list them; clients and fuzzers need them."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in BODIES:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+# -- request preparation: on the worker threads, never on the event loop -----------------
+def _prepare_completion(state: ServerState, body: Any):
+    req: CompletionRequest = state.parse(CompletionRequest, body)
+    params = _params(req, req.max_tokens, req.logprobs)
+    return req, params, _token_ids(state, req.prompts(), params, chat=False)
+
+
+def _prepare_chat(state: ServerState, body: Any):
+    req: ChatCompletionRequest = state.parse(ChatCompletionRequest, body)
+    try:
+        conv = req.conversation()
+        prompt = state.tokenizer.apply_chat_template(conv, tokenize=False,
+                                                     add_generation_prompt=req.add_generation_prompt)
+    except ValueError as e:
+        raise APIError(400, f"messages: {e}", param="messages") from None
+    except Exception as e:  # a template that rejects this conversation (e.g. role order)
+        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    params = _params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    return req, params, _token_ids(state, [prompt], params, chat=True)
 
 
 def _params(req, max_tokens, logprobs):
@@ -189,20 +311,28 @@ def _params(req, max_tokens, logprobs):
         raise APIError(400, str(e)) from None
 
 
-async def _serve(state: ServerState, request: Request, req, prefix: str, prompts: list, params, salt,
-                 chat: bool):
-    engine = state.engine
-    for i, p in enumerate(prompts):  # all or nothing: no request is queued if one is bad
+def _token_ids(state: ServerState, prompts: list, params, chat: bool) -> list[list[int]]:
+    """Every prompt's token ids, checked against the limits; all or nothing, so no
+    request is queued when one prompt of the batch is bad."""
+    out = []
+    for i, p in enumerate(prompts):
         try:
-            engine.validate(p, params)
+            out.append(state.engine.validate(p, params))
         except ValueError as e:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise APIError(400, where + str(e), param="messages" if chat else "prompt") from None
+    return out
+
+
+async def _serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
+                 key: str | None, chat: bool):
+    engine = state.engine
+    salt = state.cache_salt(key, req.cache_salt)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     streams = []
     try:
-        for i, p in enumerate(prompts):
-            streams.append(engine.submit(f"{rid}-{i}", p, params, salt))
+        for i, ids in enumerate(prompts):
+            streams.append(engine.submit(f"{rid}-{i}", ids, params, salt, owner=state.tenant(key)))
     except (QueueFullError, EngineDeadError) as e:
         for s in streams:
             await s.aclose()
@@ -212,18 +342,24 @@ async def _serve(state: ServerState, request: Request, req, prefix: str, prompts
             await s.aclose()
         raise APIError(400, str(e)) from None
     resp = _Response(state, req, rid, chat, params.n)
+    # A client that leaves (before its first token, too: a long prefill sends nothing)
+    # aborts its requests and frees their blocks before the next step.
+    merged = until(_merge(streams), _wait_disconnect(request), ClientGone)
     if req.stream:
-        return StreamingResponse(resp.sse(_merge(streams)), media_type="text/event-stream",
+        return StreamingResponse(resp.sse(merged), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    collect = asyncio.ensure_future(resp.collect(_merge(streams)))
-    watch = asyncio.ensure_future(_wait_disconnect(request))
-    done, _ = await asyncio.wait({collect, watch}, return_when=asyncio.FIRST_COMPLETED)
-    if collect not in done:  # the client left: abort its requests, free their blocks
-        collect.cancel()
-        await asyncio.gather(collect, return_exceptions=True)
+    try:
+        return await resp.collect(merged)
+    except ClientGone:
         return Response(status_code=499)
-    watch.cancel()
-    return collect.result()
+    except RequestFailedError as e:
+        raise APIError(500, str(e), "internal_error") from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "service_unavailable") from None
+
+
+class ClientGone(Exception):
+    pass
 
 
 async def _wait_disconnect(request: Request) -> None:
@@ -310,7 +446,7 @@ class _Response:
         finals: dict[int, RequestOutput] = {}
         chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
-            async for i, out in merged:
+            async for i, out in until_closing(merged, self.state.closing):
                 if out.finished:
                     finals[i] = out
                     self.state.metrics.observe(out)
@@ -337,6 +473,11 @@ class _Response:
                 yield _sse({"id": self.rid, "object": chunk_obj, "created": self.created,
                             "model": self.state.model_name, "choices": [], "usage": self.usage(finals)})
             yield "data: [DONE]\n\n"
+        except ServerClosing as e:  # the shutdown grace is over: end cleanly, the requests aborted
+            yield _sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": 503}})
+            yield "data: [DONE]\n\n"
+        except ClientGone:  # nobody to tell; its requests are aborted
+            return
         except Exception as e:  # after the headers went out, errors travel in the stream
             logger.warning("stream %s failed: %s", self.rid, e)
             yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})

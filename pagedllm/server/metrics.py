@@ -46,6 +46,9 @@ class EngineCollector(Collector):
                            s.preemptions)
         yield self._family(c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
         yield self._family(c, "generation_tokens", "Generated tokens.", s.generation_tokens)
+        yield self._family(c, "computed_prompt_tokens", "Prefill tokens run (cache hits skip them, recompute "
+                           "repeats them).", s.computed_prompt_tokens)
+        yield self._family(c, "engine_steps", "Engine steps (forward passes) run.", s.steps)
         yield self._family(c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.cow_copies)
 
 

@@ -8,6 +8,9 @@ Messages (all plain dicts of ints and short strings, never tensors):
             (prefill vs decode tokens per sequence), queues, new token texts, figures.
   abort     KV events of requests aborted between steps.
 
+Messages also carry `_req_owner` / `_seq_owner` (who sent each request): a server shows
+each tenant its own text only (pagedllm.viz.tenancy) and strips these keys.
+
 Engine-side methods run on the engine's thread. While nobody subscribes or records,
 `active` is False: the engine skips every hook and the KV manager has no listener.
 """
@@ -140,7 +143,8 @@ class VizHub:
     def on_request(self, req: Request) -> None:
         self._publish({"kind": "request", "t": self._now(), "req": req.request_id,
                        "seqs": [s.seq_id for s in req.seqs], "n": len(req.seqs),
-                       "max_tokens": req.max_tokens, "prompt": self._pieces(req.prompt_token_ids)})
+                       "max_tokens": req.max_tokens, "prompt": self._pieces(req.prompt_token_ids),
+                       **_owners([req])})
 
     def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]]) -> None:
         tokens: dict[int, list[str]] = {}
@@ -153,13 +157,14 @@ class VizHub:
             "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
             "preempted": [s.seq_id for s in out.preempted], "tokens": tokens,
             "finished": {s.seq_id: s.finish_reason for s, _ in new_tokens if s.finish_reason},
-            **self._queues(), "figures": self.figures()})
+            **self._queues(), "figures": self.figures(),
+            **_owners({seq.request for seq, _ in new_tokens})})
 
     def on_abort(self, req: Request) -> None:
         kv_events, self._kv_events = self._kv_events, []
         self._publish({"kind": "abort", "t": self._now(), "req": req.request_id, "kv": kv_events,
                        "finished": {s.seq_id: "abort" for s in req.seqs}, **self._queues(),
-                       "figures": self.figures()})
+                       "figures": self.figures(), **_owners([req])})
 
     # -- pictures ------------------------------------------------------------------
     def snapshot(self) -> dict:
@@ -173,7 +178,7 @@ class VizHub:
                 **kv_picture(eng.kv), "seqs": seqs,
                 "requests": {rid: {"seqs": [s.seq_id for s in r.seqs], "n": len(r.seqs),
                                    "max_tokens": r.max_tokens} for rid, r in eng.requests.items()},
-                **self._queues(), "figures": self.figures()}
+                **self._queues(), "figures": self.figures(), **_owners(eng.requests.values())}
 
     def config(self) -> dict:
         eng = self.engine
@@ -201,6 +206,14 @@ class VizHub:
 
     def _now(self) -> float:
         return round(time.time() - self._t0, 4)
+
+
+def _owners(reqs) -> dict:
+    """Who owns what a message names, for the per-tenant view (pagedllm.viz.tenancy):
+    the owner of each request and sequence, and a stand-in id that names no request."""
+    reqs = list(reqs)
+    return {"_req_owner": {r.request_id: [r.owner, f"request {r.seqs[0].seq_id}"] for r in reqs if r.seqs},
+            "_seq_owner": {s.seq_id: r.owner for r in reqs for s in r.seqs}}
 
 
 def kv_figures(kv: KVCacheManager, reserve_max_blocks: int, preemptions: int = 0) -> dict:

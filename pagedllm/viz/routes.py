@@ -7,6 +7,7 @@ import itertools
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ from fastapi.staticfiles import StaticFiles
 from .hub import VizHub
 from .scenarios import SCENARIOS, prompt_text, trace_path
 from .state import kv_picture
+from .tenancy import EVERYTHING, view
 
 if TYPE_CHECKING:
     from ..server.api import ServerState
@@ -26,14 +28,24 @@ logger = logging.getLogger(__name__)
 PAGE = Path(__file__).parent / "index.html"
 STATIC = Path(__file__).parent / "static"
 KEEPALIVE_S = 15.0
+MAX_WATCHERS_PER_TENANT = 4
+STATE_TTL_S = 0.25
 
 
 def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
     from ..server.api import APIError
 
-    def check_key(request: Request) -> None:
-        # The page shows every request's text; EventSource cannot send headers, hence ?api_key=.
-        state.authenticate(request, query_key=True)
+    def check_key(request: Request) -> str | None:
+        # EventSource cannot send headers, hence ?api_key=.
+        return state.authenticate(request, query_key=True)
+
+    def viewer(key: str | None):
+        return EVERYTHING if state.is_admin(key) else state.tenant(key)
+
+    def check_control(request: Request) -> None:
+        if not state.may_control(check_key(request)):
+            raise APIError(403, "engine controls need the admin key (--admin-key): they would slow every tenant",
+                           "permission_error")
 
     @app.get("/viz", include_in_schema=False)
     async def viz_redirect(request: Request):
@@ -46,11 +58,16 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
         return FileResponse(PAGE)
 
     app.mount("/viz/static", StaticFiles(directory=STATIC), name="viz-static")
+    watchers: Counter = Counter()
+    cached_read: dict = {}
 
     @app.get("/viz/events")
     async def viz_events(request: Request):
         """Server-sent events: a snapshot, then one message per engine step."""
-        check_key(request)
+        who = viewer(check_key(request))
+        if watchers[who] >= MAX_WATCHERS_PER_TENANT:
+            raise APIError(429, f"at most {MAX_WATCHERS_PER_TENANT} visualizer streams per API key", "rate_limit_error")
+        watchers[who] += 1
         sub = hub.subscribe()
 
         async def stream():
@@ -61,18 +78,21 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
                     except asyncio.TimeoutError:
                         yield ": keep-alive\n\n"
                         continue
-                    yield f"data: {json.dumps(msg, separators=(',', ':'))}\n\n"
+                    yield f"data: {json.dumps(view(msg, who), separators=(',', ':'))}\n\n"
                     if msg.get("kind") in ("dropped", "closing"):
                         return
             finally:
                 hub.unsubscribe(sub)
+                watchers[who] -= 1
 
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     @app.get("/viz/state")
     async def viz_state(request: Request):
-        """The manager's own figures, read on the engine thread between two steps."""
+        """The manager's own figures, read on the engine thread between two steps (block
+        tables and counts only: no text). Reads within STATE_TTL_S share one engine call,
+        so polling it cannot slow the engine for others."""
         check_key(request)
 
         def read(engine):
@@ -80,12 +100,14 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
                     "tables": kv_picture(engine.kv)["tables"],
                     "paused": state.engine.paused, "step_delay": state.engine.step_delay,
                     "subscribers": hub.num_subscribers}
-        return await asyncio.wait_for(state.engine.call(read), 30)
+        if cached_read.get("task") is None or time.monotonic() - cached_read["at"] > STATE_TTL_S:
+            cached_read.update(task=asyncio.ensure_future(state.engine.call(read)), at=time.monotonic())
+        return await asyncio.wait_for(asyncio.shield(cached_read["task"]), 30)
 
     @app.post("/viz/control")
     async def viz_control(request: Request):
         """{"action": "pause" | "resume" | "step" | "delay", "seconds": s}"""
-        check_key(request)
+        check_control(request)
         body = await state.read_json(request)
         action = body.get("action") if isinstance(body, dict) else None
         eng = state.engine
@@ -113,7 +135,7 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
     @app.post("/viz/scenarios/{name}/run")
     async def viz_run(name: str, request: Request):
         """Send a scenario's requests to the live engine (in the background)."""
-        check_key(request)
+        check_control(request)
         sc = SCENARIOS.get(name)
         if sc is None or not sc.requests:
             live = [s.name for s in SCENARIOS.values() if s.requests]

@@ -5,7 +5,11 @@
 // keys 0..that position (causal). Work is cut into items of one KV head and a tile of
 // query tokens; the query heads that share the KV head (GQA) ride along, so every K/V
 // row is read once per item. Small decode batches split long contexts across threads
-// and merge the parts' softmax states afterwards. Math in fp32 whatever the storage
+// and merge the parts' softmax states afterwards (unless split_k is off: the merge sums
+// in another order than one pass does, so a row's result would depend on the batch).
+// Otherwise a query row's result depends only on its own position and keys: key chunks
+// start at key 0 whatever the tile, and keys past a row's last one add exact zeros.
+// Math in fp32 whatever the storage
 // type (fp32, bf16, fp16); the bf16 dot-product path rounds the softmax weights to bf16
 // for P.V, as flash attention on GPUs does.
 #include <ATen/Parallel.h>
@@ -370,7 +374,7 @@ struct Split { int32_t seq, kvh, p0, np; };
 // (sequence, KV head), or several key ranges when there are too few items to keep
 // every thread busy (one long sequence decoding alone).
 std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_seqs, int kv_heads, int group,
-                       int threads, std::vector<Split>& splits, int& num_parts) {
+                       int threads, bool split_k, std::vector<Split>& splits, int& num_parts) {
   std::vector<Item> items;
   const int tile = std::max(1, MAX_ROWS / group);
   int64_t decode_keys = 0;
@@ -383,7 +387,7 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
   n_items *= kv_heads;
   // Parts of at least 256 keys (merging costs more than it saves below that).
   int64_t part_len = std::numeric_limits<int32_t>::max();
-  if (n_items < 4 * threads && decode_keys > 0)
+  if (split_k && n_items < 4 * threads && decode_keys > 0)
     part_len = std::max<int64_t>(256, (decode_keys * kv_heads + 4 * threads - 1) / (4 * threads));
   num_parts = 0;
   for (int s = 0; s < num_seqs; ++s) {
@@ -416,7 +420,7 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
 
 template <typename T, int NC>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale) {
+         const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale, bool split_k) {
   const int num_seqs = int(ctx_lens.size(0));
   const int kv_heads = int(k_cache.size(1));
   const int group = int(q.size(1) / kv_heads);
@@ -424,7 +428,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   std::vector<Split> splits;
   int num_parts = 0;
   std::vector<Item> items = plan(ctx_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(), num_seqs, kv_heads,
-                                 group, threads, splits, num_parts);
+                                 group, threads, split_k, splits, num_parts);
   std::vector<float> part_acc(size_t(num_parts) * group * NC * L), part_ml(size_t(num_parts) * group * 2);
   Args<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1),
             out.data_ptr<T>(), out.stride(0), out.stride(1),
@@ -459,15 +463,16 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 
 template <typename T>
 void dispatch_dim(int64_t d, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& t, const at::Tensor& c, const at::Tensor& s, double scale) {
+                  const at::Tensor& v, const at::Tensor& t, const at::Tensor& c, const at::Tensor& s, double scale,
+                  bool split_k) {
   switch (d) {
-    case 16: return run<T, 1>(out, q, k, v, t, c, s, scale);
-    case 32: return run<T, 2>(out, q, k, v, t, c, s, scale);
-    case 64: return run<T, 4>(out, q, k, v, t, c, s, scale);
-    case 80: return run<T, 5>(out, q, k, v, t, c, s, scale);
-    case 96: return run<T, 6>(out, q, k, v, t, c, s, scale);
-    case 128: return run<T, 8>(out, q, k, v, t, c, s, scale);
-    case 256: return run<T, 16>(out, q, k, v, t, c, s, scale);
+    case 16: return run<T, 1>(out, q, k, v, t, c, s, scale, split_k);
+    case 32: return run<T, 2>(out, q, k, v, t, c, s, scale, split_k);
+    case 64: return run<T, 4>(out, q, k, v, t, c, s, scale, split_k);
+    case 80: return run<T, 5>(out, q, k, v, t, c, s, scale, split_k);
+    case 96: return run<T, 6>(out, q, k, v, t, c, s, scale, split_k);
+    case 128: return run<T, 8>(out, q, k, v, t, c, s, scale, split_k);
+    case 256: return run<T, 16>(out, q, k, v, t, c, s, scale, split_k);
   }
   TORCH_CHECK(false, "paged_attention: head_dim ", d, " is not supported (16, 32, 64, 80, 96, 128, 256 are)");
 }
@@ -484,9 +489,11 @@ void check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d) {
 }
 
 // out/q [T, H, D]; caches as check_caches says; tables int32 [S, W]; ctx_lens int32 [S] (keys of each sequence after this step's
-// tokens); q_start int32 [S + 1] (rows of each sequence's queries).
+// tokens); q_start int32 [S + 1] (rows of each sequence's queries). split_k false: no
+// decode is split across threads, so every row's result is independent of the batch.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale) {
+                     const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale,
+                     bool split_k) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D] alike");
   check_caches(k_cache, v_cache, q.size(2));
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
@@ -514,10 +521,11 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   }
   const int64_t d = q.size(2);
   switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_dim<float>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale);
+    case at::kFloat: return dispatch_dim<float>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
     case at::kBFloat16:
-      return dispatch_dim<c10::BFloat16>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale);
-    case at::kHalf: return dispatch_dim<c10::Half>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale);
+      return dispatch_dim<c10::BFloat16>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
+    case at::kHalf:
+      return dispatch_dim<c10::Half>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
     default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported");
   }
 }
@@ -576,7 +584,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor ctx_lens, Tensor q_start, float scale) -> ()");
+        "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
 }
 

@@ -425,8 +425,10 @@ function schedule() {
 }
 
 async function control(action, extra = {}) {
-  await fetch(`control${keyQuery}`, { method: "POST", headers: { "content-type": "application/json" },
-                                      body: JSON.stringify({ action, ...extra }) });
+  const r = await fetch(`control${keyQuery}`, { method: "POST", headers: { "content-type": "application/json" },
+                                                body: JSON.stringify({ action, ...extra }) });
+  // A tenant's key may watch but not steer (the controls slow every tenant): say so.
+  if (!r.ok && S) { log("request", `${action}: ${(await r.json()).error?.message}`); redraw(); }
 }
 
 function speedLabel() {

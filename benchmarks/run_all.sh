@@ -55,9 +55,7 @@ done
 pagedllm simulate --config benchmarks/configs/llama-13b.json --gpu-memory 40GiB --dtype float16 \
   --num-prompts 1000 --max-prompt-len 1024 --max-output-len 1024 | tee $R/simulate_llama13b_a100.txt
 
-# 8. Tables and plots.
-pagedllm bench report $R/compare_sharegpt_256.json $R/compare_sharegpt_1024.json $R/memory.json \
-  $R/serve_chat_enable.json $R/serve_chat_no-enable.json --out-dir $R/report
+# 8. Tables and plots: last (step 11), once every result file is written.
 
 # 9. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
 python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3 \
@@ -66,3 +64,7 @@ python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48
 # 10. Batch-invariant mode: throughput off / on / on without AMX (alternating rounds), and greedy
 #     requests matching their run alone with the mode off and on.
 python benchmarks/batch_invariant.py --match --rounds 3 --out $R/batch_invariant.json | tee $R/batch_invariant.txt
+
+# 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
+#     `pagedllm bench report` alone regenerates them from the committed JSON.
+pagedllm bench report $R/*.json --out-dir $R/report

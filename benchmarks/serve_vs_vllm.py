@@ -55,16 +55,16 @@ def ours(url: str, tok, args, rate: float) -> dict:
     reqs = load_workload("random", tok, WorkloadOptions(num_prompts=args.num_prompts, seed=args.seed,
                                                         input_len=args.input_len, output_len=args.output_len,
                                                         max_output_len=args.output_len))
-    r = run_serve_bench(url, MODEL, reqs, rate, None, args.seed)
-    r.pop("ttft_all_ms"), r.pop("latency_all_s")
-    return {"output_throughput": r["output_throughput"], "request_throughput": r["request_throughput"],
-            "completed": r["successful_requests"], "failed": len(r["failed"]),
-            **{f"{s}_{k}_ms": r[f"{k}_ms"][s] for k in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")}}
+    return _summary(run_serve_bench(url, MODEL, reqs, rate, None, args.seed))
 
 
 def theirs(python: Path, url: str, model_dir: Path, args, rate: float) -> dict:
-    r = vllm_bench_serve(python, url, MODEL, model_dir, args.num_prompts, args.input_len, args.output_len, rate,
-                         args.seed)
+    return _summary(vllm_bench_serve(python, url, MODEL, model_dir, args.num_prompts, args.input_len,
+                                     args.output_len, rate, args.seed))
+
+
+def _summary(r: dict) -> dict:
+    """Both clients write vLLM's flat keys: keep the same few of each."""
     keys = {f"{s}_{k}_ms": r.get(f"{s}_{k}_ms") for k in ("ttft", "tpot", "itl") for s in ("mean", "median", "p99")}
     return {"output_throughput": r["output_throughput"], "request_throughput": r["request_throughput"],
             "completed": r["completed"], "failed": r.get("failed", 0), **keys}

@@ -1,6 +1,6 @@
 """PagedLLM: an LLM inference engine built on PagedAttention."""
 from .config import EngineConfig
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling_params import SamplingParams
 
 __version__ = "0.1.0"
@@ -14,4 +14,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]

@@ -2,10 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
+from . import __version__
 from .config import EngineConfig
 
 # The seed's first scenario: many chats sharing one system prompt.
@@ -23,52 +27,50 @@ EXAMPLE_QUESTIONS = [
 ]
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every flag's help ends with its default, unless the text already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        return text if "default" in text else super()._get_help_string(action)
+
+
+def _flag_type(kind: Callable[[str], Any]) -> Callable[[str], Any]:
+    """argparse type that passes a parser's own ValueError message on (it names the field
+    and the allowed form), where argparse would print only 'invalid value'."""
+    if kind in (int, float, str):
+        return kind
+
+    def parse(text: str) -> Any:
+        try:
+            return kind(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, named after it; help, type and choices come from the
+    field's metadata, so a new knob gets its flag by being declared once."""
     g = p.add_argument_group("engine (vLLM's flag names)")
-    g.add_argument("--model", default=None, help="GGUF file or HF model dir (default: SmolLM2-135M-Instruct)")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--kv-cache-memory", default=None, help="KV pool size, bytes or e.g. 2GiB")
-    g.add_argument("--num-gpu-blocks-override", type=int, default=None, help="exact number of KV blocks")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    g.add_argument("--max-num-seqs", type=int, default=256)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--allocation", choices=["paged", "reserve-max"], default="paged")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--attention-backend", choices=["auto", "cpu", "torch", "triton"], default="auto",
-                   help="auto: Triton paged-attention kernels on CUDA, the compiled CPU kernel elsewhere "
-                        "(torch: the reference, gathers blocks for SDPA)")
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="a prompt with more uncomputed tokens than this is prefilled this many tokens a step, "
-                        "leaving room for decodes and short prompts (0: a quarter of --max-num-batched-tokens)")
-    g.add_argument("--max-num-partial-prefills", type=int, default=1,
-                   help="long prompts prefilled at once; shorter ones are admitted past those that wait")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="CPU threads (default: OMP_NUM_THREADS, else one per physical core); fewer are used "
-                        "while other processes keep cores busy")
-    g.add_argument("--batch-invariant", action="store_true",
-                   help="a request's tokens the same alone, in any batch and after preemption (vLLM's "
-                        "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own "
-                        "kernel, measured 1.1-1.2x oneDNN's throughput; otherwise oneDNN on 32-row tiles, "
-                        "0.5-0.8x) and attention without split-K (a long context decoding alone uses fewer "
-                        "threads); CPU attention backend only")
+    for f in dataclasses.fields(EngineConfig):
+        meta = dict(f.metadata)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):  # off by default: a switch; on by default: --x / --no-x
+            meta["action"] = "store_true" if not f.default else argparse.BooleanOptionalAction
+        elif "type" in meta or isinstance(f.default, (int, float)):
+            meta["type"] = _flag_type(meta.get("type", type(f.default)))
+        g.add_argument(flag, dest=f.name, default=f.default, **meta)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=args.model, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-        num_gpu_blocks_override=args.num_gpu_blocks_override,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching, allocation=args.allocation,
-        dtype=args.dtype, device=args.device, seed=args.seed, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, num_threads=args.num_threads,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills, batch_invariant=args.batch_invariant)
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)})
+
+
+def engine_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The defaults of a parser's flags by dest, to tell a flag given from one left alone."""
+    return {a.dest: a.default for a in parser._actions}
 
 
 def kv_report(stats) -> str:
@@ -133,11 +135,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    return _run_server(args, engine_config(args))
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            print(f"error: two models given: {args.model_tag!r} and --model {args.model!r}", file=sys.stderr)
+            return 2
+        args.model = args.model_tag
+    try:
+        cfg = engine_config(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return _run_server(args, cfg)
+
+
+def preflight(args: argparse.Namespace) -> None:
+    """The cheap checks (the port free, the device there), before the model loads; the
+    engine flags' own ranges were checked when EngineConfig was built."""
+    from .preflight import check_device, check_port
+
+    check_port(args.host, args.port)
+    check_device(args.device)
 
 
 def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start=None) -> int:
     """Build the engine and serve it; on_start(state, hub) runs as a task once serving."""
+    try:  # before the imports below too: torch and the server stack take seconds
+        preflight(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     import asyncio
     import os
     import signal
@@ -163,7 +189,7 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         hub = VizHub(engine, wake=async_engine.wake) if args.viz else None
         state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes,
                             admin_key=args.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
-                            body_timeout=args.body_timeout)
+                            body_timeout=args.body_timeout, metrics_prefix=args.metrics_prefix)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -189,7 +215,7 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     # the margin lets their last events go out and their connections close.
     config = uvicorn.Config(shutdown, host=args.host, port=args.port, log_level=args.log_level.lower(),
                             timeout_graceful_shutdown=args.graceful_shutdown_timeout + 5, access_log=False,
-                            http=timed_h11(args.header_timeout, args.body_timeout))
+                            http=timed_h11(args.header_timeout, args.body_timeout), log_config=_uvicorn_logging())
     # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
     # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
@@ -207,18 +233,33 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     return 0
 
 
+def _uvicorn_logging() -> dict:
+    """uvicorn's own logging config with our timestamps, so its lines and ours read alike."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config
+
+
 def cmd_viz(args: argparse.Namespace) -> int:
     """Serve the engine with the visualizer and play a scenario on it."""
     import asyncio
-    import dataclasses
 
     from .viz.routes import run_scenario
     from .viz.scenarios import SCENARIOS
 
     sc = SCENARIOS[args.scenario]
     # The scenario's pool size etc., unless given as flags.
-    cfg = dataclasses.replace(engine_config(args), **{k: v for k, v in sc.engine.items()
-                                                      if getattr(args, k) == args.engine_defaults[k]})
+    try:
+        cfg = dataclasses.replace(engine_config(args), **{k: v for k, v in sc.engine.items()
+                                                          if getattr(args, k) == args.engine_defaults[k]})
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     base = f"http://{args.host}:{args.port}/viz/"
     url = f"{base}?trace={sc.name}" if not sc.requests else base
 
@@ -238,27 +279,51 @@ def cmd_viz(args: argparse.Namespace) -> int:
     return _run_server(args, cfg, args.step_delay, start)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedLLM: PagedAttention inference engine")
-    parser.add_argument("--log-level", default="INFO")
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def _log_level(text: str) -> str:
+    if text.upper() not in LOG_LEVELS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(LOG_LEVELS)} (any case), got {text!r}")
+    return text.upper()
+
+
+def _every_parser(parser: argparse.ArgumentParser):
+    """The parser and all its subcommands' parsers, however deep (bench has its own)."""
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in dict.fromkeys(action.choices.values()):  # aliases map to the same parser
+                yield from _every_parser(child)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedllm", description="PagedLLM: PagedAttention inference engine",
+                                     formatter_class=HelpFormatter)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--log-level", type=_log_level, default="INFO", help="logging level")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="complete prompts and print a KV report")
     g.add_argument("prompts", nargs="*", help="prompts (none: a batch of chat questions sharing a system prompt)")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template")
     g.add_argument("--system", default=None, help="system prompt for --chat")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--n", type=int, default=1)
-    g.add_argument("--stop", action="append")
-    g.add_argument("--sampling-seed", type=int, default=None)
-    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per answer")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (0: greedy)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest set of tokens with "
+                   "this much probability")
+    g.add_argument("--top-k", type=int, default=0, help="sample among the k likeliest tokens (0: all)")
+    g.add_argument("--n", type=int, default=1, help="answers per prompt (they share the prompt's blocks)")
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed "
+                   "(default: from the engine's --seed)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server with Prometheus metrics")
+    sv.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                    help="model to serve, as in `vllm serve MODEL` (same as --model)")
     add_server_args(sv)
     add_engine_args(sv)
     sv.set_defaults(func=cmd_serve)
@@ -266,24 +331,34 @@ def main(argv: list[str] | None = None) -> int:
     from .viz.scenarios import SCENARIOS
 
     vz = sub.add_parser("viz", help="serve the engine with the live KV visualizer and play a scenario")
-    vz.add_argument("--scenario", choices=list(SCENARIOS), default="chat")
+    vz.add_argument("--scenario", choices=list(SCENARIOS), default="chat", help="what the engine plays")
     vz.add_argument("--step-delay", type=float, default=0.3, help="seconds the engine waits after each step, "
                     "so the eye can follow (the page's speed control changes it)")
     vz.add_argument("--no-wait", dest="wait_for_viewer", action="store_false",
                     help="start the scenario at once, not when the page connects")
     add_server_args(vz)
     add_engine_args(vz)
-    vz.set_defaults(func=cmd_viz, engine_defaults={a.dest: a.default for a in vz._actions})
+    vz.set_defaults(func=cmd_viz, engine_defaults=engine_defaults(vz))
 
     d = sub.add_parser("demo", help="worked examples on the real block manager")
-    d.add_argument("name", choices=["library"])
+    d.add_argument("name", choices=["library"], help="which example")
     d.set_defaults(func=cmd_demo)
 
     from .bench.cli import add_parsers
 
     add_parsers(sub, add_engine_args, engine_config)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    for p in _every_parser(parser):
+        p.formatter_class = HelpFormatter
+        if p is not parser:
+            # SUPPRESS: a subcommand leaves the level given before it alone unless given again after it.
+            p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
+                           help="logging level (default: as given before the subcommand, else INFO)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return args.func(args)
 
 
@@ -303,18 +378,22 @@ def _number(kind: type, low: float, strict: bool = False):
 
 
 def add_server_args(sv: argparse.ArgumentParser) -> None:
-    sv.add_argument("--host", default="127.0.0.1")
-    sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2)")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    sv.add_argument("--port", type=int, default=8000, help="port to listen on")
+    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2; "
+                    "default: none, no key needed)")
     sv.add_argument("--admin-key", default=None,
                     help="key for the visualizer's engine controls (pause, step, delay, scenarios) and for "
                          "seeing every tenant's text in it (or PAGEDLLM_ADMIN_KEY); with API keys and no admin "
                          "key the controls are off")
-    sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--served-model-name", default=None, help="model name clients send (default: from the model)")
     sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
     sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
                     help="per-key (default when keys are set): tenants never share cached blocks")
-    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024)
+    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
+    sv.add_argument("--metrics-prefix", default="pagedllm",
+                    help="name prefix of the /metrics series; 'vllm' serves vllm:* so vLLM's Grafana "
+                         "dashboards work unchanged (default: %(default)s)")
     sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
     sv.add_argument("--graceful-shutdown-timeout", "--shutdown-timeout", dest="graceful_shutdown_timeout",
                     type=_number(float, 0), default=30.0, metavar="SECONDS",

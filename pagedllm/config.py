@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from .kv.manager import POLICIES
 
@@ -24,28 +25,51 @@ def parse_bytes(value: int | float | str) -> int:
     return n
 
 
+def knob(default, help: str, **cli) -> Any:
+    """A field with its command-line flag: the help text and any argparse options beyond
+    name, default and type, so `pagedllm.cli` builds each flag from here and nowhere else."""
+    return field(default=default, metadata={"help": help, **cli})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None            # GGUF file or HF model dir; None: SmolLM2-135M-Instruct
-    tokenizer: str | None = None
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    allocation: str = "paged"           # or "reserve-max", the traditional contiguous reservation
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None    # None: the model's max_position_embeddings
-    kv_cache_memory: int | str | None = None   # bytes or "4GiB"; None: from free RAM (CPU)
-    num_gpu_blocks_override: int | None = None  # exact pool size, wins over the budgets
-    gpu_memory_utilization: float = 0.9
-    dtype: str = "auto"                 # auto | float32 | bfloat16 | float16
-    device: str = "auto"                # auto | cpu | cuda
-    seed: int = 0
-    attention_backend: str = "auto"     # auto (triton on CUDA, cpu on CPU) | cpu | torch | triton
-    enforce_eager: bool = False         # True: no CUDA graphs for decode steps
-    num_threads: int | None = None      # CPU threads; None: OMP_NUM_THREADS, else one per physical core
-    batch_invariant: bool = False       # a request's tokens independent of the batch (CPU kernels; slower)
-    long_prefill_token_threshold: int = 0   # chunk cap for long prompts; 0: max_num_batched_tokens / 4
-    max_num_partial_prefills: int = 1       # long prompts in prefill at once
+    model: str | None = knob(None, "GGUF file or HF model dir (default: SmolLM2-135M-Instruct)")
+    tokenizer: str | None = knob(None, "GGUF file or HF dir to take the tokenizer from (default: the model's own)")
+    block_size: int = knob(16, "tokens per KV block", type=int)
+    enable_prefix_caching: bool = knob(True, "reuse cached KV blocks of identical prompt prefixes")
+    allocation: str = knob("paged", "KV allocation policy: paged, or reserve-max (the traditional contiguous "
+                           "reservation of max_model_len per request)", choices=list(POLICIES))
+    max_num_seqs: int = knob(256, "most sequences running at once", type=int)
+    max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int)
+    max_model_len: int | None = knob(None, "longest prompt + output (default: the model's "
+                                     "max_position_embeddings)", type=int)
+    kv_cache_memory: int | str | None = knob(
+        None, "KV pool size, bytes or e.g. 2GiB (default: on CPU min(2 GiB, 25%% of free RAM); on CUDA from "
+        "--gpu-memory-utilization)", type=parse_bytes)
+    num_gpu_blocks_override: int | None = knob(None, "exact number of KV blocks, wins over the budgets "
+                                               "(default: from the memory budget)", type=int)
+    gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory for weights, activations and KV (CUDA)",
+                                         type=float)
+    dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, "
+                      "else float32", choices=["auto", "float32", "bfloat16", "float16"])
+    device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
+    seed: int = knob(0, "engine seed: requests without their own seed sample from it", type=int)
+    attention_backend: str = knob(
+        "auto", "auto: Triton paged-attention kernels on CUDA, the compiled CPU kernel elsewhere "
+        "(torch: the reference, gathers blocks for SDPA)", choices=["auto", "cpu", "torch", "triton"])
+    enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
+    num_threads: int | None = knob(None, "CPU threads (default: OMP_NUM_THREADS, else one per physical core); "
+                                   "fewer are used while other processes keep cores busy", type=int)
+    batch_invariant: bool = knob(
+        False, "a request's tokens the same alone, in any batch and after preemption (vLLM's "
+        "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own kernel, measured "
+        "1.1-1.2x oneDNN's throughput; otherwise oneDNN on 32-row tiles, 0.5-0.8x) and attention without "
+        "split-K (a long context decoding alone uses fewer threads); CPU attention backend only")
+    long_prefill_token_threshold: int = knob(
+        0, "a prompt with more uncomputed tokens than this is prefilled this many tokens a step, leaving room "
+        "for decodes and short prompts (0: a quarter of --max-num-batched-tokens)", type=int)
+    max_num_partial_prefills: int = knob(1, "long prompts prefilled at once; shorter ones are admitted past "
+                                         "those that wait", type=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

@@ -5,10 +5,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float                       # of the chosen token, under the model's raw distribution
-    top: list[tuple[int, float]] = field(default_factory=list)   # the k most likely (id, logprob)
+class Logprob:
+    """vLLM's: one token's log-probability under the model's raw distribution, its rank in
+    that distribution (1 = most likely), and its text alone."""
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# Per output token: the chosen token first, then the top k (vLLM's list[dict[int, Logprob]]).
+SampleLogprobs = list[dict[int, Logprob]]
 
 
 @dataclass
@@ -18,7 +24,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None   # "stop", "length", "abort", "error" or None while running
     stop_reason: int | str | None = None
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: SampleLogprobs | None = None
+    cumulative_logprob: float | None = None   # sum of the chosen tokens' logprobs, when logprobs asked
 
 
 @dataclass

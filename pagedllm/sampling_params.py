@@ -15,6 +15,7 @@ TOP_P_FLOOR = 1e-6
 @dataclass
 class SamplingParams:
     n: int = 1
+    best_of: int | None = None    # draw this many samples, return the n of highest cumulative logprob
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0            # 0 or -1: off
@@ -25,6 +26,13 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None   # None: off; k >= 0: the chosen token's logprob and the top k
+    skip_special_tokens: bool = True   # leave special tokens (EOS, chat markers) out of the text
+    min_p: float = 0.0            # drop tokens less likely than min_p x the top token's probability
+    min_tokens: int = 0           # EOS and stop_token_ids cannot end the output before this many tokens
+    presence_penalty: float = 0.0     # subtracted once from a token already in the output
+    frequency_penalty: float = 0.0    # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0   # > 1 discourages tokens of the prompt or the output (HF's rule)
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -57,6 +65,26 @@ class SamplingParams:
             raise bad("logprobs", "an integer in [0, 20]")
         if self.seed is not None and (not _int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
             raise bad("seed", "a 64-bit integer")
+        if self.best_of is not None and (not _int(self.best_of) or self.best_of < self.n):
+            raise ValueError(f"best_of must be an integer >= n ({self.n}), got {self.best_of!r}")
+        if not _number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", "in [0, 1]")
+        if not _int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not _number(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                raise bad(name, "in [-2, 2]")
+        if not _number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0")
+        if self.logit_bias is not None and (
+                not isinstance(self.logit_bias, dict)
+                or any(not _int(t) or not 0 <= t < 1 << 63 for t in self.logit_bias)
+                or any(not _number(b) or not math.isfinite(b) for b in self.logit_bias.values())):
+            raise bad("logit_bias", "a dict of token id >= 0 to a finite number")
+        if not isinstance(self.skip_special_tokens, bool):
+            raise bad("skip_special_tokens", "a boolean")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", "a list of non-empty strings")
         if any(not _int(t) or not 0 <= t < 1 << 63 for t in self.stop_token_ids):
@@ -65,6 +93,23 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences to draw: best_of when set, else n."""
+        return self.best_of or self.n
+
+    @property
+    def ranks_samples(self) -> bool:
+        """Whether samples are ranked by cumulative logprob (best_of > n), so the sampler
+        must give each chosen token's logprob even when logprobs are not asked for."""
+        return self.num_samples > self.n
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits need a pass before sampling (the others skip it, at no cost)."""
+        return bool(self.min_p > 0 or self.min_tokens or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
 def _int(x) -> bool:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import builtins
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -46,17 +48,41 @@ def test_report_from_saved_result(tmp_path, tok):
     r = run_engine(reqs, {"dtype": "float32", "kv_cache_memory": "32MiB"}, use_tqdm=False)
     r["workload"] = "batch-eval"
     assert r["output_tokens"] == sum(x.output_len for x in reqs) and r["prefix_hit_rate"] > 0
-    serve = {"label": "fake serve", "request_throughput": 1.0, "output_throughput": 10.0,
-             "ttft_ms": {"mean": 5, "median": 4, "p99": 9}, "tpot_ms": {"mean": 1, "median": 1, "p99": 2},
-             "itl_ms": {"mean": 1, "median": 1, "p99": 2}, "prefix_hit_rate": 0.5, "ttft_all_ms": [3, 4, 9]}
+    serve = {"label": "fake serve", "request_throughput": 1.0, "output_throughput": 10.0, "prefix_hit_rate": 0.5,
+             "mean_ttft_ms": 5.25, "median_ttft_ms": 4, "p99_ttft_ms": 9, "mean_tpot_ms": 1, "mean_itl_ms": 1,
+             "ttfts": [0.003, 0.004, 0.009]}
+    # A result saved before the flat keys (committed benchmarks/results/serve_*.json) still reports.
+    legacy = {"label": "old serve", "request_throughput": 1.0, "output_throughput": 10.0, "prefix_hit_rate": 0.5,
+              "ttft_ms": {"mean": 7.5, "median": 4, "p99": 9}, "tpot_ms": {"mean": 1, "median": 1, "p99": 2},
+              "itl_ms": {"mean": 1, "median": 1, "p99": 2}, "ttft_all_ms": [3, 4, 9]}
     save({"results": [r, {"engine": "llama.cpp", "skipped": "not installed"}]}, str(tmp_path / "a.json"))
     save(serve, str(tmp_path / "b.json"))
-    files = write_report([str(tmp_path / "a.json"), str(tmp_path / "b.json")], str(tmp_path / "out"))
+    save(legacy, str(tmp_path / "c.json"))
+    files = write_report([str(tmp_path / n) for n in ("a.json", "b.json", "c.json")], str(tmp_path / "out"))
     names = {p.name for p in files}
-    assert {"report.md", "throughput.png", "kv_usage.png", "hit_rate.png", "latency_cdf.png"} <= names
+    # one plot per experiment: a.json's engines, and both serving runs (either key shape) in one CDF
+    assert names == {"report.md", "a.png", "serving_ttft_cdf.png"}
     md = (tmp_path / "out" / "report.md").read_text()
     assert "batch-eval" in md and "skipped: not installed" in md and "fake serve" in md
+    assert "| fake serve | 1.00 | 10.0 | 5.2 |" in md and "| old serve | 1.00 | 10.0 | 7.5 |" in md
     assert all((tmp_path / "out" / n).stat().st_size > 1000 for n in names if n.endswith(".png"))
+
+
+def test_report_regenerates_every_committed_plot(tmp_path):
+    """`pagedllm bench report` on the committed results draws one PNG per experiment, the
+    ones BENCHMARKS.md embeds, without re-running anything."""
+    root = Path(__file__).resolve().parents[1]
+    results = sorted(str(p) for p in (root / "benchmarks" / "results").glob("*.json"))
+    written = {p.name for p in write_report(results, str(tmp_path))}
+    text = (root / "BENCHMARKS.md").read_text()
+    embedded = set(re.findall(r"\]\(benchmarks/results/report/([\w-]+\.png)\)", text))
+    assert len(embedded) >= 10 and embedded <= written, embedded - written
+    for name in embedded:
+        assert (root / "benchmarks" / "results" / "report" / name).is_file(), f"{name} embedded, not committed"
+    # every result file gets its plot (the serving runs share one); gpu_smoke is one ratio, no plot
+    stems = {Path(p).stem for p in results} - {"gpu_smoke_h200"}
+    serve = {s for s in stems if s.startswith("serve_chat")}
+    assert {f"{s}.png" for s in stems - serve} | {"serving_ttft_cdf.png"} <= written
 
 
 def test_llama_cpp_skipped_cleanly_without_the_extra(monkeypatch, tok):
@@ -131,3 +157,39 @@ def test_decode_attention_bench_reports_its_floor():
     r = bench_decode(2, 64, reps=2)
     assert r["kv_bytes"] == 2 * 2 * 64 * 3 * 64 * 2 and r["floor_s"] > 0 and r["kernel_s"] > 0
     assert r["kernel_over_floor"] == r["kernel_s"] / r["floor_s"] and r["reference_s"] > 0
+
+
+def test_bench_latency_cli(tmp_path, capsys):
+    from pagedllm.cli import main
+
+    out = tmp_path / "lat.json"
+    assert main(["bench", "latency", "--dtype", "float32", "--kv-cache-memory", "32MiB", "--input-len", "8",
+                 "--output-len", "3", "--batch-size", "2", "--num-iters-warmup", "1", "--num-iters", "3",
+                 "--output-json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "Avg latency: " in text and "99% percentile latency: " in text and "10% percentile latency: " in text
+    r = json.loads(out.read_text())
+    assert len(r["latencies"]) == 3 and r["avg_latency"] == pytest.approx(sum(r["latencies"]) / 3)
+    assert min(r["latencies"]) <= r["percentiles"]["50"] <= max(r["latencies"])
+    assert set(r["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
+    assert r["batch_size"] == 2 and r["output_len"] == 3 and len(r["provenance"]["commit"]) == 40
+
+
+def test_bench_serve_percentile_flags(capsys):
+    from pagedllm.bench.serve_client import print_serve
+    from pagedllm.cli import main
+
+    for flags, message in ((["--metric-percentiles", "x"], "numbers"), (["--metric-percentiles", "0"], "(0, 100]"),
+                           (["--percentile-metrics", "ttft,foo"], "ttft,tpot,itl,e2el")):
+        with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace("]", r"\]")):
+            main(["bench", "serve", "--base-url", "http://127.0.0.1:9", *flags])
+    r = {"completed": 2, "failed": 1, "max_concurrency": None, "request_rate": 4.0, "duration": 1.5,
+         "total_input_tokens": 10, "total_output_tokens": 8, "request_throughput": 1.3, "output_throughput": 5.3,
+         "total_token_throughput": 12.0, "prefix_hit_rate": 0.25, "percentiles": [50.0, 99.9]}
+    for k in ("ttft", "tpot", "itl", "e2el"):
+        r |= {f"mean_{k}_ms": 1.0, f"median_{k}_ms": 2.0, f"p50_{k}_ms": 3.0, f"p99.9_{k}_ms": 4.0}
+    print_serve(r, ("ttft", "e2el"))
+    out = capsys.readouterr().out
+    assert "Failed requests:                         1" in out and "Request rate configured (RPS):           4.00" in out
+    assert "P50 TTFT (ms):" in out and "P99.9 E2EL (ms):" in out and "----End-to-end Latency----" in out
+    assert "TPOT" not in out and "ITL" not in out

@@ -1,8 +1,20 @@
 """The console script, end to end."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import re
+import socket
 import subprocess
 import sys
+import time
+
+import pytest
+
+import pagedllm
+from pagedllm.cli import _every_parser, build_parser, engine_config
+from pagedllm.config import EngineConfig
+from pagedllm.preflight import check_device
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -31,3 +43,143 @@ def test_generate_rejects_bad_input_cleanly():
     assert r.returncode == 2 and "temperature" in r.stderr
     r = run("generate", "Hello", "--kv-cache-memory", "lots")
     assert r.returncode == 2 and "kv_cache_memory" in r.stderr
+
+
+# --- the command line itself: help, version, flags, checks before the model loads ---
+
+def _flags(parser) -> dict:
+    return {opt: a for a in parser._actions for opt in a.option_strings}
+
+
+def _subparser(parser, *path: str):
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+def test_every_engine_config_field_has_one_flag_with_its_default_and_help():
+    parser = build_parser()
+    for path in [("generate",), ("serve",), ("viz",), ("bench", "throughput"), ("bench", "compare")]:
+        flags = _flags(_subparser(parser, *path))
+        for f in dataclasses.fields(EngineConfig):
+            action = flags["--" + f.name.replace("_", "-")]
+            assert action.dest == f.name and action.default == f.default, (path, f.name)
+            assert action.help, (path, f.name)
+    # vLLM's spellings and kinds, kept as they were
+    flags = _flags(_subparser(parser, "serve"))
+    assert "--no-enable-prefix-caching" in flags
+    assert flags["--dtype"].choices == ["auto", "float32", "bfloat16", "float16"]
+    assert flags["--allocation"].choices == ["paged", "reserve-max"]
+    args = parser.parse_args(["serve", "--no-enable-prefix-caching", "--batch-invariant", "--enforce-eager",
+                              "--kv-cache-memory", "64MiB", "--num-threads", "2", "--max-num-partial-prefills", "2",
+                              "--long-prefill-token-threshold", "100", "--block-size", "32"])
+    cfg = engine_config(args)
+    assert (cfg.enable_prefix_caching, cfg.batch_invariant, cfg.enforce_eager) == (False, True, True)
+    assert (cfg.kv_cache_memory, cfg.num_threads, cfg.block_size) == (64 * 2**20, 2, 32)
+    assert (cfg.max_num_partial_prefills, cfg.long_prefill_token_threshold) == (2, 100)
+    assert engine_config(parser.parse_args(["serve"])) == EngineConfig()
+
+
+def _help_entries(text: str) -> dict[str, str]:
+    """Option string -> its help text, from argparse's two-column layout."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        if line.startswith("  -"):
+            current = stripped.split()[0].rstrip(",")
+            entries[current] = stripped
+        elif current and line.startswith("      "):
+            entries[current] += " " + stripped
+        else:
+            current = None
+    return entries
+
+
+@pytest.mark.parametrize("command", [["generate"], ["serve"], ["viz"], ["bench", "throughput"]])
+def test_help_shows_every_default(command):
+    r = run(*command, "--help")
+    assert r.returncode == 0, r.stderr
+    entries = _help_entries(r.stdout)
+    assert "--block-size" in entries and "--max-num-seqs" in entries
+    for flag, text in entries.items():
+        if flag not in ("-h", "--help"):
+            assert "default" in text, f"{flag} shows no default: {text}"
+    assert "(default: 16)" in entries["--block-size"] and "(default: 256)" in entries["--max-num-seqs"]
+
+
+def test_every_flag_of_every_command_has_help_with_its_default():
+    parser = build_parser()
+    missing = []
+    for p in _every_parser(parser):
+        formatter = p._get_formatter()
+        for a in p._actions:
+            if isinstance(a, (argparse._HelpAction, argparse._VersionAction, argparse._SubParsersAction)):
+                continue
+            text = formatter._get_help_string(a) if a.help else ""
+            if "default" not in text and a.option_strings:  # positionals: required, no default
+                missing.append(f"{p.prog} {a.option_strings[0]}")
+            elif not a.help:
+                missing.append(f"{p.prog} {a.dest}")
+    assert not missing, missing
+
+
+def test_version_and_log_level_after_the_subcommand():
+    r = run("--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"pagedllm {pagedllm.__version__}"
+    parser = build_parser()
+    assert parser.parse_args(["demo", "library"]).log_level == "INFO"
+    assert parser.parse_args(["--log-level", "debug", "demo", "library"]).log_level == "DEBUG"
+    assert parser.parse_args(["demo", "library", "--log-level", "warning"]).log_level == "WARNING"
+    assert parser.parse_args(["--log-level", "debug", "bench", "report", "x.json", "--log-level", "error"]
+                             ).log_level == "ERROR"
+    r = run("demo", "library", "--log-level", "loud")
+    assert r.returncode == 2 and "--log-level" in r.stderr
+
+
+def test_serve_takes_the_model_as_a_positional_argument():
+    parser = build_parser()
+    args = parser.parse_args(["serve", "models/Qwen2.5-0.5B-Instruct", "--port", "8001"])
+    assert args.model_tag == "models/Qwen2.5-0.5B-Instruct" and args.port == 8001
+    assert parser.parse_args(["serve", "--model", "m.gguf"]).model_tag is None
+    r = run("serve", "a.gguf", "--model", "b.gguf")
+    assert r.returncode == 2 and "two models" in r.stderr
+
+
+def test_bad_kv_budget_fails_before_the_model_loads():
+    t0 = time.monotonic()
+    r = run("serve", "--kv-cache-memory", "lots")
+    assert r.returncode == 2 and "kv_cache_memory" in r.stderr
+    assert time.monotonic() - t0 < 10, "checked at parse time, not after loading the model"
+
+
+def test_busy_port_fails_before_the_model_loads():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        t0 = time.monotonic()
+        r = run("serve", "--port", str(port), "--model", "/nonexistent/model.gguf")
+        elapsed = time.monotonic() - t0
+    # The model path does not exist either: failing on the port proves the port came first.
+    assert r.returncode == 2 and f"127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr
+    assert elapsed < 10, f"took {elapsed:.1f} s: the port should be checked before torch and the model load"
+
+
+def test_device_check():
+    check_device("auto")
+    check_device("cpu")
+    with pytest.raises(ValueError, match="device"):
+        check_device("tpu")
+    with pytest.raises(ValueError, match="cuda:99"):
+        check_device("cuda:99")
+
+
+def test_log_lines_carry_timestamps():
+    # A stand-in command that logs one line, through main()'s logging set-up.
+    code = ("import logging, sys, pagedllm.cli as c; "
+            "c.cmd_demo = lambda a: logging.getLogger('probe').warning('hello') or 0; "
+            "sys.exit(c.main(['demo', 'library']))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} WARNING probe: hello", r.stderr), r.stderr

@@ -271,3 +271,89 @@ def test_long_prefill_leaves_room_for_decodes_and_short_prompts():
     for rid in list(engine.requests):
         engine.abort_request(rid)
     assert engine.kv.pool.num_used == 0
+
+
+# -- vLLM compatibility (issue 13): names, stable seeds, special tokens, cache_salt --------
+def test_served_model_name_is_the_whole_name():
+    from pagedllm.loader import DEFAULT_MODEL_NAME, served_model_name
+
+    assert served_model_name("/models/Llama-3.1-8B-Instruct") == "Llama-3.1-8B-Instruct"
+    assert served_model_name("/models/Qwen2.5-0.5B-Instruct/") == "Qwen2.5-0.5B-Instruct"
+    assert served_model_name("~/w/SmolLM2-135M-Instruct.Q4_1.gguf") == "SmolLM2-135M-Instruct.Q4_1"
+    assert served_model_name("Mistral-7B-v0.3") == "Mistral-7B-v0.3"
+    assert served_model_name(None) == DEFAULT_MODEL_NAME
+
+
+_SEED_SCRIPT = """
+import json, sys
+from pagedllm import LLM, SamplingParams
+llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, seed=int(sys.argv[1]))
+p = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+outs = llm.generate(["Once upon a time", "Once upon a time"], p, use_tqdm=False)
+print(json.dumps([o.outputs[0].text for o in outs]))
+"""
+
+
+def test_engine_seed_reproduces_sampling_in_a_new_process():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def run(seed: int) -> list[str]:
+        # A fresh hash salt per process, as a real second run has.
+        env = {**os.environ, "PYTHONHASHSEED": "random"}
+        out = subprocess.run([sys.executable, "-c", _SEED_SCRIPT, str(seed)], capture_output=True, text=True,
+                             env=env, timeout=300, check=True)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    first, second = run(3), run(3)
+    assert first == second, "the same --seed must give the same samples in a new process"
+    assert first[0] != first[1], "two requests of one run get different default seeds"
+
+
+def test_completion_prompts_get_special_tokens_chat_prompts_do_not(llm_fp32):
+    from tokenizers.processors import TemplateProcessing
+
+    tok = llm_fp32.tokenizer
+    text = "The library opens at nine"
+    greedy = SamplingParams(temperature=0, max_tokens=1)
+    # As the tokenizer itself would encode the text (SmolLM2's adds nothing).
+    assert llm_fp32.generate(text, greedy, use_tqdm=False)[0].prompt_token_ids == tok.encode(text)
+    # A Llama-style tokenizer adds a BOS: the completion prompt gets it, the chat prompt
+    # (whose template already starts as it wants) gets no second one.
+    backend = tok.backend_tokenizer
+    saved = backend.post_processor
+    bos = "<|endoftext|>"
+    backend.post_processor = TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                special_tokens=[(bos, tok.convert_tokens_to_ids(bos))])
+    try:
+        bos_id = tok.convert_tokens_to_ids(bos)
+        ids = llm_fp32.generate(text, greedy, use_tqdm=False)[0].prompt_token_ids
+        assert ids[0] == bos_id and ids[1:] == tok.encode(text, add_special_tokens=False)
+        msgs = [{"role": "user", "content": text}]
+        chat_ids = llm_fp32.chat(msgs, greedy, use_tqdm=False)[0].prompt_token_ids
+        template = llm_fp32.apply_chat_template(msgs)
+        assert chat_ids == tok.encode(template, add_special_tokens=False)
+        assert chat_ids[0] != bos_id
+    finally:
+        backend.post_processor = saved
+    assert tok.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
+def test_cache_salt_inside_a_prompt_dict(llm_fp32):
+    prompt = ("Salted prefixes: each tenant keeps its own pages of the shared book, and nobody reads "
+              "another tenant's margin notes, however alike the chapters are. ") * 2
+    p = SamplingParams(temperature=0, max_tokens=1)
+    first, again = (llm_fp32.generate({"prompt": prompt, "cache_salt": "alice"}, p, use_tqdm=False)[0]
+                    for _ in range(2))
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens >= 32, "the same salt hits"
+    other = llm_fp32.generate({"prompt": prompt, "cache_salt": "bob"}, p, use_tqdm=False)[0]
+    assert other.num_cached_tokens == 0, "another salt must not hit alice's blocks"
+    plain = llm_fp32.generate(prompt, p, use_tqdm=False, cache_salt="alice")[0]
+    assert plain.num_cached_tokens >= 32, "the argument salts a plain prompt"
+    ids = llm_fp32.generate({"prompt_token_ids": first.prompt_token_ids, "cache_salt": "carol"}, p,
+                            use_tqdm=False)[0]
+    assert ids.num_cached_tokens == 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm_fp32.generate({"prompt": prompt, "cache_salt": 5}, p, use_tqdm=False)

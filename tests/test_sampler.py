@@ -79,6 +79,6 @@ def test_greedy_and_sampled_rows_mix_with_logprobs(kernels):
     logits = torch.log(PROBS + 1e-30).repeat(3, 1)
     g, r = seqs(1, temperature=0.0, logprobs=2)[0], seqs(1, first_id=1, temperature=1.0, logprobs=0)[0]
     out, lps, _ = sample(logits, [[g], [r], []], kernels)
-    assert out[0] == 0 and lps[0].token_id == 0 and [t for t, _ in lps[0].top] == [0, 1]
-    assert lps[1].token_id == out[1] and lps[1].top == []
-    assert abs(lps[0].logprob - float(torch.log(PROBS[0]))) < 1e-4
+    assert out[0] == 0 and list(lps[0]) == [0, 1] and [lp.rank for lp in lps[0].values()] == [1, 2]
+    assert list(lps[1]) == [out[1]] and lps[1][out[1]].rank == 1 + int((PROBS > PROBS[out[1]]).sum())
+    assert abs(lps[0][0].logprob - float(torch.log(PROBS[0]))) < 1e-4

@@ -180,7 +180,7 @@ def test_engine_greedy_output_same_as_torch_backend(tiny_model):
                   for p in prompts[:2]]  # one after the other: the second hits the first's blocks
         forked = llm.generate(prompts[2], SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=8,
                                                           ignore_eos=True, logprobs=0), use_tqdm=False)
-        outs[backend] = [(c.token_ids, [lp.logprob for lp in c.logprobs]) for o in greedy + forked
+        outs[backend] = [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for o in greedy + forked
                          for c in o.outputs]
         assert llm.get_stats().cow_copies >= 1 and llm.get_stats().prefix_hits > 0
     assert [t for t, _ in outs["triton"]] == [t for t, _ in outs["torch"]]
@@ -204,7 +204,7 @@ def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     # Tokens and their logprobs: a wrong position or length shows in the logprobs even when
     # the argmax survives it.
-    run = lambda: [(c.token_ids, [lp.logprob for lp in c.logprobs])  # noqa: E731
+    run = lambda: [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])  # noqa: E731
                    for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
     plain = run()
     r.graphs = DecodeGraphs(r.model, r.kv_cache.layers, 6, r.max_model_len, r.block_size, _torch.device(DEV),

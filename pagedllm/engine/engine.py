@@ -1,19 +1,20 @@
 """LLMEngine: add_request / step / abort over the scheduler, KV manager and runner."""
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
 from ..kv import KVCacheManager
-from ..loader import DEFAULT_MODEL_NAME, load_config, load_tokenizer, resolve_model_dir
+from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
+from .detokenizer import detokenize, final_text
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
 
@@ -78,6 +79,7 @@ class LLMEngine:
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
@@ -92,7 +94,7 @@ class LLMEngine:
         self._t0 = time.perf_counter()
         self.generation_tokens = 0
         self.steps = 0
-        self.model_name = DEFAULT_MODEL_NAME if cfg.model is None else Path(cfg.model).stem
+        self.model_name = served_model_name(cfg.model)
         # The visualizer's hub (pagedllm.viz.hub.VizHub) when one is attached; its hooks
         # run only while someone watches.
         self.viz = None
@@ -100,20 +102,21 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
-                    owner: str | None = None) -> Request:
+                    owner: str | None = None, add_special_tokens: bool = True) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
-        rejected request touches nothing."""
+        rejected request touches nothing. A text prompt gets the tokenizer's special
+        tokens (BOS), as vLLM's; a chat-templated one already has them: pass False."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt)
+        text, token_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(token_ids), params)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
-        base_seed = params.seed if params.seed is not None else hash((self.cfg.seed, request_id)) & 0x7FFFFFFF
-        for i in range(params.n):
+        base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
+        for i in range(params.num_samples):
             seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
                            seed=(base_seed * 1_000_003 + i) & 0x7FFFFFFFFFFF,
                            status=SeqStatus.PENDING)
@@ -124,14 +127,14 @@ class LLMEngine:
             self.viz.on_request(req)
         return req
 
-    def validate(self, prompt: str | Seq[int], params: SamplingParams) -> list[int]:
+    def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a request that add_request would accept; ValueError otherwise.
         Reads no mutable engine state, so it is safe to call from another thread."""
-        _, ids = self._tokenize(prompt)
+        _, ids = self._tokenize(prompt, add_special_tokens)
         self._check_lengths(len(ids), params)
         return ids
 
-    def _tokenize(self, prompt: str | Seq[int]) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: str | Seq[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
@@ -139,7 +142,7 @@ class LLMEngine:
                 raise ValueError(f"prompt is {len(prompt)} characters, so at least "
                                  f"{len(prompt) // self._chars_per_token} tokens; "
                                  f"it must be < max_model_len ({self.max_model_len}) tokens")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
             if not ids:
                 raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
             return prompt, ids
@@ -154,6 +157,9 @@ class LLMEngine:
         return None, ids
 
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+        vocab = self.model_cfg.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         if prompt_len >= self.max_model_len:
             raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
@@ -235,7 +241,11 @@ class LLMEngine:
             req.first_token_time = now
             self.prompt_tokens += len(req.prompt_token_ids)
         if logprob is not None:
-            seq.logprobs.append(logprob)
+            seq.cumulative_logprob += logprob[token].logprob
+            if seq.params.logprobs is not None:  # else only best_of's ranking asked for it
+                for tid, lp in logprob.items():
+                    lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
+                seq.logprobs.append(logprob)
         self._check_stop(seq, token)
 
     def _fail(self, req: Request, error: str) -> None:
@@ -259,33 +269,56 @@ class LLMEngine:
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
+        if seq.num_output_tokens < p.min_tokens:  # nothing ends the output before min_tokens (vLLM)
+            if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
+                self.scheduler.finish(seq, "length")
+            return
         if not p.ignore_eos and token in self.eos_token_ids:
             return self.scheduler.finish(seq, "stop", token)
         if token in p.stop_token_ids:
             return self.scheduler.finish(seq, "stop", token)
         if p.stop:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
-            # Only the tail can hold a stop string that was not there one token ago.
-            tail = max(0, len(seq.text) - max(len(s) for s in p.stop))
-            seq.text = text
-            for s in p.stop:
-                at = text.find(s, tail)
-                if at >= 0:
-                    seq.text = text[:at + len(s)] if p.include_stop_str_in_output else text[:at]
-                    return self.scheduler.finish(seq, "stop", s)
+            # Only the new text, and the tail it may complete a stop string with, can hold
+            # a stop string that was not there one token ago.
+            tail = max(0, len(seq.text) - max(len(s) for s in p.stop) + 1)
+            if self._detokenize(seq):
+                for s in p.stop:
+                    at = seq.text.find(s, tail)
+                    if at >= 0:
+                        seq.text = seq.text[:at + len(s)] if p.include_stop_str_in_output else seq.text[:at]
+                        return self.scheduler.finish(seq, "stop", s)
         if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
             self.scheduler.finish(seq, "length")
 
+    def _detokenize(self, seq: Sequence) -> str:
+        """Bring seq.text up to its output ids, decoding only the new ones; returns the new
+        text. A character still missing bytes is held back until the sequence ends."""
+        args = (self.tokenizer, seq.token_ids, seq.num_prompt_tokens, seq.detok, seq.params.skip_special_tokens)
+        if seq.finished:
+            seq.text = final_text(*args, seq.text)
+            return ""
+        new = detokenize(*args)
+        seq.text += new
+        return new
+
     def make_output(self, req: Request) -> RequestOutput:
         outs = []
-        for seq in req.seqs:
+        p = req.params
+        seqs = req.seqs
+        if p.ranks_samples:
+            # best_of: the n samples of highest cumulative logprob, known only at the end
+            # (vLLM streams none of a best_of request either).
+            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n] if req.finished else []
+        for index, seq in enumerate(seqs):
             ids = seq.output_token_ids
-            text = seq.text if (seq.params.stop and seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)) \
-                else self.tokenizer.decode(ids, skip_special_tokens=True)
-            outs.append(CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason,
-                                         list(seq.logprobs) if seq.params.logprobs is not None else None))
-        metrics = {"arrival_time": req.arrival_time, "first_token_time": req.first_token_time,
-                   "finish_time": req.finish_time}
+            if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):  # cut at its stop string
+                self._detokenize(seq)
+            cumulative = seq.cumulative_logprob if p.logprobs is not None or p.ranks_samples else None
+            outs.append(CompletionOutput(index, seq.text, list(ids), seq.finish_reason, seq.stop_reason,
+                                         list(seq.logprobs) if p.logprobs is not None else None, cumulative))
+        metrics = {"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
+                   "first_token_time": req.first_token_time, "finish_time": req.finish_time,
+                   "n": req.params.n, "max_tokens": req.max_tokens}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              req.num_cached_tokens, metrics, req.error)
 
@@ -304,3 +337,10 @@ class LLMEngine:
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
             generation_tokens=self.generation_tokens, steps=self.steps)
+
+
+def _request_seed(engine_seed: int, request_id: str) -> int:
+    """A request's default seed from a stable hash of (engine seed, request id): Python's
+    hash() is salted per process, so `--seed` would not reproduce a run in a new one."""
+    digest = hashlib.blake2b(f"{engine_seed}\x00{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

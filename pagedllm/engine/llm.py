@@ -24,6 +24,12 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+        """Text prompts get the tokenizer's special tokens (BOS), as vLLM's; a prompt dict
+        may carry its own cache_salt, which wins over the argument."""
+        return self._generate(prompts, sampling_params, use_tqdm, cache_salt, add_special_tokens=True)
+
+    def _generate(self, prompts: Prompt | Seq[Prompt], sampling_params, use_tqdm: bool,
+                  cache_salt: str | None, add_special_tokens: bool) -> list[RequestOutput]:
         prompts = _as_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -33,13 +39,16 @@ class LLM:
                 raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         # Validate the whole batch before queueing any of it: a bad prompt fails fast
         # and leaves nothing half-submitted in the engine.
+        values = []
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
-                self.engine.validate(_prompt_value(p), sp)
+                value, salt = _prompt_value(p), _prompt_salt(p, cache_salt)
+                self.engine.validate(value, sp, add_special_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        ids = [self.engine.add_request(None, _prompt_value(p), sp, cache_salt).request_id
-               for p, sp in zip(prompts, params)]
+            values.append((value, salt))
+        ids = [self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens).request_id
+               for (value, salt), sp in zip(values, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
@@ -51,7 +60,8 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
                    for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        # The template already holds the special tokens it wants: no second BOS.
+        return self._generate(prompts, sampling_params, use_tqdm, None, add_special_tokens=False)
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True, **kw) -> str:
         if not conversation:
@@ -97,6 +107,15 @@ def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:
     if not prompts:
         raise ValueError("prompts must not be empty")
     return prompts
+
+
+def _prompt_salt(p: Prompt, default: str | None) -> str | None:
+    if not isinstance(p, dict) or p.get("cache_salt") is None:
+        return default
+    salt = p["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+    return salt
 
 
 def _prompt_value(p: Prompt) -> str | list[int]:

@@ -2,6 +2,7 @@
 sequence cap and the KV pool; preempts by recompute when blocks run out."""
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -128,6 +129,8 @@ class Scheduler:
             seats += need
             if seq.num_output_tokens == 0 and seq.index == 0:
                 seq.request.num_cached_tokens = cached
+            if seq.request.scheduled_time is None:
+                seq.request.scheduled_time = time.time()
             seq.num_computed_tokens = cached
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)

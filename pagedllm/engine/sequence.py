@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sampling_params import SamplingParams
+from .detokenizer import DetokState
 
 
 class SeqStatus(enum.Enum):
@@ -27,9 +28,11 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""                # detokenized output, kept current only when stop strings need it
+    text: str = ""                # detokenized output so far (caught up when someone reads it)
+    detok: DetokState = field(default_factory=DetokState)  # where `text` stands in the output ids
     generator: Any = None         # the sampler's per-sequence RNG, made on first use
-    logprobs: list = field(default_factory=list)  # TokenLogprob per output token, if asked
+    logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
+    cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -57,6 +60,7 @@ class Request:
     max_tokens: int
     cache_salt: str | None = None
     arrival_time: float = 0.0
+    scheduled_time: float | None = None  # first admitted to the running batch (queue time ends here)
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at first admission

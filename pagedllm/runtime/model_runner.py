@@ -107,6 +107,8 @@ class ModelRunner:
             self.threads = ThreadGovernor(n, enabled=os.environ.get("PAGEDLLM_ADAPT_THREADS", "1") != "0")
             logger.info("CPU: %d threads (%s; --num-threads or OMP_NUM_THREADS to change)", n, source)
         self.block_size = cfg.block_size
+        # What min_tokens keeps from being sampled too early; the engine adds the tokenizer's.
+        self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
         self.backend_name = backend.name
@@ -244,4 +246,4 @@ class ModelRunner:
         if not logit_rows:
             return {}, {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
-        return sample(logits, sample_rows, self.model.ops.k)
+        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids)

@@ -10,23 +10,25 @@ from __future__ import annotations
 import torch
 
 from ..engine.sequence import Sequence
-from ..outputs import TokenLogprob
+from ..outputs import Logprob
+from .logits_processors import process_logits
 
 
-def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None
-           ) -> tuple[dict[int, int], dict[int, TokenLogprob], dict[int, str]]:
+def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None, eos_ids: frozenset[int] = frozenset()
+           ) -> tuple[dict[int, int], dict[int, dict[int, Logprob]], dict[int, str]]:
     """logits [R, V]; rows[i] lists the sequences that sample from row i. Returns tokens
     and logprobs by seq id, and the error of each sequence whose sampling failed: one bad
-    request must not fail the others of the batch, so a failed batch is redone row by row."""
+    request must not fail the others of the batch, so a failed batch is redone row by row.
+    Penalties, logit_bias, min_tokens (against `eos_ids`) and min_p apply first."""
     try:
-        tokens = _sample_batch(logits, rows, kernels)
+        tokens = _sample_batch(process_logits(logits, rows, eos_ids), rows, kernels)
         return tokens, _logprobs(logits, rows, tokens), {}
     except Exception:  # find which rows fail; every other row keeps its token
         tokens, logprobs, errors = {}, {}, {}
         for i, seqs in enumerate(rows):
             for seq in seqs:
                 try:
-                    one = _sample_batch(logits[i:i + 1], [[seq]], kernels)
+                    one = _sample_batch(process_logits(logits[i:i + 1], [[seq]], eos_ids), [[seq]], kernels)
                     logprobs.update(_logprobs(logits[i:i + 1], [[seq]], one))
                     tokens.update(one)
                 except Exception as e:
@@ -90,19 +92,25 @@ def _sample_torch(row: torch.Tensor, seq: Sequence) -> int:
     return int((w / noise).argmax())
 
 
-def _logprobs(logits: torch.Tensor, rows: list[list[Sequence]], tokens: dict[int, int]) -> dict[int, TokenLogprob]:
-    logprobs: dict[int, TokenLogprob] = {}
+def _logprobs(logits: torch.Tensor, rows: list[list[Sequence]], tokens: dict[int, int]
+              ) -> dict[int, dict[int, Logprob]]:
+    """vLLM's shape, from the raw logits: the chosen token first, then the top k by rank."""
+    logprobs: dict[int, dict[int, Logprob]] = {}
     for i, seqs in enumerate(rows):
         row_lp = None
         for seq in seqs:
             p = seq.params
-            if p.logprobs is None:
+            if p.logprobs is None and not p.ranks_samples:
                 continue
             if row_lp is None:
                 row_lp = torch.log_softmax(logits[i].float(), dim=-1)
             token = tokens[seq.seq_id]
             top = torch.topk(row_lp, p.logprobs) if p.logprobs else None
-            logprobs[seq.seq_id] = TokenLogprob(
-                token, float(row_lp[token]),
-                list(zip(top.indices.tolist(), top.values.tolist())) if top is not None else [])
+            top_ids = top.indices.tolist() if top is not None else []
+            chosen = float(row_lp[token])
+            rank = top_ids.index(token) + 1 if token in top_ids else int((row_lp > chosen).sum()) + 1
+            entry = {token: Logprob(chosen, rank)}
+            for r, (t, v) in enumerate(zip(top_ids, top.values.tolist() if top is not None else []), 1):
+                entry.setdefault(t, Logprob(v, r))
+            logprobs[seq.seq_id] = entry
     return logprobs

@@ -24,10 +24,12 @@ from pydantic import BaseModel, ValidationError
 
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine, EngineDeadError, QueueFullError, RequestFailedError
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import CompletionOutput, Logprob, RequestOutput
 from .http import ServerClosing, until, until_closing
 from .metrics import ServerMetrics
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+from .unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED, unsupported_field
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ class APIError(Exception):
 
 class ServerState:
     def __init__(self, engine: AsyncLLMEngine, model_name: str, api_keys: list[str], isolation: str,
-                 max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0) -> None:
+                 max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0,
+                 metrics_prefix: str = "pagedllm") -> None:
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
         self.engine = engine
@@ -58,7 +61,8 @@ class ServerState:
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout  # seconds the whole body may take to arrive: no trickling
         self.closing = asyncio.Event()  # set when the shutdown grace is over (server.http.GracefulShutdown)
-        self.metrics = ServerMetrics(lambda: engine.stats, model_name)
+        # Fed by the engine thread: every request once, disconnects (aborts) included.
+        self.metrics = ServerMetrics.for_engine(engine, model_name, metrics_prefix)
         self.tokenizer = engine.engine.tokenizer
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
 
@@ -124,6 +128,19 @@ class ServerState:
             raise APIError(408, f"request body not received within {self.body_timeout:g} s") from None
         return await self.off_loop(_parse_json, bytes(body))
 
+    def model_names(self) -> tuple[str, ...]:
+        """Names a request may use: the served name, and while that is the default one
+        (no --served-model-name), the --model argument as given too, as vLLM answers to."""
+        engine = self.engine.engine
+        if self.model_name == engine.model_name and engine.cfg.model is not None:
+            return self.model_name, str(engine.cfg.model)
+        return (self.model_name,)
+
+    def refuse_unsupported(self, model: type[BaseModel], data: dict, refused: dict) -> None:
+        field = unsupported_field(model, data, refused)
+        if field is not None:
+            raise APIError(400, f"{field}: not supported by this server; leave it out", param=field)
+
     def parse(self, model: type[BaseModel], data: Any) -> Any:
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
@@ -133,7 +150,7 @@ class ServerState:
             err = e.errors()[0]
             param = ".".join(str(x) for x in err["loc"]) or None
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
-        if req.model != self.model_name:
+        if req.model is not None and req.model not in self.model_names():
             raise APIError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
                            "NotFoundError", "model")
         return req
@@ -243,8 +260,8 @@ def create_app(state: ServerState, viz=None) -> FastAPI:
     async def completions(request: Request):
         key = state.authenticate(request)
         body = await state.read_json(request)
-        req, params, prompts = await state.off_loop(_prepare_completion, state, body)
-        return await _serve(state, request, req, "cmpl", prompts, params, key, chat=False)
+        req, params, prompts, echo = await state.off_loop(_prepare_completion, state, body)
+        return await _serve(state, request, req, "cmpl", prompts, params, key, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
@@ -253,6 +270,18 @@ def create_app(state: ServerState, viz=None) -> FastAPI:
         req, params, prompts = await state.off_loop(_prepare_chat, state, body)
         return await _serve(state, request, req, "chatcmpl", prompts, params, key, chat=True)
 
+    @app.post("/tokenize", openapi_extra=_body(TokenizeCompletionRequest, TokenizeChatRequest))
+    async def tokenize_route(request: Request):
+        state.authenticate(request)
+        body = await state.read_json(request)
+        return await state.off_loop(_tokenize, state, body)
+
+    @app.post("/detokenize", openapi_extra=_body(DetokenizeRequest))
+    async def detokenize_route(request: Request):
+        state.authenticate(request)
+        body = await state.read_json(request)
+        return await state.off_loop(_detokenize, state, body)
+
     if viz is not None:
         from ..viz.routes import add_viz_routes
         add_viz_routes(app, state, viz)
@@ -260,14 +289,17 @@ def create_app(state: ServerState, viz=None) -> FastAPI:
     return app
 
 
-BODIES = (CompletionRequest, ChatCompletionRequest)
+BODIES = (CompletionRequest, ChatCompletionRequest, TokenizeCompletionRequest, TokenizeChatRequest,
+          DetokenizeRequest)
 
 
-def _body(model: type[BaseModel]) -> dict:
+def _body(*models: type[BaseModel]) -> dict:
     """The request body in the OpenAPI schema: routes read their bodies themselves (for
-    OpenAI-shaped errors), so FastAPI would not list them; clients and fuzzers need them."""
+    OpenAI-shaped errors), so FastAPI would not list them; clients and fuzzers need them.
+    Several models: the body is any one of them."""
+    refs = [{"$ref": f"#/components/schemas/{m.__name__}"} for m in models]
     return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+        "schema": refs[0] if len(refs) == 1 else {"anyOf": refs}}}}}
 
 
 def _openapi(app: FastAPI) -> dict:
@@ -285,12 +317,21 @@ def _openapi(app: FastAPI) -> dict:
 # -- request preparation: on the worker threads, never on the event loop -----------------
 def _prepare_completion(state: ServerState, body: Any):
     req: CompletionRequest = state.parse(CompletionRequest, body)
+    state.refuse_unsupported(CompletionRequest, body, COMPLETION_UNSUPPORTED)
+    if req.echo and req.logprobs is not None:
+        raise APIError(400, "echo: not supported together with logprobs (this server computes no prompt "
+                            "logprobs)", param="echo")
     params = _params(req, req.max_tokens, req.logprobs)
-    return req, params, _token_ids(state, req.prompts(), params, chat=False)
+    prompts = req.prompts()
+    ids = _token_ids(state, prompts, params, chat=False)
+    # echo: each choice's text starts with its prompt's, as OpenAI's and vLLM's do.
+    echo = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in prompts] if req.echo else None
+    return req, params, ids, echo
 
 
 def _prepare_chat(state: ServerState, body: Any):
     req: ChatCompletionRequest = state.parse(ChatCompletionRequest, body)
+    state.refuse_unsupported(ChatCompletionRequest, body, CHAT_UNSUPPORTED)
     try:
         conv = req.conversation()
         prompt = state.tokenizer.apply_chat_template(conv, tokenize=False,
@@ -304,6 +345,23 @@ def _prepare_chat(state: ServerState, body: Any):
     return req, params, _token_ids(state, [prompt], params, chat=True)
 
 
+def _tokenize(state: ServerState, body: Any) -> dict:
+    chat = isinstance(body, dict) and "messages" in body  # vLLM's two shapes, told apart as it does
+    req = state.parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    try:
+        return tokenize(state.engine.engine, state.tokenizer, req)
+    except ValueError as e:
+        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+
+
+def _detokenize(state: ServerState, body: Any) -> dict:
+    req = state.parse(DetokenizeRequest, body)
+    try:
+        return detokenize(state.engine.engine, state.tokenizer, req)
+    except ValueError as e:
+        raise APIError(400, str(e), param="tokens") from None
+
+
 def _params(req, max_tokens, logprobs):
     try:
         return req.sampling_params(max_tokens, logprobs)
@@ -313,11 +371,12 @@ def _params(req, max_tokens, logprobs):
 
 def _token_ids(state: ServerState, prompts: list, params, chat: bool) -> list[list[int]]:
     """Every prompt's token ids, checked against the limits; all or nothing, so no
-    request is queued when one prompt of the batch is bad."""
+    request is queued when one prompt of the batch is bad. A completion's text gets the
+    tokenizer's special tokens (BOS), as vLLM's; a chat template's text already has them."""
     out = []
     for i, p in enumerate(prompts):
         try:
-            out.append(state.engine.validate(p, params))
+            out.append(state.engine.validate(p, params, add_special_tokens=not chat))
         except ValueError as e:
             where = f"prompt {i}: " if len(prompts) > 1 else ""
             raise APIError(400, where + str(e), param="messages" if chat else "prompt") from None
@@ -325,7 +384,7 @@ def _token_ids(state: ServerState, prompts: list, params, chat: bool) -> list[li
 
 
 async def _serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
-                 key: str | None, chat: bool):
+                 key: str | None, chat: bool, echo: list[str] | None = None):
     engine = state.engine
     salt = state.cache_salt(key, req.cache_salt)
     rid = f"{prefix}-{uuid.uuid4().hex}"
@@ -341,7 +400,7 @@ async def _serve(state: ServerState, request: Request, req, prefix: str, prompts
         for s in streams:
             await s.aclose()
         raise APIError(400, str(e)) from None
-    resp = _Response(state, req, rid, chat, params.n)
+    resp = _Response(state, req, rid, chat, params.n, echo)
     # A client that leaves (before its first token, too: a long prefill sends nothing)
     # aborts its requests and frees their blocks before the next step.
     merged = until(_merge(streams), _wait_disconnect(request), ClientGone)
@@ -401,8 +460,9 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class _Response:
     """Builds OpenAI responses and SSE chunks from engine outputs."""
 
-    def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int) -> None:
+    def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int, echo: list[str] | None = None) -> None:
         self.state, self.req, self.rid, self.chat, self.n = state, req, rid, chat, n
+        self.echo = echo  # per prompt: the text each of its choices starts with
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.tok = state.tokenizer
@@ -423,7 +483,6 @@ class _Response:
         async for i, out in merged:
             if out.finished:
                 finals[i] = out
-                self.state.metrics.observe(out)
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
@@ -433,7 +492,7 @@ class _Response:
                     ch["message"] = {"role": "assistant", "content": c.text}
                     ch["logprobs"] = self._chat_logprobs(c.logprobs) if c.logprobs is not None else None
                 else:
-                    ch["text"] = c.text
+                    ch["text"] = (self.echo[i] if self.echo else "") + c.text
                     ch["logprobs"] = self._completion_logprobs(c.logprobs) if c.logprobs is not None else None
                 choices.append(ch)
         choices.sort(key=lambda ch: ch["index"])
@@ -449,7 +508,6 @@ class _Response:
             async for i, out in until_closing(merged, self.state.closing):
                 if out.finished:
                     finals[i] = out
-                    self.state.metrics.observe(out)
                 for c in out.outputs:
                     idx = self._index(i, c)
                     done = c.finish_reason is not None
@@ -457,6 +515,8 @@ class _Response:
                         sent_text[idx], sent_lp[idx] = 0, 0
                         if self.chat:  # OpenAI opens each choice with the assistant role
                             yield self._chunk(chunk_obj, idx, {"role": "assistant", "content": ""}, None, None)
+                        elif self.echo:  # the prompt comes first, in a chunk of its own
+                            yield self._chunk(chunk_obj, idx, self.echo[i], None, None)
                     text = c.text
                     end = len(text) if done else self._safe_len(text)
                     delta = text[sent_text[idx]:end]
@@ -509,23 +569,32 @@ class _Response:
     def _piece(self, token_id: int) -> str:
         return self.tok.convert_tokens_to_string([self.tok.convert_ids_to_tokens(token_id)])
 
+    def _top(self, lp: dict) -> list[tuple[int, Logprob]]:
+        """The k most likely of an output token's logprobs (the chosen one comes first and
+        may be outside them), by rank."""
+        k = (self.req.top_logprobs or 0) if self.chat else self.req.logprobs
+        return sorted(((i, v) for i, v in lp.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
+
     def _chat_logprobs(self, lps) -> dict:
         content = []
         for lp in lps:
-            tok = self._piece(lp.token_id)
-            content.append({"token": tok, "logprob": lp.logprob, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (t := self._piece(i)), "logprob": v, "bytes": list(t.encode())}
-                                             for i, v in lp.top]})
+            chosen = next(iter(lp))
+            tok = self._piece(chosen)
+            content.append({"token": tok, "logprob": lp[chosen].logprob, "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": (t := self._piece(i)), "logprob": v.logprob, "bytes": list(t.encode())}
+                                             for i, v in self._top(lp)]})
         return {"content": content}
 
     def _completion_logprobs(self, lps) -> dict:
-        tokens = [self._piece(lp.token_id) for lp in lps]
+        chosen = [next(iter(lp)) for lp in lps]
+        tokens = [self._piece(t) for t in chosen]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [{self._piece(i): v for i, v in lp.top} for lp in lps], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [lp[t].logprob for lp, t in zip(lps, chosen)],
+                "top_logprobs": [{self._piece(i): v.logprob for i, v in self._top(lp)} for lp in lps],
+                "text_offset": offsets}
 
 
 def _sse(obj: dict) -> str:

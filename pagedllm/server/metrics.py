@@ -1,28 +1,64 @@
-"""Prometheus metrics with vLLM's names and meanings, under the pagedllm: prefix."""
+"""Prometheus metrics with vLLM v1's names, types, buckets and meanings (vllm/v1/metrics/loggers.py),
+under a configurable prefix: `pagedllm:` by default, `vllm:` so vLLM's Grafana dashboards work unchanged.
+
+Everything is observed on the engine thread (AsyncLLMEngine's observer), not in the HTTP handlers:
+a request aborted because its client left never reaches a handler again, and must still be counted.
+"""
 from __future__ import annotations
 
-from typing import Callable
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.engine import EngineStats
 from ..outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
-_TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5)
+if TYPE_CHECKING:
+    from ..engine.async_engine import AsyncLLMEngine
+
+# vLLM v1's buckets, so dashboards' quantiles mean the same thing.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(upper: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50, ... up to `upper` (vLLM's build_1_2_5_buckets for token counts)."""
+    out, exp = [], 0
+    while True:
+        for m in (1, 2, 5):
+            v = m * 10 ** exp
+            if v > upper:
+                return out
+            out.append(v)
+        exp += 1
 
 
 class EngineCollector(Collector):
     """Engine counters and gauges, read from the engine thread's latest snapshot."""
 
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, prefix: str) -> None:
         self.stats = stats
         self.labels = [model_name]
+        self.prefix = prefix
 
     def _family(self, kind, name: str, doc: str, value: float):
-        f = kind(f"pagedllm:{name}", doc, labels=["model_name"])
+        f = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
         f.add_metric(self.labels, value)
         return f
 
@@ -33,6 +69,13 @@ class EngineCollector(Collector):
         yield self._family(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield self._family(g, "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (1 = full).",
                            s.kv_usage)
+        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits)
+        yield self._family(c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.",
+                           s.preemptions)
+        yield self._family(c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
+        yield self._family(c, "generation_tokens", "Generated tokens.", s.generation_tokens)
+        # Ours, not vLLM's: what the paged KV cache does with its blocks.
         yield self._family(g, "kv_cache_cached_free_blocks",
                            "Blocks nobody references that still hold prefix-cache content (reusable until evicted).",
                            s.cached_free_blocks)
@@ -40,12 +83,6 @@ class EngineCollector(Collector):
         yield self._family(g, "kv_cache_total_blocks", "Blocks in the KV pool.", s.num_blocks)
         yield self._family(g, "kv_cache_waste_perc",
                            "Allocated KV slots holding no token, as a fraction of allocated slots (eta).", s.waste)
-        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
-        yield self._family(c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits)
-        yield self._family(c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.",
-                           s.preemptions)
-        yield self._family(c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
-        yield self._family(c, "generation_tokens", "Generated tokens.", s.generation_tokens)
         yield self._family(c, "computed_prompt_tokens", "Prefill tokens run (cache hits skip them, recompute "
                            "repeats them).", s.computed_prompt_tokens)
         yield self._family(c, "engine_steps", "Engine steps (forward passes) run.", s.steps)
@@ -53,32 +90,113 @@ class EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
-        self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(stats, model_name))
-        self.model_name = model_name
-        kw = dict(labelnames=["model_name"], registry=self.registry)
-        self.ttft = Histogram("pagedllm:time_to_first_token_seconds", "Time to first token.",
-                              buckets=_LATENCY_BUCKETS, **kw)
-        self.tpot = Histogram("pagedllm:time_per_output_token_seconds",
-                              "Time per output token after the first, per request.", buckets=_TPOT_BUCKETS, **kw)
-        self.e2e = Histogram("pagedllm:e2e_request_latency_seconds", "End-to-end request latency.",
-                             buckets=_LATENCY_BUCKETS, **kw)
-        self.success = Counter("pagedllm:request_success", "Finished requests by finish reason.",
-                               labelnames=["model_name", "finished_reason"], registry=self.registry)
+    """The registry behind /metrics, and the engine thread's observer (on_step / on_finished)."""
 
-    def observe(self, out: RequestOutput) -> None:
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str, prefix: str = "pagedllm",
+                 max_model_len: int = 4096, cache_info: dict[str, object] | None = None) -> None:
+        if not prefix.replace("_", "").isalnum():
+            raise ValueError(f"metrics prefix must be letters, digits and underscores, got {prefix!r}")
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(stats, model_name, prefix))
+        self.model_name = model_name
+        self._last_token: dict[str, float] = {}   # request id -> when its last token came (engine thread only)
+        p, reg, lbl = prefix, self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"{p}:{name}", doc, labelnames=lbl, buckets=buckets, registry=reg).labels(model_name)
+
+        tokens = buckets_1_2_5(max_model_len)
+        self.ttft = hist("time_to_first_token_seconds", "Time from arrival to the first token.", TTFT_BUCKETS)
+        self.itl = hist("inter_token_latency_seconds", "Time between a request's consecutive tokens.", ITL_BUCKETS)
+        # vLLM v1 still serves its deprecated name with the same per-token meaning; old dashboards read it.
+        self.tpot_legacy = hist("time_per_output_token_seconds",
+                                "Deprecated alias of inter_token_latency_seconds.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time from arrival to first being scheduled.",
+                          REQUEST_LATENCY_BUCKETS)
+        self.prefill = hist("request_prefill_time_seconds", "Time from first scheduled to the first token.",
+                            REQUEST_LATENCY_BUCKETS)
+        self.decode = hist("request_decode_time_seconds", "Time from the first token to the last.",
+                           REQUEST_LATENCY_BUCKETS)
+        self.inference = hist("request_inference_time_seconds", "Time from first scheduled to the last token.",
+                              REQUEST_LATENCY_BUCKETS)
+        self.tpot = hist("request_time_per_output_token_seconds",
+                         "Per request: decode time / (output tokens - 1).", ITL_BUCKETS)
+        self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per finished request.", tokens)
+        self.gen_len = hist("request_generation_tokens", "Generated tokens per finished request (all its n).",
+                            tokens)
+        self.iteration = hist("iteration_tokens_total", "Tokens (prefill + decode) run per engine step.",
+                              ITERATION_TOKEN_BUCKETS)
+        self.param_n = hist("request_params_n", "The n sampling parameter per finished request.", N_BUCKETS)
+        self.param_max_tokens = hist("request_params_max_tokens", "The max_tokens parameter per finished request.",
+                                     tokens)
+        self.success = Counter(f"{p}:request_success", "Finished requests by finish reason (once per request).",
+                               labelnames=["model_name", "finished_reason"], registry=reg)
+        if cache_info is not None:
+            info = Gauge(f"{p}:cache_config_info", "Information of the KV cache configuration (value 1).",
+                         labelnames=sorted(cache_info), registry=reg)
+            info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
+
+    @classmethod
+    def for_engine(cls, engine: AsyncLLMEngine, model_name: str, prefix: str = "pagedllm") -> ServerMetrics:
+        """Metrics of a serving engine, registered as its observer."""
+        cfg, s = engine.engine.cfg, engine.stats
+        # vLLM's CacheConfig.metrics_info labels that have a meaning here.
+        info = {"block_size": s.block_size, "num_gpu_blocks": s.num_blocks,
+                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "gpu_memory_utilization": cfg.gpu_memory_utilization, "cache_dtype": cfg.dtype}
+        metrics = cls(lambda: engine.stats, model_name, prefix, engine.engine.max_model_len, info)
+        engine.observer = metrics
+        return metrics
+
+    # -- engine-thread observer ------------------------------------------------
+    def on_step(self, outputs: list[RequestOutput], tokens: int) -> None:
+        """After each step: its token count and the outputs of every request it moved."""
+        now = time.time()
+        if tokens:
+            self.iteration.observe(tokens)
+        for out in outputs:
+            first = out.metrics.get("first_token_time")
+            if first is None:
+                continue
+            last = self._last_token.get(out.request_id)
+            if last is not None and now > last:
+                self.itl.observe(now - last)
+                self.tpot_legacy.observe(now - last)
+            self._last_token[out.request_id] = now if last is not None else first
+            if out.finished:
+                self.on_finished(out)
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Once per request, whatever its n: finished, aborted (client gone) or failed."""
+        self._last_token.pop(out.request_id, None)
         m = out.metrics
-        arrival, first, done = m.get("arrival_time"), m.get("first_token_time"), m.get("finish_time")
+        arrival, sched = m.get("arrival_time"), m.get("scheduled_time")
+        first, done = m.get("first_token_time"), m.get("finish_time")
+        reasons = [c.finish_reason for c in out.outputs]
+        reason = "abort" if "abort" in reasons or not reasons else (reasons[0] or "abort")
+        self.success.labels(self.model_name, reason).inc()
+        gen = [len(c.token_ids) for c in out.outputs]
+        self.prompt_len.observe(len(out.prompt_token_ids))
+        self.gen_len.observe(sum(gen))
+        if m.get("n") is not None:
+            self.param_n.observe(m["n"])
+        if m.get("max_tokens") is not None:
+            self.param_max_tokens.observe(m["max_tokens"])
         if first is not None:
-            self.ttft.labels(self.model_name).observe(first - arrival)
+            self.ttft.observe(first - arrival)
         if done is not None:
-            self.e2e.labels(self.model_name).observe(done - arrival)
-            n = max(len(c.token_ids) for c in out.outputs)
-            if first is not None and n > 1:
-                self.tpot.labels(self.model_name).observe((done - first) / (n - 1))
-        for c in out.outputs:
-            self.success.labels(self.model_name, c.finish_reason or "abort").inc()
+            self.e2e.observe(done - arrival)
+        if sched is not None:
+            self.queue.observe(sched - arrival)
+            if first is not None:
+                self.prefill.observe(first - sched)
+            if done is not None:
+                self.inference.observe(done - sched)
+        if first is not None and done is not None:
+            self.decode.observe(done - first)
+            if max(gen, default=0) > 1:
+                self.tpot.observe((done - first) / (max(gen) - 1))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -16,7 +16,7 @@ class _Common(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do; known ones are strict.
     model_config = ConfigDict(extra="ignore")
 
-    model: str
+    model: str | None = None  # None: the served model, as vLLM
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1)
@@ -29,15 +29,23 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(0, ge=0)
+    skip_special_tokens: bool = True
+    # OpenAI's: token id (a string in JSON) -> bias, clamped to [-100, 100] as vLLM does.
+    logit_bias: dict[int, float] | None = None
 
-    @field_validator("presence_penalty", "frequency_penalty")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_penalties(cls, v: float) -> float:
-        if v != 0.0:
-            raise ValueError("penalties are not supported by this server; use 0")
-        return v
+    def _logit_bias(cls, v):
+        if v is None:
+            return v
+        if any(t < 0 for t in v) or any(b != b or abs(b) == float("inf") for b in v.values()):
+            raise ValueError("logit_bias must map token ids >= 0 to finite numbers")
+        return {t: max(-100.0, min(100.0, b)) for t, b in v.items()}
 
     @field_validator("stop")
     @classmethod
@@ -51,7 +59,11 @@ class _Common(BaseModel):
         return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p,
                               top_k=0 if self.top_k == -1 else self.top_k, seed=self.seed,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                              ignore_eos=self.ignore_eos, logprobs=logprobs)
+                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                              repetition_penalty=self.repetition_penalty, min_p=self.min_p,
+                              min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
+                              logit_bias=self.logit_bias)
 
 
 class CompletionRequest(_Common):

@@ -169,8 +169,9 @@ async def run_scenario(state: ServerState, name: str) -> None:
                 break
             await asyncio.sleep(0.05)
         try:
-            async for _ in eng.submit(f"viz-{name}-{run}-{i}", prompt_text(state.tokenizer, r),
-                                      SamplingParams(**r.params)):
+            # Token ids as the chat template wrote them: no second BOS.
+            ids = state.tokenizer.encode(prompt_text(state.tokenizer, r), add_special_tokens=False)
+            async for _ in eng.submit(f"viz-{name}-{run}-{i}", ids, SamplingParams(**r.params)):
                 pass
         except Exception as e:  # a scenario request failing must not take the server down
             logger.warning("scenario %s request %d failed: %s", name, i, e)

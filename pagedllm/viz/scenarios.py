@@ -108,7 +108,9 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
         # Arrivals are counted in engine steps; an idle engine takes the next one at once.
         while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
             r = pending.pop(0)
-            engine.add_request(None, prompt_text(engine.tokenizer, r), SamplingParams(**r.params))
+            # A chat template's text holds its special tokens already: no second BOS.
+            engine.add_request(None, prompt_text(engine.tokenizer, r), SamplingParams(**r.params),
+                               add_special_tokens=False)
         engine.step()
     return hub.stop_recording()
 

@@ -33,7 +33,11 @@ CASES = [
     ("empty token list", COMP, {"model": MODEL, "prompt": []}, 400, "prompt"),
     ("token id out of vocab", COMP, {"model": MODEL, "prompt": [1, 2, 10**9]}, 400, None),
     ("prompt beyond max_model_len", COMP, {"model": MODEL, "prompt": "word " * 1500, "max_tokens": 1}, 400, None),
-    ("unsupported penalty", COMP, {"model": MODEL, "prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ("penalty out of range", COMP, {"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("repetition_penalty 0", COMP, {"model": MODEL, "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("min_p above 1", COMP, {"model": MODEL, "prompt": "x", "min_p": 1.5}, 400, "min_p"),
+    ("min_tokens above max_tokens", COMP, {"model": MODEL, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, None),
+    ("logit_bias beyond the vocabulary", COMP, {"model": MODEL, "prompt": "x", "logit_bias": {"999999999": 5}}, 400, None),
 ]
 
 

@@ -86,6 +86,19 @@ def test_logprobs(client):
     assert len(c.choices[0].logprobs.token_logprobs) == 3
 
 
+def test_vllm_sampling_fields(client):
+    """logit_bias (OpenAI's), and vLLM's extra fields through extra_body, reach the sampler."""
+    tok = 28  # ","
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0,
+                                  logit_bias={str(tok): 100}, logprobs=1)
+    assert r.choices[0].text == "," * 4 and r.choices[0].logprobs.tokens == [","] * 4
+    plain = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0)
+    penalized = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", max_tokens=12, temperature=0,
+                                          frequency_penalty=2.0, presence_penalty=2.0,
+                                          extra_body={"repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 12})
+    assert penalized.usage.completion_tokens == 12 and penalized.choices[0].text != plain.choices[0].text
+
+
 def test_models_and_errors_through_client(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
     with pytest.raises(openai.NotFoundError):

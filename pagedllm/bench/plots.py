@@ -1,0 +1,254 @@
+"""One PNG per experiment, from the JSON its benchmark wrote.
+
+Each result file is recognised by its shape, not its name, so a re-run under another name
+still plots. Bars are horizontal (long engine names stay readable) and series are few, so
+every one gets its own colour."""
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+# An engine family keeps its colour across plots, so "vLLM is orange" holds everywhere.
+OURS = "#1f77b4"
+FAMILY_COLOURS = [("reserve-max", "#8c564b"), ("pagedllm", OURS), ("vllm", "#ff7f0e"),
+                  ("hf-transformers", "#2ca02c"), ("llama.cpp", "#d62728")]
+OTHER_COLOUR = "#7f7f7f"
+
+
+def family_colour(engine: str) -> str:
+    name = engine.lower()
+    # no other engine's name in it: one of our own variants (block size, busy neighbour...)
+    return next((c for key, c in FAMILY_COLOURS if key in name), OURS)
+
+
+def engine_runs(data: Any) -> list[dict]:
+    """Runs with an output rate: a file's `results` list, or a dict of named runs."""
+    items = data.get("results", data) if isinstance(data, dict) else data
+    if isinstance(items, dict):
+        items = [dict(v, engine=k) for k, v in items.items() if isinstance(v, dict)]
+    return [r for r in items if isinstance(r, dict) and isinstance(r.get("output_tok_s"), (int, float))] \
+        if isinstance(items, list) else []
+
+
+def _bars(ax, labels: list[str], values: list[float], colours: list[str], fmt: str = "{:.0f}",
+          points: list[list[float]] | None = None) -> None:
+    """Horizontal bars, the first at the top, each labelled with its value; `points` are the
+    single rounds behind a bar, drawn as dots so the spread shows."""
+    ys = list(range(len(labels)))[::-1]
+    ax.barh(ys, values, color=colours)
+    if points:
+        for y, pts in zip(ys, points):
+            if len(pts) > 1:
+                ax.plot(pts, [y] * len(pts), "k.", markersize=4)
+    for i, (y, v) in enumerate(zip(ys, values)):  # right of the bar and of its dots
+        ax.text(max([v, *(points[i] if points else [])]), y, "  " + fmt.format(v), va="center", fontsize=8)
+    ax.set_yticks(ys, labels, fontsize=8)
+    ax.set_xlim(0, max(max(values), max((max(p) for p in points or [] if p), default=0)) * 1.18)
+    ax.grid(axis="x", alpha=0.3)
+    if len(ax.figure.axes) == 1:  # a figure of its own: as tall as its bars need
+        ax.figure.set_size_inches(8, max(2.5, 0.32 * len(labels) + 1.2))
+
+
+def plot_engines(ax, data: Any) -> None:
+    """Output tok/s per engine, fastest first: the median over rounds as a bar (BENCHMARKS.md's
+    ratios are of medians), each round a dot; a separate cold pass gets its own bar."""
+    groups: dict[str, list[float]] = {}
+    for r in engine_runs(data):
+        name = r["engine"]
+        cold = r.get("cold")
+        if isinstance(cold, dict) and r.get("cold_over_warm") is not None and "output_tok_s" in cold:
+            groups.setdefault(f"{name} (cold)", []).append(cold["output_tok_s"])
+            name = f"{name} (warm)"
+        groups.setdefault(name, []).append(r["output_tok_s"])
+    medians = {k: statistics.median(v) for k, v in groups.items()}
+    order = sorted(groups, key=lambda k: -medians[k])
+    _bars(ax, order, [medians[k] for k in order], [family_colour(k) for k in order],
+          points=[groups[k] for k in order])
+    ax.set_xlabel("output tokens/s (bar: median over rounds, dots: rounds)")
+
+
+def _rate_label(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def plot_serve_sweep(fig, data: dict) -> None:
+    """Both servers under both clients at each request rate: throughput and median TTFT."""
+    runs = data["results"]
+    rates = sorted({r["request_rate"] for r in runs})
+    axes = fig.subplots(1, 2)
+    styles = {"pagedllm": "-", "vllm": "--"}
+    for key in sorted({(r["server"], r["client"]) for r in runs}):
+        pts = sorted((rates.index(r["request_rate"]), r) for r in runs if (r["server"], r["client"]) == key)
+        label = f"{key[0]} server, {key[1]} client"
+        for ax, field in zip(axes, ("output_throughput", "median_ttft_ms")):
+            ax.plot([p[0] for p in pts], [p[1][field] for p in pts], styles.get(key[1], ":"), marker="o",
+                    color=family_colour(key[0]), label=label)
+    for ax, ylabel in zip(axes, ("output tokens/s", "median TTFT (ms)")):
+        ax.set_xticks(range(len(rates)), [_rate_label(r) for r in rates])
+        ax.set_xlabel("request rate (req/s)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=7)
+
+
+def plot_ttft_cdf(ax, runs: list[tuple[str, dict]]) -> None:
+    for label, r in runs:
+        xs = sorted(ttfts_ms(r))
+        ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=label)
+    ax.set_xlabel("TTFT (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def ttfts_ms(r: dict) -> list[float]:
+    """Every request's TTFT in ms: ours (`ttft_all_ms`) or vLLM's result file (`ttfts`, s)."""
+    if r.get("ttft_all_ms"):
+        return list(r["ttft_all_ms"])
+    return [1000 * t for t in r.get("ttfts") or [] if t is not None and t > 0]
+
+
+def plot_decode_attention(ax, data: dict) -> None:
+    for batch in sorted({r["batch"] for r in data["results"]}):
+        pts = sorted((r["context"], r["kernel_over_floor"]) for r in data["results"] if r["batch"] == batch)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {batch}")
+    ax.axhline(1.0, color="k", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("kernel time / memory floor")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def plot_memory(fig, data: dict) -> None:
+    """The paper's claims in four panels: concurrency under one budget, prefix hits,
+    blocks saved by parallel sampling, waste against block size."""
+    (a, b), (c, d) = fig.subplots(2, 2)
+    pv = data["paged_vs_reserve"]
+    names = ["paged", "reserve-max"]
+    runs = [pv["paged"], pv["reserve_max"]]
+    _bars(a, names, [r["max_concurrent_seqs"] for r in runs], [family_colour("pagedllm"),
+                                                                   family_colour("reserve-max")])
+    a.set_xlabel("most sequences running at once")
+    a.set_title("same KV budget", fontsize=9)
+    share = data["prefix_sharing"]
+    _bars(b, [r.get("workload") or r["engine"].split("(")[-1].rstrip(")") for r in share],
+          [100 * r["prefix_hit_rate"] for r in share], [family_colour("pagedllm")] * len(share), "{:.0f}%")
+    b.set_xlabel("prefix hit rate (% of prompt tokens)")
+    b.set_title("prefix caching", fontsize=9)
+    par = data["parallel_sampling"]
+    steps = par["steps"]
+    t = [st["t"] - steps[0]["t"] for st in steps]
+    c.plot(t, [st["blocks_without_sharing"] for st in steps], color=OTHER_COLOUR, label="without sharing")
+    c.plot(t, [st["used_blocks"] for st in steps], color=family_colour("pagedllm"), label="held (shared)")
+    c.set_xlabel("seconds")
+    c.set_ylabel("KV blocks")
+    c.set_title(f"parallel sampling, n={par.get('n')}: "
+                f"{100 * par.get('mean_blocks_saved_frac', 0):.0f}% saved on average", fontsize=9)
+    c.legend(fontsize=7)
+    c.grid(alpha=0.3)
+    sweep = sorted(data["block_size_sweep"], key=lambda r: r["block_size"])
+    d.plot([r["block_size"] for r in sweep], [100 * r["mean_waste"] for r in sweep], "o-")
+    d.set_xscale("log", base=2)
+    d.set_xlabel("block size (tokens)")
+    d.set_ylabel("mean waste (%)")
+    d.set_title("internal fragmentation", fontsize=9)
+    d.grid(alpha=0.3)
+
+
+def plot_step_profile(ax, data: dict) -> None:
+    groups = sorted(data["groups_ms"].items(), key=lambda kv: -kv[1])
+    _bars(ax, [k for k, _ in groups], [v for _, v in groups], [OTHER_COLOUR] * len(groups), "{:.1f}")
+    ax.set_xlabel(f"ms per step (batch {data.get('batch', '?')}, step {data.get('step_ms', 0):.0f} ms)")
+
+
+def plot_batch_invariant(ax, data: dict) -> None:
+    rows = data["throughput"]
+    _bars(ax, [f"{r['workload']}: {r['mode']}" for r in rows], [r["output_tok_s"] for r in rows],
+          [family_colour("pagedllm") if r["mode"] == "off" else "#9467bd" for r in rows],
+          points=[r.get("rounds") or [] for r in rows])
+    ax.set_xlabel("output tokens/s (bar: median round, dots: every round)")
+
+
+def plot_viz_overhead(ax, data: dict) -> None:
+    keys = list(data["median"])
+    _bars(ax, keys, [data["median"][k] for k in keys], [OTHER_COLOUR] * len(keys),
+          points=[data["output_tok_s"].get(k, []) for k in keys])
+    ax.set_xlabel("output tokens/s (bar: median, dots: runs)")
+
+
+# (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
+Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
+PLOTTERS: list[Plotter] = [
+    (lambda d: "paged_vs_reserve" in d, plot_memory, "Memory: paged vs reserve-max, sharing, block size", True),
+    (lambda d: isinstance(d.get("results"), list) and d["results"] and "server" in d["results"][0]
+     and "client" in d["results"][0], plot_serve_sweep, "Serving: PagedLLM vs vllm serve", True),
+    (lambda d: isinstance(d.get("results"), list) and d["results"] and "kernel_over_floor" in d["results"][0],
+     plot_decode_attention, "Decode attention against its memory floor", False),
+    (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
+    (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
+    (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,
+     "Visualizer overhead", False),
+    (lambda d: bool(engine_runs(d)), plot_engines, "Output throughput", False),
+]
+
+
+def _title(base: str, data: dict, stem: str) -> str:
+    ws = data.get("workload_summary") or {}
+    if ws:
+        n = ws.get("num_requests")
+        return (f"{base}: {data.get('workload', '')}, {n} request{'s' if n != 1 else ''}, "
+                f"prompts ≤ {ws.get('max_prompt_len')} tokens")
+    if isinstance(data.get("workload"), str):
+        return f"{base}: {data['workload']}"
+    return base if base != "Output throughput" else f"{base}: {stem.replace('_', ' ')}"
+
+
+def is_serve_run(data: Any) -> bool:
+    return isinstance(data, dict) and bool(ttfts_ms(data))
+
+
+def plot_files(files: list[tuple[str, Any]], out_dir: Path) -> list[Path]:
+    """One PNG per result file (named after it); serving runs with per-request TTFTs share
+    one CDF, since they are one experiment run with different settings."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=110, bbox_inches="tight")  # tight: no label is cut off
+        plt.close(fig)
+        written.append(path)
+
+    serve = [(d.get("label") or stem, d) for stem, d in files if is_serve_run(d)]
+    for stem, data in files:
+        if not isinstance(data, dict) or is_serve_run(data):
+            continue
+        match = next(((fn, title, whole) for test, fn, title, whole in PLOTTERS if test(data)), None)
+        if match is None:
+            continue
+        fn, title, whole = match
+        if whole:
+            fig = plt.figure(figsize=(10, 6.5 if fn is plot_memory else 4))
+            fn(fig, data)
+        else:
+            fig, ax = plt.subplots(figsize=(8, 3.5))
+            fn(ax, data)
+        fig.suptitle(_title(title, data, stem), fontsize=10)
+        fig.tight_layout()
+        save(fig, stem)
+    if serve:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        plot_ttft_cdf(ax, serve)
+        ax.set_title("Serving: TTFT CDF", fontsize=10)
+        fig.tight_layout()
+        save(fig, "serving_ttft_cdf")
+    return written

@@ -1,0 +1,79 @@
+"""vLLM's /tokenize and /detokenize: request shapes and the work (on a worker thread).
+
+Shapes follow vLLM's: tokenize takes {"prompt"} (special tokens added by default, as for
+a completion) or {"messages"} (the chat template's text, no second BOS), and answers
+{"count", "max_model_len", "tokens", "token_strs"}; detokenize takes {"tokens"} and
+answers {"prompt"}.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from .protocol import ChatMessage
+
+
+class TokenizeCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False  # the template holds the special tokens it wants
+    return_token_strs: bool = False
+
+    def conversation(self) -> list[dict]:
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[StrictInt]  # not "1", 1.5 or true
+
+
+def tokenize(engine, tokenizer, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+    """ValueError (naming the field) for text that is empty, too long, or that the chat
+    template rejects; a count above max_model_len is refused, as vLLM does."""
+    if isinstance(req, TokenizeChatRequest):
+        try:
+            text = tokenizer.apply_chat_template(req.conversation(), tokenize=False,
+                                                 add_generation_prompt=req.add_generation_prompt)
+        except ValueError as e:
+            raise ValueError(f"messages: {e}") from None
+        except Exception as e:  # a template that rejects this conversation (e.g. role order)
+            raise ValueError(f"messages: the chat template rejected them: {e}") from None
+    else:
+        text = req.prompt
+    limit = engine.max_model_len
+    # Bound the length before encoding: a 4 MB prompt is refused without tokenizing it.
+    if len(text) > engine._chars_per_token * limit:
+        raise ValueError(f"prompt is {len(text)} characters, more than max_model_len ({limit}) tokens can hold")
+    ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens) if text else []
+    if len(ids) > limit:
+        raise ValueError(f"prompt is {len(ids)} tokens; max_model_len is {limit}")
+    return {"count": len(ids), "max_model_len": limit, "tokens": ids,
+            "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+
+def detokenize(engine, tokenizer, req: DetokenizeRequest) -> dict[str, Any]:
+    vocab = engine.model_cfg.vocab_size
+    if len(req.tokens) > engine.max_model_len:
+        raise ValueError(f"tokens: {len(req.tokens)} ids; the limit is max_model_len ({engine.max_model_len})")
+    if any(not 0 <= t < vocab for t in req.tokens):
+        raise ValueError(f"tokens: ids must be integers in [0, {vocab})")
+    try:
+        return {"prompt": tokenizer.decode(req.tokens)}
+    except Exception as e:  # an id the model has but its tokenizer lacks (padded vocabularies)
+        raise ValueError(f"tokens: the tokenizer cannot decode them ({e})") from None

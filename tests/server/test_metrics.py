@@ -1,0 +1,127 @@
+"""/metrics against a real server: vLLM v1's names, types, buckets and meanings."""
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from .conftest import MODEL, metrics, start_server, stop_server
+
+# vLLM v1 families and their Prometheus types (counters without the _total the client adds).
+VLLM_FAMILIES = {
+    "num_requests_running": "gauge", "num_requests_waiting": "gauge", "kv_cache_usage_perc": "gauge",
+    "prefix_cache_queries": "counter", "prefix_cache_hits": "counter", "num_preemptions": "counter",
+    "prompt_tokens": "counter", "generation_tokens": "counter", "request_success": "counter",
+    "time_to_first_token_seconds": "histogram", "inter_token_latency_seconds": "histogram",
+    "time_per_output_token_seconds": "histogram", "e2e_request_latency_seconds": "histogram",
+    "request_queue_time_seconds": "histogram", "request_prefill_time_seconds": "histogram",
+    "request_decode_time_seconds": "histogram", "request_inference_time_seconds": "histogram",
+    "request_time_per_output_token_seconds": "histogram", "request_prompt_tokens": "histogram",
+    "request_generation_tokens": "histogram", "iteration_tokens_total": "histogram",
+    "request_params_n": "histogram", "request_params_max_tokens": "histogram", "cache_config_info": "gauge",
+}
+OURS = {"kv_cache_cached_free_blocks": "gauge", "kv_cache_waste_perc": "gauge", "kv_cache_cow_copies": "counter"}
+
+
+def families(url: str) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+
+
+def buckets(fam) -> list[float]:
+    return sorted({float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")})
+
+
+def complete(url: str, **body) -> dict:
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                  "ignore_eos": True, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_names_types_and_buckets(server):
+    complete(server.url, max_tokens=4)
+    fams = families(server.url)
+    for name, kind in {**VLLM_FAMILIES, **OURS}.items():
+        assert f"pagedllm:{name}" in fams, name
+        assert fams[f"pagedllm:{name}"].type == kind, name
+    assert buckets(fams["pagedllm:time_to_first_token_seconds"])[:3] == [0.001, 0.005, 0.01]
+    assert buckets(fams["pagedllm:inter_token_latency_seconds"])[:2] == [0.01, 0.025]
+    assert buckets(fams["pagedllm:e2e_request_latency_seconds"])[:2] == [0.3, 0.5]
+    assert buckets(fams["pagedllm:request_prompt_tokens"])[:4] == [1, 2, 5, 10]
+    info = fams["pagedllm:cache_config_info"].samples[0]
+    assert info.value == 1 and info.labels["block_size"] == "16" and int(info.labels["num_gpu_blocks"]) > 0
+    assert info.labels["enable_prefix_caching"] == "True"
+
+
+def test_per_token_and_per_request_timings(server):
+    before = metrics(server.url)
+    # Streamed or not, 6 tokens of one sequence are 5 inter-token gaps.
+    complete(server.url, max_tokens=6)
+    after = metrics(server.url)
+
+    def delta(name: str) -> float:
+        return after[f"pagedllm:{name}"] - before.get(f"pagedllm:{name}", 0.0)
+
+    assert delta("inter_token_latency_seconds_count") == 5
+    assert delta("request_time_per_output_token_seconds_count") == 1
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "request_inference_time_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"{name}_count") == 1, name
+    # Meanings: inference = prefill + decode, and e2e covers queue + inference.
+    inference = delta("request_inference_time_seconds_sum")
+    assert inference == pytest.approx(delta("request_prefill_time_seconds_sum")
+                                      + delta("request_decode_time_seconds_sum"), abs=1e-6)
+    assert delta("e2e_request_latency_seconds_sum") >= inference
+    assert delta("request_generation_tokens_sum") == 6
+    assert delta("iteration_tokens_total_sum") >= 6, "every prefill and decode token runs in some step"
+
+
+def test_n_samples_count_as_one_request(server):
+    before = metrics(server.url)
+    out = complete(server.url, max_tokens=3, n=3, temperature=1.0, seed=1)
+    assert len(out["choices"]) == 3
+    after = metrics(server.url)
+    assert after["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0) == 1
+    assert after["pagedllm:e2e_request_latency_seconds_count"] - before["pagedllm:e2e_request_latency_seconds_count"] == 1
+    assert after["pagedllm:request_params_n_sum"] - before.get("pagedllm:request_params_n_sum", 0) == 3
+    assert after["pagedllm:request_generation_tokens_sum"] - before["pagedllm:request_generation_tokens_sum"] == 9
+
+
+def aborts(url: str) -> float:
+    for s in families(url)["pagedllm:request_success"].samples:
+        if s.name.endswith("_total") and s.labels["finished_reason"] == "abort":
+            return s.value
+    return 0.0
+
+
+def test_disconnect_counts_as_abort(server):
+    before, total = aborts(server.url), metrics(server.url)["pagedllm:request_success_total"]
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                break  # one token arrived: leave
+    deadline = time.time() + 30
+    while aborts(server.url) == before and time.time() < deadline:
+        time.sleep(0.2)
+    assert aborts(server.url) == before + 1
+    assert metrics(server.url)["pagedllm:request_success_total"] == total + 1, "counted once"
+
+
+@pytest.fixture(scope="module")
+def vllm_server(tmp_path_factory):
+    s = start_server(tmp_path_factory, "--metrics-prefix", "vllm", name="vllm-prefix")
+    yield s
+    stop_server(s)
+
+
+def test_metrics_prefix_vllm(vllm_server):
+    complete(vllm_server.url, max_tokens=2)
+    fams = families(vllm_server.url)
+    assert not [n for n in fams if n.startswith("pagedllm:")]
+    for name, kind in VLLM_FAMILIES.items():
+        assert fams[f"vllm:{name}"].type == kind, name
+    m = metrics(vllm_server.url)
+    assert m["vllm:request_success_total"] == 1 and m["vllm:generation_tokens_total"] == 2

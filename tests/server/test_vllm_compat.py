@@ -84,6 +84,7 @@ def test_completion_and_chat_prompt_tokens_match_the_tokenizer(server, tokenizer
     (COMP, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     (COMP, "suffix", " the end"),
     (COMP, "guided_choice", ["yes", "no"]),
+    (COMP, "best_of", 3),
 ])
 def test_unsupported_field_is_refused_by_name(server, path, field, value):
     body = {"model": MODEL, "max_tokens": 1, field: value}

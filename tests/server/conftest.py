@@ -86,3 +86,19 @@ def metrics(url: str) -> dict[str, float]:
             if not sample.labels.get("le"):
                 out[sample.name] = out.get(sample.name, 0.0) + sample.value
     return out
+
+
+def metric_sample(url: str, name: str, **labels: str) -> float:
+    """One labelled sample, e.g. metric_sample(url, "pagedllm:request_success_total", finished_reason="abort").
+
+    `metrics()` sums a family over its labels; this reads only the samples whose labels include `labels`
+    (0.0 when none exists yet, as a counter that has never moved is not exported)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=10).text
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total

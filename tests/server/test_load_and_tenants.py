@@ -9,16 +9,17 @@ import time
 import httpx
 import pytest
 
-from .conftest import MODEL, metrics, start_server
+from .conftest import MODEL, metric_sample, metrics, start_server
 
 LONG = ("Our return policy, in full: items may be returned within thirty days with a receipt; opened "
         "software, gift cards and perishable goods cannot be returned; refunds go to the original card "
         "within five business days; exchanges are free in store. ")
 
 
-async def stream_chat(client: httpx.AsyncClient, i: int, disconnect_after: int | None) -> dict:
-    body = {"model": MODEL, "stream": True, "max_tokens": 20, "temperature": 0.7, "seed": i,
-            "messages": [{"role": "user", "content": f"Tell me fact number {i} about the ocean."}]}
+async def stream_chat(client: httpx.AsyncClient, i: int, disconnect_after: int | None,
+                      max_tokens: int = 20) -> dict:
+    body = {"model": MODEL, "stream": True, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.7,
+            "seed": i, "messages": [{"role": "user", "content": f"Tell me fact number {i} about the ocean."}]}
     result = {"chunks": 0, "done": False, "finish": None, "disconnected": False}
     async with client.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
@@ -51,34 +52,55 @@ def wait_idle(url: str, timeout: float = 60) -> dict:
         time.sleep(0.3)
 
 
+SUCCESS = "pagedllm:request_success_total"
+GEN = "pagedllm:generation_tokens_total"
+SHORT, LONG_RUN = 20, 400  # tokens of a stream that completes; of one that is cut off after its first chunk
+
+
 def test_64_concurrent_streams_with_disconnects(server):
+    """48 streams complete, 16 leave after their first chunk. A leaver asks for 400 tokens (ignore_eos), so it
+    cannot finish before it leaves: exactly 48 successes and 16 aborts, and fewer than 400 tokens each for those."""
     async def run():
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, timeout=240, limits=limits) as c:
-            tasks = [stream_chat(c, i, 3 if i % 4 == 0 else None) for i in range(64)]
+            tasks = [stream_chat(c, i, 1, LONG_RUN) if i % 4 == 0 else stream_chat(c, i, None, SHORT)
+                     for i in range(64)]
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
     before = metrics(server.url)
+    length0 = metric_sample(server.url, SUCCESS, finished_reason="length")
+    abort0 = metric_sample(server.url, SUCCESS, finished_reason="abort")
     results = asyncio.run(run())
     for i, r in enumerate(results):
-        if r["disconnected"]:
-            assert not r["done"]
+        if i % 4 == 0:
+            assert r["disconnected"] and not r["done"] and r["finish"] is None, (i, r)
         else:
-            assert r["done"] and r["finish"] in ("stop", "length"), (i, r)
+            assert r["done"] and r["finish"] == "length", (i, r)
     m = wait_idle(server.url)
     assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
         m["pagedllm:kv_cache_total_blocks"], "every block is free or cached: no leak"
-    assert m["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0) >= 48
+    assert metric_sample(server.url, SUCCESS, finished_reason="length") - length0 == 48
+    assert metric_sample(server.url, SUCCESS, finished_reason="abort") - abort0 == 16
+    assert m[SUCCESS] - before.get(SUCCESS, 0) == 64, "no other finish reason"
+    generated = m[GEN] - before[GEN]
+    assert 48 * SHORT + 16 <= generated < 48 * SHORT + 16 * LONG_RUN, \
+        f"the 16 aborted streams generated at least one and fewer than {LONG_RUN} tokens each: {generated}"
     assert "running:" in server.log() and "KV usage" in server.log(), "periodic status line"
 
 
 def test_non_streaming_disconnect_aborts(server):
     body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True}
+    before = metrics(server.url)
+    abort0 = metric_sample(server.url, SUCCESS, finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
     m = wait_idle(server.url, timeout=20)  # aborted well before 400 tokens could finish
     assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
         m["pagedllm:kv_cache_total_blocks"]
+    assert metric_sample(server.url, SUCCESS, finished_reason="abort") - abort0 == 1
+    assert m[SUCCESS] - before.get(SUCCESS, 0) == 1, "counted once, as an abort"
+    generated = m[GEN] - before[GEN]
+    assert generated < body["max_tokens"], f"aborted before its {body['max_tokens']} tokens: {generated}"
 
 
 def test_metrics_parse_and_move(server):

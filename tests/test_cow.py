@@ -1,0 +1,79 @@
+"""Copy-on-write end to end (n samples forked off a prompt whose last block is partial)
+and KVCache.copy_blocks moving exactly the blocks asked, in every layer, K and V."""
+from __future__ import annotations
+
+import torch
+
+from pagedllm import LLM, SamplingParams
+
+MAX_NEW = 12
+PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
+          "mended his nets every morning and told stories to the children")
+
+
+def hf_greedy(hf_model, ids: list[int], max_new: int) -> list[int]:
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+                                do_sample=False, pad_token_id=hf_model.config.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+def test_n3_greedy_samples_share_a_partial_block_by_cow(hf_model, llm_fp32):
+    engine = llm_fp32.engine
+    B = engine.kv.block_size
+    ids = engine.tokenizer.encode(PROMPT)
+    ids = ids[:(len(ids) // B) * B - 3] if len(ids) % B == 0 else ids
+    assert len(ids) > B and len(ids) % B != 0, "the prompt's last block must be partial"
+
+    (one,) = llm_fp32.generate({"prompt_token_ids": ids},
+                               SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                               use_tqdm=False)
+    before = llm_fp32.get_stats()
+    (three,) = llm_fp32.generate({"prompt_token_ids": ids},
+                                 SamplingParams(n=3, temperature=0, max_tokens=MAX_NEW, ignore_eos=True),
+                                 use_tqdm=False)
+    after = llm_fp32.get_stats()
+
+    want = hf_greedy(hf_model, ids, MAX_NEW)
+    assert len(want) == MAX_NEW
+    assert one.outputs[0].token_ids == want
+    assert len(three.outputs) == 3
+    for o in three.outputs:
+        assert o.token_ids == want, f"sample {o.index}: {o.token_ids} != HF {want}"
+    # Two samples forked off the parent: the partial last block is shared three ways, so
+    # at least the first two writers into it must copy it first.
+    assert after.forks - before.forks == 2
+    assert after.cow_copies - before.cow_copies >= 2
+    assert after.used_blocks == 0
+    engine.kv.check_integrity()
+
+
+def test_copy_blocks_copies_exactly_the_pairs():
+    llm = LLM(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
+    cache = llm.engine.runner.kv_cache
+    assert cache.num_blocks == 8 and len(cache.layers) > 1
+    g = torch.Generator().manual_seed(0)
+    for k, v in cache.layers:
+        k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
+        v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
+    old = [(k.clone(), v.clone()) for k, v in cache.layers]
+    for k, v in old:   # every block distinct from every other, so a wrong copy shows
+        for t in (k, v):
+            flat = t.reshape(t.shape[0], -1)
+            assert torch.unique(flat, dim=0).shape[0] == t.shape[0]
+
+    pairs = [(1, 6), (4, 0), (7, 3)]
+    cache.copy_blocks(pairs)
+    dsts = {d for _, d in pairs}
+    for layer, ((k, v), (k0, v0)) in enumerate(zip(cache.layers, old)):
+        for new, before, name in ((k, k0, "K"), (v, v0, "V")):
+            for s, d in pairs:
+                assert torch.equal(new[d], before[s]), f"layer {layer} {name}: block {d} != old block {s}"
+            for b in range(cache.num_blocks):
+                if b not in dsts:
+                    assert torch.equal(new[b], before[b]), f"layer {layer} {name}: block {b} changed"
+
+    cache.copy_blocks([])   # nothing to do: nothing changes
+    for (k, v), (k0, v0) in zip(cache.layers, old):
+        for s, d in pairs:
+            assert torch.equal(k[d], k0[s]) and torch.equal(v[d], v0[s])

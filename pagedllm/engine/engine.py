@@ -149,19 +149,21 @@ class LLMEngine:
         ids = list(prompt)
         if not ids:
             raise ValueError("prompt must not be empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt is {len(ids)} tokens; it must be < max_model_len ({self.max_model_len})")
+        self._check_prompt_len(len(ids))  # before the per-id check: a huge list is refused at once
         vocab = self.model_cfg.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
 
+    def _check_prompt_len(self, prompt_len: int) -> None:
+        if prompt_len >= self.max_model_len:
+            raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
+
     def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
         vocab = self.model_cfg.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
+        self._check_prompt_len(prompt_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
         if prompt_len + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
@@ -217,11 +219,12 @@ class LLMEngine:
                 self._accept(seq, token, logprobs.get(seq.seq_id), now)
             except Exception as e:  # e.g. detokenizing for stop strings: this request only
                 self._fail(req, f"{type(e).__name__}: {e}")
-        for s in out.scheduled:
-            for seq in s.sample_for:
-                if seq.seq_id in errors and seq.request.error is None:
-                    self._fail(seq.request, errors[seq.seq_id])
-                    touched[seq.request.request_id] = seq.request
+        if errors:  # rare: skip the walk over the batch on every ordinary step
+            for s in out.scheduled:
+                for seq in s.sample_for:
+                    if seq.seq_id in errors and seq.request.error is None:
+                        self._fail(seq.request, errors[seq.seq_id])
+                        touched[seq.request.request_id] = seq.request
         if self.viz is not None and self.viz.active:
             self.viz.on_step(out, new_tokens)
         outputs = []

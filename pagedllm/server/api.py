@@ -465,7 +465,6 @@ class _Response:
         self.echo = echo  # per prompt: the text each of its choices starts with
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.tok = state.tokenizer
         self.stops = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
 
     def _index(self, prompt_idx: int, c: CompletionOutput) -> int:
@@ -566,9 +565,6 @@ class _Response:
         return _sse({"id": self.rid, "object": obj, "created": self.created, "model": self.state.model_name,
                      "choices": [choice]})
 
-    def _piece(self, token_id: int) -> str:
-        return self.tok.convert_tokens_to_string([self.tok.convert_ids_to_tokens(token_id)])
-
     def _top(self, lp: dict) -> list[tuple[int, Logprob]]:
         """The k most likely of an output token's logprobs (the chosen one comes first and
         may be outside them), by rank."""
@@ -578,22 +574,22 @@ class _Response:
     def _chat_logprobs(self, lps) -> dict:
         content = []
         for lp in lps:
-            chosen = next(iter(lp))
-            tok = self._piece(chosen)
-            content.append({"token": tok, "logprob": lp[chosen].logprob, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (t := self._piece(i)), "logprob": v.logprob, "bytes": list(t.encode())}
-                                             for i, v in self._top(lp)]})
+            chosen = lp[next(iter(lp))]
+            tok = chosen.decoded_token  # decoded once, by the engine
+            content.append({"token": tok, "logprob": chosen.logprob, "bytes": list(tok.encode()),
+                            "top_logprobs": [{"token": (t := v.decoded_token), "logprob": v.logprob,
+                                              "bytes": list(t.encode())} for _, v in self._top(lp)]})
         return {"content": content}
 
     def _completion_logprobs(self, lps) -> dict:
-        chosen = [next(iter(lp)) for lp in lps]
-        tokens = [self._piece(t) for t in chosen]
+        chosen = [lp[next(iter(lp))] for lp in lps]
+        tokens = [c.decoded_token for c in chosen]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [lp[t].logprob for lp, t in zip(lps, chosen)],
-                "top_logprobs": [{self._piece(i): v.logprob for i, v in self._top(lp)} for lp in lps],
+        return {"tokens": tokens, "token_logprobs": [c.logprob for c in chosen],
+                "top_logprobs": [{v.decoded_token: v.logprob for _, v in self._top(lp)} for lp in lps],
                 "text_offset": offsets}
 
 

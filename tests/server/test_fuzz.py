@@ -18,7 +18,7 @@ def api_schema(server):
 
 # /viz is left out: its event stream never ends, and its controls would pause the engine
 # that the other tests of this session share.
-schema = schemathesis.pytest.from_fixture("api_schema").include(path_regex="^/(v1|health|version)")
+schema = schemathesis.pytest.from_fixture("api_schema").include(path_regex="^/(v1|health|version|tokenize|detokenize)")
 
 
 @schema.parametrize()

@@ -8,9 +8,6 @@ import os
 import httpx
 import openai
 import pytest
-import schemathesis
-from hypothesis import HealthCheck, settings
-from schemathesis.checks import not_a_server_error
 
 from .conftest import MODEL, start_server, stop_server
 
@@ -179,17 +176,3 @@ def test_tokenize_routes_in_openapi(server):
     assert {ref["$ref"].rsplit("/", 1)[1] for ref in body["anyOf"]} == {"TokenizeCompletionRequest",
                                                                         "TokenizeChatRequest"}
     assert "DetokenizeRequest" in json.dumps(schema["paths"]["/detokenize"])
-
-
-@pytest.fixture(scope="module")
-def api_schema(server):
-    return schemathesis.openapi.from_url(server.url + "/openapi.json")
-
-
-schema = schemathesis.pytest.from_fixture("api_schema").include(path_regex="^/(tokenize|detokenize)$")
-
-
-@schema.parametrize()
-@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
-def test_tokenize_fuzz_no_server_errors(case):
-    case.call_and_validate(checks=[not_a_server_error], timeout=60)

@@ -57,6 +57,12 @@ def _text(page, sel: str) -> int:
     return int(page.text_content(sel))
 
 
+def _settled(page, condition: str, timeout: int = 30_000) -> None:
+    """Wait for `condition` and for the frame that draws it: the page sets its mode at once but
+    draws the pool, tables and log on the next animation frame (`dirty` until then)."""
+    page.wait_for_function(f"({condition}) && !dirty", timeout=timeout)
+
+
 def test_live_page_matches_block_manager(server, model_dir):
     from transformers import AutoTokenizer
 
@@ -93,9 +99,7 @@ def test_live_page_matches_block_manager(server, model_dir):
         ctl("pause")
         state = httpx.get(server.url + "/viz/state", timeout=30).json()
         assert state["paused"]
-        page.wait_for_function(f"document.getElementById('fig-step').textContent === '{state['step']}'",
-                               timeout=30_000)
-        time.sleep(0.3)  # one more animation frame
+        _settled(page, f"document.getElementById('fig-step').textContent === '{state['step']}'")
         fig = state["figures"]
         shown = {k: _text(page, f"#fig-{k}") for k in ("used", "shared", "free", "cached")}
         assert shown == {"used": fig["used"], "shared": fig["shared"], "free": fig["free"],
@@ -124,8 +128,7 @@ def test_live_page_matches_block_manager(server, model_dir):
 
         # The library example replayed in the page, at full speed.
         page.goto(server.url + "/viz/?trace=library&speed=6")
-        page.wait_for_function("document.getElementById('mode').textContent.includes('(end)')", timeout=30_000)
-        time.sleep(0.3)
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
         assert _text(page, "#fig-used") == 5 and _text(page, "#fig-without") == 11
         assert _text(page, "#fig-shared") == 2
         assert page.locator("#log li[data-type=cow]").count() == 1
@@ -146,7 +149,7 @@ def test_page_from_disk_replays_a_trace_file():
         page.goto(PAGE.as_uri() + "?speed=6")
         page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
         page.set_input_files("#trace-file", str(trace_path("parallel-n4")))
-        page.wait_for_function("document.getElementById('mode').textContent.includes('(end)')", timeout=30_000)
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
         assert page.locator("#log li[data-type=fork]").count() == 3
         assert page.locator("#log li[data-type=cow]").count() >= 1
         browser.close()

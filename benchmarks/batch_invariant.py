@@ -53,7 +53,7 @@ def match_count(reqs: list[BenchRequest], on: bool, max_tokens: int, num_blocks:
         alone.append(llm.generate([p], sp, use_tqdm=False)[0])
     same = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(alone, batch))
     return {"batch_invariant": on, "identical": same, "requests": len(reqs), "preemptions": st.preemptions,
-            "prefix_hits": st.prefix_hits, "max_tokens": max_tokens, "num_blocks": num_blocks}
+            "prefix_hits": st.kv.prefix_hits, "max_tokens": max_tokens, "num_blocks": num_blocks}
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Does the visualizer cost the engine anything when nobody watches? One engine, one
 workload, three ways, interleaved over several rounds in one process:
 
-  absent    no VizHub attached (engine.viz is None)
+  absent    no VizHub attached (engine.observers is empty)
   idle      a VizHub attached, as `pagedllm serve` does by default, with no subscriber
   watching  the hub active and recording every message (what a page costs while open)
 
@@ -26,7 +26,7 @@ from pagedllm.viz.hub import VizHub
 
 def run_once(llm: LLM, reqs, mode: str) -> tuple[float, int]:
     engine = llm.engine
-    engine.viz = None
+    engine.observers.clear()
     hub = None
     if mode != "absent":
         hub = VizHub(engine)
@@ -38,7 +38,7 @@ def run_once(llm: LLM, reqs, mode: str) -> tuple[float, int]:
     outs = llm.generate([r.prompt for r in reqs], params, use_tqdm=False)
     dt = time.perf_counter() - t0
     messages = len(hub.stop_recording()) if mode == "watching" else 0
-    engine.viz = None
+    engine.observers.clear()
     return sum(len(c.token_ids) for o in outs for c in o.outputs) / dt, messages
 
 

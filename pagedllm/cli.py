@@ -74,16 +74,16 @@ def engine_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
 
 
 def kv_report(stats) -> str:
-    s = stats
+    s, kv = stats, stats.kv
     return "\n".join([
         "KV cache report",
-        f"  pool: {s.num_blocks} blocks x {s.block_size} tokens, {s.bytes_per_token} bytes/token "
-        f"(2*L*d_kv*bytes), {s.num_blocks * s.block_size * s.bytes_per_token / 2**20:.0f} MiB",
+        f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, {s.bytes_per_token} bytes/token "
+        f"(2*L*d_kv*bytes), {kv.num_blocks * kv.block_size * s.bytes_per_token / 2**20:.0f} MiB",
         f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
-        f"now used {s.used_blocks}, cached-free {s.cached_free_blocks}, free {s.free_blocks}",
+        f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
-        f"  prefix cache: {s.prefix_hits}/{s.prefix_queries} prompt tokens hit (H = {s.prefix_hit_rate:.1%})",
-        f"  forks {s.forks}, copy-on-write copies {s.cow_copies}, evictions {s.evictions}, "
+        f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
+        f"  forks {kv.forks}, copy-on-write copies {kv.cow_copies}, evictions {kv.evictions}, "
         f"preemptions {s.preemptions}",
         f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "
         f"in {s.steps} steps",

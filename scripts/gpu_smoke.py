@@ -83,7 +83,7 @@ def engine_throughput(path: Path, work: list[tuple[list[int], int]], **llm_kw) -
     llm = LLM(model=str(path), dtype="bfloat16", max_model_len=2048, device=DEV,
               kv_cache_memory=None if DEV == "cuda" else "1GiB", **llm_kw)
     start_s = time.perf_counter() - t0  # load, profile run, KV allocation, CUDA-graph capture
-    stats_blocks = llm.get_stats().num_blocks
+    stats_blocks = llm.get_stats().kv.num_blocks
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4), use_tqdm=False)
     sync()
     t0 = time.perf_counter()

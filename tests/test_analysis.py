@@ -18,7 +18,7 @@ def test_kv_calc_matches_formula_and_engine(model_dir, llm_fp32):
     # The seed's M_KV = 2 * L * d_kv * S * b * bytes, for SmolLM2: L=30, d_kv = 3 heads * 64.
     assert c.m_kv_bytes == 2 * 30 * 192 * 1000 * 3 * 4
     assert c.bytes_per_token == llm_fp32.engine.runner.kv_cache.bytes_per_token == 46080
-    assert c.num_blocks == llm_fp32.get_stats().num_blocks  # the engine sized 256MiB the same way
+    assert c.num_blocks == llm_fp32.get_stats().kv.num_blocks  # the engine sized 256MiB the same way
     assert c.blocks_per_seq == 63 and c.paged_max_seqs == c.num_blocks // 63
     assert abs(param_count(cfg) - 134_515_008) < 1e6
 

@@ -75,7 +75,7 @@ def test_bf16_greedy_same_alone_and_in_a_preempting_batch():
     assert max(map(len, prompts)) > 512 and min(map(len, prompts)) < 16
     same, stats = batch_vs_alone(llm, prompts, 24)
     assert stats["preemptions"] > 0, "the small pool should force preemption"
-    assert stats["prefix_hits"] > 0, "prompts that start alike should hit the prefix cache"
+    assert stats["kv"]["prefix_hits"] > 0, "prompts that start alike should hit the prefix cache"
     assert same == len(prompts), f"only {same}/{len(prompts)} requests gave the same tokens in the batch as alone"
     llm.engine.kv.check_integrity()
 

@@ -42,9 +42,9 @@ def test_n3_greedy_samples_share_a_partial_block_by_cow(hf_model, llm_fp32):
         assert o.token_ids == want, f"sample {o.index}: {o.token_ids} != HF {want}"
     # Two samples forked off the parent: the partial last block is shared three ways, so
     # at least the first two writers into it must copy it first.
-    assert after.forks - before.forks == 2
-    assert after.cow_copies - before.cow_copies >= 2
-    assert after.used_blocks == 0
+    assert after.kv.forks - before.kv.forks == 2
+    assert after.kv.cow_copies - before.kv.cow_copies >= 2
+    assert after.kv.used_blocks == 0
     engine.kv.check_integrity()
 
 

@@ -37,9 +37,9 @@ def test_greedy_matches_hf_with_prefix_hits_and_preemption(hf_model):
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     st = llm.get_stats()
     assert st.preemptions > 0, "the tiny KV budget should force preemption"
-    assert st.prefix_hits > 0, "the shared preamble should hit the prefix cache"
+    assert st.kv.prefix_hits > 0, "the shared preamble should hit the prefix cache"
     assert any(o.num_cached_tokens > 0 for o in outs[2:4])
-    assert st.used_blocks == 0
+    assert st.kv.used_blocks == 0
     llm.engine.kv.check_integrity()
     for prompt, out in zip(PROMPTS, outs):
         want = hf_greedy(hf_model, out.prompt_token_ids, MAX_NEW)

@@ -182,7 +182,7 @@ def test_engine_greedy_output_same_as_torch_backend(tiny_model):
                                                           ignore_eos=True, logprobs=0), use_tqdm=False)
         outs[backend] = [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]) for o in greedy + forked
                          for c in o.outputs]
-        assert llm.get_stats().cow_copies >= 1 and llm.get_stats().prefix_hits > 0
+        assert llm.get_stats().kv.cow_copies >= 1 and llm.get_stats().kv.prefix_hits > 0
     assert [t for t, _ in outs["triton"]] == [t for t, _ in outs["torch"]]
     for (_, a), (_, b) in zip(outs["triton"], outs["torch"]):  # logprobs show errors argmax hides
         assert a == pytest.approx(b, abs=1e-4)

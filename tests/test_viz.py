@@ -55,7 +55,7 @@ def test_events_rebuild_manager_state_every_step(engine):
     assert any(m["kind"] == "abort" for m in trace)
     assert any(m.get("preempted") for m in trace), "the tight pool should force a preemption"
     assert engine.stats().preemptions > 0
-    assert engine.viz is hub and not hub.active and engine.kv.listener is None
+    assert engine.observers == [hub] and not hub.active and engine.kv.listener is None
     json.dumps(trace)  # a trace is plain JSON
 
 

@@ -36,7 +36,7 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     steps, engine.step_log = engine.step_log, None
     out_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_tok = sum(len(o.prompt_token_ids) for o in outs)
-    hits, queries = st.prefix_hits - start.prefix_hits, st.prefix_queries - start.prefix_queries
+    hits, queries = st.kv.prefix_hits - start.kv.prefix_hits, st.kv.prefix_queries - start.kv.prefix_queries
     return {
         "engine": label, "config": {k: v for k, v in engine_kwargs.items()}, "n": n,
         "runner": engine.runner.describe(),
@@ -54,7 +54,7 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "prefix_hits": hits, "prefix_queries": queries,
         "max_blocks_saved_by_sharing": max((s["blocks_without_sharing"] - s["used_blocks"] for s in steps), default=0),
-        "bytes_per_block": st.bytes_per_token * st.block_size,
+        "bytes_per_block": st.bytes_per_token * st.kv.block_size,
         "stats": st.as_dict(), "steps": steps,
     }
 

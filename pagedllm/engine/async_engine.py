@@ -202,8 +202,9 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                if self.engine.viz is not None:
-                    self.engine.viz.poll()
+                for o in self.engine.observers:
+                    if hasattr(o, "poll"):
+                        o.poll()
                 if self.engine.has_unfinished_requests() and (not self.paused or self._step_budget):
                     self._step_budget = max(0, self._step_budget - 1)
                     try:
@@ -257,10 +258,10 @@ class AsyncLLMEngine:
 
     def _log_status(self, last: EngineStats, dt: float) -> EngineStats:
         s = self.stats
-        q, h = s.prefix_queries - last.prefix_queries, s.prefix_hits - last.prefix_hits
+        q, h = s.kv.prefix_queries - last.kv.prefix_queries, s.kv.prefix_hits - last.kv.prefix_hits
         logger.info("running: %d reqs, waiting: %d reqs, KV usage: %.1f%% (%d cached-free blocks), "
                     "prefix hit rate: %.1f%%, prompt: %.1f tok/s, generation: %.1f tok/s",
-                    s.num_running, s.num_waiting, 100 * s.kv_usage, s.cached_free_blocks,
+                    s.num_running, s.num_waiting, 100 * s.kv.usage, s.kv.cached_free_blocks,
                     100 * h / q if q else 0.0, (s.computed_prompt_tokens - last.computed_prompt_tokens) / dt,
                     (s.generation_tokens - last.generation_tokens) / dt)
         return s

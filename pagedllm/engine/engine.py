@@ -9,12 +9,13 @@ from dataclasses import asdict, dataclass
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
-from ..kv import KVCacheManager
+from ..kv import KVCacheManager, KVStats
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import SamplingParams
 from .detokenizer import detokenize, final_text
+from .observer import EngineObserver
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
 
@@ -23,24 +24,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class EngineStats:
-    """Counters of the engine's life so far, for reports and metrics."""
-    num_blocks: int
-    block_size: int
+    """Counters of the engine's life so far, for reports and metrics: the KV manager's
+    own figures, and what only the engine knows (peaks, tokens, queues)."""
+    kv: KVStats
     bytes_per_token: int
-    used_blocks: int
-    cached_free_blocks: int
-    free_blocks: int
-    kv_usage: float
-    peak_kv_usage: float
     peak_used_blocks: int
-    waste: float
     peak_waste: float        # eta at the step of peak usage
-    prefix_queries: int
-    prefix_hits: int
-    prefix_hit_rate: float
-    cow_copies: int
-    forks: int
-    evictions: int
     preemptions: int
     num_running: int              # requests with a sequence running
     num_waiting: int              # requests with a sequence waiting (and none running)
@@ -49,8 +38,15 @@ class EngineStats:
     generation_tokens: int
     steps: int
 
+    @property
+    def peak_kv_usage(self) -> float:
+        return self.peak_used_blocks / self.kv.num_blocks
+
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["kv"]["hit_rate"] = self.kv.hit_rate
+        d["peak_kv_usage"] = self.peak_kv_usage
+        return d
 
 
 class LLMEngine:
@@ -95,9 +91,8 @@ class LLMEngine:
         self.generation_tokens = 0
         self.steps = 0
         self.model_name = served_model_name(cfg.model)
-        # The visualizer's hub (pagedllm.viz.hub.VizHub) when one is attached; its hooks
-        # run only while someone watches.
-        self.viz = None
+        # Told of requests, steps and aborts (pagedllm.engine.observer); the visualizer is one.
+        self.observers: list[EngineObserver] = []
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
@@ -123,8 +118,9 @@ class LLMEngine:
             req.seqs.append(seq)
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
-        if self.viz is not None and self.viz.active:
-            self.viz.on_request(req)
+        for o in self.observers:
+            if o.active:
+                o.on_request(req)
         return req
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
@@ -185,8 +181,9 @@ class LLMEngine:
             else:
                 self.scheduler.finish(seq, "abort")
         req.finish_time = time.time()
-        if self.viz is not None and self.viz.active:
-            self.viz.on_abort(req)
+        for o in self.observers:
+            if o.active:
+                o.on_abort(req)
         return self.make_output(req)
 
     def has_unfinished_requests(self) -> bool:
@@ -225,8 +222,9 @@ class LLMEngine:
                     if seq.seq_id in errors and seq.request.error is None:
                         self._fail(seq.request, errors[seq.seq_id])
                         touched[seq.request.request_id] = seq.request
-        if self.viz is not None and self.viz.active:
-            self.viz.on_step(out, new_tokens)
+        for o in self.observers:
+            if o.active:
+                o.on_step(out, new_tokens)
         outputs = []
         for req in touched.values():
             if req.finished:
@@ -327,15 +325,10 @@ class LLMEngine:
 
     # -- figures -------------------------------------------------------------
     def stats(self) -> EngineStats:
-        kv = self.kv.stats()
         return EngineStats(
-            num_blocks=kv.num_blocks, block_size=kv.block_size,
-            bytes_per_token=self.runner.kv_cache.bytes_per_token, used_blocks=kv.used_blocks,
-            cached_free_blocks=kv.cached_free_blocks, free_blocks=kv.free_blocks, kv_usage=kv.usage,
-            peak_kv_usage=self.peak_used_blocks / kv.num_blocks, peak_used_blocks=self.peak_used_blocks,
-            waste=kv.waste, peak_waste=self.peak_waste, prefix_queries=kv.prefix_queries, prefix_hits=kv.prefix_hits,
-            prefix_hit_rate=kv.hit_rate, cow_copies=kv.cow_copies, forks=kv.forks,
-            evictions=kv.evictions, preemptions=self.scheduler.num_preemptions,
+            kv=self.kv.stats(), bytes_per_token=self.runner.kv_cache.bytes_per_token,
+            peak_used_blocks=self.peak_used_blocks, peak_waste=self.peak_waste,
+            preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,

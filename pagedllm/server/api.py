@@ -253,8 +253,8 @@ def create_app(state: ServerState, viz=None) -> FastAPI:
         s = state.engine.stats
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
-            "max_model_len": state.engine.engine.max_model_len, "kv_cache_blocks": s.num_blocks,
-            "block_size": s.block_size}]}
+            "max_model_len": state.engine.engine.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
+            "block_size": s.kv.block_size}]}
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request):

@@ -68,9 +68,9 @@ class EngineCollector(Collector):
         yield self._family(g, "num_requests_running", "Requests with a sequence in the running batch.", s.num_running)
         yield self._family(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
         yield self._family(g, "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (1 = full).",
-                           s.kv_usage)
-        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.prefix_queries)
-        yield self._family(c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.prefix_hits)
+                           s.kv.usage)
+        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.prefix_queries)
+        yield self._family(c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits)
         yield self._family(c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.",
                            s.preemptions)
         yield self._family(c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
@@ -78,15 +78,15 @@ class EngineCollector(Collector):
         # Ours, not vLLM's: what the paged KV cache does with its blocks.
         yield self._family(g, "kv_cache_cached_free_blocks",
                            "Blocks nobody references that still hold prefix-cache content (reusable until evicted).",
-                           s.cached_free_blocks)
-        yield self._family(g, "kv_cache_free_blocks", "Blocks holding nothing.", s.free_blocks)
-        yield self._family(g, "kv_cache_total_blocks", "Blocks in the KV pool.", s.num_blocks)
+                           s.kv.cached_free_blocks)
+        yield self._family(g, "kv_cache_free_blocks", "Blocks holding nothing.", s.kv.free_blocks)
+        yield self._family(g, "kv_cache_total_blocks", "Blocks in the KV pool.", s.kv.num_blocks)
         yield self._family(g, "kv_cache_waste_perc",
-                           "Allocated KV slots holding no token, as a fraction of allocated slots (eta).", s.waste)
+                           "Allocated KV slots holding no token, as a fraction of allocated slots (eta).", s.kv.waste)
         yield self._family(c, "computed_prompt_tokens", "Prefill tokens run (cache hits skip them, recompute "
                            "repeats them).", s.computed_prompt_tokens)
         yield self._family(c, "engine_steps", "Engine steps (forward passes) run.", s.steps)
-        yield self._family(c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.cow_copies)
+        yield self._family(c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies)
 
 
 class ServerMetrics:
@@ -142,7 +142,7 @@ class ServerMetrics:
         """Metrics of a serving engine, registered as its observer."""
         cfg, s = engine.engine.cfg, engine.stats
         # vLLM's CacheConfig.metrics_info labels that have a meaning here.
-        info = {"block_size": s.block_size, "num_gpu_blocks": s.num_blocks,
+        info = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.num_blocks,
                 "enable_prefix_caching": cfg.enable_prefix_caching,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "cache_dtype": cfg.dtype}
         metrics = cls(lambda: engine.stats, model_name, prefix, engine.engine.max_model_len, info)

@@ -44,7 +44,7 @@ class Subscriber:
 class VizHub:
     def __init__(self, engine: LLMEngine, wake: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        engine.viz = self
+        engine.observers.append(self)
         self.wake = wake or (lambda: None)
         self._lock = threading.Lock()
         self._subscribers: list[Subscriber] = []

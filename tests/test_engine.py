@@ -217,13 +217,15 @@ def test_one_request_failing_inside_a_step_fails_alone(llm_fp32, monkeypatch):
     alone = llm_fp32.generate([PROMPT, "Name three colors."], params, use_tqdm=False)
     real = sampler._sample_batch
 
-    def faulty(logits, rows, kernels):
-        if any(seq.request.request_id == "bad-sample" for seqs in rows for seq in seqs):
+    bad: set[int] = set()  # seq ids of the request whose sampling fails
+
+    def faulty(logits, rows, kernels, gens):
+        if any(seq.seq_id in bad for seqs in rows for seq in seqs):
             raise FloatingPointError("injected")
-        return real(logits, rows, kernels)
+        return real(logits, rows, kernels, gens)
     monkeypatch.setattr(sampler, "_sample_batch", faulty)
     engine.add_request("ok-1", PROMPT, params)
-    engine.add_request("bad-sample", "Tell me a story.", params)
+    bad.update(s.seq_id for s in engine.add_request("bad-sample", "Tell me a story.", params).seqs)
     engine.add_request("ok-2", "Name three colors.", params)
     engine.add_request("bad-stop", "Hello", SamplingParams(max_tokens=10, stop=["zzz"], temperature=0))
     monkeypatch.setattr(engine, "_check_stop", _failing_for("bad-stop", engine._check_stop))

@@ -10,7 +10,7 @@ from transformers import (MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, R
                           SequenceBiasLogitsProcessor, TemperatureLogitsWarper)
 
 from pagedllm import SamplingParams
-from pagedllm.engine.sequence import Request, Sequence
+from pagedllm.plan import SampleTarget
 from pagedllm.runtime.logits_processors import process_logits
 from pagedllm.runtime.sampler import sample
 
@@ -19,13 +19,11 @@ PROMPT = [3, 7, 7, 11]
 OUTPUT = [7, 20, 20, 20, 42]
 
 
-def seq(seq_id: int = 0, prompt=PROMPT, output=OUTPUT, **kw) -> Sequence:
-    p = SamplingParams(max_tokens=64, **kw)
-    return Sequence(seq_id, Request(str(seq_id), None, list(prompt), p, 64), 0, list(prompt) + list(output),
-                    len(prompt), seed=seq_id)
+def seq(seq_id: int = 0, prompt=PROMPT, output=OUTPUT, **kw) -> SampleTarget:
+    return SampleTarget(seq_id, SamplingParams(max_tokens=64, **kw), seq_id, list(prompt) + list(output), len(prompt))
 
 
-def processed(s: Sequence, logits: torch.Tensor, eos_ids=()) -> torch.Tensor:
+def processed(s: SampleTarget, logits: torch.Tensor, eos_ids=()) -> torch.Tensor:
     """Row 1 of a batch whose rows 0 and 2 ask for nothing (and must come back as they were)."""
     batch = torch.stack([logits + 1, logits, logits - 1])
     out = process_logits(batch, [[seq(10)], [s], [seq(11)]], eos_ids)

@@ -50,7 +50,7 @@ def test_greedy_matches_hf_with_prefix_hits_and_preemption(hf_model):
 
 def test_logits_match_hf(hf_model, llm_fp32):
     """Prefill logits of the last token agree with HF to float32 tolerance."""
-    from pagedllm.engine.scheduler import ScheduledSeq, SchedulerOutput
+    from pagedllm.plan import ChunkPlan, SampleTarget, StepPlan
 
     engine = llm_fp32.engine
     ids = engine.tokenizer.encode(PROMPTS[4])
@@ -62,7 +62,10 @@ def test_logits_match_hf(hf_model, llm_fp32):
     orig = model.compute_logits
     model.compute_logits = lambda h: captured.setdefault("logits", orig(h))
     try:
-        engine.runner.execute(SchedulerOutput([ScheduledSeq(seq, 0, len(ids), [seq])], []), engine.kv)
+        table = engine.kv.block_table(seq.seq_id)
+        target = SampleTarget(seq.seq_id, seq.params, seq.seed, seq.token_ids, len(ids))
+        engine.runner.execute(StepPlan([ChunkPlan(seq.seq_id, 0, ids, table.slots(0, len(ids)), table.block_ids,
+                                                  [target])], []))
     finally:
         model.compute_logits = orig
         engine.scheduler.waiting.remove(seq)

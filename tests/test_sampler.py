@@ -7,8 +7,8 @@ import collections
 import pytest
 import torch
 
-from pagedllm.engine.sequence import Request, Sequence
 from pagedllm.kernels import load_ops
+from pagedllm.plan import SampleTarget
 from pagedllm.runtime.sampler import sample
 from pagedllm.sampling_params import SamplingParams
 
@@ -20,12 +20,9 @@ def kernels(request):
     return load_ops() if request.param == "kernel" else None
 
 
-def seqs(n: int, first_id: int = 0, **kw) -> list[Sequence]:
+def seqs(n: int, first_id: int = 0, **kw) -> list[SampleTarget]:
     p = SamplingParams(**kw)
-    out = []
-    for i in range(first_id, first_id + n):
-        out.append(Sequence(i, Request(str(i), None, [1], p, 10), 0, [1], 1, seed=i))
-    return out
+    return [SampleTarget(i, p, i, [1], 1) for i in range(first_id, first_id + n)]
 
 
 def frequencies(kernels, n: int = 6000, **kw) -> torch.Tensor:

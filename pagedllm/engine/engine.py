@@ -196,7 +196,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled, logprobs, errors = self.runner.execute(out, self.kv)
+        sampled, logprobs, errors = self.runner.execute(out.plan)
         self.steps += 1
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used

@@ -7,6 +7,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import KVCacheManager
+from ..plan import ChunkPlan, SampleTarget, StepPlan
+from ..util import cdiv
 from .sequence import Sequence, SeqStatus
 
 
@@ -27,6 +29,7 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
+    plan: StepPlan | None = None    # the same step in the runner's terms
 
     @property
     def num_tokens(self) -> int:
@@ -54,9 +57,12 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.pending_copies: list[tuple[int, int]] = []
+        self.finished_seq_ids: list[int] = []   # since the last plan
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.hashes is None:  # its block keys, computed once however long it waits
+            seq.hashes = self.kv.new_hashes(seq.request.cache_salt)
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -112,8 +118,7 @@ class Scheduler:
             need = 1 + self._pending_forks(seq)
             if seats + need > self.max_num_seqs and self.running:
                 break
-            salt = seq.request.cache_salt
-            hit = self.kv.lookup_prefix(seq.token_ids, salt)
+            hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
             cached = len(hit) * self.kv.block_size
             remaining = len(seq.token_ids) - cached
             long = remaining > self.long_prefill_token_threshold
@@ -121,7 +126,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             n = min(remaining, budget, self.long_prefill_token_threshold)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, salt)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, seq.hashes)
             if copies is None:
                 break
             self.waiting.popleft()
@@ -138,7 +143,20 @@ class Scheduler:
             self._add_scheduled(out, seq, n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
+        out.plan = self._plan(out)
         return out
+
+    def _plan(self, out: SchedulerOutput) -> StepPlan:
+        chunks = []
+        for s in out.scheduled:
+            table = self.kv.block_table(s.seq.seq_id)
+            end = s.start + s.num_tokens
+            chunks.append(ChunkPlan(
+                s.seq.seq_id, s.start, s.seq.token_ids[s.start:end], table.slots(s.start, end),
+                table.block_ids[:cdiv(end, self.kv.block_size)],
+                [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens) for t in s.sample_for]))
+        finished, self.finished_seq_ids = self.finished_seq_ids, []
+        return StepPlan(chunks, out.copies, finished)
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:
@@ -190,7 +208,8 @@ class Scheduler:
 
     def _fork(self, parent: Sequence, child: Sequence) -> None:
         child.token_ids = list(parent.token_ids)
-        copies = self.kv.fork(parent.seq_id, child.seq_id)
+        child.hashes = parent.hashes.prefix(len(child.token_ids))
+        copies = self.kv.fork(parent.seq_id, child.seq_id, hashes=child.hashes)
         if copies is None:  # no room for a private copy (reserve-max): recompute it later
             child.num_computed_tokens = 0
             child.status = SeqStatus.WAITING
@@ -209,6 +228,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)
+        self.finished_seq_ids.append(seq.seq_id)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
         seq.stop_reason = stop_reason

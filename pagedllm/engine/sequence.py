@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 from ..sampling_params import SamplingParams
+from ..kv.hashing import BlockHashes
 from .detokenizer import DetokState
 
 
@@ -30,7 +30,7 @@ class Sequence:
     stop_reason: int | str | None = None
     text: str = ""                # detokenized output so far (caught up when someone reads it)
     detok: DetokState = field(default_factory=DetokState)  # where `text` stands in the output ids
-    generator: Any = None         # the sampler's per-sequence RNG, made on first use
+    hashes: BlockHashes | None = None  # its block keys for the prefix cache (the scheduler sets them)
     logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
     cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..util import cdiv
+from .hashing import BlockHashes
+
 
 @dataclass(slots=True)
 class BlockTable:
@@ -10,9 +13,10 @@ class BlockTable:
     block_ids: list[int] = field(default_factory=list)
     # Tokens that have a slot (KV written, or being written by the current step).
     num_tokens: int = 0
-    # Chained hashes of the leading full blocks, so new full blocks extend the chain.
-    block_hashes: list[int] = field(default_factory=list)
-    salt: str | None = None
+    # The sequence's block keys (shared with its owner, computed once), and how many
+    # leading full blocks are registered in the prefix cache under them.
+    hashes: BlockHashes | None = None
+    num_cached_blocks: int = 0
 
     def slot(self, j: int) -> int:
         """Physical slot of token j: pid = table[j // B], off = j % B."""
@@ -32,4 +36,4 @@ class BlockTable:
     @property
     def num_used_blocks(self) -> int:
         """Blocks that hold at least one token: ceil(num_tokens / B)."""
-        return -(-self.num_tokens // self.block_size)
+        return cdiv(self.num_tokens, self.block_size)

@@ -10,7 +10,8 @@ from typing import Callable, Sequence
 
 from .block_pool import BlockPool
 from .block_table import BlockTable
-from .hashing import hash_block
+from ..util import cdiv
+from .hashing import BlockHashes
 
 POLICIES = ("paged", "reserve-max")
 
@@ -52,7 +53,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.policy = policy
         self.enable_prefix_caching = enable_prefix_caching
-        self.reserve_blocks = -(-max_model_len // block_size) if max_model_len else 0
+        self.reserve_blocks = cdiv(max_model_len, block_size) if max_model_len else 0
         if policy == "reserve-max" and self.reserve_blocks > num_blocks:
             raise ValueError(f"reserve-max needs {self.reserve_blocks} blocks per sequence "
                              f"(max_model_len {max_model_len}) but the pool has {num_blocks}")
@@ -71,116 +72,152 @@ class KVCacheManager:
         self.listener = listener
         self.pool.on_evict = None if listener is None else (lambda b: listener({"type": "evict", "block": b}))
 
+    def new_hashes(self, salt: str | None = None) -> BlockHashes:
+        """Block keys for a new sequence, sized to this pool's blocks."""
+        return BlockHashes(self.block_size, salt)
+
     # -- prefix cache --------------------------------------------------------
-    def lookup_prefix(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
+    def lookup_prefix(self, token_ids: Sequence[int], hashes: BlockHashes | None = None) -> list[int]:
         """Blocks of the longest cached full-block prefix. It never covers the last
-        token: that one must be computed to produce logits."""
+        token: that one must be computed to produce logits. `hashes` are the sequence's
+        own keys (computed once, kept across lookups); None hashes unsalted, afresh."""
         if not self.enable_prefix_caching:
             return []
+        keys = self._hashes(hashes).update(token_ids)
         hits: list[int] = []
-        parent = None
-        B = self.block_size
-        for i in range((len(token_ids) - 1) // B):
-            parent = hash_block(parent, token_ids[i * B:(i + 1) * B], salt)
-            block_id = self.pool.lookup(parent)
+        for key in keys[:(len(token_ids) - 1) // self.block_size]:
+            block_id = self.pool.lookup(key)
             if block_id is None:
                 break
             hits.append(block_id)
         return hits
 
+    def _hashes(self, hashes: BlockHashes | None) -> BlockHashes:
+        if hashes is None:
+            return self.new_hashes()
+        if hashes.block_size != self.block_size:
+            raise ValueError(f"block hashes of {hashes.block_size}-token blocks used with {self.block_size}-token blocks")
+        return hashes
+
     # -- allocation ----------------------------------------------------------
     def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                       cached_blocks: Sequence[int] = (), salt: str | None = None
+                       cached_blocks: Sequence[int] = (), hashes: BlockHashes | None = None
                        ) -> list[tuple[int, int]] | None:
         """Give sequence `seq_id` slots for its first `num_tokens` tokens.
 
-        A sequence not yet known starts from `cached_blocks` (a prefix hit). Returns the
-        copy-on-write pairs the runner must copy before writing, or None if the pool
-        cannot fit it now, in which case nothing has changed.
+        A sequence not yet known starts from `cached_blocks` (a prefix hit) and keeps
+        `hashes` (its block keys) for caching its full blocks. Returns the copy-on-write
+        pairs the runner must copy before writing, or None if the pool cannot fit it
+        now, in which case nothing has changed.
         """
         table = self.tables.get(seq_id)
-        new = table is None
-        if new:
-            table = BlockTable(self.block_size, salt=salt)
-        start = len(cached_blocks) * self.block_size if new else table.num_tokens
+        start = len(cached_blocks) * self.block_size if table is None else table.num_tokens
         if num_tokens < start:
             raise ValueError(f"num_tokens {num_tokens} < tokens already held {start}")
-
-        B = self.block_size
-        have = len(cached_blocks) if new else len(table.block_ids)
-        if self.policy == "reserve-max":
-            need_new = self.reserve_blocks if new else 0
+        if table is None:
+            table = self._admit(seq_id, token_ids, num_tokens, cached_blocks, self._hashes(hashes))
+            if table is None:
+                return None
+            copies: list[tuple[int, int]] = []
         else:
-            need_new = max(0, -(-num_tokens // B) - have)
-        # A block is written in place only if this sequence alone holds it and it is not
-        # in the prefix cache (a cached block's content is registered under its hash).
-        cow = False
-        if not new and start % B != 0 and start < num_tokens:
-            blk = self.pool.blocks[table.block_ids[start // B]]
-            cow = blk.ref_cnt > 1 or blk.block_hash is not None
-        # Cached-free hits leave the free queue when touched, so they cost capacity too.
-        revived = sum(1 for b in cached_blocks if self.pool.is_free(b)) if new else 0
-        if need_new + cow + revived > self.pool.num_free:
-            return None
-
-        copies: list[tuple[int, int]] = []
-        if new:
-            if self.policy == "reserve-max":
-                run = self.pool.allocate_run(self.reserve_blocks)
-                if run is None:  # enough free blocks, but not contiguous: external fragmentation
-                    return None
-                table.block_ids = run
-                if self.listener is not None:
-                    self.listener({"type": "alloc", "seq": seq_id, "blocks": list(run)})
-            else:
-                for b in cached_blocks:
-                    self.pool.touch(b)
-                table.block_ids = list(cached_blocks)
-                if self.enable_prefix_caching:
-                    self.prefix_queries += len(token_ids)
-                    self.prefix_hits += start
-                if self.listener is not None:
-                    self.listener({"type": "hit", "seq": seq_id, "blocks": list(cached_blocks),
-                                   "tokens": start, "queried": len(token_ids)})
-            table.num_tokens = start
-            self.tables[seq_id] = table
-        elif cow:
-            i = start // B
-            src = table.block_ids[i]
-            dst = self.pool.allocate()
-            self.pool.release([src])
-            table.block_ids[i] = dst
-            copies.append((src, dst))
-            self.cow_copies += 1
-            if self.listener is not None:
-                self.listener({"type": "cow", "seq": seq_id, "index": i, "src": src, "dst": dst})
-        if self.policy == "paged" and need_new:
-            fresh = [self.pool.allocate() for _ in range(need_new)]
-            table.block_ids.extend(fresh)
-            if self.listener is not None:
-                self.listener({"type": "alloc", "seq": seq_id, "blocks": fresh})
+            copies = self._grow(seq_id, table, num_tokens)
+            if copies is None:
+                return None
         table.num_tokens = num_tokens
         if self.listener is not None:
             self.listener({"type": "fill", "seq": seq_id, "tokens": num_tokens})
         self._cache_full_blocks(table, token_ids)
         return copies
 
+    def _admit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, cached_blocks: Sequence[int],
+               hashes: BlockHashes) -> BlockTable | None:
+        """A new sequence's table: its prefix hit plus fresh blocks (paged), or a whole
+        max_model_len reservation (reserve-max). None, changing nothing, if it does not fit."""
+        B = self.block_size
+        if self.policy == "reserve-max":
+            run = self.pool.allocate_run(self.reserve_blocks)
+            if run is None:  # too few free blocks, or none contiguous: external fragmentation
+                return None
+            table = BlockTable(B, run, hashes=hashes)
+            self._emit({"type": "alloc", "seq": seq_id, "blocks": list(run)})
+        else:
+            need = max(0, cdiv(num_tokens, B) - len(cached_blocks))
+            # Cached-free hits leave the free queue when touched, so they cost capacity too.
+            revived = sum(1 for b in cached_blocks if self.pool.is_free(b))
+            if need + revived > self.pool.num_free:
+                return None
+            for b in cached_blocks:
+                self.pool.touch(b)
+            hit = len(cached_blocks) * B
+            table = BlockTable(B, list(cached_blocks), hit, hashes, num_cached_blocks=len(cached_blocks))
+            if self.enable_prefix_caching:
+                self.prefix_queries += len(token_ids)
+                self.prefix_hits += hit
+            self._emit({"type": "hit", "seq": seq_id, "blocks": list(cached_blocks), "tokens": hit,
+                        "queried": len(token_ids)})
+            self._append(seq_id, table, need)
+        self.tables[seq_id] = table
+        return table
+
+    def _grow(self, seq_id: int, table: BlockTable, num_tokens: int) -> list[tuple[int, int]] | None:
+        """Room for a known sequence's next tokens: a private copy of its partial last
+        block if others can read it, then fresh blocks. None, changing nothing, if short."""
+        need = 0 if self.policy == "reserve-max" else max(0, cdiv(num_tokens, self.block_size) - len(table.block_ids))
+        cow = self._must_copy(table, num_tokens)
+        if need + cow > self.pool.num_free:
+            return None
+        copies = [self._copy_on_write(seq_id, table)] if cow else []
+        self._append(seq_id, table, need)
+        return copies
+
+    def _must_copy(self, table: BlockTable, num_tokens: int) -> bool:
+        """A block is written in place only if this sequence alone holds it and it is not
+        in the prefix cache (a cached block's content is registered under its hash)."""
+        start, B = table.num_tokens, self.block_size
+        if start % B == 0 or start >= num_tokens:
+            return False
+        blk = self.pool.blocks[table.block_ids[start // B]]
+        return blk.ref_cnt > 1 or blk.block_hash is not None
+
+    def _copy_on_write(self, seq_id: int, table: BlockTable) -> tuple[int, int]:
+        i = table.num_tokens // self.block_size
+        src = table.block_ids[i]
+        dst = self.pool.allocate()
+        self.pool.release([src])
+        table.block_ids[i] = dst
+        self.cow_copies += 1
+        self._emit({"type": "cow", "seq": seq_id, "index": i, "src": src, "dst": dst})
+        return src, dst
+
+    def _append(self, seq_id: int, table: BlockTable, n: int) -> None:
+        if n:
+            fresh = [self.pool.allocate() for _ in range(n)]
+            table.block_ids.extend(fresh)
+            self._emit({"type": "alloc", "seq": seq_id, "blocks": fresh})
+
+    def _emit(self, event: dict) -> None:
+        if self.listener is not None:
+            self.listener(event)
+
     def _cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int]) -> None:
+        """Register each newly filled full block under its key (computed once per sequence)."""
         if not self.enable_prefix_caching:
             return
-        B = self.block_size
-        for i in range(len(table.block_hashes), table.num_tokens // B):
-            parent = table.block_hashes[-1] if table.block_hashes else None
-            h = hash_block(parent, token_ids[i * B:(i + 1) * B], table.salt)
-            table.block_hashes.append(h)
-            if self.pool.cache(table.block_ids[i], h) and self.listener is not None:
-                self.listener({"type": "cache", "block": table.block_ids[i]})
+        full = table.num_tokens // self.block_size
+        if full <= table.num_cached_blocks:
+            return
+        keys = table.hashes.update(token_ids)
+        for i in range(table.num_cached_blocks, full):
+            if self.pool.cache(table.block_ids[i], keys[i]):
+                self._emit({"type": "cache", "block": table.block_ids[i]})
+        table.num_cached_blocks = full
 
-    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None
-             ) -> list[tuple[int, int]] | None:
+    def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None,
+             hashes: BlockHashes | None = None) -> list[tuple[int, int]] | None:
         """Child shares the parent's blocks for its first `num_tokens` tokens (default
-        all), each ref +1. Under reserve-max the child gets its own reservation and the
-        filled blocks are copied (returned as pairs). None if it does not fit."""
+        all), each ref +1; `hashes` are the child's keys (default: the parent's, cut at
+        num_tokens). Under reserve-max the child gets its own reservation and the filled
+        blocks are copied (returned as pairs). None if it does not fit."""
         parent = self.tables[parent_id]
         if child_id in self.tables:
             raise ValueError(f"sequence {child_id} already has a block table")
@@ -188,9 +225,9 @@ class KVCacheManager:
         if not 0 <= n <= parent.num_tokens:
             raise ValueError(f"fork length {n} outside [0, {parent.num_tokens}]")
         B = self.block_size
-        k = -(-n // B)
-        child = BlockTable(B, num_tokens=n, salt=parent.salt,
-                           block_hashes=parent.block_hashes[:n // B])
+        k = cdiv(n, B)
+        child = BlockTable(B, num_tokens=n, hashes=hashes if hashes is not None else parent.hashes.prefix(n),
+                           num_cached_blocks=min(parent.num_cached_blocks, n // B))
         copies: list[tuple[int, int]] = []
         if self.policy == "reserve-max":
             run = self.pool.allocate_run(self.reserve_blocks)
@@ -204,9 +241,8 @@ class KVCacheManager:
                 self.pool.touch(b)
         self.tables[child_id] = child
         self.forks += 1
-        if self.listener is not None:
-            self.listener({"type": "fork", "parent": parent_id, "seq": child_id, "blocks": list(child.block_ids),
-                           "tokens": n, "shared": self.policy == "paged"})
+        self._emit({"type": "fork", "parent": parent_id, "seq": child_id, "blocks": list(child.block_ids),
+                    "tokens": n, "shared": self.policy == "paged"})
         return copies
 
     def free(self, seq_id: int) -> None:
@@ -223,7 +259,7 @@ class KVCacheManager:
         return self.tables[seq_id]
 
     def can_ever_fit(self, num_tokens: int) -> bool:
-        need = self.reserve_blocks if self.policy == "reserve-max" else -(-num_tokens // self.block_size)
+        need = self.reserve_blocks if self.policy == "reserve-max" else cdiv(num_tokens, self.block_size)
         return need <= self.pool.num_blocks
 
     def reset_prefix_cache(self) -> int:

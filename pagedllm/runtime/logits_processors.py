@@ -12,10 +12,10 @@ from collections.abc import Iterable
 
 import torch
 
-from ..engine.sequence import Sequence
+from ..plan import SampleTarget
 
 
-def process_logits(logits: torch.Tensor, rows: list[list[Sequence]], eos_ids: Iterable[int] = ()
+def process_logits(logits: torch.Tensor, rows: list[list[SampleTarget]], eos_ids: Iterable[int] = ()
                    ) -> torch.Tensor:
     """logits [R, V] -> the logits to pick from: `logits` itself when no row needs a pass,
     else a float32 copy with those rows rewritten (logprobs keep reading the raw ones).
@@ -35,7 +35,7 @@ def process_logits(logits: torch.Tensor, rows: list[list[Sequence]], eos_ids: It
     return out
 
 
-def _which(seqs: list[Sequence], pred) -> list[int]:
+def _which(seqs: list[SampleTarget], pred) -> list[int]:
     return [k for k, s in enumerate(seqs) if pred(s.params)]
 
 
@@ -48,7 +48,7 @@ def _counts(x: torch.Tensor, histories: list[list[int]]) -> torch.Tensor:
     return counts.index_put_((rows, flat), torch.ones_like(flat, dtype=counts.dtype), accumulate=True)
 
 
-def _repetition(x: torch.Tensor, seqs: list[Sequence]) -> None:
+def _repetition(x: torch.Tensor, seqs: list[SampleTarget]) -> None:
     """HF's RepetitionPenaltyLogitsProcessor (and vLLM's): every token of the prompt or the
     output has a positive logit divided by the penalty, a negative one multiplied."""
     ks = _which(seqs, lambda p: p.repetition_penalty != 1.0)
@@ -60,7 +60,7 @@ def _repetition(x: torch.Tensor, seqs: list[Sequence]) -> None:
     x[ks] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
 
 
-def _frequency_presence(x: torch.Tensor, seqs: list[Sequence]) -> None:
+def _frequency_presence(x: torch.Tensor, seqs: list[SampleTarget]) -> None:
     """OpenAI's rule, on the output only: logit -= frequency x count + presence x (count > 0)."""
     ks = _which(seqs, lambda p: p.frequency_penalty or p.presence_penalty)
     if not ks:
@@ -71,7 +71,7 @@ def _frequency_presence(x: torch.Tensor, seqs: list[Sequence]) -> None:
     x[ks] -= freq * counts + pres * (counts > 0)
 
 
-def _logit_bias(x: torch.Tensor, seqs: list[Sequence]) -> None:
+def _logit_bias(x: torch.Tensor, seqs: list[SampleTarget]) -> None:
     rows, ids, vals = [], [], []
     for k, s in enumerate(seqs):
         for t, b in (s.params.logit_bias or {}).items():
@@ -83,7 +83,7 @@ def _logit_bias(x: torch.Tensor, seqs: list[Sequence]) -> None:
                      torch.tensor(vals, device=x.device), accumulate=True)
 
 
-def _min_tokens(x: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) -> None:
+def _min_tokens(x: torch.Tensor, seqs: list[SampleTarget], eos_ids: frozenset[int]) -> None:
     """Before min_tokens output tokens, nothing that would end the output can be picked
     (vLLM's rule: EOS unless ignore_eos, and stop_token_ids)."""
     rows, ids = [], []
@@ -97,7 +97,7 @@ def _min_tokens(x: torch.Tensor, seqs: list[Sequence], eos_ids: frozenset[int]) 
         x[torch.tensor(rows, device=x.device), torch.tensor(ids, device=x.device)] = -math.inf
 
 
-def _min_p(x: torch.Tensor, seqs: list[Sequence]) -> None:
+def _min_p(x: torch.Tensor, seqs: list[SampleTarget]) -> None:
     """HF's MinPLogitsWarper after the temperature: keep p >= min_p x p_max, that is
     logit >= max + T log(min_p) on the logits before dividing by T. Greedy rows skip it."""
     ks = _which(seqs, lambda p: p.min_p > 0 and not p.greedy)

@@ -12,12 +12,11 @@ import torch
 from ..attention import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows,
                          pick_backend)
 from ..config import EngineConfig
-from ..engine.scheduler import SchedulerOutput
 from ..kernels import load_ops
-from ..kv import KVCacheManager
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
 from ..models.rope import RotaryEmbedding
+from ..plan import SampleTarget, StepPlan
 from .kv_cache import KVCache
 from .sampler import sample
 from .threads import ThreadGovernor, resolve_num_threads
@@ -109,6 +108,8 @@ class ModelRunner:
         self.block_size = cfg.block_size
         # What min_tokens keeps from being sampled too early; the engine adds the tokenizer's.
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
+        # Each sampling sequence's RNG, seeded on first use, kept until it finishes.
+        self.generators: dict[int, torch.Generator] = {}
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
         self.backend_name = backend.name
@@ -187,36 +188,33 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> tuple[dict[int, int], dict, dict[int, str]]:
+    def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict, dict[int, str]]:
         """Run the step; (token, logprobs, sampling error) by seq id for each sampled row."""
         if self.threads is not None:
             self.threads.tick()
-        self.kv_cache.copy_blocks(out.copies)
+        for seq_id in plan.finished_seq_ids:
+            self.generators.pop(seq_id, None)
+        self.kv_cache.copy_blocks(plan.copies)
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
-        order = sorted(out.scheduled, key=lambda s: (s.num_tokens != 1, s.start))
+        order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        tables: list[list[int]] = []
-        seq_lens: list[int] = []
         q_starts: list[int] = [0]
         logit_rows: list[int] = []
-        sample_rows = []
-        dev = self.device
-        for s in order:
-            table = kv.block_table(s.seq.seq_id)
-            end = s.start + s.num_tokens
-            ids.extend(s.seq.token_ids[s.start:end])
-            positions.extend(range(s.start, end))
-            slots.extend(table.slots(s.start, end))
-            tables.append(table.block_ids[:-(-end // self.block_size)])
-            seq_lens.append(end)
+        sample_rows: list[list[SampleTarget]] = []
+        for c in order:
+            ids.extend(c.token_ids)
+            positions.extend(range(c.start, c.end))
+            slots.extend(c.slots)
             q_starts.append(len(ids))
-            if s.sample_for:
+            if c.samples:
                 logit_rows.append(len(ids) - 1)
-                sample_rows.append(s.sample_for)
-        nd = sum(1 for s in order if s.num_tokens == 1)
+                sample_rows.append(c.samples)
+        tables = [c.block_ids for c in order]
+        seq_lens = [c.end for c in order]
+        nd = sum(1 for c in order if c.num_tokens == 1)
         decode_lens = seq_lens[:nd]
         if self.graphs is not None and nd == len(order) and self.graphs.fits(nd):
             hidden = self.graphs.run(ids, positions, slots, tables, decode_lens)
@@ -226,6 +224,7 @@ class ModelRunner:
             ids += [0] * pad
             positions += [0] * pad
             slots += [-1] * pad
+        dev = self.device
         block_tables = pad_rows(tables, dev, torch.int32)
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, device=dev), num_decodes=nd,
@@ -246,4 +245,4 @@ class ModelRunner:
         if not logit_rows:
             return {}, {}, {}
         logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
-        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids)
+        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids, self.generators)

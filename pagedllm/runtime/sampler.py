@@ -9,26 +9,29 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sequence import Sequence
+from ..plan import SampleTarget
 from ..outputs import Logprob
 from .logits_processors import process_logits
 
 
-def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None, eos_ids: frozenset[int] = frozenset()
+def sample(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels=None, eos_ids: frozenset[int] = frozenset(),
+           generators: dict[int, torch.Generator] | None = None
            ) -> tuple[dict[int, int], dict[int, dict[int, Logprob]], dict[int, str]]:
     """logits [R, V]; rows[i] lists the sequences that sample from row i. Returns tokens
     and logprobs by seq id, and the error of each sequence whose sampling failed: one bad
     request must not fail the others of the batch, so a failed batch is redone row by row.
-    Penalties, logit_bias, min_tokens (against `eos_ids`) and min_p apply first."""
+    Penalties, logit_bias, min_tokens (against `eos_ids`) and min_p apply first.
+    `generators` keeps each sequence's RNG between calls (by seq id; the runner's)."""
+    gens = {} if generators is None else generators
     try:
-        tokens = _sample_batch(process_logits(logits, rows, eos_ids), rows, kernels)
+        tokens = _sample_batch(process_logits(logits, rows, eos_ids), rows, kernels, gens)
         return tokens, _logprobs(logits, rows, tokens), {}
     except Exception:  # find which rows fail; every other row keeps its token
         tokens, logprobs, errors = {}, {}, {}
         for i, seqs in enumerate(rows):
             for seq in seqs:
                 try:
-                    one = _sample_batch(process_logits(logits[i:i + 1], [[seq]], eos_ids), [[seq]], kernels)
+                    one = _sample_batch(process_logits(logits[i:i + 1], [[seq]], eos_ids), [[seq]], kernels, gens)
                     logprobs.update(_logprobs(logits[i:i + 1], [[seq]], one))
                     tokens.update(one)
                 except Exception as e:
@@ -36,7 +39,7 @@ def sample(logits: torch.Tensor, rows: list[list[Sequence]], kernels=None, eos_i
         return tokens, logprobs, errors
 
 
-def _sample_batch(logits: torch.Tensor, rows: list[list[Sequence]], kernels) -> dict[int, int]:
+def _sample_batch(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels, gens: dict) -> dict[int, int]:
     """Greedy rows take the argmax in the logits' own dtype (upcasting cannot change it)."""
     out: dict[int, int] = {}
     picks = [(i, seq) for i, seqs in enumerate(rows) for seq in seqs if not seq.params.greedy]
@@ -49,31 +52,32 @@ def _sample_batch(logits: torch.Tensor, rows: list[list[Sequence]], kernels) -> 
                     out[seq.seq_id] = greedy[i]
     if picks:
         if kernels is not None and logits.device.type == "cpu":
-            tokens = _sample_kernel(kernels, logits, picks)
+            tokens = _sample_kernel(kernels, logits, picks, gens)
         else:
-            tokens = [_sample_torch(logits[i], seq) for i, seq in picks]
+            tokens = [_sample_torch(logits[i], seq, gens) for i, seq in picks]
         for (_, seq), t in zip(picks, tokens):
             out[seq.seq_id] = t
     return out
 
 
-def _generator(seq: Sequence) -> torch.Generator:
-    if seq.generator is None:
-        seq.generator = torch.Generator().manual_seed(seq.seed)
-    return seq.generator
+def _generator(seq: SampleTarget, gens: dict[int, torch.Generator]) -> torch.Generator:
+    g = gens.get(seq.seq_id)
+    if g is None:
+        g = gens[seq.seq_id] = torch.Generator().manual_seed(seq.seed)
+    return g
 
 
-def _sample_kernel(kernels, logits: torch.Tensor, picks: list[tuple[int, Sequence]]) -> list[int]:
+def _sample_kernel(kernels, logits: torch.Tensor, picks: list[tuple[int, SampleTarget]], gens: dict) -> list[int]:
     params = [seq.params for _, seq in picks]
     rows = logits[torch.tensor([i for i, _ in picks])].contiguous()
     # One draw per sequence and step keys the kernel's noise for the whole row.
-    seeds = torch.stack([torch.empty((), dtype=torch.int64).random_(generator=_generator(seq)) for _, seq in picks])
+    seeds = torch.stack([torch.empty((), dtype=torch.int64).random_(generator=_generator(seq, gens)) for _, seq in picks])
     return kernels.sample(rows, torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
                           torch.tensor([p.top_k for p in params], dtype=torch.int64),
                           torch.tensor([float(p.top_p) for p in params], dtype=torch.float32), seeds).tolist()
 
 
-def _sample_torch(row: torch.Tensor, seq: Sequence) -> int:
+def _sample_torch(row: torch.Tensor, seq: SampleTarget, gens: dict) -> int:
     p = seq.params
     # Shift by the max before dividing: values stay <= 0 and finite (or -inf) however small
     # the temperature; a temperature below float32's range acts as greedy.
@@ -87,12 +91,12 @@ def _sample_torch(row: torch.Tensor, seq: Sequence) -> int:
         drop = cum - sw >= p.top_p * cum[-1]
         drop[0] = False  # the top token always stays, even for a top_p below float32's range
         w = torch.zeros_like(w).scatter_(0, order, sw.masked_fill(drop, 0.0))
-    gen = _generator(seq)
+    gen = _generator(seq, gens)
     noise = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=gen).to(w.device)
     return int((w / noise).argmax())
 
 
-def _logprobs(logits: torch.Tensor, rows: list[list[Sequence]], tokens: dict[int, int]
+def _logprobs(logits: torch.Tensor, rows: list[list[SampleTarget]], tokens: dict[int, int]
               ) -> dict[int, dict[int, Logprob]]:
     """vLLM's shape, from the raw logits: the chosen token first, then the top k by rank."""
     logprobs: dict[int, dict[int, Logprob]] = {}

@@ -37,9 +37,9 @@ def test_prefix_hit_never_covers_last_token():
 def test_salt_isolates_tenants():
     kv = KVCacheManager(16, 4)
     toks = list(range(9))
-    kv.allocate_slots(0, toks, 9, salt="tenant-a")
-    assert len(kv.lookup_prefix(toks, "tenant-a")) == 2
-    assert kv.lookup_prefix(toks, "tenant-b") == []
+    kv.allocate_slots(0, toks, 9, hashes=kv.new_hashes("tenant-a"))
+    assert len(kv.lookup_prefix(toks, kv.new_hashes("tenant-a"))) == 2
+    assert kv.lookup_prefix(toks, kv.new_hashes("tenant-b")) == []
     assert kv.lookup_prefix(toks) == []
 
 

@@ -1,0 +1,58 @@
+"""One step's work as the model runner needs it: the scheduler's decisions turned into
+token ids, positions, slots, block tables, sampling rows and block copies.
+
+Plain data below both the engine and the runner: the runner reads a StepPlan and never
+sees the KV manager, a Sequence or the scheduler, so the arrows run one way
+(engine -> plan <- runtime)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class SampleTarget:
+    """A sequence that samples its next token from a chunk's last row."""
+    seq_id: int
+    params: SamplingParams
+    seed: int                 # seeds the runner's generator for this sequence, on first use
+    token_ids: list[int]      # its tokens so far, prompt then output (penalties read them)
+    num_prompt_tokens: int
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True, eq=False)
+class ChunkPlan:
+    """Tokens start..start+len(token_ids)-1 of one sequence, computed this step."""
+    seq_id: int
+    start: int
+    token_ids: list[int]
+    slots: list[int]          # where each token's K/V goes: block_ids[j // B] * B + j % B
+    block_ids: list[int]      # the sequence's block table up to the chunk's last token
+    # Who samples from the chunk's last row: nobody mid-prompt; the sequence itself, or
+    # with n > 1 the parent and the samples that fork off it at the end of the prompt.
+    samples: list[SampleTarget] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ChunkPlan]
+    copies: list[tuple[int, int]]   # (src, dst) block copies to make before the forward
+    # Sequences that ended since the last plan: the runner drops what it keeps per sequence.
+    finished_seq_ids: list[int] = field(default_factory=list)

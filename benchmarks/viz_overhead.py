@@ -30,6 +30,7 @@ def run_once(llm: LLM, reqs, mode: str) -> tuple[float, int]:
     hub = None
     if mode != "absent":
         hub = VizHub(engine)
+        engine.observers.append(hub)
         if mode == "watching":
             hub.start_recording()
     llm.reset_prefix_cache()

@@ -173,9 +173,9 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
 
     from .engine.async_engine import AsyncLLMEngine
     from .engine.engine import LLMEngine
-    from .server.api import ServerState, create_app
+    from .server.api import create_app
     from .server.http import ConcurrencyLimit, GracefulShutdown, timed_h11
-    from .viz.hub import VizHub
+    from .server.state import ServerState
 
     keys = list(args.api_key or [])
     if not keys and os.environ.get("PAGEDLLM_API_KEY"):
@@ -184,16 +184,21 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     try:
         engine = LLMEngine(cfg)
         name = args.served_model_name or engine.model_name
-        async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval)
-        async_engine.step_delay = step_delay
-        hub = VizHub(engine, wake=async_engine.wake) if args.viz else None
+        hub, controller = _viz_parts(engine, step_delay) if args.viz else (None, None)
+        async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval, gate=controller)
+        if hub is not None:
+            # Both wait on the engine thread's idle wait: a new subscriber or a resume wakes it.
+            hub.wake = controller.wake = async_engine.wake
         state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes,
                             admin_key=args.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
                             body_timeout=args.body_timeout, metrics_prefix=args.metrics_prefix)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(state, hub)
+    app = create_app(state)
+    if hub is not None:
+        from .viz.routes import add_viz_routes
+        add_viz_routes(app, state, hub, controller)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -231,6 +236,17 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     server.run()
     logging.getLogger(__name__).info("server stopped")
     return 0
+
+
+def _viz_parts(engine, step_delay: float):
+    """The visualizer's hub, registered as an engine observer, and the controller that
+    gates the async engine's steps (pause, single step, delay) for it."""
+    from .viz.controller import StepController
+    from .viz.hub import VizHub
+
+    hub = VizHub(engine)
+    engine.observers.append(hub)
+    return hub, StepController(hub, step_delay)
 
 
 def _uvicorn_logging() -> dict:

@@ -36,6 +36,7 @@ def engine():
 
 def test_events_rebuild_manager_state_every_step(engine):
     hub = VizHub(engine)
+    engine.observers.append(hub)
     hub.start_recording()
     system = "You are a terse assistant for a public library. Answer briefly. " * 2
     engine.add_request("a", system + "Opening hours?", SamplingParams(max_tokens=40, ignore_eos=True))
@@ -62,6 +63,7 @@ def test_events_rebuild_manager_state_every_step(engine):
 def test_snapshot_midway_then_events(engine):
     """A subscriber joining mid-run starts from a snapshot; snapshot + later events = state."""
     hub = VizHub(engine)
+    engine.observers.append(hub)
     engine.add_request("x", "Tell me about paged attention in one line.", SamplingParams(max_tokens=16, ignore_eos=True))
     engine.step()
     engine.step()
@@ -76,6 +78,7 @@ def test_snapshot_midway_then_events(engine):
 
 def test_hub_inactive_costs_nothing(engine):
     hub = VizHub(engine)
+    engine.observers.append(hub)
     assert not hub.active and engine.kv.listener is None and engine.kv.pool.on_evict is None
     hub.poll()
     assert not hub.active
@@ -116,3 +119,30 @@ def test_scenarios_show_what_they_promise():
 def test_library_trace_is_reproducible():
     fresh = json.loads(json.dumps(record("library")["messages"]))
     assert fresh == json.loads(trace_path("library").read_text())["messages"]
+
+
+def test_step_controller_gates_steps():
+    """Paused: no step until step_once, which allows exactly one; resume and step_once
+    wake the engine thread; the hub's poll runs between steps."""
+    import threading
+    import time
+
+    from pagedllm.viz.controller import StepController
+
+    polls, wakes = [], []
+    hub = type("Hub", (), {"poll": lambda self: polls.append(1)})()
+    c = StepController(hub, step_delay=0.0, wake=lambda: wakes.append(1))
+    assert c.may_step() and not c.paused
+    c.poll()
+    assert polls == [1]
+    c.pause()
+    assert c.paused and not c.may_step()
+    c.step_once()
+    assert wakes == [1] and c.may_step() and not c.may_step()
+    c.resume()
+    assert wakes == [1, 1] and c.may_step() and c.may_step()
+    c.set_delay(0.05)
+    stop = threading.Event()
+    t0 = time.monotonic()
+    c.after_step(stop)
+    assert c.step_delay == 0.05 and time.monotonic() - t0 >= 0.04

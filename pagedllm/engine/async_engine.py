@@ -26,6 +26,33 @@ class StepObserver(Protocol):
     def on_finished(self, output: RequestOutput) -> None: ...
 
 
+class StepGate(Protocol):
+    """Decides, on the engine thread, when the next step may run: a watcher (the
+    visualizer's controller) pauses, single-steps or slows the engine through one."""
+
+    def poll(self) -> None:
+        """Between steps, before deciding whether to step."""
+
+    def may_step(self) -> bool:
+        """Whether the engine may run a step now (it has work); True consumes the permission."""
+
+    def after_step(self, stop: threading.Event) -> None:
+        """After each step: may wait on `stop` (set at shutdown) to slow the engine down."""
+
+
+class FreeRunning:
+    """The default gate: step whenever there is work, at full speed."""
+
+    def poll(self) -> None:
+        pass
+
+    def may_step(self) -> bool:
+        return True
+
+    def after_step(self, stop: threading.Event) -> None:
+        pass
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queue-len: try again later (HTTP 503)."""
 
@@ -54,8 +81,10 @@ def _settle(fut: asyncio.Future, result, ok: bool) -> None:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None, log_interval: float = 10.0) -> None:
+    def __init__(self, engine: LLMEngine, max_queue_len: int | None = None, log_interval: float = 10.0,
+                 gate: StepGate | None = None) -> None:
         self.engine = engine
+        self.gate: StepGate = gate or FreeRunning()
         engine.stream_outputs = True
         self.max_queue_len = max_queue_len
         self.log_interval = log_interval
@@ -66,11 +95,6 @@ class AsyncLLMEngine:
         self._adds_sent = 0
         self._adds_applied = 0
         self._stop = threading.Event()
-        # Stepping controls for watching the engine (the visualizer): pause between steps,
-        # run `_step_budget` steps while paused, sleep `step_delay` s after each step.
-        self.paused = False
-        self._step_budget = 0
-        self.step_delay = 0.0
         self.error: BaseException | None = None
         self.stats: EngineStats = engine.stats()  # snapshot, republished by the engine thread
         # Told on the engine thread about every step and every finished request (metrics):
@@ -131,17 +155,6 @@ class AsyncLLMEngine:
         """Have the engine thread look at its inputs now (not after its idle wait)."""
         self._wake.set()
 
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
-        self._wake.set()
-
-    def step_once(self) -> None:
-        """While paused: run exactly one more step (once there is work)."""
-        self._send(("step",))
-
     async def call(self, fn):
         """Run fn(engine) on the engine thread between steps and return its result: a
         consistent read of state the engine thread owns."""
@@ -182,8 +195,6 @@ class AsyncLLMEngine:
                     self.engine.add_request(rid, prompt, params, salt, owner)
                 except ValueError as e:
                     self._deliver(rid, e)
-            elif cmd[0] == "step":
-                self._step_budget += 1
             elif cmd[0] == "call":
                 _, fn, loop, fut = cmd
                 try:
@@ -202,11 +213,8 @@ class AsyncLLMEngine:
         try:
             while not self._stop.is_set():
                 self._apply_commands()
-                for o in self.engine.observers:
-                    if hasattr(o, "poll"):
-                        o.poll()
-                if self.engine.has_unfinished_requests() and (not self.paused or self._step_budget):
-                    self._step_budget = max(0, self._step_budget - 1)
+                self.gate.poll()
+                if self.engine.has_unfinished_requests() and self.gate.may_step():
                     try:
                         outs = self.engine.step()
                     except Exception as e:  # fail the requests in flight, keep serving
@@ -222,8 +230,7 @@ class AsyncLLMEngine:
                     for out in outs:
                         self._deliver(out.request_id, out if out.error is None else
                                       RequestFailedError(f"request failed: {out.error}"))
-                    if self.step_delay:
-                        self._stop.wait(self.step_delay)
+                    self.gate.after_step(self._stop)
                 else:
                     self._wake.wait(0.5)
                     self._wake.clear()

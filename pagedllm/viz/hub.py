@@ -11,7 +11,8 @@ Messages (all plain dicts of ints and short strings, never tensors):
 Messages also carry `_req_owner` / `_seq_owner` (who sent each request): a server shows
 each tenant its own text only (pagedllm.viz.tenancy) and strips these keys.
 
-Engine-side methods run on the engine's thread. While nobody subscribes or records,
+Engine-side methods run on the engine's thread; a server calls `poll` between steps
+(through pagedllm.viz.controller). While nobody subscribes or records,
 `active` is False: the engine skips every hook and the KV manager has no listener.
 """
 from __future__ import annotations
@@ -43,8 +44,9 @@ class Subscriber:
 
 class VizHub:
     def __init__(self, engine: LLMEngine, wake: Callable[[], None] | None = None) -> None:
+        # The caller registers the hub (engine.observers.append(hub)): who listens to
+        # the engine is decided where the engine is built, not by a listener itself.
         self.engine = engine
-        engine.observers.append(self)
         self.wake = wake or (lambda: None)
         self._lock = threading.Lock()
         self._subscribers: list[Subscriber] = []

@@ -9,19 +9,17 @@ import logging
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from ..server.state import APIError, ServerState
+from .controller import MAX_STEP_DELAY_S, StepController
 from .hub import VizHub
 from .scenarios import SCENARIOS, prompt_text, trace_path
 from .state import kv_picture
 from .tenancy import EVERYTHING, view
-
-if TYPE_CHECKING:
-    from ..server.api import ServerState
 
 logger = logging.getLogger(__name__)
 # index.html sits beside static/, so the page also opens from disk (file://) for replays.
@@ -32,21 +30,28 @@ MAX_WATCHERS_PER_TENANT = 4
 STATE_TTL_S = 0.25
 
 
-def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
-    from ..server.api import APIError
+def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub, controller: StepController) -> None:
+    """Mount the visualizer on a server's app: the page, its event stream, a state read,
+    the engine controls and the scenarios."""
+    _add_page_routes(app, state)
+    _add_event_route(app, state, hub)
+    _add_state_route(app, state, hub, controller)
+    _add_control_route(app, state, controller)
+    _add_scenario_routes(app, state)
 
-    def check_key(request: Request) -> str | None:
-        # EventSource cannot send headers, hence ?api_key=.
-        return state.authenticate(request, query_key=True)
 
-    def viewer(key: str | None):
-        return EVERYTHING if state.is_admin(key) else state.tenant(key)
+def _check_key(state: ServerState, request: Request) -> str | None:
+    # EventSource cannot send headers, hence ?api_key=.
+    return state.authenticate(request, query_key=True)
 
-    def check_control(request: Request) -> None:
-        if not state.may_control(check_key(request)):
-            raise APIError(403, "engine controls need the admin key (--admin-key): they would slow every tenant",
-                           "permission_error")
 
+def _check_control(state: ServerState, request: Request) -> None:
+    if not state.may_control(_check_key(state, request)):
+        raise APIError(403, "engine controls need the admin key (--admin-key): they would slow every tenant",
+                       "permission_error")
+
+
+def _add_page_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/viz", include_in_schema=False)
     async def viz_redirect(request: Request):
         q = f"?{request.url.query}" if request.url.query else ""
@@ -54,17 +59,20 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
 
     @app.get("/viz/", include_in_schema=False)
     async def viz_page(request: Request):
-        check_key(request)
+        _check_key(state, request)
         return FileResponse(PAGE)
 
     app.mount("/viz/static", StaticFiles(directory=STATIC), name="viz-static")
+
+
+def _add_event_route(app: FastAPI, state: ServerState, hub: VizHub) -> None:
     watchers: Counter = Counter()
-    cached_read: dict = {}
 
     @app.get("/viz/events")
     async def viz_events(request: Request):
         """Server-sent events: a snapshot, then one message per engine step."""
-        who = viewer(check_key(request))
+        key = _check_key(state, request)
+        who = EVERYTHING if state.is_admin(key) else state.tenant(key)
         if watchers[who] >= MAX_WATCHERS_PER_TENANT:
             raise APIError(429, f"at most {MAX_WATCHERS_PER_TENANT} visualizer streams per API key", "rate_limit_error")
         watchers[who] += 1
@@ -88,54 +96,61 @@ def add_viz_routes(app: FastAPI, state: ServerState, hub: VizHub) -> None:
         return StreamingResponse(stream(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
+
+def _add_state_route(app: FastAPI, state: ServerState, hub: VizHub, controller: StepController) -> None:
+    cached_read: dict = {}
+
     @app.get("/viz/state")
     async def viz_state(request: Request):
         """The manager's own figures, read on the engine thread between two steps (block
         tables and counts only: no text). Reads within STATE_TTL_S share one engine call,
         so polling it cannot slow the engine for others."""
-        check_key(request)
+        _check_key(state, request)
 
         def read(engine):
             return {"step": engine.steps, "config": hub.config(), "figures": hub.figures(),
                     "tables": kv_picture(engine.kv)["tables"],
-                    "paused": state.engine.paused, "step_delay": state.engine.step_delay,
+                    "paused": controller.paused, "step_delay": controller.step_delay,
                     "subscribers": hub.num_subscribers}
         if cached_read.get("task") is None or time.monotonic() - cached_read["at"] > STATE_TTL_S:
             cached_read.update(task=asyncio.ensure_future(state.engine.call(read)), at=time.monotonic())
         return await asyncio.wait_for(asyncio.shield(cached_read["task"]), 30)
 
+
+def _add_control_route(app: FastAPI, state: ServerState, controller: StepController) -> None:
     @app.post("/viz/control")
     async def viz_control(request: Request):
         """{"action": "pause" | "resume" | "step" | "delay", "seconds": s}"""
-        check_control(request)
+        _check_control(state, request)
         body = await state.read_json(request)
         action = body.get("action") if isinstance(body, dict) else None
-        eng = state.engine
         if action == "pause":
-            eng.pause()
+            controller.pause()
         elif action == "resume":
-            eng.resume()
+            controller.resume()
         elif action == "step":
-            eng.step_once()
+            controller.step_once()
         elif action == "delay":
             s = body.get("seconds")
-            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= 10:
-                raise APIError(400, "seconds: must be a number in [0, 10]", param="seconds")
-            eng.step_delay = float(s)
+            if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= MAX_STEP_DELAY_S:
+                raise APIError(400, f"seconds: must be a number in [0, {MAX_STEP_DELAY_S:g}]", param="seconds")
+            controller.set_delay(float(s))
         else:
             raise APIError(400, "action: must be one of pause, resume, step, delay", param="action")
-        return {"paused": eng.paused, "step_delay": eng.step_delay}
+        return {"paused": controller.paused, "step_delay": controller.step_delay}
 
+
+def _add_scenario_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/viz/scenarios")
     async def viz_scenarios(request: Request):
-        check_key(request)
+        _check_key(state, request)
         return [{"name": s.name, "title": s.title, "description": s.description,
                  "trace": trace_path(s.name).exists(), "live": bool(s.requests)} for s in SCENARIOS.values()]
 
     @app.post("/viz/scenarios/{name}/run")
     async def viz_run(name: str, request: Request):
         """Send a scenario's requests to the live engine (in the background)."""
-        check_control(request)
+        _check_control(state, request)
         sc = SCENARIOS.get(name)
         if sc is None or not sc.requests:
             live = [s.name for s in SCENARIOS.values() if s.requests]

@@ -102,6 +102,7 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
 
     engine = LLMEngine(engine_config(sc, overrides))
     hub = VizHub(engine)
+    engine.observers.append(hub)
     hub.start_recording()
     pending = sorted(sc.requests, key=lambda r: r.at_step)
     while pending or engine.has_unfinished_requests():

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 import pytest
 
 from pagedllm.outputs import CompletionOutput, RequestOutput
-from pagedllm.server.api import _Response
 from pagedllm.server.http import (
     ConcurrencyLimit,
     GracefulShutdown,
     ServerClosing,
     until_closing,
 )
+from pagedllm.server.streaming import ResponseBuilder
 
 
 def endless(log: list[str]):
@@ -75,7 +75,7 @@ def test_sse_ends_with_a_503_event_and_done_when_closing():
         log: list[str] = []
         state = fake_state()
         req = SimpleNamespace(stop=None, stream_options=None)
-        resp = _Response(state, req, "cmpl-1", chat=False, n=1)
+        resp = ResponseBuilder(state, req, "cmpl-1", chat=False, n=1)
 
         async def merged():
             try:

@@ -40,9 +40,9 @@ from triton.compiler import ASTSource  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from pagedllm.attention import AttentionMetadata, PrefillSeq  # noqa: E402
+from pagedllm.attention import PrefillSeq  # noqa: E402
 from pagedllm.attention import triton_kernels as tk  # noqa: E402
-from pagedllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
+from pagedllm.attention.triton_backend import TritonMetadata, TritonPagedAttention  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes per block (opt-in max)
@@ -150,27 +150,27 @@ def judge(rec: Compiled) -> None:
             rec.problems.append("K/V not read with 128-bit loads")
 
 
-def decode_meta(s: int, max_blocks: int, max_context: int, graph: bool) -> AttentionMetadata:
+def decode_meta(s: int, max_blocks: int, max_context: int, graph: bool) -> TritonMetadata:
     # Eager steps pass int64 tables/lengths (pad_rows); the CUDA-graph buffers are int32.
     idx = torch.int32 if graph else torch.long
-    return AttentionMetadata(slot_mapping=torch.zeros(s, dtype=torch.long), num_decodes=s,
+    return TritonMetadata(slot_mapping=torch.zeros(s, dtype=torch.long), num_decodes=s,
                              decode_block_tables=torch.zeros((s, max_blocks), dtype=idx),
                              decode_context_lens=torch.ones(s, dtype=idx), decode_max_context=max_context,
                              prefills=[])
 
 
-def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> AttentionMetadata:
+def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> TritonMetadata:
     """Prefill chunks (new tokens, context they end at). Default: 40 new tokens over a
     64-token cached prefix, and a fresh 100-token prompt."""
     seqs, at = [], 0
     for q_len, ctx in chunks:
         seqs.append(PrefillSeq(at, q_len, ctx, torch.arange(-(-ctx // block))))
         at += q_len
-    return AttentionMetadata(slot_mapping=torch.arange(at), num_decodes=0, decode_block_tables=None,
+    return TritonMetadata(slot_mapping=torch.arange(at), num_decodes=0, decode_block_tables=None,
                              decode_context_lens=None, decode_max_context=0, prefills=seqs)
 
 
-def run_backend(model: tuple, dtype: torch.dtype, meta: AttentionMetadata) -> None:
+def run_backend(model: tuple, dtype: torch.dtype, meta: TritonMetadata) -> None:
     _, h, kvh, d, block = model
     t = meta.slot_mapping.numel()
     q = torch.zeros((t, h, d), dtype=dtype)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedllm.attention import AttentionMetadata, PrefillSeq, get_backend, length_groups
+from pagedllm.attention import StepLayout, get_backend
 
 H, KVH, D = 6, 2, 16
 
@@ -43,8 +43,7 @@ def test_paged_equals_contiguous(block_size, dtype, group):
             v_cache[table[j // block_size], j % block_size] = full_v[-1][j]
     # Decodes first, shortest context first (the runner's order).
     order = sorted(range(len(seqs)), key=lambda i: (seqs[i][1] != 1, sum(seqs[i])))
-    qs, ks, vs, slots, prefills, dec_tables, dec_lens = [], [], [], [], [], [], []
-    row = 0
+    qs, ks, vs, slots, lens, starts = [], [], [], [], [], [0]
     for i in order:
         cached, new = seqs[i]
         n = cached + new
@@ -52,20 +51,14 @@ def test_paged_equals_contiguous(block_size, dtype, group):
         ks.append(full_k[i][cached:])
         vs.append(full_v[i][cached:])
         slots += [tables[i][j // block_size] * block_size + j % block_size for j in range(cached, n)]
-        if new == 1:
-            dec_tables.append(tables[i])
-            dec_lens.append(n)
-        else:
-            prefills.append(PrefillSeq(row, new, n, torch.tensor(tables[i])))
-        row += new
-    width = max(map(len, dec_tables))
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots), num_decodes=len(dec_lens),
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in dec_tables]),
-        decode_context_lens=torch.tensor(dec_lens), decode_max_context=max(dec_lens), prefills=prefills,
-        decode_groups=[] if group is None else length_groups(dec_lens, group))
+        lens.append(n)
+        starts.append(starts[-1] + new)
+    layout = StepLayout(slots, [tables[i] for i in order], lens, starts, sum(1 for i in order if seqs[i][1] == 1))
+    backend = get_backend("torch")
+    backend.decode_group = group or len(seqs)  # None: all decodes in one group
     q = torch.cat(qs)
-    out = get_backend("torch").forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, meta, D ** -0.5)
+    out = backend.forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, backend.build_metadata(layout, "cpu"),
+                          D ** -0.5)
     row = 0
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, qi in zip(order, qs):

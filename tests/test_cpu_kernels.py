@@ -3,6 +3,7 @@ layout) equals the reference backend on the same logical KV, and the fused norm 
 RoPE ops equal the torch expressions they replace."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.attention import AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows
+from pagedllm.attention import StepLayout, get_backend
 from pagedllm.kernels import load_ops
 from pagedllm.models.rope import RotaryEmbedding, apply_rope
 
@@ -21,6 +22,7 @@ def build_step(seqs, heads, block_size, dtype, g, pad_rows_to=0):
     inputs: seqs = [(cached, new)], decodes ordered first as the runner does."""
     h, kvh, d = heads
     ref, cpu = get_backend("torch"), get_backend("cpu")
+    ref.decode_group = 4  # several decode groups in one step
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
     # Stale data everywhere: a kernel reading outside its blocks or slots would show.
     ref_k = torch.randn(ref.cache_shapes(num_blocks, block_size, kvh, d, dtype)[0], generator=g).to(dtype)
@@ -38,11 +40,9 @@ def build_step(seqs, heads, block_size, dtype, g, pad_rows_to=0):
         v_all = torch.randn(n, kvh, d, generator=g).to(dtype)
         if cached:  # the prefix's KV is already in both pools, written by each backend's own writer
             pre = [table[j // block_size] * block_size + j % block_size for j in range(cached)]
-            meta = AttentionMetadata(slot_mapping=torch.tensor(pre), num_decodes=0, decode_block_tables=None,
-                                     decode_context_lens=None, decode_max_context=0, prefills=[])
             from pagedllm.attention.torch_ref import write_kv
-            write_kv(k_all[:cached], v_all[:cached], ref_k, ref_v, meta.slot_mapping)
-            load_ops().write_kv(k_all[:cached], v_all[:cached], cpu_k, cpu_v, meta.slot_mapping)
+            write_kv(k_all[:cached], v_all[:cached], ref_k, ref_v, torch.tensor(pre))
+            load_ops().write_kv(k_all[:cached], v_all[:cached], cpu_k, cpu_v, torch.tensor(pre))
         qs.append(torch.randn(new, h, d, generator=g).to(dtype))
         ks.append(k_all[cached:])
         vs.append(v_all[cached:])
@@ -53,17 +53,13 @@ def build_step(seqs, heads, block_size, dtype, g, pad_rows_to=0):
     q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
     pad = pad_rows_to - len(q) if pad_rows_to else 0
     nd = sum(1 for i in order if seqs[i][1] == 1)
-    bt = pad_rows(tables, "cpu", torch.int32)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots + [-1] * pad), num_decodes=nd,
-        decode_block_tables=bt[:nd] if nd else None,
-        decode_context_lens=torch.tensor(lens[:nd]) if nd else None, decode_max_context=max(lens[:nd], default=0),
-        prefills=[PrefillSeq(starts[i], starts[i + 1] - starts[i], lens[i], bt[i, :len(tables[i])])
-                  for i in range(nd, len(order))],
-        decode_groups=length_groups(lens[:nd], 4),
-        block_tables=bt, seq_lens=torch.tensor(lens, dtype=torch.int32),
-        query_start_loc=torch.tensor(starts, dtype=torch.int32))
-    return (ref, ref_k, ref_v), (cpu, cpu_k, cpu_v), q, k, v, meta, pad
+    layout = StepLayout(slots + [-1] * pad, tables, lens, starts, nd)
+    return (ref, ref_k, ref_v), (cpu, cpu_k, cpu_v), q, k, v, layout, pad
+
+
+def attend(backend, q, k, v, k_cache, v_cache, layout: StepLayout, scale: float):
+    """The backend's attention over the step, through its own metadata."""
+    return backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout, "cpu"), scale)
 
 
 # (cached prefix, new tokens): decodes (one at context 1), a fresh prefill, a chunk over
@@ -76,10 +72,10 @@ SEQS = [(40, 1), (7, 1), (0, 1), (300, 1), (0, 23), (33, 9), (64, 64), (5, 2), (
 @pytest.mark.parametrize("heads", [(9, 3, 64), (4, 4, 32), (8, 2, 128)], ids=["gqa3-64", "mha-32", "gqa4-128"])
 def test_cpu_attention_equals_reference(block_size, dtype, heads):
     g = torch.Generator().manual_seed(block_size + heads[2])
-    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step(SEQS, heads, block_size, dtype, g)
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, _ = build_step(SEQS, heads, block_size, dtype, g)
     scale = heads[2] ** -0.5
-    want = ref.forward(q, k, v, rk, rv, meta, scale)
-    got = cpu.forward(q, k, v, ck, cv, meta, scale)
+    want = attend(ref, q, k, v, rk, rv, layout, scale)
+    got = attend(cpu, q, k, v, ck, cv, layout, scale)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
@@ -91,28 +87,28 @@ def test_long_decodes_split_across_threads(threads):
     torch.set_num_threads(threads)
     try:
         g = torch.Generator().manual_seed(threads)
-        (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step([(3000, 1), (1200, 1)], (9, 3, 64), 16,
-                                                                    torch.float32, g)
-        torch.testing.assert_close(cpu.forward(q, k, v, ck, cv, meta, 0.125),
-                                   ref.forward(q, k, v, rk, rv, meta, 0.125), atol=1e-5, rtol=1e-5)
+        (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, _ = build_step([(3000, 1), (1200, 1)], (9, 3, 64), 16,
+                                                                      torch.float32, g)
+        torch.testing.assert_close(attend(cpu, q, k, v, ck, cv, layout, 0.125),
+                                   attend(ref, q, k, v, rk, rv, layout, 0.125), atol=1e-5, rtol=1e-5)
     finally:
         torch.set_num_threads(old)
 
 
 def test_padding_rows_are_zero_and_write_nothing():
     g = torch.Generator().manual_seed(3)
-    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, pad = build_step([(10, 1), (0, 5)], (9, 3, 64), 16,
-                                                                  torch.float32, g, pad_rows_to=16)
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, pad = build_step([(10, 1), (0, 5)], (9, 3, 64), 16,
+                                                                    torch.float32, g, pad_rows_to=16)
     n = len(q)
     qp = torch.cat([q, torch.randn(pad, *q.shape[1:])])
     kp, vp = torch.cat([k, torch.randn(pad, *k.shape[1:])]), torch.cat([v, torch.randn(pad, *v.shape[1:])])
     before = ck.clone(), cv.clone()
-    out = cpu.forward(qp, kp, vp, ck, cv, meta, 0.125)
+    out = attend(cpu, qp, kp, vp, ck, cv, layout, 0.125)
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
     changed = (ck != before[0]).any(dim=(1, 2, 3)).sum() + (cv != before[1]).any(dim=(1, 2, 3)).sum()
     assert changed <= 2 * 2  # only the blocks of the real tokens' slots (one per sequence, K and V)
-    meta.slot_mapping = meta.slot_mapping[:n]
-    torch.testing.assert_close(out[:n], ref.forward(q, k, v, rk, rv, meta, 0.125), atol=1e-5, rtol=1e-5)
+    unpadded = dataclasses.replace(layout, slots=layout.slots[:n])
+    torch.testing.assert_close(out[:n], attend(ref, q, k, v, rk, rv, unpadded, 0.125), atol=1e-5, rtol=1e-5)
 
 
 def test_bad_tables_and_slots_are_errors_not_crashes():
@@ -175,14 +171,14 @@ def test_fused_elementwise_equal_torch(dtype, rows):
 AVX2_CHECK = """
 import torch, sys
 sys.path.insert(0, {tests!r})
-from test_cpu_kernels import SEQS, build_step
+from test_cpu_kernels import SEQS, attend, build_step
 from pagedllm.kernels import load_ops
 ops = load_ops()
 for dtype in (torch.float32, torch.bfloat16):
     g = torch.Generator().manual_seed(0)
-    (ref, rk, rv), (cpu, ck, cv), q, k, v, meta, _ = build_step(SEQS, (9, 3, 64), 16, dtype, g)
-    torch.testing.assert_close(cpu.forward(q, k, v, ck, cv, meta, 0.125).float(),
-                               ref.forward(q, k, v, rk, rv, meta, 0.125).float(), atol=2e-2, rtol=2e-2)
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, _ = build_step(SEQS, (9, 3, 64), 16, dtype, g)
+    torch.testing.assert_close(attend(cpu, q, k, v, ck, cv, layout, 0.125).float(),
+                               attend(ref, q, k, v, rk, rv, layout, 0.125).float(), atol=2e-2, rtol=2e-2)
     x = torch.randn(5, 576).to(dtype); w = torch.ones(576).to(dtype); out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-5)
     torch.testing.assert_close(out.float(), torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5), atol=2e-2, rtol=2e-2)

@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pagedllm.attention import AttentionMetadata, PrefillSeq, triton_available
+from pagedllm.attention import StepLayout, triton_available
 from pagedllm.attention.torch_ref import TorchPagedAttention
 
 if triton_available() is not None:
@@ -46,39 +46,38 @@ def make_batch(rng: random.Random, block_size: int, kvh: int, d: int, decode_len
     return k_cache, v_cache, tables
 
 
-def build_meta(block_size: int, tables: list[list[int]], decode_lens: list[int], prefill: list[tuple[int, int]]):
-    slots, prefills = [], []
+def build_layout(block_size: int, tables: list[list[int]], decode_lens: list[int], prefill: list[tuple[int, int]]):
+    """The step as the runner lays it out (decodes first), and its query row count."""
+    slots, starts, lens, used = [], [0], [], []
     nd = len(decode_lens)
     for i, n in enumerate(decode_lens):
         slots.append(tables[i][(n - 1) // block_size] * block_size + (n - 1) % block_size)
-    row = nd
+        starts.append(starts[-1] + 1)
+        lens.append(n)
+        used.append(tables[i][:-(-n // block_size)])
     for j, (cached, ql) in enumerate(prefill):
         t = tables[nd + j]
         end = cached + ql
         slots += [t[p // block_size] * block_size + p % block_size for p in range(cached, end)]
-        prefills.append(PrefillSeq(row, ql, end, torch.tensor(t[:-(-end // block_size)], device=DEV)))
-        row += ql
-    width = max((len(t) for t in tables[:nd]), default=0)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=DEV), num_decodes=nd,
-        decode_block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables[:nd]], device=DEV) if nd else None,
-        decode_context_lens=torch.tensor(decode_lens, device=DEV) if nd else None,
-        decode_max_context=max(decode_lens, default=0), prefills=prefills), row
+        starts.append(starts[-1] + ql)
+        lens.append(end)
+        used.append(t[:-(-end // block_size)])
+    return StepLayout(slots, used, lens, starts, nd), starts[-1]
 
 
 def run_both(seed: int, block_size: int, shape, decode_lens, prefill, dtype=torch.float32, atol=2e-4):
     h, kvh, d = shape
     rng = random.Random(seed)
     k_cache, v_cache, tables = make_batch(rng, block_size, kvh, d, decode_lens, prefill, dtype)
-    meta, t = build_meta(block_size, tables, decode_lens, prefill)
+    layout, t = build_layout(block_size, tables, decode_lens, prefill)
+    ref_backend, triton = TorchPagedAttention(), TritonPagedAttention()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn((t, h, d), generator=g).to(DEV, dtype)
     k = torch.randn((t, kvh, d), generator=g).to(DEV, dtype)
     v = torch.randn((t, kvh, d), generator=g).to(DEV, dtype)
     kc2, vc2 = k_cache.clone(), v_cache.clone()
-    ref = TorchPagedAttention().forward(q, k, v, k_cache, v_cache, meta, d ** -0.5)
-    meta2, _ = build_meta(block_size, tables, decode_lens, prefill)
-    out = TritonPagedAttention().forward(q, k, v, kc2, vc2, meta2, d ** -0.5)
+    ref = ref_backend.forward(q, k, v, k_cache, v_cache, ref_backend.build_metadata(layout, DEV), d ** -0.5)
+    out = triton.forward(q, k, v, kc2, vc2, triton.build_metadata(layout, DEV), d ** -0.5)
     assert torch.equal(kc2, k_cache) and torch.equal(vc2, v_cache), "reshape_and_cache wrote different slots"
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
 
@@ -207,7 +206,7 @@ def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
     run = lambda: [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])  # noqa: E731
                    for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
     plain = run()
-    r.graphs = DecodeGraphs(r.model, r.kv_cache.layers, 6, r.max_model_len, r.block_size, _torch.device(DEV),
+    r.graphs = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 6, r.max_model_len, r.block_size, _torch.device(DEV),
                             use_graphs=CUDA)
     r.graphs.capture()
     assert r.graphs.buckets == [1, 2, 4, 8]
@@ -240,7 +239,7 @@ def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
     llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=4, enforce_eager=True)
     r = llm.engine.runner
-    g = DecodeGraphs(r.model, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),
+    g = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),
                      use_graphs=False)
     g.ctx[:2] = _torch.tensor([5, 9], dtype=_torch.int32)
     g.slots[:2] = _torch.tensor([4, 40])

@@ -2,9 +2,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+
+@dataclass
+class StepLayout:
+    """One step as every backend sees it before building its own metadata: sequences in
+    row order, decodes (single-token queries, shortest context first) before prefills."""
+    slots: list[int]                 # per query row: where its K/V goes (-1: a padding row)
+    block_tables: list[list[int]]    # per sequence: its physical blocks, up to its last token
+    seq_lens: list[int]              # per sequence: keys it attends to, this step's included
+    query_starts: list[int]          # first query row of each sequence, then the row count
+    num_decodes: int
+
+    def padded_tables(self, device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """[S, longest table] zero-padded."""
+        return pad_rows(self.block_tables, device, dtype)
 
 
 @dataclass
@@ -16,41 +32,39 @@ class PrefillSeq:
 
 
 @dataclass
-class AttentionMetadata:
-    """One step's batch, decodes first: rows [0, num_decodes) are single-token queries."""
+class SplitMetadata:
+    """Decodes and prefills apart (the torch and Triton backends): rows [0, num_decodes)
+    are single-token queries over padded tables; each prefill chunk comes with its own."""
     slot_mapping: torch.Tensor      # [num_tokens] slot of each new token's K/V
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks], padded
     decode_context_lens: torch.Tensor | None  # [num_decodes]
     decode_max_context: int
     prefills: list[PrefillSeq]
-    # Decode rows are sorted by context length; these (start, end, max context) groups
-    # let a backend pad each group only to its own longest context.
-    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
-    # Every sequence of the step in row order (decodes, then prefills), for backends that
-    # take the whole step at once: block tables [S, W] int32 (zero-padded), keys after
-    # this step [S] int32, first query row [S + 1] int32.
-    block_tables: torch.Tensor | None = None
-    seq_lens: torch.Tensor | None = None
-    query_start_loc: torch.Tensor | None = None
-    # A backend's own derived tensors for this step, built by the first layer, reused by the rest.
-    backend_state: dict = field(default_factory=dict)
 
-
-def length_groups(sorted_lens: list[int], size: int) -> list[tuple[int, int, int]]:
-    """(start, end, max length) for consecutive groups of `size` ascending lengths."""
-    return [(i, min(i + size, len(sorted_lens)), sorted_lens[min(i + size, len(sorted_lens)) - 1])
-            for i in range(0, len(sorted_lens), size)]
+    @classmethod
+    def from_layout(cls, layout: StepLayout, device, **extra) -> SplitMetadata:
+        nd, q0 = layout.num_decodes, layout.query_starts
+        tables = layout.padded_tables(device)
+        lens = layout.seq_lens
+        return cls(slot_mapping=torch.tensor(layout.slots, dtype=torch.long, device=device), num_decodes=nd,
+                   decode_block_tables=tables[:nd] if nd else None,
+                   decode_context_lens=torch.tensor(lens[:nd], device=device) if nd else None,
+                   decode_max_context=max(lens[:nd], default=0),
+                   prefills=[PrefillSeq(q0[i], q0[i + 1] - q0[i], lens[i], tables[i, :len(layout.block_tables[i])])
+                             for i in range(nd, len(lens))], **extra)
 
 
 def pad_rows(rows: list[list[int]], device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """Block tables of different lengths as one [len(rows), longest] tensor, zero-padded."""
-    width = max(len(r) for r in rows)
+    width = max((len(r) for r in rows), default=0)
     return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=dtype, device=device)
 
 
 class AttentionBackend(ABC):
     name: str
+    # Whether decode steps can be captured as CUDA graphs (decode_graph_metadata works).
+    supports_decode_graphs: bool = False
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -64,14 +78,26 @@ class AttentionBackend(ABC):
         return shape, shape
 
     @abstractmethod
+    def build_metadata(self, layout: StepLayout, device: torch.device | str) -> Any:
+        """This backend's tensors for the step, built once and read by every layer."""
+
+    def decode_graph_metadata(self, slots: torch.Tensor, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                              max_context: int) -> Any:
+        """Metadata over a CUDA graph's static decode buffers (padding rows: slot -1,
+        context 0), valid for any context up to max_context."""
+        raise NotImplementedError(f"attention backend {self.name} has no CUDA-graph decode")
+
+    @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches [num_blocks, B, KVH, D].
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches per cache_shapes.
         Writes k/v into their slots, then attends through the block tables. Returns [T, H, D]."""
 
 
+# The factory registry: each backend module registers its class at import, or the
+# reason it cannot run here (so asking for it says why instead of "unknown").
 _REGISTRY: dict[str, type[AttentionBackend]] = {}
+_UNAVAILABLE: dict[str, str] = {}
 
 
 def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
@@ -79,10 +105,13 @@ def register(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
+def register_unavailable(name: str, reason: str) -> None:
+    _UNAVAILABLE[name] = reason
+
+
 def get_backend(name: str) -> AttentionBackend:
-    if name == "triton" and "triton" not in _REGISTRY:
-        from .triton_backend import triton_available
-        raise ValueError(f"attention backend triton cannot run here: {triton_available()}")
+    if name in _UNAVAILABLE:
+        raise ValueError(f"attention backend {name} cannot run here: {_UNAVAILABLE[name]}")
     if name not in _REGISTRY:
         raise ValueError(f"attention backend must be one of {sorted(_REGISTRY)}, got {name!r}")
     try:

@@ -9,10 +9,23 @@ dot-product instruction does 32 multiply-adds of Q.K or P.V.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from .backend import AttentionBackend, AttentionMetadata, register
 from ..kernels import load_ops
+from ..util import cdiv
+from .backend import AttentionBackend, StepLayout, register
+
+
+@dataclass
+class CpuMetadata:
+    """The whole step in one call: every sequence in row order (decodes, then prefills)."""
+    slot_mapping: torch.Tensor     # [T] slot of each new token's K/V (-1: padding row)
+    block_tables: torch.Tensor     # [S, W] int32, zero-padded
+    seq_lens: torch.Tensor         # [S] int32: keys after this step
+    query_start_loc: torch.Tensor  # [S + 1] int32: first query row of each sequence
+
 
 # Head dims the kernel is compiled for.
 HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
@@ -42,9 +55,14 @@ class CpuPagedAttention(AttentionBackend):
     def cache_shapes(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         p = 2 if dtype.itemsize == 2 else 1
         return ((num_blocks, kv_heads, head_dim // p, block_size, p),
-                (num_blocks, kv_heads, -(-block_size // p), head_dim, p))
+                (num_blocks, kv_heads, cdiv(block_size, p), head_dim, p))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def build_metadata(self, layout: StepLayout, device) -> CpuMetadata:
+        i32 = dict(dtype=torch.int32, device=device)
+        return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
+                           torch.tensor(layout.seq_lens, **i32), torch.tensor(layout.query_starts, **i32))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float):
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,

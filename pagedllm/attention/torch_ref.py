@@ -5,7 +5,23 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .backend import AttentionBackend, AttentionMetadata, register
+from dataclasses import dataclass, field
+
+from ..util import cdiv
+from .backend import AttentionBackend, SplitMetadata, StepLayout, register
+
+
+@dataclass
+class TorchMetadata(SplitMetadata):
+    # Decode rows come sorted by context length; these (start, end, max context) groups
+    # pad each group only to its own longest context.
+    decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def length_groups(lens: list[int], size: int) -> list[tuple[int, int, int]]:
+    """(start, end, max length) for consecutive groups of `size` lengths (the runner sorts
+    decodes by context, so a group's rows pad to similar lengths)."""
+    return [(i, min(i + size, len(lens)), max(lens[i:i + size])) for i in range(0, len(lens), size)]
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -25,7 +41,17 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def __init__(self, decode_group: int = 24) -> None:
+        # Decodes attend in groups this size: padding each group only to its own longest
+        # context, and keeping a group's K/V within cache, was ~4x faster on a 2-core CPU
+        # than one batch of 100 padded to the longest.
+        self.decode_group = decode_group
+
+    def build_metadata(self, layout: StepLayout, device) -> TorchMetadata:
+        lens = layout.seq_lens[:layout.num_decodes]
+        return TorchMetadata.from_layout(layout, device, decode_groups=length_groups(lens, self.decode_group))
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float):
         # All new K/V of the step land in the pool before anyone reads it, so a request
         # that hit a prefix block filled in this same step reads it complete.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -43,7 +69,7 @@ class TorchPagedAttention(AttentionBackend):
     @staticmethod
     def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float) -> torch.Tensor:
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
-        nblk = -(-max_ctx // bs)
+        nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
         keys = gather_blocks(k_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)
         vals = gather_blocks(v_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)

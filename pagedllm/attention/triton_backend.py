@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import torch
 
-from .backend import AttentionBackend, AttentionMetadata, register
+from dataclasses import dataclass
+
+from .backend import AttentionBackend, SplitMetadata, StepLayout, register, register_unavailable
+
+
+@dataclass
+class TritonMetadata(SplitMetadata):
+    # The prefill chunks' descriptors as device tensors (tables, q_starts, q_lens,
+    # ctx_lens, tiles), or None in a decode-only step.
+    prefill_tensors: dict | None = None
 
 
 def triton_available() -> str | None:
@@ -18,12 +27,23 @@ def triton_available() -> str | None:
 
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
+    supports_decode_graphs = True
 
     def __init__(self) -> None:
         from . import triton_kernels  # imported here: it sets TRITON_INTERPRET on CPU machines
         self.k = triton_kernels
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    def build_metadata(self, layout: StepLayout, device) -> TritonMetadata:
+        meta = TritonMetadata.from_layout(layout, device)
+        if meta.prefills:
+            meta.prefill_tensors = self.prefill_tensors(meta, device)
+        return meta
+
+    def decode_graph_metadata(self, slots, block_tables, context_lens, max_context: int) -> TritonMetadata:
+        return TritonMetadata(slot_mapping=slots, num_decodes=slots.shape[0], decode_block_tables=block_tables,
+                              decode_context_lens=context_lens, decode_max_context=max_context, prefills=[])
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
         kern = self.k
         kern.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
@@ -33,27 +53,24 @@ class TritonPagedAttention(AttentionBackend):
             kern.paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
                               scale, meta.decode_max_context, out=out[:n])
         if meta.prefills:
-            t = self._prefill_tensors(meta, q.device)
+            t = meta.prefill_tensors or self.prefill_tensors(meta, q.device)
             kern.paged_prefill(q, k_cache, v_cache, out, t["tables"], t["q_starts"], t["q_lens"],
                                t["ctx_lens"], t["tiles"], scale)
         return out
 
-    def _prefill_tensors(self, meta: AttentionMetadata, device: torch.device) -> dict:
-        """The step's prefill descriptors as device tensors, built once and shared by every layer."""
-        t = meta.backend_state.get("triton_prefill")
-        if t is None:
-            ps = meta.prefills
-            width = max(p.block_table.numel() for p in ps)
-            tables = torch.zeros((len(ps), width), dtype=torch.int32, device=device)
-            for i, p in enumerate(ps):
-                tables[i, :p.block_table.numel()] = p.block_table
-            as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
-            t = {"tables": tables, "q_starts": as_t([p.q_start for p in ps]), "q_lens": as_t([p.q_len for p in ps]),
-                 "ctx_lens": as_t([p.ctx_len for p in ps]),
-                 "tiles": self.k.prefill_tiles([p.q_len for p in ps], device)}
-            meta.backend_state["triton_prefill"] = t
-        return t
+    def prefill_tensors(self, meta: SplitMetadata, device) -> dict:
+        """The step's prefill descriptors as device tensors, built once per step."""
+        ps = meta.prefills
+        width = max(p.block_table.numel() for p in ps)
+        tables = torch.zeros((len(ps), width), dtype=torch.int32, device=device)
+        for i, p in enumerate(ps):
+            tables[i, :p.block_table.numel()] = p.block_table
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int32, device=device)  # noqa: E731
+        return {"tables": tables, "q_starts": as_t([p.q_start for p in ps]), "q_lens": as_t([p.q_len for p in ps]),
+                "ctx_lens": as_t([p.ctx_len for p in ps]), "tiles": self.k.prefill_tiles([p.q_len for p in ps], device)}
 
 
 if triton_available() is None:
     register(TritonPagedAttention)
+else:
+    register_unavailable("triton", triton_available())

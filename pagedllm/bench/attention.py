@@ -8,12 +8,13 @@ written per second), so kernel / floor = 1 means memory speed.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
 import torch
 
-from ..attention import AttentionMetadata, get_backend, length_groups, pad_rows
+from ..attention import StepLayout, get_backend
 from ..runtime.kv_cache import allocate_pool
 
 
@@ -48,16 +49,13 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
     g = torch.Generator().manual_seed(batch * 7919 + context)
     tables = torch.randperm(pool, generator=g)[:batch * nblk].view(batch, nblk).to(torch.int32)
     q = torch.randn(batch, h, d, generator=g).to(dtype)
-    meta = AttentionMetadata(
-        slot_mapping=torch.full((batch,), -1), num_decodes=batch, decode_block_tables=tables,
-        decode_context_lens=torch.full((batch,), context), decode_max_context=context, prefills=[],
-        decode_groups=length_groups([context] * batch, 24), block_tables=pad_rows(tables.tolist(), "cpu", torch.int32),
-        seq_lens=torch.full((batch,), context, dtype=torch.int32),
-        query_start_loc=torch.arange(batch + 1, dtype=torch.int32))
+    # Decodes that write nothing (slot -1): attention alone is timed.
+    layout = StepLayout([-1] * batch, tables.tolist(), [context] * batch, list(range(batch + 1)), batch)
     kv_bytes = 2 * batch * context * kvh * d * torch.finfo(dtype).bits // 8
     out = {"batch": batch, "context": context, "heads": list(heads), "block_size": block_size,
            "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
     cpu = get_backend("cpu")
+    meta = cpu.build_metadata(layout, "cpu")
     # Pools as the engine allocates them (huge pages), then filled.
     kc, vc = (allocate_pool(s, dtype, torch.device("cpu")).copy_(torch.randn(s, generator=g))
               for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
@@ -70,7 +68,7 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
         ref = get_backend("torch")
         rk, rv = (allocate_pool(s, dtype, torch.device("cpu")).copy_(torch.randn(s, generator=g))
                   for s in ref.cache_shapes(pool, block_size, kvh, d, dtype))
-        meta.slot_mapping = torch.zeros(0, dtype=torch.long)
+        meta = ref.build_metadata(dataclasses.replace(layout, slots=[]), "cpu")
         k0 = torch.zeros(0, kvh, d, dtype=dtype)
 
         def run_ref():  # attention only: the reference's write of zero new tokens is free

@@ -5,11 +5,13 @@ padding in the linear layers. Only attention needs to know where sequences begin
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionBackend, AttentionMetadata
+from ..attention import AttentionBackend
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rope
@@ -86,7 +88,7 @@ class Attention(nn.Module):
         self.backend = backend
         self.scale = self.d ** -0.5
 
-    def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: AttentionMetadata):
+    def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
         qkv = ops.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
@@ -139,7 +141,7 @@ class LlamaForCausalLM(nn.Module):
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: AttentionMetadata) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         rotate = self.ops.rotary(self.rope, positions, x.dtype)
         residual = None

@@ -4,7 +4,8 @@ dominated by kernel-launch overhead (hundreds of launches per step).
 
 Padding rows (bucket size > live sequences) get slot -1 (no KV write) and context 0
 (attention output 0). Decode attention is captured with max_model_len as its bound, so
-one graph serves every context length. Needs the Triton attention backend.
+one graph serves every context length. Needs a backend with decode_graph_metadata
+(the Triton one).
 """
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import time
 
 import torch
 
-from ..attention import AttentionMetadata, pad_rows
+from ..attention import AttentionBackend, pad_rows
+from ..util import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -21,18 +23,19 @@ BUCKETS = [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_layers: list, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, use_graphs: bool = True) -> None:
+    def __init__(self, model, backend: AttentionBackend, kv_layers: list, max_num_seqs: int, max_model_len: int,
+                 block_size: int, device: torch.device, use_graphs: bool = True) -> None:
         # use_graphs=False runs the same static, padded buffers eagerly: how the CPU tests
         # check the bucketing and padding logic that the graphs replay on a GPU.
         self.use_graphs = use_graphs
         self.model = model
+        self.backend = backend
         self.kv_layers = kv_layers
         self.max_model_len = max_model_len
         self.buckets = [b for b in BUCKETS if b < max_num_seqs] + [next((b for b in BUCKETS if b >= max_num_seqs),
                                                                         max_num_seqs)]
         n = self.buckets[-1]
-        max_blocks = -(-max_model_len // block_size)
+        max_blocks = cdiv(max_model_len, block_size)
         # ids, positions and slots share one buffer: a step fills all three with one copy.
         self.io = torch.zeros((3, n), dtype=torch.long, device=device)
         self.ids, self.positions, self.slots = self.io
@@ -42,10 +45,8 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
 
-    def _meta(self, bs: int) -> AttentionMetadata:
-        return AttentionMetadata(slot_mapping=self.slots[:bs], num_decodes=bs, decode_block_tables=self.tables[:bs],
-                                 decode_context_lens=self.ctx[:bs], decode_max_context=self.max_model_len,
-                                 prefills=[])
+    def _meta(self, bs: int):
+        return self.backend.decode_graph_metadata(self.slots[:bs], self.tables[:bs], self.ctx[:bs], self.max_model_len)
 
     @torch.inference_mode()
     def capture(self) -> None:

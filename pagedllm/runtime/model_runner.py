@@ -9,24 +9,19 @@ from pathlib import Path
 
 import torch
 
-from ..attention import (AttentionBackend, AttentionMetadata, PrefillSeq, get_backend, length_groups, pad_rows,
-                         pick_backend)
+from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig
 from ..kernels import load_ops
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
 from ..models.rope import RotaryEmbedding
 from ..plan import SampleTarget, StepPlan
+from ..util import cdiv
 from .kv_cache import KVCache
 from .sampler import sample
 from .threads import ThreadGovernor, resolve_num_threads
 
 logger = logging.getLogger(__name__)
-
-# Decode attention runs in groups this size: padding each group only to its own longest
-# context, and keeping a group's K/V within cache, was ~4x faster on a 2-core CPU than
-# one batch of 100 padded to the longest.
-DECODE_GROUP = 24
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -65,7 +60,7 @@ def step_bucket(n: int) -> int:
     if n <= 16:
         return 1 << max(0, n - 1).bit_length()
     step = 16 if n <= 512 else 64 if n <= 2048 else 256
-    return -(-n // step) * step
+    return cdiv(n, step) * step
 
 
 def _cpu_kernels():
@@ -112,6 +107,7 @@ class ModelRunner:
         self.generators: dict[int, torch.Generator] = {}
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
+        self.backend = backend
         self.backend_name = backend.name
         self.batch_invariant = cfg.batch_invariant
         if cfg.batch_invariant:
@@ -147,10 +143,10 @@ class ModelRunner:
                                 profile=lambda: self._profile_activations(cfg, model_cfg))
         self.max_model_len = max_model_len
         self.graphs = None
-        if self.device.type == "cuda" and backend.name == "triton" and not cfg.enforce_eager:
+        if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager:
             from .cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv_cache.layers, cfg.max_num_seqs, self.max_model_len,
-                                       cfg.block_size, self.device)
+            self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
+                                       self.max_model_len, cfg.block_size, self.device)
             self.graphs.capture()
 
     def describe(self) -> str:
@@ -165,15 +161,12 @@ class ModelRunner:
         profile run): max_num_batched_tokens in one prefill, then the logits of
         max_num_seqs rows. What is left of the budget goes to KV blocks."""
         t = cfg.max_num_batched_tokens
-        nblk = -(-t // cfg.block_size)
-        shape = (nblk, cfg.block_size, mc.num_kv_heads, mc.head_dim)
-        tmp = [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                torch.zeros(shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        nblk = cdiv(t, cfg.block_size)
+        k_shape, v_shape = self.backend.cache_shapes(nblk, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
+        tmp = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
+                torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
         dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.arange(t, device=dev), num_decodes=0, decode_block_tables=None,
-            decode_context_lens=None, decode_max_context=0,
-            prefills=[PrefillSeq(0, t, t, torch.arange(nblk, device=dev))])
+        meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), dev)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
@@ -215,9 +208,8 @@ class ModelRunner:
         tables = [c.block_ids for c in order]
         seq_lens = [c.end for c in order]
         nd = sum(1 for c in order if c.num_tokens == 1)
-        decode_lens = seq_lens[:nd]
         if self.graphs is not None and nd == len(order) and self.graphs.fits(nd):
-            hidden = self.graphs.run(ids, positions, slots, tables, decode_lens)
+            hidden = self.graphs.run(ids, positions, slots, tables, seq_lens)
             return self._sample(hidden, logit_rows, sample_rows)
         if self.pad_steps:  # padding rows: token 0 at position 0, no slot, in no sequence
             pad = step_bucket(len(ids)) - len(ids)
@@ -225,17 +217,7 @@ class ModelRunner:
             positions += [0] * pad
             slots += [-1] * pad
         dev = self.device
-        block_tables = pad_rows(tables, dev, torch.int32)
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, device=dev), num_decodes=nd,
-            decode_block_tables=block_tables[:nd] if nd else None,
-            decode_context_lens=torch.tensor(decode_lens, device=dev) if nd else None,
-            decode_max_context=max(decode_lens, default=0),
-            prefills=[PrefillSeq(q_starts[i], q_starts[i + 1] - q_starts[i], seq_lens[i],
-                                 block_tables[i, :len(tables[i])]) for i in range(nd, len(order))],
-            decode_groups=length_groups(decode_lens, DECODE_GROUP),
-            block_tables=block_tables, seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            query_start_loc=torch.tensor(q_starts, dtype=torch.int32, device=dev))
+        meta = self.backend.build_metadata(StepLayout(slots, tables, seq_lens, q_starts, nd), dev)
         hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                             self.kv_cache.layers, meta)
         return self._sample(hidden, logit_rows, sample_rows)

@@ -5,7 +5,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .kv.manager import POLICIES
+# The names every layer validates against, owned here once (the KV manager, the runner,
+# the attention registry and the KV calculator read them; the CLI's choices come from them).
+ALLOCATION_POLICIES = ("paged", "reserve-max")
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -25,6 +30,14 @@ def parse_bytes(value: int | float | str) -> int:
     return n
 
 
+def canonical_dtype(name: str) -> str:
+    """float32, bfloat16 or float16 from any of their names (fp32, bf16, fp16 too)."""
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPE_BYTES) + sorted(DTYPE_ALIASES)}, got {name!r}")
+    return name
+
+
 def knob(default, help: str, **cli) -> Any:
     """A field with its command-line flag: the help text and any argparse options beyond
     name, default and type, so `pagedllm.cli` builds each flag from here and nowhere else."""
@@ -38,7 +51,8 @@ class EngineConfig:
     block_size: int = knob(16, "tokens per KV block", type=int)
     enable_prefix_caching: bool = knob(True, "reuse cached KV blocks of identical prompt prefixes")
     allocation: str = knob("paged", "KV allocation policy: paged, or reserve-max (the traditional contiguous "
-                           "reservation of max_model_len per request)", choices=list(POLICIES))
+                           "reservation of max_model_len per request; no block sharing, so no prefix cache)",
+                           choices=list(ALLOCATION_POLICIES))
     max_num_seqs: int = knob(256, "most sequences running at once", type=int)
     max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int)
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's "
@@ -51,12 +65,12 @@ class EngineConfig:
     gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory for weights, activations and KV (CUDA)",
                                          type=float)
     dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, "
-                      "else float32", choices=["auto", "float32", "bfloat16", "float16"])
+                      "else float32", choices=["auto", *DTYPE_BYTES])
     device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = knob(0, "engine seed: requests without their own seed sample from it", type=int)
     attention_backend: str = knob(
         "auto", "auto: Triton paged-attention kernels on CUDA, the compiled CPU kernel elsewhere "
-        "(torch: the reference, gathers blocks for SDPA)", choices=["auto", "cpu", "torch", "triton"])
+        "(torch: the reference, gathers blocks for SDPA)", choices=["auto", *ATTENTION_BACKENDS])
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     num_threads: int | None = knob(None, "CPU threads (default: OMP_NUM_THREADS, else one per physical core); "
                                    "fewer are used while other processes keep cores busy", type=int)
@@ -74,8 +88,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.allocation not in POLICIES:
-            raise ValueError(f"allocation must be one of {POLICIES}, got {self.allocation!r}")
+        if self.allocation not in ALLOCATION_POLICIES:
+            raise ValueError(f"allocation must be one of {ALLOCATION_POLICIES}, got {self.allocation!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
@@ -84,14 +98,15 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dtype != "auto":
+            self.dtype = canonical_dtype(self.dtype)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
-        if self.attention_backend not in ("auto", "cpu", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, cpu, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
+            raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}, "
+                             f"got {self.attention_backend!r}")
         if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
             raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
         if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
@@ -105,5 +120,3 @@ class EngineConfig:
             raise ValueError("batch_invariant runs on the CPU attention backend only (attention_backend auto or cpu, "
                              f"device auto or cpu), got attention_backend={self.attention_backend!r}, "
                              f"device={self.device!r}")
-        if self.allocation == "reserve-max":
-            self.enable_prefix_caching = False

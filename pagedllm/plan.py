@@ -11,13 +11,10 @@ from dataclasses import dataclass, field
 from .sampling_params import SamplingParams
 
 
-@dataclass(slots=True, eq=False)
-class SampleTarget:
-    """A sequence that samples its next token from a chunk's last row."""
-    seq_id: int
-    params: SamplingParams
-    seed: int                 # seeds the runner's generator for this sequence, on first use
-    token_ids: list[int]      # its tokens so far, prompt then output (penalties read them)
+class PromptThenOutput:
+    """Tokens held as one list, prompt first: the output is what follows the prompt."""
+    __slots__ = ()
+    token_ids: list[int]
     num_prompt_tokens: int
 
     @property
@@ -27,6 +24,16 @@ class SampleTarget:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True, eq=False)
+class SampleTarget(PromptThenOutput):
+    """A sequence that samples its next token from a chunk's last row."""
+    seq_id: int
+    params: SamplingParams
+    seed: int                 # seeds the runner's generator for this sequence, on first use
+    token_ids: list[int]      # its tokens so far, prompt then output (penalties read them)
+    num_prompt_tokens: int
 
 
 @dataclass(slots=True, eq=False)

@@ -34,6 +34,8 @@ if not torch.cuda.is_available():  # a CPU dry run: the kernels can only run int
 sys.path.insert(0, str(Path(__file__).parent))
 import gpu_smoke  # noqa: E402  (random Llama dirs, parity, throughput)
 
+from pagedllm.util import cdiv  # noqa: E402
+
 PEAK_GBS = {"H200": 4800, "H100": 3350, "A100": 2039, "L40S": 864, "A10": 600, "L4": 300}
 
 
@@ -79,7 +81,7 @@ def decode_inputs(dev: str, batch: int, ctx: int, block: int, heads: int, kv_hea
     """A pool with each sequence's blocks scattered at random (as a long-running server's
     are), the same K/V laid out contiguously for SDPA, and a query per sequence."""
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    nblk = -(-ctx // block)
+    nblk = cdiv(ctx, block)
     pool = batch * nblk + 16
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn((pool, block, kv_heads, dim), generator=g).to(dev, dtype)

@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm.attention import PrefillSeq  # noqa: E402
 from pagedllm.attention import triton_kernels as tk  # noqa: E402
 from pagedllm.attention.triton_backend import TritonMetadata, TritonPagedAttention  # noqa: E402
+from pagedllm.util import cdiv  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes per block (opt-in max)
@@ -164,7 +165,7 @@ def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> TritonM
     64-token cached prefix, and a fresh 100-token prompt."""
     seqs, at = [], 0
     for q_len, ctx in chunks:
-        seqs.append(PrefillSeq(at, q_len, ctx, torch.arange(-(-ctx // block))))
+        seqs.append(PrefillSeq(at, q_len, ctx, torch.arange(cdiv(ctx, block))))
         at += q_len
     return TritonMetadata(slot_mapping=torch.arange(at), num_decodes=0, decode_block_tables=None,
                              decode_context_lens=None, decode_max_context=0, prefills=seqs)
@@ -198,7 +199,7 @@ def recompiles(comp: Compiler, model: tuple, arch: int) -> list[str]:
     parts = set()
     for s, ctx in [(1, 1), (3, 17), (16, 512), (17, 513), (64, 2048), (100, 2100), (255, 4095), (256, 8000),
                    (2, 16384), (5, 16385), (7, 32768)]:
-        run_backend(model, torch.bfloat16, decode_meta(s, -(-ctx // block), ctx, graph=False))
+        run_backend(model, torch.bfloat16, decode_meta(s, cdiv(ctx, block), ctx, graph=False))
         parts.add(max(tk.PARTITION, triton.next_power_of_2(triton.cdiv(ctx, tk.MAX_PARTS))))
     for chunks in [((1, 1),), ((7, 7), (300, 900)), ((2048, 2048),), ((16, 4000), (5, 5), (33, 65), (64, 64))]:
         run_backend(model, torch.bfloat16, prefill_meta(block, chunks))

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..config import DTYPE_ALIASES
+from ..config import DTYPE_BYTES as ENGINE_DTYPES
 from ..models.config import ModelConfig
+from ..util import cdiv
 
-DTYPE_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "fp8": 1, "int8": 1}
+# The engine's dtypes and their aliases, plus the 8-bit KV formats other engines offer (for comparison).
+DTYPE_BYTES = {**ENGINE_DTYPES, **{a: ENGINE_DTYPES[c] for a, c in DTYPE_ALIASES.items()}, "fp8": 1, "int8": 1}
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -54,8 +58,8 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     if budget_bytes < bpb:
         raise ValueError(f"the KV budget ({budget_bytes} bytes) is smaller than one block ({bpb} bytes)")
     num_blocks = budget_bytes // bpb
-    per_seq = -(-seq_len // block_size)
-    reserve = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
+    per_seq = cdiv(seq_len, block_size)
+    reserve = cdiv(max_model_len or cfg.max_position_embeddings, block_size)
     return KVCalc(bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
                   m_kv_bytes=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len * batch * elt,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
+from ..plan import PromptThenOutput
 from .detokenizer import DetokState
 
 
@@ -17,7 +18,7 @@ class SeqStatus(enum.Enum):
 
 
 @dataclass(eq=False)
-class Sequence:
+class Sequence(PromptThenOutput):
     seq_id: int
     request: "Request"
     index: int                    # which of the request's n samples
@@ -33,14 +34,6 @@ class Sequence:
     hashes: BlockHashes | None = None  # its block keys for the prefix cache (the scheduler sets them)
     logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
     cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
-    def num_output_tokens(self) -> int:
-        return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def params(self) -> SamplingParams:

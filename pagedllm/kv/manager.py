@@ -10,10 +10,11 @@ from typing import Callable, Sequence
 
 from .block_pool import BlockPool
 from .block_table import BlockTable
+from ..config import ALLOCATION_POLICIES
 from ..util import cdiv
 from .hashing import BlockHashes
 
-POLICIES = ("paged", "reserve-max")
+POLICIES = ALLOCATION_POLICIES
 
 
 @dataclass(slots=True)

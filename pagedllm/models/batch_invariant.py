@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..util import cdiv
+
 # 32 rows: oneDNN's small-M kernel, where 32 rows cost about as much as one.
 ROW_TILE = 32
 K_BLOCK = 32   # k per AMX tile (16 bf16 pairs)
@@ -48,7 +50,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> AMX B tiles [ceil(N/32), K/32, 2, 16, 32]: panel p, k block kb, half h hold
     W[32p + 16h + n, 32kb + 2r + i] at [p, kb, h, r, 2n + i] (columns zero-padded)."""
     n, k = weight.shape
-    padded = -(-n // PANEL) * PANEL
+    padded = cdiv(n, PANEL) * PANEL
     w = F.pad(weight, (0, 0, 0, padded - n))
     return (w.view(padded // PANEL, 2, 16, k // K_BLOCK, 16, 2).permute(0, 3, 1, 4, 2, 5).contiguous()
             .view(padded // PANEL, k // K_BLOCK, 2, 16, 2 * 16))

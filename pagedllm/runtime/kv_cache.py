@@ -10,6 +10,7 @@ import torch
 
 from ..config import EngineConfig
 from ..models import ModelConfig
+from ..util import cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +70,7 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
     if not sys.platform.startswith("linux"):
         return
     huge = 2 * 1024**2
-    start = -(-t.data_ptr() // huge) * huge
+    start = cdiv(t.data_ptr(), huge) * huge
     end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
     if end > start:
         try:

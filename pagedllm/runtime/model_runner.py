@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
-from ..config import EngineConfig
+from ..config import EngineConfig, canonical_dtype
 from ..kernels import load_ops
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
@@ -22,9 +22,6 @@ from .sampler import sample
 from .threads import ThreadGovernor, resolve_num_threads
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
 
 def cpu_has_native_bf16() -> bool:
@@ -48,7 +45,7 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return _DTYPES[name]
+        return getattr(torch, canonical_dtype(name))
     if device.type == "cuda" or cpu_has_native_bf16():
         return torch.bfloat16
     return torch.float32

@@ -143,7 +143,7 @@ class ServerMetrics:
         cfg, s = engine.engine.cfg, engine.stats
         # vLLM's CacheConfig.metrics_info labels that have a meaning here.
         info = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.num_blocks,
-                "enable_prefix_caching": cfg.enable_prefix_caching,
+                "enable_prefix_caching": engine.engine.kv.enable_prefix_caching,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "cache_dtype": cfg.dtype}
         metrics = cls(lambda: engine.stats, model_name, prefix, engine.engine.max_model_len, info)
         engine.observer = metrics

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..kv import KVCacheManager
+from ..util import cdiv
 from .state import kv_picture
 
 if TYPE_CHECKING:
@@ -192,8 +193,8 @@ class VizHub:
     def figures(self) -> dict:
         eng = self.engine
         # The traditional scheme reserves max length (prompt + max_tokens) per running sequence.
-        reserve = sum(-(-min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len)
-                        // eng.kv.block_size) for s in eng.scheduler.running)
+        reserve = sum(cdiv(min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len),
+                           eng.kv.block_size) for s in eng.scheduler.running)
         return kv_figures(eng.kv, reserve, eng.scheduler.num_preemptions)
 
     def _queues(self) -> dict:

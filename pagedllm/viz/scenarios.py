@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..demo import NAMES, SYSTEM, WORDS, library_kv, library_steps
+from ..util import cdiv
 from .hub import kv_figures
 from .state import kv_picture
 
@@ -124,7 +125,7 @@ def library_messages() -> list[dict]:
     tokens: dict[int, list[int]] = {}
     copies: list[tuple[int, int]] = []
     max_len = 16  # what a reader would reserve up front in the traditional scheme
-    reserve = lambda: len(kv.tables) * -(-max_len // kv.block_size)  # noqa: E731
+    reserve = lambda: len(kv.tables) * cdiv(max_len, kv.block_size)  # noqa: E731
     msgs = [{"kind": "snapshot", "t": 0, "step": 0,
              "config": {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size, "policy": kv.policy,
                         "prefix_caching": True, "max_num_seqs": 4, "max_model_len": max_len,

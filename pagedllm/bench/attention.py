@@ -16,6 +16,7 @@ import torch
 
 from ..attention import StepLayout, get_backend
 from ..runtime.kv_cache import allocate_pool
+from ..util import cdiv
 
 
 def copy_bandwidth(nbytes: int, reps: int = 9) -> float:
@@ -44,7 +45,7 @@ def _time(fn, reps: int) -> float:
 def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 16, dtype=torch.bfloat16,
                  reps: int = 15, reference: bool = True) -> dict:
     h, kvh, d = heads
-    nblk = -(-context // block_size)
+    nblk = cdiv(context, block_size)
     pool = 2 * batch * nblk  # blocks scattered over twice the space, as in a busy pool
     g = torch.Generator().manual_seed(batch * 7919 + context)
     tables = torch.randperm(pool, generator=g)[:batch * nblk].view(batch, nblk).to(torch.int32)

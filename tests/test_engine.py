@@ -359,3 +359,17 @@ def test_cache_salt_inside_a_prompt_dict(llm_fp32):
     assert ids.num_cached_tokens == 0
     with pytest.raises(ValueError, match="cache_salt"):
         llm_fp32.generate({"prompt": prompt, "cache_salt": 5}, p, use_tqdm=False)
+
+
+def test_each_prompt_is_encoded_once(llm_fp32, monkeypatch):
+    """LLM.generate validates the batch before queueing it; the ids validation made are the
+    ones queued, not a second encoding. The output still carries the prompt's text."""
+    tok = llm_fp32.engine.tokenizer
+    calls: list[str] = []
+    real = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, **kw: calls.append(text) or real(text, **kw))
+    prompts = ["The library opens at nine", "Where are the maps?"]
+    outs = llm_fp32.generate(prompts, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert sorted(calls) == sorted(prompts)
+    assert [o.prompt for o in outs] == prompts
+    assert [o.prompt_token_ids for o in outs] == [real(p) for p in prompts]

@@ -97,17 +97,22 @@ class LLMEngine:
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | None = None, cache_salt: str | None = None,
-                    owner: str | None = None, add_special_tokens: bool = True) -> Request:
+                    owner: str | None = None, add_special_tokens: bool = True,
+                    prompt_token_ids: list[int] | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing. A text prompt gets the tokenizer's special
-        tokens (BOS), as vLLM's; a chat-templated one already has them: pass False."""
+        tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
+        `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        text, token_ids = self._tokenize(prompt, add_special_tokens)
+        if prompt_token_ids is not None and isinstance(prompt, str):
+            text, token_ids = prompt, self._tokenize(prompt_token_ids, add_special_tokens)[1]
+        else:
+            text, token_ids = self._tokenize(prompt, add_special_tokens)
         max_tokens = self._check_lengths(len(token_ids), params)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)

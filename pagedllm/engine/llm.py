@@ -43,12 +43,13 @@ class LLM:
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 value, salt = _prompt_value(p), _prompt_salt(p, cache_salt)
-                self.engine.validate(value, sp, add_special_tokens)
+                token_ids = self.engine.validate(value, sp, add_special_tokens)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-            values.append((value, salt))
-        ids = [self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens).request_id
-               for (value, salt), sp in zip(values, params)]
+            values.append((value, salt, token_ids))
+        ids = [self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens,
+                                       prompt_token_ids=token_ids).request_id
+               for (value, salt, token_ids), sp in zip(values, params)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -12,7 +12,7 @@ from typing import Any
 from . import __version__
 from .config import EngineConfig
 
-# The seed's first scenario: many chats sharing one system prompt.
+# The first serving scenario: many chats sharing one system prompt.
 EXAMPLE_SYSTEM = ("You are a patient support agent for a public library. Answer in two or three short "
                   "sentences, be friendly, and suggest one next step the reader can take.")
 EXAMPLE_QUESTIONS = [

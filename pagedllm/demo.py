@@ -1,4 +1,4 @@
-"""The seed's library example, run on the real KV cache manager (block size 4, 12 blocks)."""
+"""The library example (readers sharing a system prompt, one branching off), run on the real KV cache manager (block size 4, 12 blocks)."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -53,7 +53,7 @@ def run_library_demo(print_fn=print) -> dict:
         pass
 
     p = print_fn
-    p("PagedLLM library demo: block size 4, 12 physical blocks (the seed's worked example)\n")
+    p("PagedLLM library demo: block size 4, 12 physical blocks (the PagedAttention worked example)\n")
     for seq in (SYS, A, B, C):
         t = kv.block_table(seq)
         row = " | ".join(f"L{i}->P{b}" for i, b in enumerate(t.block_ids))
@@ -73,7 +73,7 @@ def run_library_demo(print_fn=print) -> dict:
     p(f"  a new request with the same system prompt hits {len(hit)} cached blocks {hit} "
       f"({len(hit) * 4} of {len(question)} tokens skip prefill)")
 
-    for seq in (C, B, A, SYS):                                   # unlike the seed's sketch, free
+    for seq in (C, B, A, SYS):                                   # unlike the paper's sketch, free
         kv.free(seq)
     kv.check_integrity()
     p(f"\n  after all requests finish: {kv.pool.num_free} of 12 blocks free again "

@@ -15,7 +15,7 @@ from pagedllm.models import ModelConfig
 def test_kv_calc_matches_formula_and_engine(model_dir, llm_fp32):
     cfg = ModelConfig.from_hf(load_config(model_dir))
     c = kv_calc(cfg, "float32", seq_len=1000, batch=3, block_size=16, budget_bytes=256 * 2**20)
-    # The seed's M_KV = 2 * L * d_kv * S * b * bytes, for SmolLM2: L=30, d_kv = 3 heads * 64.
+    # M_KV = 2 * L * d_kv * S * b * bytes, for SmolLM2: L=30, d_kv = 3 heads * 64.
     assert c.m_kv_bytes == 2 * 30 * 192 * 1000 * 3 * 4
     assert c.bytes_per_token == llm_fp32.engine.runner.kv_cache.bytes_per_token == 46080
     assert c.num_blocks == llm_fp32.get_stats().kv.num_blocks  # the engine sized 256MiB the same way

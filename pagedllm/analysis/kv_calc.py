@@ -1,4 +1,4 @@
-"""`pagedllm kv-calc`: the seed's M_KV = 2*L*d_kv*S*b*bytes, and what fits a budget."""
+"""`pagedllm kv-calc`: M_KV = 2*L*d_kv*S*b*bytes, and what fits a budget."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
@@ -26,7 +26,7 @@ class KVCalc:
     bytes_per_token: int
     bytes_per_block: int
     blocks_per_seq: int
-    m_kv_bytes: int                 # for seq_len x batch, the seed's formula
+    m_kv_bytes: int                 # for seq_len x batch: M_KV
     budget_bytes: int
     num_blocks: int
     paged_max_seqs: int             # sequences of seq_len that fit, paged

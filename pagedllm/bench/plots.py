@@ -124,22 +124,24 @@ def plot_decode_attention(ax, data: dict) -> None:
     ax.legend(fontsize=8)
 
 
-def plot_memory(fig, data: dict) -> None:
-    """The paper's claims in four panels: concurrency under one budget, prefix hits,
-    blocks saved by parallel sampling, waste against block size."""
-    (a, b), (c, d) = fig.subplots(2, 2)
+def _memory_concurrency(a, data: dict) -> None:
     pv = data["paged_vs_reserve"]
-    names = ["paged", "reserve-max"]
     runs = [pv["paged"], pv["reserve_max"]]
-    _bars(a, names, [r["max_concurrent_seqs"] for r in runs], [family_colour("pagedllm"),
-                                                                   family_colour("reserve-max")])
+    _bars(a, ["paged", "reserve-max"], [r["max_concurrent_seqs"] for r in runs],
+          [family_colour("pagedllm"), family_colour("reserve-max")])
     a.set_xlabel("most sequences running at once")
     a.set_title("same KV budget", fontsize=9)
+
+
+def _memory_prefix(b, data: dict) -> None:
     share = data["prefix_sharing"]
     _bars(b, [r.get("workload") or r["engine"].split("(")[-1].rstrip(")") for r in share],
           [100 * r["prefix_hit_rate"] for r in share], [family_colour("pagedllm")] * len(share), "{:.0f}%")
     b.set_xlabel("prefix hit rate (% of prompt tokens)")
     b.set_title("prefix caching", fontsize=9)
+
+
+def _memory_parallel(c, data: dict) -> None:
     par = data["parallel_sampling"]
     steps = par["steps"]
     t = [st["t"] - steps[0]["t"] for st in steps]
@@ -151,6 +153,9 @@ def plot_memory(fig, data: dict) -> None:
                 f"{100 * par.get('mean_blocks_saved_frac', 0):.0f}% saved on average", fontsize=9)
     c.legend(fontsize=7)
     c.grid(alpha=0.3)
+
+
+def _memory_block_size(d, data: dict) -> None:
     sweep = sorted(data["block_size_sweep"], key=lambda r: r["block_size"])
     d.plot([r["block_size"] for r in sweep], [100 * r["mean_waste"] for r in sweep], "o-")
     d.set_xscale("log", base=2)
@@ -158,6 +163,23 @@ def plot_memory(fig, data: dict) -> None:
     d.set_ylabel("mean waste (%)")
     d.set_title("internal fragmentation", fontsize=9)
     d.grid(alpha=0.3)
+
+
+# `bench memory --parts` runs any subset of these; each present part gets its panel.
+MEMORY_PANELS = (("paged_vs_reserve", _memory_concurrency), ("prefix_sharing", _memory_prefix),
+                 ("parallel_sampling", _memory_parallel), ("block_size_sweep", _memory_block_size))
+
+
+def plot_memory(fig, data: dict) -> None:
+    """The paper's claims, a panel each: concurrency under one budget, prefix hits,
+    blocks saved by parallel sampling, waste against block size."""
+    panels = [fn for key, fn in MEMORY_PANELS if data.get(key)]
+    rows, cols = (1, len(panels)) if len(panels) <= 2 else (2, 2)
+    axes = fig.subplots(rows, cols, squeeze=False).flatten()
+    for ax, fn in zip(axes, panels):
+        fn(ax, data)
+    for ax in axes[len(panels):]:
+        ax.axis("off")
 
 
 def plot_step_profile(ax, data: dict) -> None:
@@ -184,7 +206,8 @@ def plot_viz_overhead(ax, data: dict) -> None:
 # (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
 Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
 PLOTTERS: list[Plotter] = [
-    (lambda d: "paged_vs_reserve" in d, plot_memory, "Memory: paged vs reserve-max, sharing, block size", True),
+    (lambda d: any(d.get(key) for key, _ in MEMORY_PANELS), plot_memory,
+     "Memory: paged vs reserve-max, sharing, block size", True),
     (lambda d: isinstance(d.get("results"), list) and d["results"] and "server" in d["results"][0]
      and "client" in d["results"][0], plot_serve_sweep, "Serving: PagedLLM vs vllm serve", True),
     (lambda d: isinstance(d.get("results"), list) and d["results"] and "kernel_over_floor" in d["results"][0],

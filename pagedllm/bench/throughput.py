@@ -1,12 +1,10 @@
 """`pagedllm bench throughput`: offline throughput of this engine on a workload."""
 from __future__ import annotations
 
-import json
-import os
 import time
-from dataclasses import asdict
 
 from ..sampling_params import SamplingParams
+from .provenance import save_result
 from .sharegpt import BenchRequest
 
 
@@ -18,6 +16,8 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     the engine's counters and a per-step KV record of the last pass."""
     from ..engine import LLM
 
+    if passes < 1:
+        raise ValueError(f"passes must be >= 1, got {passes}")
     llm = LLM(**engine_kwargs)
     engine = llm.engine
     params = [SamplingParams(n=n, temperature=temperature, seed=i if temperature else None,
@@ -79,6 +79,5 @@ def print_throughput(r: dict) -> None:
 
 
 def save(result: dict | list, path: str) -> None:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=lambda o: asdict(o) if hasattr(o, "__dataclass_fields__") else str(o))
+    """A result file, with its provenance (the scripts under benchmarks/ call it by this name)."""
+    save_result(result, path)

@@ -1,6 +1,12 @@
-"""Property tests of the KV cache manager: random allocate / append / fork / free /
-prefix hit / evict sequences, checking the invariants after every step. A shadow
-"KV store" (slot -> token written) checks that copy-on-write isolates sequences."""
+"""Property tests of the KV cache manager: random allocate (whole or in chunks) / append /
+fork / free / prefix hit / evict sequences under drawn cache salts, checking the invariants
+after every step.
+
+A shadow "KV store" keys what each physical slot holds by the token's whole history: the
+sequence's salt and every token id up to and including it. A block is interchangeable only
+with one of the same history, so a prefix hit that serves a block with the right tokens but
+another parent, or another tenant's salt, fails here; so does copy-on-write that lets one
+sequence's write leak into another's view."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -8,12 +14,18 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
+from pagedllm.kv.hashing import BlockHashes
 from pagedllm.viz.state import KVReplay, kv_picture
 
 B = 4
 NUM_BLOCKS = 24
-# A small vocabulary and a few shared stems make prefix hits frequent.
+# A small vocabulary and a few shared stems make prefix hits frequent; the last stem repeats
+# one full block, so its second block has the first one's tokens under another parent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
+SALTS = st.sampled_from([None, "a", "b"])
+
+# What one slot holds: (salt, token ids from the sequence's start up to this token).
+History = tuple[str | None, tuple[int, ...]]
 
 
 def watched(kv: KVCacheManager) -> KVReplay:
@@ -32,9 +44,15 @@ class KVManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True)
         self.replay = watched(self.kv)
-        self.tokens: dict[int, list[int]] = {}  # seq -> tokens it holds KV for
-        self.store: dict[int, int] = {}         # slot -> token id whose KV sits there
+        self.tokens: dict[int, list[int]] = {}       # seq -> tokens it holds KV for
+        self.future: dict[int, list[int]] = {}       # seq -> prompt tokens it has not reached yet
+        self.hashes: dict[int, BlockHashes] = {}     # seq -> its block keys, one object for all calls
+        self.salt: dict[int, str | None] = {}
+        self.store: dict[int, History] = {}          # slot -> the history of the token written there
         self.next_id = 0
+
+    def _history(self, seq: int, j: int) -> History:
+        return self.salt[seq], tuple(self.tokens[seq][:j + 1])
 
     def _write(self, seq: int, start: int, copies: list[tuple[int, int]]) -> None:
         """What the runner does: copy blocks, then write the new tokens' KV."""
@@ -44,35 +62,69 @@ class KVManagerMachine(RuleBasedStateMachine):
                     self.store[dst * B + off] = self.store[src * B + off]
         table = self.kv.block_table(seq)
         for j in range(start, len(self.tokens[seq])):
-            self.store[table.slot(j)] = self.tokens[seq][j]
+            self.store[table.slot(j)] = self._history(seq, j)
 
-    @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=6))
-    def add_sequence(self, stem: int, extra: list[int]) -> None:
-        toks = STEMS[stem] + extra
-        hit = self.kv.lookup_prefix(toks)
+    def _lookup(self, toks: list[int], salt: str | None) -> tuple[list[int], BlockHashes]:
+        hashes = self.kv.new_hashes(salt)
+        hit = self.kv.lookup_prefix(toks, hashes)
         assert len(hit) * B <= len(toks) - 1, "a hit must leave the last token to compute"
-        for i, b in enumerate(hit):  # a hit block really holds this prefix's tokens
-            assert [self.store.get(b * B + o) for o in range(B)] == toks[i * B:(i + 1) * B]
+        for i, b in enumerate(hit):  # a hit block holds exactly this prefix, under this salt
+            want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
+            assert [self.store.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
+        # a request waiting for room looks up again each step, with the same keys
+        assert self.kv.lookup_prefix(toks, hashes) == hit
+        return hit, hashes
+
+    def _admit(self, toks: list[int], salt: str | None, chunks: list[int]) -> None:
+        """Look the prompt up, then give it slots in chunks (cumulative token counts past
+        the hit, as chunked prefill does), writing each chunk's KV before the next."""
+        hit, hashes = self._lookup(toks, salt)
+        start = len(hit) * B
+        ends = sorted({min(len(toks), start + c) for c in chunks} | {len(toks)})
         seq = self.next_id
-        copies = self.kv.allocate_slots(seq, toks, len(toks), hit)
+        copies = self.kv.allocate_slots(seq, toks, ends[0], hit, hashes)
         if copies is None:
             return
+        assert copies == [], "a new sequence writes only into blocks of its own"
         self.next_id += 1
-        self.tokens[seq] = toks
-        assert copies == []
-        self._write(seq, len(hit) * B, copies)
+        self.tokens[seq], self.future[seq] = toks[:ends[0]], toks[ends[0]:]
+        self.hashes[seq], self.salt[seq] = hashes, salt
+        self._write(seq, start, copies)
+        for end in ends[1:]:
+            if not self._grow(seq, end - len(self.tokens[seq])):
+                return  # out of room mid-prompt: it holds what it got, the rest stays in `future`
+
+    def _grow(self, seq: int, count: int) -> bool:
+        """Slots for `count` more tokens: the rest of its prompt first, then new ones."""
+        held = len(self.tokens[seq])
+        fut = self.future[seq]
+        new = self.tokens[seq] + fut[:count]
+        new += [new[-1] % 10] * (held + count - len(new))  # past the prompt: a decoded token
+        copies = self.kv.allocate_slots(seq, new + fut[count:], len(new), hashes=self.hashes[seq])
+        if copies is None:
+            return False
+        self.tokens[seq], self.future[seq] = new, fut[count:]
+        self._write(seq, held, copies)
+        return True
+
+    @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=6), salt=SALTS)
+    def add_sequence(self, stem: int, extra: list[int], salt: str | None) -> None:
+        self._admit(STEMS[stem] + extra, salt, [])
+
+    @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=8), salt=SALTS,
+          chunks=st.lists(st.integers(1, 17), min_size=1, max_size=4))
+    def add_sequence_in_chunks(self, stem: int, extra: list[int], salt: str | None, chunks: list[int]) -> None:
+        """Chunked prefill: several allocate_slots calls of partial lengths, often ending
+        mid-block, with the whole prompt's token ids each time."""
+        self._admit(STEMS[stem] + extra, salt, chunks)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data(), tok=st.integers(0, 9), count=st.integers(1, 5))
     def append(self, data, tok: int, count: int) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
-        new = self.tokens[seq] + [tok] * count
-        start = len(self.tokens[seq])
-        copies = self.kv.allocate_slots(seq, new, len(new))
-        if copies is None:
-            return
-        self.tokens[seq] = new
-        self._write(seq, start, copies)
+        if not self.future[seq]:
+            self.future[seq] = [tok] * count  # decoded tokens: known only as they come
+        self._grow(seq, count)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
@@ -82,14 +134,17 @@ class KVManagerMachine(RuleBasedStateMachine):
         child = self.next_id
         self.next_id += 1
         assert self.kv.fork(parent, child, n) == []
-        self.tokens[child] = self.tokens[parent][:n]
+        self.tokens[child], self.future[child] = self.tokens[parent][:n], []
+        self.salt[child] = self.salt[parent]
+        self.hashes[child] = self.kv.block_table(child).hashes  # the parent's keys, cut at n
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         self.kv.free(seq)
-        del self.tokens[seq]
+        for d in (self.tokens, self.future, self.hashes, self.salt):
+            del d[seq]
 
     @rule()
     def reset_cache(self) -> None:
@@ -119,11 +174,27 @@ class KVManagerMachine(RuleBasedStateMachine):
 
     @invariant()
     def kv_isolated(self) -> None:
-        """Every sequence reads back exactly its own tokens: no write through a shared
-        block ever leaked into another sequence's view."""
+        """Every sequence reads back exactly its own history, slot by slot: no write through
+        a shared block ever leaked into another sequence's view."""
         for s, toks in self.tokens.items():
             t = self.kv.block_table(s)
-            assert [self.store.get(t.slot(j)) for j in range(len(toks))] == toks
+            assert [self.store.get(t.slot(j)) for j in range(len(toks))] == \
+                [self._history(s, j) for j in range(len(toks))]
+
+    @invariant()
+    def cached_blocks_hold_their_history(self) -> None:
+        """A block in the prefix cache holds one full block's history under one salt, and
+        no other cached block holds the same: one key per history, one block per key."""
+        seen: dict[History, int] = {}
+        for blk in self.kv.pool.blocks:
+            if blk.block_hash is None:
+                continue
+            slots = [self.store.get(blk.block_id * B + o) for o in range(B)]
+            assert None not in slots, f"cached block {blk.block_id} was never fully written"
+            salt, last = slots[-1]
+            assert len(last) % B == 0 and all(h == (salt, last[:len(last) - B + o + 1]) for o, h in enumerate(slots))
+            assert slots[-1] not in seen, f"blocks {seen.get(slots[-1])} and {blk.block_id} cache one history"
+            seen[slots[-1]] = blk.block_id
 
     def teardown(self) -> None:
         for s in list(self.tokens):

@@ -1,4 +1,5 @@
-"""`pagedllm bench serve` against the session server: vLLM's summary labels, JSON keys and flags."""
+"""`pagedllm bench serve` against the session server: vLLM's summary labels, JSON keys and flags,
+and the report built from the JSON it wrote."""
 from __future__ import annotations
 
 import json
@@ -36,3 +37,12 @@ def test_bench_serve_vllm_flags_labels_and_keys(server, tmp_path):
             assert isinstance(r[f"{s}_{k}_ms"], float), f"{s}_{k}_ms"
     assert 0 < r["mean_ttft_ms"] <= r["mean_e2el_ms"] and len(r["ttfts"]) == 4 and len(r["itls"][0]) == 3
     assert f"{r['mean_ttft_ms']:<10.2f}" in next(x for x in lines if x.startswith("Mean TTFT (ms):"))
+    assert len(r["provenance"]["commit"]) in (40, len("unknown")) and r["provenance"]["threads"] >= 1
+    # the report reads this run as written: its row in the serving table, its TTFT CDF
+    from pagedllm.bench.report import write_report
+
+    files = write_report([str(tmp_path / "r.json")], str(tmp_path / "report"))
+    assert {p.name for p in files} == {"report.md", "serving_ttft_cdf.png"}
+    md = (tmp_path / "report" / "report.md").read_text()
+    assert f"| random rate=50.0 | {r['request_throughput']:.2f} | {r['output_throughput']:.1f} | " \
+           f"{r['mean_ttft_ms']:.1f} | {r['median_ttft_ms']:.1f} | {r['p99_ttft_ms']:.1f} |" in md

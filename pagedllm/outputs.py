@@ -38,3 +38,20 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
     error: str | None = None           # why the request failed (finish_reason "error"), alone in its batch
+
+
+@dataclass
+class BeamSearchSequence:
+    """vLLM's: one kept beam. `tokens` are the prompt's then the beam's (its EOS included)."""
+    tokens: list[int]
+    cum_logprob: float
+    text: str
+    finish_reason: str | None = None   # "stop" (EOS) or "length"
+    stop_reason: int | None = None
+    score: float = 0.0                 # cum_logprob / generated_len ** length_penalty (the ranking)
+
+
+@dataclass
+class BeamSearchOutput:
+    """vLLM's: a prompt's kept beams, best score first."""
+    sequences: list[BeamSearchSequence]

@@ -34,6 +34,9 @@ class SampleTarget(PromptThenOutput):
     seed: int                 # seeds the runner's generator for this sequence, on first use
     token_ids: list[int]      # its tokens so far, prompt then output (penalties read them)
     num_prompt_tokens: int
+    # A beam: no token is drawn; the runner returns this many best next tokens with their
+    # log-probabilities, and the engine's beam search chooses.
+    beam_candidates: int = 0
 
 
 @dataclass(slots=True, eq=False)

@@ -112,6 +112,43 @@ class SamplingParams:
                     or self.repetition_penalty != 1.0 or self.logit_bias)
 
 
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam-search settings, with HF's length_penalty and early_stopping meanings:
+    a finished hypothesis scores sum(logprobs) / generated_len ** length_penalty, and the
+    search ends when every kept hypothesis beats what a live beam could still reach
+    (False), as soon as k hypotheses are kept (True), or only at max_tokens ("never")."""
+    beam_width: int
+    max_tokens: int | None     # None: up to max_model_len
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+
+    def __post_init__(self) -> None:
+        if not _int(self.beam_width) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.max_tokens is not None and (not _int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _number(self.temperature) or self.temperature != 0:
+            raise ValueError(f"beam search is deterministic here: temperature must be 0, got {self.temperature!r}")
+        if not _number(self.length_penalty) or not math.isfinite(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise ValueError(f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+
+    @property
+    def n(self) -> int:
+        """Outputs per prompt: the kept beams."""
+        return self.beam_width
+
+    def sampling_params(self) -> SamplingParams:
+        """What the engine's common paths read (greedy rows, max_tokens, EOS handling)."""
+        return SamplingParams(temperature=0.0, max_tokens=self.max_tokens, ignore_eos=self.ignore_eos)
+
+
 def _int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 

@@ -42,11 +42,12 @@ def compare_json(out_dir) -> Path:
 
 @pytest.fixture(scope="module")
 def memory_json(out_dir) -> Path:
-    """Paged vs reserve-max, prefix sharing on the three shared-prefix workloads, n = 4."""
+    """Paged vs reserve-max, prefix sharing on the three shared-prefix workloads, n = 4,
+    beam search k = 2, 4, 6."""
     out = out_dir / "memory.json"
     assert main(["bench", "memory", "--num-prompts", "3", "--max-output-len", "3", "--max-prompt-len", "48",
                  "--truncate-prompts", "--system-tokens", "40", "--doc-tokens", "48", "--max-model-len", "512",
-                 *ENGINE, "--parts", "reserve,prefix,n", "--out", str(out)]) == 0
+                 *ENGINE, "--parts", "reserve,prefix,n,beam", "--out", str(out)]) == 0
     return out
 
 
@@ -91,7 +92,13 @@ def test_memory_analysis_tiny(memory_json):
         assert x["measured_saved_bytes"] == x["measured_saved_blocks"] * x["bytes_per_block"]
     ps = r["parallel_sampling"]
     assert ps["n"] == 4 and ps["max_blocks_saved_frac"] > 0, "n samples share their prompt's blocks"
-    assert len(r["results"]) == 2 + 3 + 1 and all("steps" in x for x in r["results"])
+    beams = r["beam_sharing"]
+    assert [(x["workload"], x["beam_width"]) for x in beams] == [
+        (w, k) for w in ("sharegpt", "short-instructions") for k in (2, 4, 6)]
+    for x in beams:  # k beams of a prompt share its blocks: fewer blocks than k copies
+        assert 0 < x["mean_blocks_saved_frac"] < 1 and x["peak_blocks_used"] < x["peak_blocks_without_sharing"]
+        assert x["output_tokens"] > 0
+    assert len(r["results"]) == 2 + 3 + 1 + 6 and all("steps" in x for x in r["results"][:6])
 
 
 def test_report_from_real_results(compare_json, memory_json, tmp_path):

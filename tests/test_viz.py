@@ -113,6 +113,12 @@ def test_scenarios_show_what_they_promise():
     assert "hit" in kinds(traces["chat"]) and any(
         ev["type"] == "hit" and ev["blocks"] for m in traces["chat"]["messages"] for ev in m.get("kv", []))
     assert {"fork", "cow"} <= kinds(traces["parallel-n4"])
+    # Beams fork every step they are chosen twice, copy on write, and the pruned are freed.
+    beam = traces["beam"]["messages"]
+    assert {"fork", "cow", "free"} <= kinds(traces["beam"])
+    assert sum(ev["type"] == "fork" for m in beam for ev in m.get("kv", [])) >= 4
+    assert any(ev["type"] == "free" for m in beam[:-1] if m.get("kind") == "step" for ev in m["kv"]), \
+        "a beam that is not chosen is freed before the search ends"
     assert any(m.get("preempted") for m in traces["preemption"]["messages"])
 
 

@@ -118,10 +118,10 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
     m = bs.add_parser("memory", help="memory analysis on real runs: paged vs reserve-max, prefix sharing, "
-                      "n > 1, block sizes")
+                      "n > 1, beam search, block sizes")
     _workload_args(m, num_prompts=48, seed=False)
     add_engine_args(m)
-    m.add_argument("--parts", default="reserve,prefix,n,block-size", help="comma list of the analyses to run")
+    m.add_argument("--parts", default="reserve,prefix,n,beam,block-size", help="comma list of the analyses to run")
     m.add_argument("--out", default="results/memory.json", help="result JSON")
     m.set_defaults(func=lambda a: _memory(a, engine_config))
 

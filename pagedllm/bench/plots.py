@@ -155,6 +155,21 @@ def _memory_parallel(c, data: dict) -> None:
     c.grid(alpha=0.3)
 
 
+def _memory_beam(e, data: dict) -> None:
+    runs = data["beam_sharing"]
+    for w, marker in (("sharegpt", "o-"), ("short-instructions", "s--")):
+        rs = sorted((r for r in runs if r["workload"] == w), key=lambda r: r["beam_width"])
+        if rs:
+            e.plot([r["beam_width"] for r in rs], [100 * r["mean_blocks_saved_frac"] for r in rs], marker, label=w)
+            lo, hi = rs[0]["paper_range"]
+            e.axhspan(100 * lo, 100 * hi, alpha=0.12, color=OTHER_COLOUR)
+    e.set_xlabel("beam width k")
+    e.set_ylabel("blocks saved by sharing (%)")
+    e.set_title("beam search (bands: the paper's range)", fontsize=9)
+    e.legend(fontsize=7)
+    e.grid(alpha=0.3)
+
+
 def _memory_block_size(d, data: dict) -> None:
     sweep = sorted(data["block_size_sweep"], key=lambda r: r["block_size"])
     d.plot([r["block_size"] for r in sweep], [100 * r["mean_waste"] for r in sweep], "o-")
@@ -167,14 +182,15 @@ def _memory_block_size(d, data: dict) -> None:
 
 # `bench memory --parts` runs any subset of these; each present part gets its panel.
 MEMORY_PANELS = (("paged_vs_reserve", _memory_concurrency), ("prefix_sharing", _memory_prefix),
-                 ("parallel_sampling", _memory_parallel), ("block_size_sweep", _memory_block_size))
+                 ("parallel_sampling", _memory_parallel), ("beam_sharing", _memory_beam),
+                 ("block_size_sweep", _memory_block_size))
 
 
 def plot_memory(fig, data: dict) -> None:
     """The paper's claims, a panel each: concurrency under one budget, prefix hits,
     blocks saved by parallel sampling, waste against block size."""
     panels = [fn for key, fn in MEMORY_PANELS if data.get(key)]
-    rows, cols = (1, len(panels)) if len(panels) <= 2 else (2, 2)
+    rows, cols = (1, len(panels)) if len(panels) <= 2 else (2, 2) if len(panels) <= 4 else (2, 3)
     axes = fig.subplots(rows, cols, squeeze=False).flatten()
     for ax, fn in zip(axes, panels):
         fn(ax, data)

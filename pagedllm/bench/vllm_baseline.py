@@ -82,11 +82,13 @@ def _env(kv_bytes: int) -> dict:
 
 
 def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
-                     max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600) -> list[dict]:
-    """vLLM's LLM.generate on the same token ids, in its own process: results of the cold
-    pass (right after start-up) and the warm one."""
+                     max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
+                     beam_width: int | None = None) -> list[dict]:
+    """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
+    in its own process: results of the cold pass (right after start-up) and the warm one."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
-            "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype}
+            "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
+            "beam_width": beam_width}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

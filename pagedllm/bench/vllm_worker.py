@@ -3,6 +3,8 @@ fixed request list, timed twice in one process (cold, then warm), printed as JSO
 
     VENV/bin/python vllm_worker.py spec.json
 spec: {"model": dir, "prompts": [[ids]], "output_lens": [n], "max_model_len": n, "dtype": "bfloat16"}
+With "beam_width": k in the spec it times LLM.beam_search instead (max_tokens: the
+longest output length, EOS ignored) and counts the returned beams' generated tokens.
 """
 import json
 import sys
@@ -25,13 +27,24 @@ def main() -> None:
     for name in ("cold", "warm"):
         llm.reset_prefix_cache()
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        if spec.get("beam_width"):
+            n = beam_search(llm, spec)
+        else:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            n = sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.perf_counter() - t0
-        n = sum(len(o.outputs[0].token_ids) for o in outs)
         passes.append({"pass": name, "elapsed_s": dt, "output_tokens": n, "output_tok_s": n / dt})
     import torch
     print("PAGEDLLM_RESULT " + json.dumps({"startup_s": startup, "passes": passes, "torch": torch.__version__,
                                            "threads": torch.get_num_threads()}), flush=True)
+
+
+def beam_search(llm, spec: dict) -> int:
+    from vllm.sampling_params import BeamSearchParams
+
+    params = BeamSearchParams(beam_width=spec["beam_width"], max_tokens=max(spec["output_lens"]), ignore_eos=True)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in spec["prompts"]], params)
+    return sum(len(s.tokens) - len(p) for o, p in zip(outs, spec["prompts"]) for s in o.sequences)
 
 
 if __name__ == "__main__":  # vLLM spawns workers that re-import this file

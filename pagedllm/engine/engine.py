@@ -13,7 +13,8 @@ from ..kv import KVCacheManager, KVStats
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams
+from .beam import BeamGroup
 from .detokenizer import detokenize, final_text
 from .observer import EngineObserver
 from .scheduler import Scheduler
@@ -96,16 +97,22 @@ class LLMEngine:
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
-                    params: SamplingParams | None = None, cache_salt: str | None = None,
+                    params: SamplingParams | BeamSearchParams | None = None, cache_salt: str | None = None,
                     owner: str | None = None, add_special_tokens: bool = True,
                     prompt_token_ids: list[int] | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing. A text prompt gets the tokenizer's special
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
-        `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once."""
+        `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
+        BeamSearchParams make a beam-search request: one group of up to beam_width beams."""
         params = params or SamplingParams()
+        beam = params if isinstance(params, BeamSearchParams) else None
+        if beam is not None:
+            self._check_beam(beam)
+            params = beam.sampling_params()
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -113,14 +120,17 @@ class LLMEngine:
             text, token_ids = prompt, self._tokenize(prompt_token_ids, add_special_tokens)[1]
         else:
             text, token_ids = self._tokenize(prompt, add_special_tokens)
-        max_tokens = self._check_lengths(len(token_ids), params)
+        max_tokens = self._check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
-        for i in range(params.num_samples):
+        for i in range(1 if beam else params.num_samples):
             seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
                            seed=(base_seed * 1_000_003 + i) & 0x7FFFFFFFFFFF,
                            status=SeqStatus.PENDING)
             req.seqs.append(seq)
+        if beam is not None:
+            req.beam = BeamGroup(beam, 0 if beam.ignore_eos else len(self.eos_token_ids), max_tokens)
+            req.beams = [req.seqs[0]]
         self.requests[request_id] = req
         self.scheduler.add(req.seqs[0])
         for o in self.observers:
@@ -128,12 +138,25 @@ class LLMEngine:
                 o.on_request(req)
         return req
 
-    def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
+    def validate(self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
+                 add_special_tokens: bool = True) -> list[int]:
         """Token ids of a request that add_request would accept; ValueError otherwise.
         Reads no mutable engine state, so it is safe to call from another thread."""
+        width = 1
+        if isinstance(params, BeamSearchParams):
+            self._check_beam(params)
+            params, width = params.sampling_params(), params.beam_width
         _, ids = self._tokenize(prompt, add_special_tokens)
-        self._check_lengths(len(ids), params)
+        self._check_lengths(len(ids), params, width)
         return ids
+
+    def _check_beam(self, beam: BeamSearchParams) -> None:
+        if beam.beam_width > self.cfg.max_num_seqs:
+            raise ValueError(f"beam_width {beam.beam_width} exceeds max_num_seqs ({self.cfg.max_num_seqs}): "
+                             "the beams of a request run together")
+        if self.kv.policy != "paged":
+            raise ValueError("beam search shares blocks between beams: it needs allocation 'paged', "
+                             f"not {self.kv.policy!r}")
 
     def _tokenize(self, prompt: str | Seq[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -160,7 +183,9 @@ class LLMEngine:
         if prompt_len >= self.max_model_len:
             raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
 
-    def _check_lengths(self, prompt_len: int, params: SamplingParams) -> int:
+    def _check_lengths(self, prompt_len: int, params: SamplingParams, width: int = 1) -> int:
+        """max_tokens after checking the request can ever run; `width` beams may each need
+        their own blocks after a preemption by recompute (no sharing left then)."""
         vocab = self.model_cfg.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
@@ -169,9 +194,10 @@ class LLMEngine:
         if prompt_len + max_tokens > self.max_model_len:
             raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
                              f"{prompt_len + max_tokens} exceeds max_model_len ({self.max_model_len})")
-        if not self.kv.can_ever_fit(prompt_len + max_tokens):
-            raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens needs more KV blocks than "
-                             f"the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
+        if not self.kv.can_ever_fit(prompt_len + max_tokens, width):
+            beams = f" for each of {width} beams" if width > 1 else ""
+            raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens{beams} needs more KV blocks "
+                             f"than the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
         return max_tokens
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
@@ -221,6 +247,12 @@ class LLMEngine:
                 self._accept(seq, token, logprobs.get(seq.seq_id), now)
             except Exception as e:  # e.g. detokenizing for stop strings: this request only
                 self._fail(req, f"{type(e).__name__}: {e}")
+        for req in self._beam_groups(out, logprobs):
+            touched[req.request_id] = req
+            try:
+                new_tokens += self._advance_beams(req, now)
+            except Exception as e:  # this request only
+                self._fail(req, f"{type(e).__name__}: {e}")
         if errors:  # rare: skip the walk over the batch on every ordinary step
             for s in out.scheduled:
                 for seq in s.sample_for:
@@ -238,6 +270,62 @@ class LLMEngine:
             if req.finished or self.stream_outputs:
                 outputs.append(self.make_output(req))
         return outputs
+
+    @staticmethod
+    def _beam_groups(out, logprobs: dict) -> list[Request]:
+        """Beam groups whose live beams all have their candidates after this step."""
+        ready: dict[str, Request] = {}
+        for s in out.scheduled:
+            for seq in s.sample_for:
+                req = seq.request
+                if req.beam is not None and seq.seq_id in logprobs and not seq.finished:
+                    req.candidates[seq.seq_id] = [(t, lp.logprob) for t, lp in logprobs[seq.seq_id].items()]
+                    if all(b.seq_id in req.candidates for b in req.beams):
+                        ready[req.request_id] = req
+        return list(ready.values())
+
+    def _advance_beams(self, req: Request, now: float) -> list[tuple[Sequence, int]]:
+        """One beam-search step: choose the next beams (pure, in engine.beam), then apply
+        it to block tables: a beam chosen once extends itself, chosen again forks (shared
+        blocks, copy-on-write of the partial last one), not chosen is freed now."""
+        beams, group, eos = req.beams, req.beam, self.eos_token_ids
+        ignore_eos = group.params.ignore_eos
+
+        def ends(token: int, gen_len: int) -> str | None:
+            if not ignore_eos and token in eos:
+                return "stop"
+            if gen_len >= req.max_tokens or len(req.prompt_token_ids) + gen_len >= self.max_model_len:
+                return "length"
+            return None
+        chosen = group.step([req.candidates.pop(b.seq_id) for b in beams], [b.output_token_ids for b in beams], ends)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.prompt_tokens += len(req.prompt_token_ids)
+        extended: set[int] = set()
+        nxt: list[Sequence] = []
+        for c in chosen:  # forks first: a child copies its parent's tokens before the parent grows
+            parent = beams[c.beam]
+            if c.beam in extended:
+                child = Sequence(next(self._seq_ids), req, len(req.seqs), parent.token_ids + [c.token],
+                                 len(req.prompt_token_ids), parent.seed)
+                req.seqs.append(child)
+                self.scheduler.fork_beam(parent, child)
+                nxt.append(child)
+            else:
+                extended.add(c.beam)
+                nxt.append(parent)
+        for seq, c in zip(nxt, chosen):
+            if seq is beams[c.beam]:
+                seq.token_ids.append(c.token)
+        for i, b in enumerate(beams):
+            if i not in extended:
+                self.scheduler.finish(b, "pruned")
+        req.beams = [] if group.done else nxt
+        if group.done:
+            for b in nxt:
+                self.scheduler.finish(b, "stop")
+        self.generation_tokens += len(chosen)
+        return [(seq, c.token) for seq, c in zip(nxt, chosen)]
 
     def _accept(self, seq: Sequence, token: int, logprob, now: float) -> None:
         seq.token_ids.append(token)
@@ -308,6 +396,8 @@ class LLMEngine:
         return new
 
     def make_output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         outs = []
         p = req.params
         seqs = req.seqs
@@ -325,6 +415,22 @@ class LLMEngine:
         metrics = {"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
                    "first_token_time": req.first_token_time, "finish_time": req.finish_time,
                    "n": req.params.n, "max_tokens": req.max_tokens}
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
+                             req.num_cached_tokens, metrics, req.error)
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        """The kept hypotheses, best score first, once the search is over (nothing before:
+        a beam's tokens can still be dropped)."""
+        outs = []
+        if req.finished and req.error is None:
+            for i, h in enumerate(req.beam.results()):
+                text = self.tokenizer.decode(h.output_ids, skip_special_tokens=True)
+                outs.append(CompletionOutput(i, text, list(h.output_ids), h.finish_reason,
+                                             h.output_ids[-1] if h.finish_reason == "stop" else None,
+                                             None, h.cumulative))
+        metrics = {"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
+                   "first_token_time": req.first_token_time, "finish_time": req.finish_time,
+                   "n": req.beam.width, "max_tokens": req.max_tokens, "beam_scores": [h.score for h in req.beam.results()]}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              req.num_cached_tokens, metrics, req.error)
 

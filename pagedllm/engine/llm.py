@@ -7,8 +7,8 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
-from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from ..sampling_params import BeamSearchParams, SamplingParams
 from .engine import EngineStats, LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -91,6 +91,18 @@ class LLM:
         finally:
             bar.close()
         return [results[i] for i in ids]
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search, run inside the engine: each prompt's beams share blocks,
+        fork and copy on write; the kept beams come back best first (HF's scores)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        prompts = _as_list(prompts)
+        outs = self._generate(prompts, [params] * len(prompts), use_tqdm, None, add_special_tokens=True)
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, c.cumulative_logprob, c.text,
+                                                     c.finish_reason, c.stop_reason, score)
+                                  for c, score in zip(o.outputs, o.metrics["beam_scores"])]) for o in outs]
 
     def get_stats(self) -> EngineStats:
         return self.engine.stats()

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
 from ..plan import PromptThenOutput
+from .beam import BeamGroup
 from .detokenizer import DetokState
 
 
@@ -60,6 +61,11 @@ class Request:
     owner: str | None = None      # the tenant that sent it (the visualizer shows others' text to nobody)
     error: str | None = None      # set when this request alone failed inside a step
     seqs: list[Sequence] = field(default_factory=list)
+    # Beam search: the search state, the live beams (best first) and each live beam's
+    # candidates once its row is computed (the group advances when all have theirs).
+    beam: BeamGroup | None = None
+    beams: list[Sequence] = field(default_factory=list)
+    candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
 
     @property
     def finished(self) -> bool:

@@ -163,13 +163,28 @@ class KVCacheManager:
     def _grow(self, seq_id: int, table: BlockTable, num_tokens: int) -> list[tuple[int, int]] | None:
         """Room for a known sequence's next tokens: a private copy of its partial last
         block if others can read it, then fresh blocks. None, changing nothing, if short."""
-        need = 0 if self.policy == "reserve-max" else max(0, cdiv(num_tokens, self.block_size) - len(table.block_ids))
+        need = self._new_blocks(table, num_tokens)
         cow = self._must_copy(table, num_tokens)
         if need + cow > self.pool.num_free:
             return None
         copies = [self._copy_on_write(seq_id, table)] if cow else []
         self._append(seq_id, table, need)
         return copies
+
+    def _new_blocks(self, table: BlockTable, num_tokens: int) -> int:
+        return 0 if self.policy == "reserve-max" else max(0, cdiv(num_tokens, self.block_size) - len(table.block_ids))
+
+    def blocks_needed(self, seq_id: int, num_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
+        """Free blocks allocate_slots would take for these tokens now: fresh blocks, a
+        copy-on-write, revived cached-free hits (a new sequence), or a whole reservation.
+        Sequences that share a block each count its copy: an upper bound for a group."""
+        table = self.tables.get(seq_id)
+        if table is not None:
+            return self._new_blocks(table, num_tokens) + self._must_copy(table, num_tokens)
+        if self.policy == "reserve-max":
+            return self.reserve_blocks
+        revived = sum(1 for b in cached_blocks if self.pool.is_free(b))
+        return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks)) + revived
 
     def _must_copy(self, table: BlockTable, num_tokens: int) -> bool:
         """A block is written in place only if this sequence alone holds it and it is not
@@ -259,9 +274,10 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> BlockTable:
         return self.tables[seq_id]
 
-    def can_ever_fit(self, num_tokens: int) -> bool:
+    def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
+        """Whether num_seqs sequences of num_tokens each fit the empty pool, unshared."""
         need = self.reserve_blocks if self.policy == "reserve-max" else cdiv(num_tokens, self.block_size)
-        return need <= self.pool.num_blocks
+        return need * num_seqs <= self.pool.num_blocks
 
     def reset_prefix_cache(self) -> int:
         dropped = self.pool.reset_cache()

@@ -21,8 +21,14 @@ def sample(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels=None, e
     and logprobs by seq id, and the error of each sequence whose sampling failed: one bad
     request must not fail the others of the batch, so a failed batch is redone row by row.
     Penalties, logit_bias, min_tokens (against `eos_ids`) and min_p apply first.
-    `generators` keeps each sequence's RNG between calls (by seq id; the runner's)."""
+    `generators` keeps each sequence's RNG between calls (by seq id; the runner's).
+    A beam's entry in the logprobs is its top candidates, best first, and it gets no token."""
     gens = {} if generators is None else generators
+    if any(s.beam_candidates for seqs in rows for s in seqs):
+        beams = _beam_candidates(logits, rows)
+        rows = [[s for s in seqs if not s.beam_candidates] for seqs in rows]
+        tokens, logprobs, errors = sample(logits, rows, kernels, eos_ids, gens)
+        return tokens, {**logprobs, **beams}, errors
     try:
         tokens = _sample_batch(process_logits(logits, rows, eos_ids), rows, kernels, gens)
         return tokens, _logprobs(logits, rows, tokens), {}
@@ -37,6 +43,19 @@ def sample(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels=None, e
                 except Exception as e:
                     errors[seq.seq_id] = f"sampling failed: {type(e).__name__}: {e}"
         return tokens, logprobs, errors
+
+
+def _beam_candidates(logits: torch.Tensor, rows: list[list[SampleTarget]]) -> dict[int, dict[int, Logprob]]:
+    """Each beam row's best tokens under log_softmax of its float32 logits (HF's beam
+    scores), one batched top-k for all of them."""
+    picks = [(i, s) for i, seqs in enumerate(rows) for s in seqs if s.beam_candidates]
+    idx = torch.tensor([i for i, _ in picks], device=logits.device)
+    lp = torch.log_softmax(logits[idx].float(), dim=-1)
+    top = torch.topk(lp, min(max(s.beam_candidates for _, s in picks), lp.shape[-1]), dim=-1)
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return {s.seq_id: {t: Logprob(v, r) for r, (t, v) in enumerate(zip(ids[j][:s.beam_candidates],
+                                                                        values[j][:s.beam_candidates]), 1)}
+            for j, (_, s) in enumerate(picks)}
 
 
 def _sample_batch(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels, gens: dict) -> dict[int, int]:

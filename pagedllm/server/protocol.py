@@ -5,7 +5,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling_params import SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams
 
 
 class StreamOptions(BaseModel):
@@ -37,6 +37,11 @@ class _Common(BaseModel):
     skip_special_tokens: bool = True
     # OpenAI's: token id (a string in JSON) -> bias, clamped to [-100, 100] as vLLM does.
     logit_bias: dict[int, float] | None = None
+    best_of: int | None = Field(None, ge=1, le=16)   # draw this many, return the n of highest cumulative logprob
+    # vLLM's beam search: n is the beam width; HF's length_penalty and early_stopping.
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, allow_inf_nan=False)
+    early_stopping: bool | Literal["never"] = False
 
     @field_validator("logit_bias")
     @classmethod
@@ -55,8 +60,12 @@ class _Common(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p,
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams | BeamSearchParams:
+        if self.use_beam_search:
+            return self._beam_params(max_tokens, logprobs)
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of: the best samples are known only at the end, so best_of > n cannot stream")
+        return SamplingParams(n=self.n, best_of=self.best_of, temperature=self.temperature, top_p=self.top_p,
                               top_k=0 if self.top_k == -1 else self.top_k, seed=self.seed,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
                               ignore_eos=self.ignore_eos, logprobs=logprobs,
@@ -64,6 +73,23 @@ class _Common(BaseModel):
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                               logit_bias=self.logit_bias)
+
+
+    def _beam_params(self, max_tokens: int | None, logprobs: int | None) -> BeamSearchParams:
+        """Settings that sampling reads but beams do not are refused, never ignored."""
+        if "temperature" in self.model_fields_set and self.temperature != 0:
+            raise ValueError("use_beam_search: beam search here is deterministic, temperature must be 0")
+        if logprobs is not None:
+            raise ValueError("use_beam_search: logprobs are not returned for beams")
+        for name in ("stop", "stop_token_ids", "logit_bias", "best_of", "seed"):
+            if getattr(self, name):
+                raise ValueError(f"use_beam_search: {name} is not applied to beams")
+        for name in ("presence_penalty", "frequency_penalty", "min_p", "min_tokens", "repetition_penalty",
+                     "top_p", "top_k"):
+            if name in self.model_fields_set and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(f"use_beam_search: {name} is not applied to beams")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Common):

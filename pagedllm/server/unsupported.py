@@ -40,10 +40,7 @@ _GUIDED: dict[str, Callable[[Any], bool]] = {
     "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "structured_outputs": _unset,
     "prompt_logprobs": _unset,
-    "use_beam_search": _false,
     "logits_processors": _empty,
-    # best_of works offline (LLM.generate); the server does not rank samples yet (issue 15).
-    "best_of": lambda v: v is None or v == 1,
 }
 
 COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_GUIDED, "suffix": _empty}

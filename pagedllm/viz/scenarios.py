@@ -30,7 +30,7 @@ QUESTIONS = ["When does the library open on Sundays?", "Can I renew a book onlin
 class ScenarioRequest:
     at_step: int                 # queued once the engine has run this many steps
     messages: list[dict]         # chat messages; the model's chat template is applied
-    params: dict = field(default_factory=dict)   # SamplingParams fields
+    params: dict = field(default_factory=dict)   # SamplingParams fields (BeamSearchParams' with beam_width)
 
 
 @dataclass
@@ -61,6 +61,13 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              engine={"num_gpu_blocks_override": 32, "max_num_seqs": 8},
              requests=[ScenarioRequest(0, [{"role": "user", "content": "Write a one-line poem about books."}],
                                        {"n": 4, "temperature": 0.9, "seed": 7, "max_tokens": 40})]),
+    Scenario("beam", "Beam search, k = 4",
+             "One prompt, four beams: every step each beam proposes its best next tokens, the best four "
+             "continue. A beam chosen twice forks (its blocks shared, the partial last one copied on the "
+             "first write); a beam not chosen is freed at once. The library example at real scale.",
+             engine={"num_gpu_blocks_override": 32, "max_num_seqs": 8},
+             requests=[ScenarioRequest(0, [{"role": "user", "content": "Name a famous library."}],
+                                       {"beam_width": 4, "max_tokens": 24})]),
     Scenario("preemption", "Preemption under a small KV budget",
              "Four long answers in a pool of 20 blocks: when a running sequence needs a block and none "
              "is free, the newest is preempted (its blocks freed) and recomputed later.",
@@ -98,7 +105,7 @@ def prompt_text(tokenizer, req: ScenarioRequest) -> str:
 
 def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     from ..engine.engine import LLMEngine
-    from ..sampling_params import SamplingParams
+    from ..sampling_params import BeamSearchParams, SamplingParams
     from .hub import VizHub
 
     engine = LLMEngine(engine_config(sc, overrides))
@@ -111,8 +118,8 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
         while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
             r = pending.pop(0)
             # A chat template's text holds its special tokens already: no second BOS.
-            engine.add_request(None, prompt_text(engine.tokenizer, r), SamplingParams(**r.params),
-                               add_special_tokens=False)
+            params = (BeamSearchParams if "beam_width" in r.params else SamplingParams)(**r.params)
+            engine.add_request(None, prompt_text(engine.tokenizer, r), params, add_special_tokens=False)
         engine.step()
     return hub.stop_recording()
 

@@ -138,6 +138,27 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.salt[child] = self.salt[parent]
         self.hashes[child] = self.kv.block_table(child).hashes  # the parent's keys, cut at n
 
+    @precondition(lambda self: any(not f for f in self.future.values()))
+    @rule(data=st.data(), toks=st.lists(st.integers(0, 9), min_size=2, max_size=3, unique=True))
+    def beam_step(self, data, toks: list[int]) -> None:
+        """One beam-search step: a beam chosen len(toks) times forks at its full length with
+        the parent's keys (as the scheduler's fork_beam), then each copy writes a different
+        next token, the first writers into the shared partial block copying it."""
+        parent = data.draw(st.sampled_from(sorted(s for s, f in self.future.items() if not f)))
+        n = len(self.tokens[parent])
+        beams = [parent]
+        for _ in toks[1:]:
+            child = self.next_id
+            self.next_id += 1
+            hashes = self.hashes[parent].prefix(n)
+            assert self.kv.fork(parent, child, hashes=hashes) == []
+            self.tokens[child], self.future[child] = list(self.tokens[parent]), []
+            self.salt[child], self.hashes[child] = self.salt[parent], hashes
+            beams.append(child)
+        for seq, tok in zip(beams, toks):
+            self.future[seq] = [tok]
+            self._grow(seq, 1)
+
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def free(self, data) -> None:

@@ -190,4 +190,4 @@ def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_server, server):
     r = httpx.post(server.url + "/viz/scenarios/nope/run", timeout=10)
     assert r.status_code == 404 and "chat" in r.json()["error"]["message"]
     assert {s["name"] for s in httpx.get(server.url + "/viz/scenarios", timeout=10).json()} >= {
-        "library", "chat", "parallel-n4", "preemption"}
+        "library", "chat", "parallel-n4", "beam", "preemption"}

@@ -153,3 +153,30 @@ def test_page_from_disk_replays_a_trace_file():
         assert page.locator("#log li[data-type=fork]").count() == 3
         assert page.locator("#log li[data-type=cow]").count() >= 1
         browser.close()
+
+
+def test_beam_trace_replays_with_forked_beams():
+    """The beam scenario in the page: beams the request never announced appear as they
+    fork (with a label and their tokens), and the page raises no error."""
+    import json
+
+    from pagedllm.viz.routes import PAGE
+    from pagedllm.viz.scenarios import trace_path
+
+    trace = json.loads(trace_path("beam").read_text())
+    forks = sum(ev["type"] == "fork" for m in trace["messages"] for ev in m.get("kv", []))
+    sync_playwright = _browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page()
+        errors_js: list[str] = []
+        page.on("pageerror", lambda e: errors_js.append(str(e)))
+        page.goto(PAGE.as_uri() + "?speed=6")
+        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
+        page.set_input_files("#trace-file", str(trace_path("beam")))
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        assert page.locator("#log li[data-type=fork]").count() == forks
+        assert page.locator("#log li[data-type=cow]").count() >= 1
+        assert "·" in page.locator("#log li[data-type=fork]").first.text_content(), "a forked beam gets a label"
+        assert not errors_js, errors_js
+        browser.close()

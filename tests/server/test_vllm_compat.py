@@ -81,7 +81,6 @@ def test_completion_and_chat_prompt_tokens_match_the_tokenizer(server, tokenizer
     (COMP, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
     (COMP, "suffix", " the end"),
     (COMP, "guided_choice", ["yes", "no"]),
-    (COMP, "best_of", 3),
 ])
 def test_unsupported_field_is_refused_by_name(server, path, field, value):
     body = {"model": MODEL, "max_tokens": 1, field: value}
@@ -176,3 +175,41 @@ def test_tokenize_routes_in_openapi(server):
     assert {ref["$ref"].rsplit("/", 1)[1] for ref in body["anyOf"]} == {"TokenizeCompletionRequest",
                                                                         "TokenizeChatRequest"}
     assert "DetokenizeRequest" in json.dumps(schema["paths"]["/detokenize"])
+
+
+# -- 6. beam search and best_of ----------------------------------------------------------
+def test_beam_search_over_the_api(server, llm_fp32):
+    """use_beam_search with n as the width: the engine's beams, best first, as LLM.beam_search gives them."""
+    from pagedllm import BeamSearchParams
+
+    prompt = "The capital of France is"
+    r = post(server, COMP, {"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 8, "use_beam_search": True,
+                            "length_penalty": 0.8, "early_stopping": True})
+    assert r.status_code == 200, r.text
+    want = llm_fp32.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.8,
+                                                         early_stopping=True))[0].sequences
+    assert [c["text"] for c in r.json()["choices"]] == [s.text for s in want]
+    assert r.json()["usage"]["completion_tokens"] == sum(len(s.tokens) for s in want) - 3 * len(
+        llm_fp32.tokenizer.encode(prompt))
+    chat = post(server, CHAT, {"model": MODEL, "messages": MSGS, "n": 2, "max_tokens": 6, "use_beam_search": True})
+    assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
+
+
+def test_best_of_returns_the_n_best_samples(server):
+    r = post(server, COMP, {"model": MODEL, "prompt": "Hi", "n": 2, "best_of": 4, "max_tokens": 5, "seed": 3,
+                            "temperature": 0.9})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+
+
+@pytest.mark.parametrize("extra, name", [
+    ({"use_beam_search": True, "temperature": 0.7}, "temperature"),
+    ({"use_beam_search": True, "stop": ["."]}, "stop"),
+    ({"use_beam_search": True, "n": 17}, "n"),
+    ({"best_of": 3, "n": 1, "stream": True}, "best_of"),
+    ({"best_of": 1, "n": 2}, "best_of"),
+])
+def test_bad_beam_and_best_of_requests_are_refused(server, extra, name):
+    r = post(server, COMP, {"model": MODEL, "prompt": "Hi", "max_tokens": 4, **extra})
+    assert r.status_code == 400, r.text
+    assert name in r.json()["error"]["message"], r.json()
+

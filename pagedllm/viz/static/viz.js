@@ -89,6 +89,11 @@ function applyKV(ev) {
       S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       const parent = S.seqs.get(ev.parent), child = S.seqs.get(ev.seq);
       if (parent && child) { child.tokens = parent.tokens.slice(0, ev.tokens); child.status = "running"; }
+      if (parent && !child) {  // a beam chosen twice: a sequence the request did not announce
+        const r = S.reqs.get(parent.req);
+        S.seqs.set(ev.seq, { req: parent.req, index: -1, status: "running", tokens: parent.tokens.slice(0, ev.tokens) });
+        S.labels.set(ev.seq, { label: `${r ? r.label : "beam"}·${ev.seq}`, color: r ? r.color : "#999" });
+      }
       log("fork", `${seqLabel(ev.parent)} → ${seqLabel(ev.seq)}: fork at ${ev.tokens} tokens, ${ev.shared ? "shares" : "copies"} ${ids(ev.blocks)}`);
       flash(ev.blocks, "fork");
       break;

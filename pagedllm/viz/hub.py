@@ -159,7 +159,9 @@ class VizHub:
             "batch": [[s.seq.seq_id, s.start, s.num_tokens] for s in out.scheduled],
             "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
             "preempted": [s.seq_id for s in out.preempted], "tokens": tokens,
-            "finished": {s.seq_id: s.finish_reason for s, _ in new_tokens if s.finish_reason},
+            # Sequences that ended this step: those that got a token, and beams pruned without one.
+            "finished": {s.seq_id: s.finish_reason for s in [seq for seq, _ in new_tokens] +
+                         [x.seq for x in out.scheduled] if s.finish_reason},
             **self._queues(), "figures": self.figures(),
             **_owners({seq.request for seq, _ in new_tokens})})
 

@@ -193,6 +193,17 @@ def test_beam_search_over_the_api(server, llm_fp32):
         llm_fp32.tokenizer.encode(prompt))
     chat = post(server, CHAT, {"model": MODEL, "messages": MSGS, "n": 2, "max_tokens": 6, "use_beam_search": True})
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
+    # Streamed, the beams arrive when the search ends (a beam's tokens can still be dropped before).
+    texts: dict[int, str] = {}
+    with httpx.stream("POST", server.url + COMP, json={"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 8,
+                                                       "use_beam_search": True, "length_penalty": 0.8,
+                                                       "early_stopping": True, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    texts[c["index"]] = texts.get(c["index"], "") + c["text"]
+    assert [texts[i] for i in range(3)] == [s.text for s in want]
 
 
 def test_best_of_returns_the_n_best_samples(server):

@@ -17,6 +17,11 @@ def load_results(paths: list[str]) -> list[dict]:
     return out
 
 
+def _num(x, fmt: str) -> str:
+    """A figure some runs do not record (beam-search runs count only their beams' tokens)."""
+    return fmt.format(x) if isinstance(x, (int, float)) else ""
+
+
 def _pct(x) -> str:
     return f"{100 * x:.1f}%" if isinstance(x, (int, float)) else ""
 
@@ -29,8 +34,9 @@ def markdown(results: list[dict]) -> str:
             if "engine" in r:
                 rows.append(f"| {r.get('workload', '')} | {r['engine']} | skipped: {r.get('skipped', '')} | | | | | | |")
             continue
-        rows.append("| {} | {} | {:.1f} | {:.1f} | {:.2f} | {} | {} | {} | {} |".format(
-            r.get("workload", ""), r["engine"], r["output_tok_s"], r["total_tok_s"], r["requests_per_s"],
+        rows.append("| {} | {} | {:.1f} | {} | {} | {} | {} | {} | {} |".format(
+            r.get("workload", ""), r["engine"], r["output_tok_s"], _num(r.get("total_tok_s"), "{:.1f}"),
+            _num(r.get("requests_per_s"), "{:.2f}"),
             r.get("max_concurrent_seqs", ""), _pct(r.get("peak_kv_usage")), _pct(r.get("mean_waste")),
             _pct(r.get("prefix_hit_rate"))))
     serve = [_serve_keys(r) for r in results if "mean_ttft_ms" in r or "ttft_ms" in r]

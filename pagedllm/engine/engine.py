@@ -105,14 +105,7 @@ class LLMEngine:
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
         BeamSearchParams make a beam-search request: one group of up to beam_width beams."""
-        params = params or SamplingParams()
-        beam = params if isinstance(params, BeamSearchParams) else None
-        if beam is not None:
-            self._check_beam(beam)
-            params = beam.sampling_params()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
+        params, beam = self._split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -142,21 +135,26 @@ class LLMEngine:
                  add_special_tokens: bool = True) -> list[int]:
         """Token ids of a request that add_request would accept; ValueError otherwise.
         Reads no mutable engine state, so it is safe to call from another thread."""
-        width = 1
-        if isinstance(params, BeamSearchParams):
-            self._check_beam(params)
-            params, width = params.sampling_params(), params.beam_width
+        params, beam = self._split_params(params)
         _, ids = self._tokenize(prompt, add_special_tokens)
-        self._check_lengths(len(ids), params, width)
+        self._check_lengths(len(ids), params, beam.beam_width if beam else 1)
         return ids
 
-    def _check_beam(self, beam: BeamSearchParams) -> None:
+    def _split_params(self, params) -> tuple[SamplingParams, BeamSearchParams | None]:
+        """(what the common paths read, the beam settings of a beam-search request or None)."""
+        if isinstance(params, SamplingParams):
+            return params, None
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
+                             f"got {type(params).__name__}")
+        beam = params
         if beam.beam_width > self.cfg.max_num_seqs:
             raise ValueError(f"beam_width {beam.beam_width} exceeds max_num_seqs ({self.cfg.max_num_seqs}): "
                              "the beams of a request run together")
         if self.kv.policy != "paged":
             raise ValueError("beam search shares blocks between beams: it needs allocation 'paged', "
                              f"not {self.kv.policy!r}")
+        return beam.sampling_params(), beam
 
     def _tokenize(self, prompt: str | Seq[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -247,7 +245,7 @@ class LLMEngine:
                 self._accept(seq, token, logprobs.get(seq.seq_id), now)
             except Exception as e:  # e.g. detokenizing for stop strings: this request only
                 self._fail(req, f"{type(e).__name__}: {e}")
-        for req in self._beam_groups(out, logprobs):
+        for req in self._beam_groups(out, logprobs) if logprobs else ():  # beams' candidates come as logprobs
             touched[req.request_id] = req
             try:
                 new_tokens += self._advance_beams(req, now)
@@ -309,7 +307,7 @@ class LLMEngine:
                 child = Sequence(next(self._seq_ids), req, len(req.seqs), parent.token_ids + [c.token],
                                  len(req.prompt_token_ids), parent.seed)
                 req.seqs.append(child)
-                self.scheduler.fork_beam(parent, child)
+                self.scheduler.fork(parent, child)
                 nxt.append(child)
             else:
                 extended.add(c.beam)

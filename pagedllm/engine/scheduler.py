@@ -102,22 +102,34 @@ class Scheduler:
                         budget - sum(k for _, k in chunks) - decodes_after)
                 if n > 0:
                     chunks.append((seq, n))
-            need = sum(self.kv.blocks_needed(s.seq_id, s.num_computed_tokens + n) for s, n in chunks)
-            while chunks and need > self.kv.pool.num_free:
+            while (copies := self._allocate_unit(chunks)) is None:
                 victims = self._pop_last_group()
                 decodes_after -= sum(1 for v in victims if self._remaining(v) == 1 and v not in group)
                 self._preempt(victims, out)
                 if group[0] in victims:
                     return budget, long_prefills
+            out.copies.extend(copies)
             for seq, n in chunks:
-                copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
-                if copies is None:
-                    raise RuntimeError(f"sequence {seq.seq_id}: {need} free blocks were counted but it did not fit")
-                out.copies.extend(copies)
                 self._add_scheduled(out, seq, n)
                 budget -= n
             i += len(group)
         return budget, long_prefills
+
+    def _allocate_unit(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[int, int]] | None:
+        """Slots for a running unit's chunks, or None with nothing changed. A sequence alone
+        just asks (once per decode); a beam group counts its blocks first, all or none."""
+        if len(chunks) > 1 and sum(self.kv.blocks_needed(s.seq_id, s.num_computed_tokens + n)
+                                   for s, n in chunks) > self.kv.pool.num_free:
+            return None
+        copies: list[tuple[int, int]] = []
+        for seq, n in chunks:
+            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            if more is None:
+                if len(chunks) > 1:
+                    raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
+                return None
+            copies += more
+        return copies
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, long_prefills: int) -> None:
         """Admit waiting sequences (a beam group whole), unless this step had to preempt
@@ -141,7 +153,7 @@ class Scheduler:
             if len(group) == 1 and long and long_prefills >= self.max_num_partial_prefills:
                 skipped.append(self.waiting.popleft())
                 continue
-            if any(n <= 0 for *_, n in chunks) or sum(
+            if any(n <= 0 for *_, n in chunks) or len(group) > 1 and sum(
                     self.kv.blocks_needed(s.seq_id, c + n, hit) for s, hit, c, n in chunks) > self.kv.pool.num_free:
                 break
             admitted = self._admit_group(chunks, out)
@@ -154,20 +166,20 @@ class Scheduler:
 
     def _admit_group(self, chunks: list, out: SchedulerOutput) -> int:
         """Allocate and start each (seq, hit, cached, n) at the head of the queue; the
-        tokens scheduled, or 0 if the first did not fit (only a single sequence can fail:
-        beam groups run under the paged policy, where the counted blocks always fit).
-        Every member takes its prefix hit before any takes fresh blocks: a fresh block
-        may evict a cached-free one, which must not be a sibling's hit."""
-        for i, (seq, hit, cached, _) in enumerate(chunks):
-            if self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached, hit, seq.hashes) is None:
-                for earlier, *_ in chunks[:i]:  # reserve-max: free blocks, but no contiguous run
-                    self.kv.free(earlier.seq_id)
-                return 0
+        tokens scheduled, or 0 if a sequence alone did not fit (a beam group's blocks were
+        counted, and beams run under the paged policy, where counted blocks always fit).
+        A group's members take their prefix hits before any takes fresh blocks: a fresh
+        block may evict a cached-free one, which must not be a sibling's hit."""
+        if len(chunks) > 1:
+            for seq, hit, cached, _ in chunks:
+                self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached, hit, seq.hashes)
         scheduled = 0
         for seq, hit, cached, n in chunks:
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, seq.hashes)
             if copies is None:
-                raise RuntimeError(f"sequence {seq.seq_id}: free blocks were counted but it did not fit")
+                if len(chunks) > 1:
+                    raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
+                return 0  # reserve-max: free blocks, but no contiguous run
             self.waiting.popleft()
             self._start(seq, cached)
             out.copies.extend(copies)
@@ -268,15 +280,19 @@ class Scheduler:
                 if target.seq_id not in sampled:  # its sampling failed: the engine fails it
                     continue
                 if target is not seq:
-                    self._fork(seq, target)
+                    target.token_ids = list(seq.token_ids)
+                    self.fork(seq, target)
                 new_tokens.append((target, sampled[target.seq_id]))
         return new_tokens
 
-    def _fork(self, parent: Sequence, child: Sequence) -> None:
-        child.token_ids = list(parent.token_ids)
-        child.hashes = parent.hashes.prefix(len(child.token_ids))
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (its tokens set: the parent's, or a beam's one token more) shares the
+        parent's blocks. A sample of n > 1 joins the end of the running list; a beam runs
+        right after its group, so a group stays one run of the list. Under reserve-max the
+        child's private copy may not fit: it is recomputed later (beams need paged)."""
+        child.hashes = parent.hashes.prefix(len(parent.token_ids))
         copies = self.kv.fork(parent.seq_id, child.seq_id, hashes=child.hashes)
-        if copies is None:  # no room for a private copy (reserve-max): recompute it later
+        if copies is None:
             child.num_computed_tokens = 0
             child.status = SeqStatus.WAITING
             self.waiting.appendleft(child)
@@ -284,21 +300,11 @@ class Scheduler:
         self.pending_copies.extend(copies)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SeqStatus.RUNNING
-        self.running.append(child)
-
-    def fork_beam(self, parent: Sequence, child: Sequence) -> None:
-        """A beam chosen twice: the child shares all of the parent's blocks (the partial
-        last one is copied when either writes it) and runs right after its group, so a
-        group stays one run of the running list."""
-        child.hashes = parent.hashes.prefix(len(parent.token_ids))
-        copies = self.kv.fork(parent.seq_id, child.seq_id, hashes=child.hashes)
-        if copies is None:
-            raise RuntimeError("beam search forks share blocks: it needs the paged policy")
-        self.pending_copies.extend(copies)
-        child.num_computed_tokens = parent.num_computed_tokens
-        child.status = SeqStatus.RUNNING
-        last = max(i for i, s in enumerate(self.running) if s.request is parent.request)
-        self.running.insert(last + 1, child)
+        if child.request.beam is None:
+            self.running.append(child)
+        else:
+            last = max(i for i, s in enumerate(self.running) if s.request is parent.request)
+            self.running.insert(last + 1, child)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:

@@ -142,10 +142,7 @@ class KVCacheManager:
             table = BlockTable(B, run, hashes=hashes)
             self._emit({"type": "alloc", "seq": seq_id, "blocks": list(run)})
         else:
-            need = max(0, cdiv(num_tokens, B) - len(cached_blocks))
-            # Cached-free hits leave the free queue when touched, so they cost capacity too.
-            revived = sum(1 for b in cached_blocks if self.pool.is_free(b))
-            if need + revived > self.pool.num_free:
+            if self.blocks_needed(seq_id, num_tokens, cached_blocks) > self.pool.num_free:
                 return None
             for b in cached_blocks:
                 self.pool.touch(b)
@@ -156,7 +153,7 @@ class KVCacheManager:
                 self.prefix_hits += hit
             self._emit({"type": "hit", "seq": seq_id, "blocks": list(cached_blocks), "tokens": hit,
                         "queried": len(token_ids)})
-            self._append(seq_id, table, need)
+            self._append(seq_id, table, max(0, cdiv(num_tokens, B) - len(cached_blocks)))
         self.tables[seq_id] = table
         return table
 
@@ -183,6 +180,7 @@ class KVCacheManager:
             return self._new_blocks(table, num_tokens) + self._must_copy(table, num_tokens)
         if self.policy == "reserve-max":
             return self.reserve_blocks
+        # Cached-free hits leave the free queue when touched, so they cost capacity too.
         revived = sum(1 for b in cached_blocks if self.pool.is_free(b))
         return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks)) + revived
 

@@ -168,8 +168,6 @@ _runs = itertools.count()
 async def run_scenario(state: ServerState, name: str) -> None:
     """Queue a scenario's requests on the live engine, each once the engine has run its
     `at_step` steps since the scenario started, and drain their outputs."""
-    from ..sampling_params import BeamSearchParams, SamplingParams
-
     sc = SCENARIOS[name]
     eng = state.engine
     start, run = eng.stats.steps, next(_runs)
@@ -186,8 +184,7 @@ async def run_scenario(state: ServerState, name: str) -> None:
         try:
             # Token ids as the chat template wrote them: no second BOS.
             ids = state.tokenizer.encode(prompt_text(state.tokenizer, r), add_special_tokens=False)
-            params = (BeamSearchParams if "beam_width" in r.params else SamplingParams)(**r.params)
-            async for _ in eng.submit(f"viz-{name}-{run}-{i}", ids, params):
+            async for _ in eng.submit(f"viz-{name}-{run}-{i}", ids, r.sampling()):
                 pass
         except Exception as e:  # a scenario request failing must not take the server down
             logger.warning("scenario %s request %d failed: %s", name, i, e)

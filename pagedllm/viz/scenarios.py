@@ -32,6 +32,10 @@ class ScenarioRequest:
     messages: list[dict]         # chat messages; the model's chat template is applied
     params: dict = field(default_factory=dict)   # SamplingParams fields (BeamSearchParams' with beam_width)
 
+    def sampling(self):
+        from ..sampling_params import BeamSearchParams, SamplingParams
+        return (BeamSearchParams if "beam_width" in self.params else SamplingParams)(**self.params)
+
 
 @dataclass
 class Scenario:
@@ -105,7 +109,6 @@ def prompt_text(tokenizer, req: ScenarioRequest) -> str:
 
 def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     from ..engine.engine import LLMEngine
-    from ..sampling_params import BeamSearchParams, SamplingParams
     from .hub import VizHub
 
     engine = LLMEngine(engine_config(sc, overrides))
@@ -118,8 +121,7 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
         while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
             r = pending.pop(0)
             # A chat template's text holds its special tokens already: no second BOS.
-            params = (BeamSearchParams if "beam_width" in r.params else SamplingParams)(**r.params)
-            engine.add_request(None, prompt_text(engine.tokenizer, r), params, add_special_tokens=False)
+            engine.add_request(None, prompt_text(engine.tokenizer, r), r.sampling(), add_special_tokens=False)
         engine.step()
     return hub.stop_recording()
 

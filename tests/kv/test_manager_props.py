@@ -142,7 +142,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data(), toks=st.lists(st.integers(0, 9), min_size=2, max_size=3, unique=True))
     def beam_step(self, data, toks: list[int]) -> None:
         """One beam-search step: a beam chosen len(toks) times forks at its full length with
-        the parent's keys (as the scheduler's fork_beam), then each copy writes a different
+        the parent's keys (as the scheduler's fork does), then each copy writes a different
         next token, the first writers into the shared partial block copying it."""
         parent = data.draw(st.sampled_from(sorted(s for s, f in self.future.items() if not f)))
         n = len(self.tokens[parent])

@@ -11,6 +11,7 @@ ALLOCATION_POLICIES = ("paged", "reserve-max")
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
+ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -84,6 +85,14 @@ class EngineConfig:
         "for decodes and short prompts (0: a quarter of --max-num-batched-tokens)", type=int)
     max_num_partial_prefills: int = knob(1, "long prompts prefilled at once; shorter ones are admitted past "
                                          "those that wait", type=int)
+    tensor_parallel_size: int = knob(
+        1, "split the model over this many ranks (heads, KV heads, MLP and vocab sharded; gloo on CPU, NCCL on "
+        "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
+    data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
+                                   "(pagedllm serve)", type=int)
+    router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
+                              "(the replica likely to hold the prompt's first blocks; load overrides), "
+                              "round-robin or least-loaded", choices=list(ROUTER_POLICIES))
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
@@ -114,6 +123,12 @@ class EngineConfig:
                              f"got {self.long_prefill_token_threshold!r}")
         if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills must be an integer >= 1, got {self.max_num_partial_prefills!r}")
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.router_policy not in ROUTER_POLICIES:
+            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.batch_invariant and (self.attention_backend not in ("auto", "cpu") or self.device.startswith("cuda")):

@@ -53,6 +53,13 @@ class FreeRunning:
         pass
 
 
+def is_fatal(e: BaseException) -> bool:
+    """No later step can succeed: a tensor-parallel rank is gone."""
+    from ..distributed.group import WorkerDiedError  # torch is loaded by now: the engine stepped
+
+    return isinstance(e, WorkerDiedError)
+
+
 class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queue-len: try again later (HTTP 503)."""
 
@@ -218,6 +225,8 @@ class AsyncLLMEngine:
                     try:
                         outs = self.engine.step()
                     except Exception as e:  # fail the requests in flight, keep serving
+                        if is_fatal(e):
+                            raise
                         logger.exception("engine step failed; aborting the requests in flight")
                         self._fail_all(RuntimeError(f"internal error in the engine step: {type(e).__name__}: {e}"))
                         continue

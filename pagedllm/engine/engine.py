@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Sequence as Seq
 
@@ -65,7 +66,22 @@ class LLMEngine:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
                              "(max_position_embeddings, or its sliding window)")
-        self.runner = ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len)
+        self._launcher = None
+        tp = None
+        if cfg.tensor_parallel_size > 1:
+            from ..distributed.launch import start_group
+
+            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+            self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
+            tp = self._launcher.group
+            # Workers stop when the engine is collected or the process exits, closed or not.
+            weakref.finalize(self, self._launcher.close)
+        try:
+            self.runner = ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len, tp)
+        except BaseException:
+            if self._launcher is not None:
+                self._launcher.close(graceful=False)
+            raise
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -94,6 +110,11 @@ class LLMEngine:
         self.model_name = served_model_name(cfg.model)
         # Told of requests, steps and aborts (pagedllm.engine.observer); the visualizer is one.
         self.observers: list[EngineObserver] = []
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent)."""
+        if self._launcher is not None:
+            self._launcher.close()
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],

@@ -11,9 +11,11 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -105,14 +107,30 @@ def load_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
-def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+def load_weights(model_dir: Path, split: Callable[[str], int | None] | None = None,
+                 rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors by HF name. With `split` (tensor parallelism), rank's
+    1/size of each tensor along split(name), read from the file as a slice: a rank
+    never holds the whole model."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no .safetensors files in {model_dir}")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
-        weights.update(load_file(str(f)))
+        with safe_open(str(f), framework="pt") as fh:
+            for name in fh.keys():
+                dim = split(name) if split is not None and size > 1 else None
+                weights[name] = fh.get_tensor(name) if dim is None else _slice(fh.get_slice(name), dim, rank, size)
     return weights
+
+
+def _slice(view, dim: int, rank: int, size: int) -> torch.Tensor:
+    length = view.get_shape()[dim]
+    if length % size:
+        raise ValueError(f"tensor of shape {view.get_shape()} cannot be split in {size} along dim {dim}")
+    part = length // size
+    index = (slice(None),) * dim + (slice(rank * part, (rank + 1) * part),)
+    return view[index]
 
 
 def load_tokenizer(model_dir: Path):

@@ -1,7 +1,7 @@
 """The decoder's shape, read from a Hugging Face config.json (Llama family)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 SUPPORTED = ("llama", "mistral", "qwen2")
@@ -54,3 +54,21 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """2 (K and V) * L * d_kv * bytes: M_KV per token."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
+    def check_tensor_parallel(self, n: int) -> None:
+        """Each rank takes whole heads, KV heads, MLP columns and vocab rows."""
+        parts = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
+                 "intermediate size": self.intermediate_size, "vocab size": self.vocab_size}
+        bad = [f"{name} ({count})" for name, count in parts.items() if count % n]
+        if bad:
+            ok = [d for d in range(1, self.num_heads + 1) if all(c % d == 0 for c in parts.values())]
+            raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
+                             f"this model allows {ok}")
+
+    def shard(self, n: int) -> "ModelConfig":
+        """One rank's slice of the model under tensor parallelism of n."""
+        if n == 1:
+            return self
+        self.check_tensor_parallel(n)
+        return replace(self, num_heads=self.num_heads // n, num_kv_heads=self.num_kv_heads // n,
+                       intermediate_size=self.intermediate_size // n, vocab_size=self.vocab_size // n)

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .rope import RotaryEmbedding, apply_rope
@@ -115,22 +116,41 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, residual, ops: Ops, rotate, k_cache, v_cache, meta):
+    def forward(self, x, residual, ops: Ops, rotate, k_cache, v_cache, meta, tp: TPGroup):
         """x: the previous layer's output (not yet added to the residual stream), or the
-        embeddings with residual None. Returns (this layer's output, residual stream)."""
+        embeddings with residual None. Returns (this layer's output, residual stream).
+        Under tensor parallelism o_proj and down_proj are row-parallel: each rank holds a
+        partial sum of their output, made whole by one all-reduce each."""
         if residual is None:
             residual, x = x, ops.norm(x, self.input_layernorm)
         else:
             x, residual = ops.add_norm(x, residual, self.input_layernorm)
-        x = self.self_attn(x, ops, rotate, k_cache, v_cache, meta)
+        x = tp.all_reduce(self.self_attn(x, ops, rotate, k_cache, v_cache, meta))
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
-        return self.mlp(x, ops), residual
+        return tp.all_reduce(self.mlp(x, ops)), residual
+
+
+# Tensor parallelism: the HF weights split along which dimension. Column-parallel
+# layers (q/k/v, gate/up) and the vocab-parallel embedding and LM head split their
+# output rows, row-parallel o/down their input columns; whole heads stay on one rank
+# because HF stores q/k/v head after head. Norms are replicated.
+_SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
+              "embed_tokens": 0, "lm_head": 0, "o_proj": 1, "down_proj": 1}
+
+
+def tp_split_dim(name: str) -> int | None:
+    """The dimension of HF tensor `name` that tensor parallelism cuts (None: every rank
+    loads it whole)."""
+    parts = name.split(".")
+    return _SPLIT_DIM.get(parts[-2]) if len(parts) >= 2 else None
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels=None) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels=None, tp: TPGroup | None = None) -> None:
+        """cfg: this rank's slice of the model (ModelConfig.shard) under tensor parallelism."""
         super().__init__()
         self.cfg = cfg
+        self.tp = tp or TPGroup()
         self.ops = Ops(kernels)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
@@ -142,12 +162,22 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         rotate = self.ops.rotary(self.rope, positions, x.dtype)
         residual = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, meta)
+            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, meta, self.tp)
         return self.ops.add_norm(x, residual, self.norm)[0]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel: each rank looks up the ids in its own rows, zeros elsewhere,
+        and an all-reduce adds the ranks' rows up."""
+        if self.tp.size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.tp.rank * self.cfg.vocab_size
+        outside = (local < 0) | (local >= self.cfg.vocab_size)
+        x = self.embed_tokens(local.masked_fill(outside, 0))
+        return self.tp.all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0))
 
     def make_batch_invariant(self) -> str:
         """Batch-invariant mode for the linear layers (once the weights are loaded and in
@@ -163,7 +193,8 @@ class LlamaForCausalLM(nn.Module):
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits in the model's dtype: the sampler upcasts only the rows it samples."""
+        """Logits in the model's dtype: the sampler upcasts only the rows it samples.
+        Under tensor parallelism, this rank's slice of the vocabulary."""
         return self.ops.linear(self.lm_head, hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:

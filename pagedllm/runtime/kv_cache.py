@@ -9,6 +9,7 @@ from typing import Callable
 import torch
 
 from ..config import EngineConfig
+from ..distributed import TPGroup
 from ..models import ModelConfig
 from ..util import cdiv
 
@@ -82,7 +83,11 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                  cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
-                 profile: Callable[[], int] | None = None) -> None:
+                 profile: Callable[[], int] | None = None, tp: TPGroup | None = None) -> None:
+        """model_cfg: this rank's slice under tensor parallelism (its KV heads). Every
+        rank holds the same number of blocks (the fewest any can fit): rank 0's block
+        tables index all the pools."""
+        tp = tp or TPGroup()
         elt = torch.finfo(dtype).bits // 8
         self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
         self.bytes_per_block = self.bytes_per_token * cfg.block_size
@@ -90,7 +95,9 @@ class KVCache:
             num_blocks = cfg.num_gpu_blocks_override
         else:
             budget = kv_budget(cfg, device, profile)
-            num_blocks = budget // self.bytes_per_block
+            if device.type == "cpu":  # the machine's ranks share its RAM: the budget is theirs together
+                budget //= tp.local_size
+            num_blocks = tp.min(budget // self.bytes_per_block)
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block "
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
@@ -99,9 +106,10 @@ class KVCache:
         k_shape, v_shape = cache_shapes(num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
         self.layers = [(allocate_pool(k_shape, dtype, device), allocate_pool(v_shape, dtype, device))
                        for _ in range(model_cfg.num_layers)]
-        logger.info("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, "
-                    "max %d tokens", num_blocks, cfg.block_size, self.bytes_per_token,
-                    num_blocks * self.bytes_per_block / 2**30, num_blocks * cfg.block_size)
+        log = logger.info if tp.is_driver else logger.debug
+        log("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, max %d tokens%s",
+            num_blocks, cfg.block_size, self.bytes_per_token, num_blocks * self.bytes_per_block / 2**30,
+            num_blocks * cfg.block_size, f" (per rank, {tp.size} ranks)" if tp.size > 1 else "")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Carry out copy-on-write / fork copies decided by the KV manager."""

@@ -5,15 +5,18 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
+from ..distributed import TPGroup
 from ..kernels import load_ops
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
+from ..models.llama import tp_split_dim
 from ..models.rope import RotaryEmbedding
 from ..plan import SampleTarget, StepPlan
 from ..util import cdiv
@@ -87,16 +90,51 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
         return get_backend("torch")
 
 
+@dataclass(slots=True)
+class StepInputs:
+    """What every tensor-parallel rank needs to run a step's forward: rank 0 builds it
+    from the plan and broadcasts it (sampling stays on rank 0)."""
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    tables: list[list[int]]
+    seq_lens: list[int]
+    q_starts: list[int]
+    num_decodes: int
+    logit_rows: list[int]
+    copies: list[tuple[int, int]]
+
+
+def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
+    """Each rank of a machine on its own GPU."""
+    if device.type != "cuda" or tp.size == 1:
+        return device
+    device = torch.device("cuda", tp.local_rank)
+    torch.cuda.set_device(device)
+    return device
+
+
 class ModelRunner:
-    def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> None:
-        self.device = resolve_device(cfg.device)
+    def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
+                 tp: TPGroup | None = None) -> None:
+        """model_cfg: the whole model; under tensor parallelism (tp) this rank builds and
+        loads its slice of it and the KV pool of its KV heads."""
+        self.tp = tp = tp or TPGroup()
+        model_cfg = model_cfg.shard(tp.size)
+        self.device = _tp_device(resolve_device(cfg.device), tp)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.threads = None
         if self.device.type == "cpu":
             n, source = resolve_num_threads(cfg.num_threads)
+            if tp.local_size > 1 and source == "physical cores":  # the machine's ranks share its cores
+                n, source = max(1, n // tp.local_size), f"physical cores / {tp.local_size} local ranks"
             # PAGEDLLM_ADAPT_THREADS=0 keeps n threads whatever the neighbours do (to measure it).
-            self.threads = ThreadGovernor(n, enabled=os.environ.get("PAGEDLLM_ADAPT_THREADS", "1") != "0")
-            logger.info("CPU: %d threads (%s; --num-threads or OMP_NUM_THREADS to change)", n, source)
+            # Under tensor parallelism the busy neighbours are our own ranks: keep n.
+            adapt = os.environ.get("PAGEDLLM_ADAPT_THREADS", "1") != "0" and tp.local_size == 1
+            self.threads = ThreadGovernor(n, enabled=adapt)
+            if tp.is_driver:
+                logger.info("CPU: %d threads%s (%s; --num-threads or OMP_NUM_THREADS to change)", n,
+                            " per rank" if tp.size > 1 else "", source)
         self.block_size = cfg.block_size
         # What min_tokens keeps from being sampled too early; the engine adds the tokenizer's.
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
@@ -108,6 +146,9 @@ class ModelRunner:
         self.backend_name = backend.name
         self.batch_invariant = cfg.batch_invariant
         if cfg.batch_invariant:
+            if tp.size > 1:
+                raise ValueError("batch_invariant with tensor_parallel_size > 1 is not supported: the ranks' "
+                                 "all-reduce adds partial sums in its own order")
             if backend.name != "cpu" or self.device.type != "cpu":
                 raise ValueError(f"batch_invariant needs the compiled CPU attention kernel, but this engine runs "
                                  f"{backend.name} attention on {self.device.type}")
@@ -122,25 +163,27 @@ class ModelRunner:
                            "(meant for tests); use --attention-backend torch")
         kernels = _cpu_kernels() if self.device.type == "cpu" else None
         with torch.device("meta"):  # no random init of weights we overwrite anyway
-            model = LlamaForCausalLM(model_cfg, backend, kernels)
+            model = LlamaForCausalLM(model_cfg, backend, kernels, tp)
         model = model.to_empty(device=self.device)
         if model_cfg.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
-        model.load_hf_weights(load_weights(model_dir))
+        model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
         model = model.to(self.dtype).eval()
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         # RoPE tables stay float32 whatever the weights' dtype.
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
-        logger.info("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype,
+        log = logger.info if tp.is_driver else logger.debug
+        log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype,
                     self.device, backend.name,
                     f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
-                                profile=lambda: self._profile_activations(cfg, model_cfg))
+                                profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp)
         self.max_model_len = max_model_len
         self.graphs = None
-        if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager:
+        # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
+        if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager and tp.size == 1:
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
@@ -150,7 +193,8 @@ class ModelRunner:
         """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""
-        return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}"
+        tp = f", tensor parallel {self.tp.size}" if self.tp.size > 1 else ""
+        return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}{tp}"
 
     @torch.inference_mode()
     def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:
@@ -184,7 +228,24 @@ class ModelRunner:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        self.kv_cache.copy_blocks(plan.copies)
+        step, sample_rows = self._inputs(plan)
+        if self.tp.size > 1:
+            self.tp.broadcast(step)
+        logits = self._forward(step)
+        if logits is None:
+            return {}, {}, {}
+        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids, self.generators)
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """A tensor-parallel rank other than 0: run rank 0's steps until it sends None."""
+        while (step := self.tp.broadcast(None)) is not None:
+            if self.threads is not None:
+                self.threads.tick()
+            self._forward(step)
+
+    @staticmethod
+    def _inputs(plan: StepPlan) -> tuple[StepInputs, list[list[SampleTarget]]]:
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
         order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
@@ -202,26 +263,28 @@ class ModelRunner:
             if c.samples:
                 logit_rows.append(len(ids) - 1)
                 sample_rows.append(c.samples)
-        tables = [c.block_ids for c in order]
-        seq_lens = [c.end for c in order]
         nd = sum(1 for c in order if c.num_tokens == 1)
-        if self.graphs is not None and nd == len(order) and self.graphs.fits(nd):
-            hidden = self.graphs.run(ids, positions, slots, tables, seq_lens)
-            return self._sample(hidden, logit_rows, sample_rows)
-        if self.pad_steps:  # padding rows: token 0 at position 0, no slot, in no sequence
-            pad = step_bucket(len(ids)) - len(ids)
-            ids += [0] * pad
-            positions += [0] * pad
-            slots += [-1] * pad
-        dev = self.device
-        meta = self.backend.build_metadata(StepLayout(slots, tables, seq_lens, q_starts, nd), dev)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                            self.kv_cache.layers, meta)
-        return self._sample(hidden, logit_rows, sample_rows)
+        step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
+                          nd, logit_rows, plan.copies)
+        return step, sample_rows
 
-    def _sample(self, hidden: torch.Tensor, logit_rows: list[int], sample_rows: list
-                ) -> tuple[dict[int, int], dict, dict[int, str]]:
-        if not logit_rows:
-            return {}, {}, {}
-        logits = self.model.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
-        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids, self.generators)
+    def _forward(self, step: StepInputs) -> torch.Tensor | None:
+        """The step's forward on this rank: logits of the rows that sample (the whole
+        vocabulary on rank 0, None on the other ranks and when nothing samples)."""
+        self.kv_cache.copy_blocks(step.copies)
+        ids, positions, slots = step.ids, step.positions, step.slots
+        nd, n = step.num_decodes, len(step.seq_lens)
+        if self.graphs is not None and nd == n and self.graphs.fits(nd):
+            hidden = self.graphs.run(ids, positions, slots, step.tables, step.seq_lens)
+        else:
+            if self.pad_steps:  # padding rows: token 0 at position 0, no slot, in no sequence
+                pad = step_bucket(len(ids)) - len(ids)
+                ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+            dev = self.device
+            meta = self.backend.build_metadata(StepLayout(slots, step.tables, step.seq_lens, step.q_starts, nd), dev)
+            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                self.kv_cache.layers, meta)
+        if not step.logit_rows:
+            return None
+        logits = self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=hidden.device)])
+        return self.tp.gather_vocab(logits)

@@ -190,6 +190,9 @@ def summary(res: dict) -> list[tuple[str, str, str]]:
     p = res.get("parity")
     rows.append(("greedy parity with HF (fp32)", f"{p['parity_equal']}/{p['parity_prompts']}" if ok(p)
                  else f"FAILED: {p and p.get('error')}", "all"))
+    p = res.get("parity_tp1_group")
+    rows.append(("  same, TP=1 through the process group", f"{p['parity_equal']}/{p['parity_prompts']}" if ok(p)
+                 else f"FAILED: {p and p.get('error')}", "all"))
     hf = res.get("hf_generate")
     for key, label in (("engine_cuda_graphs", "engine, CUDA graphs"), ("engine_eager", "engine, eager")):
         e = res.get(key)
@@ -238,12 +241,25 @@ def main() -> None:
     root = Path(tempfile.mkdtemp())
     tok = make_tokenizer(root / "tok")
 
+    small_model: list = []
+
     def parity():
-        path, hf_model = gpu_smoke.make_dir(root, "small", tok, hidden_size=256, intermediate_size=704,
-                                            num_hidden_layers=2 if small else 4, num_attention_heads=8,
-                                            num_key_value_heads=2)
-        return gpu_smoke.parity(path, hf_model)
+        if not small_model:
+            small_model.extend(gpu_smoke.make_dir(root, "small", tok, hidden_size=256, intermediate_size=704,
+                                                  num_hidden_layers=2 if small else 4, num_attention_heads=8,
+                                                  num_key_value_heads=2))
+        return gpu_smoke.parity(*small_model)
     section(res, "parity", out, parity)
+
+    def parity_tp_group():
+        """TP=1 through the tensor-parallel code path: a process group of one (NCCL on
+        CUDA), vocab-parallel embedding, all-reduces, logits gathered, plans broadcast."""
+        os.environ["PAGEDLLM_TP_GROUP"] = "1"
+        try:
+            return parity()
+        finally:
+            os.environ.pop("PAGEDLLM_TP_GROUP")
+    section(res, "parity_tp1_group", out, parity_tp_group)
 
     size = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2) if small else \

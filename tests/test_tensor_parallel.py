@@ -66,12 +66,24 @@ def run(model: str | None, tp: int) -> tuple[list[list[int]], dict]:
         llm.engine.close()
 
 
-def test_tp2_tiny_llama_matches_tp1(tiny):
+@pytest.fixture(scope="module")
+def tiny_tp1(tiny) -> tuple[list[list[int]], dict]:
     want, events = run(tiny, 1)
     assert events["hits"] > 0 and events["cow"] > 0 and events["preemptions"] > 0, events
-    got, tp_events = run(tiny, 2)
-    assert got == want
-    assert tp_events == events  # one scheduler on rank 0: the same decisions
+    return want, events
+
+
+def test_tp2_tiny_llama_matches_tp1(tiny, tiny_tp1):
+    got, events = run(tiny, 2)
+    assert got == tiny_tp1[0]
+    assert events == tiny_tp1[1]  # one scheduler on rank 0: the same decisions
+
+
+def test_tp1_through_a_process_group_matches(tiny, tiny_tp1, monkeypatch):
+    """What the GPU check runs on its one device: the collectives' path with one rank."""
+    monkeypatch.setenv("PAGEDLLM_TP_GROUP", "1")
+    got, events = run(tiny, 1)
+    assert got == tiny_tp1[0] and events == tiny_tp1[1]
 
 
 def test_tp3_smollm2_matches_tp1():

@@ -23,6 +23,9 @@ class TPGroup:
     size: int = 1
     local_rank: int = 0
     local_size: int = 1   # ranks on this machine: they share its cores and RAM
+    # In a torch.distributed group (a group of one too, PAGEDLLM_TP_GROUP=1: the GPU check
+    # runs TP=1 through the collectives); False: no communication at all.
+    distributed: bool = False
     # Rank 0 asks this which rank died when a collective fails (the launcher knows its processes).
     diagnose: Callable[[], str | None] = field(default=lambda: None, repr=False)
     # Time spent in collectives and how many, for the benchmark of what TP costs per step.
@@ -35,7 +38,7 @@ class TPGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (gloo reduces bf16 natively, as NCCL does)."""
-        if self.size == 1:
+        if not self.distributed:
             return x
         t0 = time.perf_counter()
         self._guard(dist.all_reduce, x)
@@ -46,7 +49,7 @@ class TPGroup:
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the full [rows, vocab] from every rank's [rows, vocab/size] slice;
         the others get None (only rank 0 samples)."""
-        if self.size == 1:
+        if not self.distributed:
             return x
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.is_driver else None
@@ -55,13 +58,15 @@ class TPGroup:
 
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's object on every rank (pickled: a step plan is a few lists of ints)."""
+        if not self.distributed:
+            return obj
         box = [obj]
         self._guard(dist.broadcast_object_list, box, 0)
         return box[0]
 
     def min(self, n: int) -> int:
         """The smallest n over the ranks (e.g. the KV blocks every rank can hold)."""
-        if self.size == 1:
+        if not self.distributed:
             return n
         t = torch.tensor([n], dtype=torch.long)
         self._guard(dist.all_reduce, t, dist.ReduceOp.MIN)

@@ -98,7 +98,7 @@ def start_group(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_
             raise ValueError(f"tensor_parallel_size {n} but torchrun started {world} processes "
                              f"(WORLD_SIZE); they must be equal")
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world, timeout=_TIMEOUT)
-        group = TPGroup(rank, n, local_rank, local_size)
+        group = TPGroup(rank, n, local_rank, local_size, distributed=True)
         if rank != 0:
             serve(cfg, model_dir, model_cfg, max_model_len, group)
             sys.exit(0)
@@ -107,7 +107,7 @@ def start_group(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_
     port = _free_port()
     init = f"tcp://127.0.0.1:{port}"
     procs = [_spawn((cfg, model_dir, model_cfg, max_model_len, r, n, backend, init)) for r in range(1, n)]
-    launcher = Launcher(TPGroup(0, n, 0, n), procs)
+    launcher = Launcher(TPGroup(0, n, 0, n, distributed=True), procs)
     launcher.group.diagnose = launcher.diagnose
     try:
         _init_watching(backend, init, n, launcher)
@@ -115,7 +115,7 @@ def start_group(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_
         for p in procs:
             p.kill()
         raise
-    logger.info("tensor parallel: %d ranks, %d local worker processes (%s)", n, n - 1, backend)
+    logger.info("tensor parallel: %d rank%s, %d local worker processes (%s)", n, "s" * (n > 1), n - 1, backend)
     return launcher
 
 
@@ -176,7 +176,7 @@ def _worker_main(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"[tp rank {rank}] %(levelname)s %(name)s: %(message)s")
     dist.init_process_group(backend, init_method=init, rank=rank, world_size=n, timeout=_TIMEOUT)
-    serve(cfg, model_dir, model_cfg, max_model_len, TPGroup(rank, n, rank, n))
+    serve(cfg, model_dir, model_cfg, max_model_len, TPGroup(rank, n, rank, n, distributed=True))
 
 
 def serve(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int, group: TPGroup) -> None:

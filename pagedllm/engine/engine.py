@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import os
 import time
 import weakref
 from dataclasses import asdict, dataclass
@@ -68,7 +69,9 @@ class LLMEngine:
                              "(max_position_embeddings, or its sliding window)")
         self._launcher = None
         tp = None
-        if cfg.tensor_parallel_size > 1:
+        # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
+        # the collectives' code path on its one device.
+        if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
             from ..distributed.launch import start_group
 
             self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
@@ -456,7 +459,7 @@ class LLMEngine:
     # -- figures -------------------------------------------------------------
     def stats(self) -> EngineStats:
         return EngineStats(
-            kv=self.kv.stats(), bytes_per_token=self.runner.kv_cache.bytes_per_token,
+            kv=self.kv.stats(), bytes_per_token=self.runner.kv_cache.bytes_per_token * self.runner.tp.size,
             peak_used_blocks=self.peak_used_blocks, peak_waste=self.peak_waste,
             preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),

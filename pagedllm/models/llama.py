@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel: each rank looks up the ids in its own rows, zeros elsewhere,
         and an all-reduce adds the ranks' rows up."""
-        if self.tp.size == 1:
+        if not self.tp.distributed:
             return self.embed_tokens(input_ids)
         local = input_ids - self.tp.rank * self.cfg.vocab_size
         outside = (local < 0) | (local >= self.cfg.vocab_size)

@@ -183,7 +183,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
-        if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager and tp.size == 1:
+        if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager \
+                and not tp.distributed:
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
@@ -229,7 +230,7 @@ class ModelRunner:
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
         step, sample_rows = self._inputs(plan)
-        if self.tp.size > 1:
+        if self.tp.distributed:
             self.tp.broadcast(step)
         logits = self._forward(step)
         if logits is None:

@@ -1,9 +1,10 @@
 """What tensor parallelism costs per step on this machine.
 
-1. The all-reduce alone: gloo (torch.distributed's CPU backend) summing a [tokens, hidden]
-   bf16 activation over 2 and 3 local ranks, for SmolLM2's hidden 576 and a Llama-8B-like
-   4096: the price of each of the 2 all-reduces per layer.
-2. The engine: TP=1 against TP=3 (SmolLM2-135M allows 1 and 3) on the same ShareGPT
+1. The all-reduce alone: gloo (torch.distributed's CPU backend, loopback TCP) and our
+   shared-memory all-reduce summing a [tokens, hidden] bf16 activation over 2 and 3 local
+   ranks, for SmolLM2's hidden 576 and a Llama-8B-like 4096: the price of each of the 2
+   all-reduces per layer.
+2. The engine: TP=1 against TP=3 (SmolLM2-135M allows 1 and 3; shared memory, then gloo) on the same ShareGPT
    prompts, bf16, greedy, EOS ignored, each engine in its own process, cold pass then
    warm pass; rank 0 times every collective it waits in, so the result splits each step
    into communication and the rest.
@@ -28,21 +29,30 @@ def _allreduce_rank(rank: int, world: int, port: int, shapes: list[tuple[int, in
     import torch
     import torch.distributed as dist
 
+    from pagedllm.distributed import TPGroup, shm
+    from pagedllm.kernels import load_ops
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    gloo = TPGroup(rank, world, rank, world, distributed=True)
+    local = TPGroup(rank, world, rank, world, distributed=True)
+    shm.attach(local, load_ops(), wanted=True)
     for tokens, hidden in shapes:
         x = torch.randn(tokens, hidden).to(torch.bfloat16)
-        for _ in range(5):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
+        row = {"ranks": world, "tokens": tokens, "hidden": hidden, "bytes": x.numel() * 2}
+        for name, group in (("gloo", gloo), ("shm", local)):
+            for _ in range(5):
+                group.all_reduce(x)
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                group.all_reduce(x)
+                times.append(time.perf_counter() - t0)
+            row[f"{name}_median_us"] = statistics.median(times) * 1e6
+            row[f"{name}_p90_us"] = sorted(times)[int(0.9 * reps)] * 1e6
         if rank == 0:
-            out.put({"ranks": world, "tokens": tokens, "hidden": hidden, "bytes": x.numel() * 2,
-                     "median_us": statistics.median(times) * 1e6, "p90_us": sorted(times)[int(0.9 * reps)] * 1e6})
+            out.put(row)
     dist.destroy_process_group()
 
 
@@ -62,9 +72,10 @@ def allreduce_micro(reps: int) -> list[dict]:
     return rows
 
 
-def engine(tp: int, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+def engine(tp: int, prompts: list[list[int]], max_tokens: int, shm: bool = True) -> list[dict]:
     from pagedllm import LLM, SamplingParams
 
+    os.environ["PAGEDLLM_TP_SHM"] = "1" if shm else "0"
     llm = LLM(dtype=DTYPE, max_model_len=2048, tensor_parallel_size=tp)
     group, layers = llm.engine.runner.tp, llm.engine.model_cfg.num_layers
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
@@ -96,12 +107,15 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/tensor_parallel.json")
     args = ap.parse_args()
     micro = allreduce_micro(args.reps)
-    print("gloo all-reduce, bf16, local ranks (1 thread each):")
+    print("all-reduce of bf16 [tokens x hidden], local ranks (1 thread each): gloo (loopback TCP) vs shared memory")
     for r in micro:
         print(f"  {r['ranks']} ranks  [{r['tokens']:>4} x {r['hidden']}]  {r['bytes'] / 1024:8.1f} KiB  "
-              f"median {r['median_us']:8.1f} us  p90 {r['p90_us']:8.1f} us")
+              f"gloo median {r['gloo_median_us']:8.1f} us (p90 {r['gloo_p90_us']:8.1f})  "
+              f"shm median {r['shm_median_us']:7.1f} us (p90 {r['shm_p90_us']:7.1f})  "
+              f"-> {r['gloo_median_us'] / r['shm_median_us']:.1f}x")
     prompts = [list(r.prompt) for r in sharegpt_truncated(args.num_prompts, args.max_prompt_len, args.max_tokens)]
-    runs = in_own_process(engine, 1, prompts, args.max_tokens) + in_own_process(engine, 3, prompts, args.max_tokens)
+    runs = (in_own_process(engine, 1, prompts, args.max_tokens) + in_own_process(engine, 3, prompts, args.max_tokens)
+            + in_own_process(engine, 3, prompts, args.max_tokens, shm=False))
     base = {r["pass"]: r for r in runs if r["tp"] == 1}
     print(f"\nengine: {args.num_prompts} ShareGPT prompts (cut to {args.max_prompt_len}), {args.max_tokens} tokens "
           f"each, {DTYPE}, {os.cpu_count()} logical CPUs")

@@ -73,7 +73,9 @@ def tiny_tp1(tiny) -> tuple[list[list[int]], dict]:
     return want, events
 
 
-def test_tp2_tiny_llama_matches_tp1(tiny, tiny_tp1):
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "gloo"])
+def test_tp2_tiny_llama_matches_tp1(tiny, tiny_tp1, shm, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_TP_SHM", shm)  # the all-reduce of local ranks: shared memory, or gloo
     got, events = run(tiny, 2)
     assert got == tiny_tp1[0]
     assert events == tiny_tp1[1]  # one scheduler on rank 0: the same decisions

@@ -5,12 +5,18 @@ the KV pool. The group is torch.distributed's default process group (gloo on CPU
 on CUDA); a group of one does no communication at all."""
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+
+# How long the ranks may wait for each other inside one all-reduce: only the skew of
+# one layer's compute between ranks (gloo's own timeout plays this part for gloo).
+_SHM_PATIENCE_S = float(os.environ.get("PAGEDLLM_TP_TIMEOUT", "900"))
 
 
 class WorkerDiedError(RuntimeError):
@@ -28,6 +34,10 @@ class TPGroup:
     distributed: bool = False
     # Rank 0 asks this which rank died when a collective fails (the launcher knows its processes).
     diagnose: Callable[[], str | None] = field(default=lambda: None, repr=False)
+    # (kernels, region) once the ranks of one machine share memory (shm.attach): the
+    # all-reduce goes through it instead of gloo.
+    shm: Any = field(default=None, repr=False)
+    shm_seq: int = 0
     # Time spent in collectives and how many, for the benchmark of what TP costs per step.
     comm_seconds: float = 0.0
     comm_calls: int = 0
@@ -41,10 +51,31 @@ class TPGroup:
         if not self.distributed:
             return x
         t0 = time.perf_counter()
-        self._guard(dist.all_reduce, x)
+        if self.shm is not None and x.device.type == "cpu" and x.is_contiguous():
+            self._shm_all_reduce(x)
+        else:
+            self._guard(dist.all_reduce, x)
         self.comm_seconds += time.perf_counter() - t0
         self.comm_calls += 1
         return x
+
+    def _shm_all_reduce(self, x: torch.Tensor) -> None:
+        from .shm import SLOT_BYTES
+
+        ops, region = self.shm
+        flat = x.view(-1)
+        step = SLOT_BYTES // x.element_size()
+        for lo in range(0, flat.numel(), step):
+            piece = flat[lo:lo + step]
+            self.shm_seq += 1
+            ops.shm_post(piece, region, self.rank, self.size, self.shm_seq)
+            waited = 0.0
+            while not ops.shm_wait_sum(piece, region, self.size, self.shm_seq, 500):
+                # A rank that died never raises its flag: ask who, rather than wait forever.
+                waited += 0.5
+                who = self.diagnose()
+                if who or waited >= _SHM_PATIENCE_S:
+                    raise WorkerDiedError(who or f"no tensor-parallel rank answered for {waited:.0f} s")
 
     def gather_vocab(self, x: torch.Tensor) -> torch.Tensor | None:
         """Rank 0 gets the full [rows, vocab] from every rank's [rows, vocab/size] slice;

@@ -21,7 +21,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "sampling.cpp"]
+SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "sampling.cpp",
+           CSRC / "shm_allreduce.cpp"]
 
 
 def _arch_flags() -> list[str]:

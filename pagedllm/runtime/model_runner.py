@@ -162,6 +162,14 @@ class ModelRunner:
             logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
                            "(meant for tests); use --attention-backend torch")
         kernels = _cpu_kernels() if self.device.type == "cpu" else None
+        if tp.distributed and tp.size > 1 and self.device.type == "cpu":
+            from ..distributed import shm
+
+            # The ranks of one machine add up through shared memory (PAGEDLLM_TP_SHM=0: gloo).
+            wanted = tp.local_size == tp.size and os.environ.get("PAGEDLLM_TP_SHM", "1") != "0"
+            via = "shared memory" if shm.attach(tp, kernels, wanted) else "gloo"
+            if tp.is_driver:
+                logger.info("tensor parallel: all-reduce through %s", via)
         with torch.device("meta"):  # no random init of weights we overwrite anyway
             model = LlamaForCausalLM(model_cfg, backend, kernels, tp)
         model = model.to_empty(device=self.device)
@@ -194,7 +202,8 @@ class ModelRunner:
         """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""
-        tp = f", tensor parallel {self.tp.size}" if self.tp.size > 1 else ""
+        tp = f", tensor parallel {self.tp.size} ({'shm' if self.tp.shm is not None else 'gloo'})" \
+            if self.tp.size > 1 else ""
         return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}{tp}"
 
     @torch.inference_mode()

@@ -94,7 +94,7 @@ def engine(tp: int, prompts: list[list[int]], max_tokens: int, shm: bool = True)
                      "allreduce_ms_per_layer": group.comm_seconds / steps / layers * 1e3,
                      "comm_share": group.comm_seconds / dt, "collectives_per_step": group.comm_calls / steps,
                      "runner": llm.engine.runner.describe()})
-    llm.engine.close()
+    llm.close()
     return rows
 
 

@@ -63,7 +63,7 @@ def run(model: str | None, tp: int) -> tuple[list[list[int]], dict]:
     try:
         return scenario(llm)
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +116,7 @@ def test_dead_worker_is_a_clear_error_not_a_hang(tiny):
         with pytest.raises(WorkerDiedError):  # and every later step: the engine is done
             llm.generate(["Hello"], GREEDY, use_tqdm=False)
     finally:
-        llm.engine.close()
+        llm.close()
 
 
 def test_torchrun_launch_matches_tp1(tmp_path, tiny):
@@ -131,7 +131,7 @@ def test_torchrun_launch_matches_tp1(tmp_path, tiny):
         "out = llm.generate([[5, 17, 300, 4000, 12]], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), "
         "use_tqdm=False)\n"
         "print('TOKENS', json.dumps(out[0].outputs[0].token_ids), flush=True)\n"
-        "llm.engine.close()\n")
+        "llm.close()\n")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            str(script), tiny, "2"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -108,4 +108,5 @@ class TPGroup:
             fn(*args)
         except (RuntimeError, ValueError, OSError) as e:  # gloo and NCCL raise RuntimeError subclasses
             who = self.diagnose() or "a tensor-parallel rank stopped answering"
-            raise WorkerDiedError(f"{who}: {str(e).splitlines()[0][:300]}") from e
+            detail = str(e).splitlines()[0].split(". This is typically")[0][:300]  # gloo's hint says the same
+            raise WorkerDiedError(f"{who}: {detail}") from e

@@ -104,6 +104,11 @@ class LLM:
                                                      c.finish_reason, c.stop_reason, score)
                                   for c, score in zip(o.outputs, o.metrics["beam_scores"])]) for o in outs]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes now (they also stop when this LLM is
+        collected or the process exits). Nothing to do without tensor parallelism."""
+        self.engine.close()
+
     def get_stats(self) -> EngineStats:
         return self.engine.stats()
 

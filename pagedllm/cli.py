@@ -171,7 +171,7 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
 
     import uvicorn
 
-    from .engine.async_engine import AsyncLLMEngine
+    from .engine.async_engine import AsyncLLMEngine, is_fatal
     from .engine.engine import LLMEngine
     from .server.api import create_app
     from .server.http import ConcurrencyLimit, GracefulShutdown, timed_h11
@@ -182,10 +182,14 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         keys = [k for k in os.environ["PAGEDLLM_API_KEY"].split(",") if k]
     isolation = args.prefix_cache_isolation or ("per-key" if keys else "none")
     try:
-        engine = LLMEngine(cfg)
+        if cfg.data_parallel_size > 1:
+            async_engine, hub, controller = _data_parallel_engine(args, cfg), None, None
+            engine = async_engine.engine
+        else:
+            engine = LLMEngine(cfg)
+            hub, controller = _viz_parts(engine, step_delay) if args.viz else (None, None)
+            async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval, gate=controller)
         name = args.served_model_name or engine.model_name
-        hub, controller = _viz_parts(engine, step_delay) if args.viz else (None, None)
-        async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval, gate=controller)
         if hub is not None:
             # Both wait on the engine thread's idle wait: a new subscriber or a resume wakes it.
             hub.wake = controller.wake = async_engine.wake
@@ -200,11 +204,25 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         from .viz.routes import add_viz_routes
         add_viz_routes(app, state, hub, controller)
 
+    fatal: list[BaseException] = []
+
+    async def watch_engine() -> None:
+        """An engine that can never step again (a tensor-parallel rank died) ends the
+        server, with its error, rather than answer 503 for ever."""
+        while (err := getattr(async_engine, "error", None)) is None or not is_fatal(err):
+            await asyncio.sleep(0.5)
+        logging.getLogger(__name__).error("stopping the server: %s", err)
+        fatal.append(err)
+        handle_exit(signal.SIGTERM, None)
+
     @asynccontextmanager
     async def lifespan(_app):
-        task = asyncio.get_running_loop().create_task(on_start(state, hub)) if on_start else None
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(watch_engine())]
+        if on_start:
+            tasks.append(loop.create_task(on_start(state, hub)))
         yield
-        if task is not None:
+        for task in tasks:
             task.cancel()
         async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
 
@@ -234,8 +252,23 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
         exit_handler(sig, frame)
     server.handle_exit = handle_exit
     server.run()
+    if fatal:
+        print(f"error: the engine failed: {fatal[0]}", file=sys.stderr)
+        return 1
     logging.getLogger(__name__).info("server stopped")
     return 0
+
+
+def _data_parallel_engine(args: argparse.Namespace, cfg):
+    """N replica processes behind one front. The visualizer watches one engine's blocks
+    from inside its process, so it is off here (said once in the log)."""
+    from .dp.front import DataParallelEngine
+
+    if args.viz:
+        logging.getLogger(__name__).info("visualizer off: it shows a single engine, and --data-parallel-size "
+                                         "is %d (pagedllm viz runs one)", cfg.data_parallel_size)
+    return DataParallelEngine(cfg, args.max_queue_len, args.log_interval, logging.getLevelName(
+        logging.getLogger().getEffectiveLevel()))
 
 
 def _viz_parts(engine, step_delay: float):
@@ -275,6 +308,10 @@ def cmd_viz(args: argparse.Namespace) -> int:
                                                           if getattr(args, k) == args.engine_defaults[k]})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.data_parallel_size > 1:
+        print("error: data_parallel_size: the visualizer shows one engine; run `pagedllm serve "
+              f"--data-parallel-size {cfg.data_parallel_size}` to serve replicas", file=sys.stderr)
         return 2
     base = f"http://{args.host}:{args.port}/viz/"
     url = f"{base}?trace={sc.name}" if not sc.requests else base

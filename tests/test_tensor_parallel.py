@@ -139,3 +139,30 @@ def test_torchrun_launch_matches_tp1(tmp_path, tiny):
     assert len(lines) == 1  # only rank 0 runs the engine past LLM(...)
     alone = subprocess.run([sys.executable, str(script), tiny, "1"], capture_output=True, text=True, timeout=300)
     assert lines == [x for x in alone.stdout.splitlines() if x.startswith("TOKENS")]
+
+
+def test_serve_with_tp_ends_when_a_rank_dies(tmp_path_factory, tiny):
+    """`pagedllm serve --tensor-parallel-size 2` answers; once a rank dies, the request in
+    its way fails with the rank named and the server exits 1, rather than 503 for ever."""
+    import httpx
+
+    from server.conftest import start_server
+
+    server = start_server(tmp_path_factory, "--model", tiny, "--tensor-parallel-size", "2", "--num-threads", "1",
+                          "--max-model-len", "512", name="tp-serve")
+    try:
+        body = {"model": "tiny-llama", "prompt": [5, 17, 300], "max_tokens": 4, "temperature": 0}
+        ok = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert ok.status_code == 200, ok.text
+        worker = subprocess.run(["pgrep", "-f", "pagedllm.distributed.launch", "-P", str(server.proc.pid)],
+                                capture_output=True, text=True).stdout.split()
+        assert len(worker) == 1
+        os.kill(int(worker[0]), signal.SIGKILL)
+        time.sleep(1)
+        failed = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        assert failed.status_code == 503 and "tensor-parallel rank 1" in failed.text
+        assert server.proc.wait(timeout=60) == 1
+        assert "error: the engine failed: tensor-parallel rank 1" in server.log()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()

@@ -1,4 +1,4 @@
-"""`pagedllm bench ...`, `pagedllm kv-calc`, `pagedllm simulate`."""
+"""`pagedllm bench ...`, `pagedllm kv-calc`, `pagedllm simulate`, `pagedllm project-parallel`."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,8 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
     g.add_argument("--range-ratio", "--random-range-ratio", dest="range_ratio", type=float, default=0.0,
                    help="random")
     g.add_argument("--system-tokens", type=int, default=160, help="chat-shared-system")
+    g.add_argument("--num-system-prompts", type=int, default=1,
+                   help="chat-shared-system: distinct system prompts, one picked at random per conversation")
     g.add_argument("--doc-tokens", type=int, default=1500, help="rag-doc-qa")
 
 
@@ -40,7 +42,8 @@ def _warmup_arg(p: argparse.ArgumentParser, what: str) -> None:
 def _opts(a: argparse.Namespace) -> WorkloadOptions:
     return WorkloadOptions(num_prompts=a.num_prompts, seed=a.seed, max_prompt_len=a.max_prompt_len,
                            max_output_len=a.max_output_len, input_len=a.input_len, output_len=a.output_len,
-                           range_ratio=a.range_ratio, system_tokens=a.system_tokens, doc_tokens=a.doc_tokens,
+                           range_ratio=a.range_ratio, system_tokens=a.system_tokens,
+                           num_system_prompts=a.num_system_prompts, doc_tokens=a.doc_tokens,
                            truncate=a.truncate_prompts, fixed_output_len=a.sharegpt_output_len)
 
 
@@ -132,6 +135,9 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     at.add_argument("--out", default="results/decode_attention.json", help="result JSON")
     at.set_defaults(func=_attention)
 
+    from .data_parallel import add_parser as add_dp_parser
+    add_dp_parser(bs, _workload_args, _opts, _tokenizer)
+
     r = bs.add_parser("report", help="Markdown table and PNG plots from result JSON")
     r.add_argument("results", nargs="+", help="result JSON files (e.g. benchmarks/results/*.json)")
     r.add_argument("--out-dir", default="results/report", help="where report.md and the PNGs go")
@@ -164,6 +170,24 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     sim.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once")
     sim.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens per step")
     sim.set_defaults(func=_simulate)
+
+    pp = sub.add_parser("project-parallel", help="on paper: KV capacity and concurrency of TP x DP layouts "
+                        "on 1-8 GPUs, replayed through the allocator, no model")
+    _model_source(pp)
+    _workload_args(pp, num_prompts=1000)
+    pp.add_argument("--dtype", default="float16", help="weights and KV dtype")
+    pp.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    pp.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, a comma list (e.g. 80GiB,40GiB)")
+    pp.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of --gpu-memory used")
+    pp.add_argument("--activation-reserve", default="1.5GiB", help="per GPU, kept out of the KV budget")
+    pp.add_argument("--gpus", default="1,2,4,8", help="comma list of GPU counts G")
+    pp.add_argument("--tp", default=None, help="comma list of TP sizes (default: every t dividing G that "
+                    "splits the heads, KV heads, MLP and vocab)")
+    pp.add_argument("--max-model-len", type=int, default=2048, help="longest prompt + output")
+    pp.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once per replica")
+    pp.add_argument("--max-num-batched-tokens", type=int, default=2048, help="most tokens per step per replica")
+    pp.add_argument("--out", default=None, help="also write the table to this file")
+    pp.set_defaults(func=_project_parallel)
 
 
 def _model_source(p) -> None:
@@ -339,8 +363,7 @@ def _simulate(a) -> int:
                 budget_bytes=parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None,
                 max_model_len=a.max_model_len, device_bytes=parse_bytes(a.gpu_memory),
                 gpu_memory_utilization=a.gpu_memory_utilization)
-    reqs = [r for r in _load(argparse.Namespace(**{**vars(a), "model": None})) if r.prompt_len + r.output_len <= a.max_model_len]
-    lengths = [(r.prompt_len, r.output_len) for r in reqs]
+    lengths = _sim_lengths(a)
     print(f"{name}: {c.num_blocks} blocks of {a.block_size} tokens ({c.budget_bytes / 2**30:.1f} GiB KV, "
           f"{c.bytes_per_token} bytes/token); {len(lengths)} {a.workload} requests")
     for policy in ("paged", "reserve-max"):
@@ -349,6 +372,37 @@ def _simulate(a) -> int:
         print(f"  {policy:<12} steps {s.steps:>6}  max batch {s.max_concurrent_seqs:>4}  mean batch "
               f"{s.mean_batch_seqs:7.1f}  mean usage {s.mean_usage:6.1%}  mean waste {s.mean_waste:6.1%}  "
               f"preemptions {s.preemptions}")
+    return 0
+
+
+def _sim_lengths(a) -> list[tuple[int, int]]:
+    """(prompt, output) lengths of the workload, counted by the default tokenizer (a --config
+    has none), dropping requests longer than --max-model-len."""
+    reqs = _load(argparse.Namespace(**{**vars(a), "model": None}))
+    return [(r.prompt_len, r.output_len) for r in reqs if r.prompt_len + r.output_len <= a.max_model_len]
+
+
+def _project_parallel(a) -> int:
+    from ..analysis.parallel import ParallelAssumptions, format_projection, project_parallel
+    from ..config import parse_bytes
+
+    cfg, name = _model_cfg(a)
+    assume = ParallelAssumptions(a.dtype, a.gpu_memory_utilization, parse_bytes(a.activation_reserve), a.block_size,
+                                 a.max_model_len, a.max_num_seqs, a.max_num_batched_tokens)
+    lengths = _sim_lengths(a)
+    rows = project_parallel(cfg, lengths, [parse_bytes(m) for m in a.gpu_memory.split(",") if m],
+                            tuple(int(g) for g in a.gpus.split(",") if g),
+                            [int(t) for t in a.tp.split(",") if t] if a.tp else None, assume, a.seed)
+    mean_p = sum(p for p, _ in lengths) / len(lengths)
+    mean_o = sum(o for _, o in lengths) / len(lengths)
+    workload = (f"{len(lengths)} {a.workload} requests (seed {a.seed}, prompt <= {a.max_prompt_len}, output <= "
+                f"{a.max_output_len}; mean prompt {mean_p:.0f}, mean output {mean_o:.0f} tokens)")
+    text = format_projection(name, rows, assume, workload)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {a.out}")
     return 0
 
 

@@ -2,7 +2,8 @@
 
 - sharegpt: real first turns and reply lengths (vLLM's benchmark data).
 - random: random token ids with vLLM's input/output length and range ratio.
-- chat-shared-system: many conversations behind one long system prompt (~40 % of each).
+- chat-shared-system: many conversations behind one long system prompt (~40 % of each), or
+  behind one of a few, picked at random (num_system_prompts).
 - rag-doc-qa: one long document and many questions about it.
 - batch-eval: a fixed few-shot instruction prefix and many multiple-choice items.
 """
@@ -27,6 +28,7 @@ class WorkloadOptions:
     output_len: int = 64              # random, rag-doc-qa
     range_ratio: float = 0.0          # random: lengths uniform in [len*(1-r), len*(1+r)]
     system_tokens: int = 160          # chat-shared-system
+    num_system_prompts: int = 1       # chat-shared-system: each conversation picks one of this many
     doc_tokens: int = 1500            # rag-doc-qa
     shots: int = 5                    # batch-eval
     truncate: bool = False            # sharegpt: cut long prompts to max_prompt_len instead of dropping them
@@ -112,14 +114,21 @@ def _chat_template(tok, messages: list[dict]) -> str:
 
 
 def _chat_shared_system(tok, o: WorkloadOptions) -> list[BenchRequest]:
-    system = ("You are the support assistant of Northwind Library Services. Follow the policy below "
-              "exactly, answer briefly, and end with one next step.\n\nPolicy:\n"
-              + _words(o.seed + 1, o.system_tokens, tok))
+    if o.num_system_prompts < 1:
+        raise ValueError(f"num_system_prompts must be >= 1, got {o.num_system_prompts}")
+    # Several system prompts (tenants, apps) differ in their policy text, seeded apart.
+    systems = [("You are the support assistant of Northwind Library Services. Follow the policy below "
+                "exactly, answer briefly, and end with one next step.\n\nPolicy:\n"
+                + _words(o.seed + 1 + i, o.system_tokens, tok)) for i in range(o.num_system_prompts)]
     # The system prompt is ~40 % of each prompt: user turns of ~1.5x its length.
     target = int(o.system_tokens * 1.5)
     turns = _human_turns(o, target // 3, target * 2, tok, o.num_prompts)
+    # Each conversation picks its system prompt at random (seeded), not in turn: a fixed cycle
+    # would line up with round-robin routing and hand it affinity by accident.
+    pick = random.Random(o.seed + 3)
     out = []
     for q, out_len in turns:
+        system = systems[pick.randrange(len(systems))]
         prompt = _chat_template(tok, [{"role": "system", "content": system}, {"role": "user", "content": q}])
         out.append(BenchRequest(prompt, _n_tokens(tok, prompt), out_len))
     return out

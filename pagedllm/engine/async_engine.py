@@ -12,7 +12,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import AsyncIterator, Protocol, Sequence as Seq
+from typing import AsyncIterator, Callable, Protocol, Sequence as Seq
 
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
@@ -78,6 +78,24 @@ class _Stream:
     queue: asyncio.Queue
 
 
+async def read_stream(stream: _Stream, leave: Callable[[bool], None]) -> AsyncIterator[RequestOutput]:
+    """A request's outputs up to its last, raising an error put on its stream; leave(finished)
+    runs however the reading ends (the client may go first)."""
+    finished = False
+    try:
+        while True:
+            item = await stream.queue.get()
+            if isinstance(item, BaseException):
+                finished = True
+                raise item
+            finished = item.finished
+            yield item
+            if finished:
+                return
+    finally:
+        leave(finished)
+
+
 def _settle(fut: asyncio.Future, result, ok: bool) -> None:
     if fut.done():
         return
@@ -136,22 +154,12 @@ class AsyncLLMEngine:
         self._send(("add", request_id, ids, params, cache_salt, owner))
         return self._iterate(request_id, stream)
 
-    async def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while True:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                finished = item.finished
-                yield item
-                if finished:
-                    return
-        finally:
+    def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
+        def leave(finished: bool) -> None:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not finished:  # the client left: free its blocks
                 self._send(("abort", request_id))
+        return read_stream(stream, leave)
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -24,6 +24,7 @@ from ..engine.engine import EngineStats
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
+    from ..dp.stats import ReplicaFigures
     from ..engine.async_engine import AsyncLLMEngine
 
 # vLLM v1's buckets, so dashboards' quantiles mean the same thing.
@@ -49,44 +50,79 @@ def buckets_1_2_5(upper: int) -> list[int]:
         exp += 1
 
 
+def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
+    """(family kind, name, help, value) of every engine figure: the totals' and each replica's."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    return [
+        (g, "num_requests_running", "Requests with a sequence in the running batch.", s.num_running),
+        (g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting),
+        (g, "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (1 = full).", s.kv.usage),
+        (c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.prefix_queries),
+        (c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits),
+        (c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.", s.preemptions),
+        (c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens),
+        (c, "generation_tokens", "Generated tokens.", s.generation_tokens),
+        # Ours, not vLLM's: what the paged KV cache does with its blocks.
+        (g, "kv_cache_cached_free_blocks",
+         "Blocks nobody references that still hold prefix-cache content (reusable until evicted).",
+         s.kv.cached_free_blocks),
+        (g, "kv_cache_free_blocks", "Blocks holding nothing.", s.kv.free_blocks),
+        (g, "kv_cache_total_blocks", "Blocks in the KV pool.", s.kv.num_blocks),
+        (g, "kv_cache_waste_perc", "Allocated KV slots holding no token, as a fraction of allocated slots (eta).",
+         s.kv.waste),
+        (c, "computed_prompt_tokens", "Prefill tokens run (cache hits skip them, recompute repeats them).",
+         s.computed_prompt_tokens),
+        (c, "engine_steps", "Engine steps (forward passes) run.", s.steps),
+        (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
+    ]
+
+
 class EngineCollector(Collector):
-    """Engine counters and gauges, read from the engine thread's latest snapshot."""
+    """Engine counters and gauges, read from the engine thread's latest snapshot (with data
+    parallelism: the totals over the replicas)."""
 
     def __init__(self, stats: Callable[[], EngineStats], model_name: str, prefix: str) -> None:
         self.stats = stats
         self.labels = [model_name]
         self.prefix = prefix
 
-    def _family(self, kind, name: str, doc: str, value: float):
-        f = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
-        f.add_metric(self.labels, value)
-        return f
+    def collect(self):
+        for kind, name, doc, value in engine_rows(self.stats()):
+            f = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
+            f.add_metric(self.labels, value)
+            yield f
+
+
+class ReplicaCollector(Collector):
+    """Each data-parallel replica's engine figures as `{prefix}:replica_<name>{replica="i"}`,
+    beside the totals under the usual names (so sums over the totals never count twice).
+    A replica's counters restart from 0 with its process; the totals do not."""
+
+    def __init__(self, replicas: Callable[[], list[ReplicaFigures]], model_name: str, prefix: str) -> None:
+        self.replicas, self.model_name, self.prefix = replicas, model_name, prefix
 
     def collect(self):
-        s = self.stats()
+        reps = self.replicas()
+        labels = ["model_name", "replica"]
         g, c = GaugeMetricFamily, CounterMetricFamily
-        yield self._family(g, "num_requests_running", "Requests with a sequence in the running batch.", s.num_running)
-        yield self._family(g, "num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield self._family(g, "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (1 = full).",
-                           s.kv.usage)
-        yield self._family(c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.prefix_queries)
-        yield self._family(c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits)
-        yield self._family(c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.",
-                           s.preemptions)
-        yield self._family(c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens)
-        yield self._family(c, "generation_tokens", "Generated tokens.", s.generation_tokens)
-        # Ours, not vLLM's: what the paged KV cache does with its blocks.
-        yield self._family(g, "kv_cache_cached_free_blocks",
-                           "Blocks nobody references that still hold prefix-cache content (reusable until evicted).",
-                           s.kv.cached_free_blocks)
-        yield self._family(g, "kv_cache_free_blocks", "Blocks holding nothing.", s.kv.free_blocks)
-        yield self._family(g, "kv_cache_total_blocks", "Blocks in the KV pool.", s.kv.num_blocks)
-        yield self._family(g, "kv_cache_waste_perc",
-                           "Allocated KV slots holding no token, as a fraction of allocated slots (eta).", s.kv.waste)
-        yield self._family(c, "computed_prompt_tokens", "Prefill tokens run (cache hits skip them, recompute "
-                           "repeats them).", s.computed_prompt_tokens)
-        yield self._family(c, "engine_steps", "Engine steps (forward passes) run.", s.steps)
-        yield self._family(c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies)
+        fams = {}
+        extra = [(g, "replica_up", "1 while the replica serves, 0 while it restarts.", lambda r: float(r.alive)),
+                 (c, "replica_restarts", "Times the replica's process was restarted after dying.",
+                  lambda r: r.restarts),
+                 (c, "replica_routed_requests", "Requests the router sent to the replica.", lambda r: r.routed)]
+        for kind, name, doc, value in extra:
+            f = fams[name] = kind(f"{self.prefix}:{name}", doc, labels=labels)
+            for r in reps:
+                f.add_metric([self.model_name, str(r.index)], value(r))
+        for r in reps:
+            if r.stats is None:
+                continue
+            for kind, name, doc, value in engine_rows(r.stats):
+                key = "replica_" + name
+                if key not in fams:
+                    fams[key] = kind(f"{self.prefix}:{key}", f"Per replica: {doc}", labels=labels)
+                fams[key].add_metric([self.model_name, str(r.index)], value)
+        yield from fams.values()
 
 
 class ServerMetrics:
@@ -147,6 +183,9 @@ class ServerMetrics:
                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "cache_dtype": cfg.dtype}
         metrics = cls(lambda: engine.stats, model_name, prefix, engine.engine.max_model_len, info)
         engine.observer = metrics
+        figures = getattr(engine, "replica_figures", None)  # a data-parallel front: per-replica series too
+        if figures is not None:
+            metrics.registry.register(ReplicaCollector(figures, model_name, prefix))
         return metrics
 
     # -- engine-thread observer ------------------------------------------------

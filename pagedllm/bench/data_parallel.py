@@ -1,0 +1,184 @@
+"""`pagedllm bench dp`: data-parallel serving side by side, one run, one workload.
+
+For each layout (replicas x router policy) a real `pagedllm serve` starts on 127.0.0.1,
+the workload goes through the HTTP API (bench serve's client), and the server stops. What
+is recorded: output tok/s, the run's prefix hit rate (the server's own counters), how
+many requests each replica got, and the threads each replica ran.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from .serve_client import run_serve_bench
+from .sharegpt import BenchRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    replicas: int
+    policy: str
+
+    @property
+    def label(self) -> str:
+        return f"dp{self.replicas}-{self.policy}"
+
+
+def parse_layouts(text: str) -> list[Layout]:
+    """'1:prefix,2:prefix,2:round-robin' -> layouts."""
+    from ..config import ROUTER_POLICIES
+
+    out = []
+    for item in (x for x in text.split(",") if x):
+        n, _, policy = item.partition(":")
+        if not n.isdigit() or int(n) < 1 or (policy or "prefix") not in ROUTER_POLICIES:
+            raise ValueError(f"layouts: {item!r} is not REPLICAS:POLICY (REPLICAS >= 1, POLICY one of "
+                             f"{ROUTER_POLICIES})")
+        out.append(Layout(int(n), policy or "prefix"))
+    if not out:
+        raise ValueError("layouts: none given")
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    """A `pagedllm serve` subprocess, up once /health answers."""
+
+    def __init__(self, layout: Layout, server_args: list[str], timeout: float = 600) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        fd, self.log_path = tempfile.mkstemp(prefix=f"pagedllm-{layout.label}-", suffix=".log")
+        with os.fdopen(fd, "w") as log:  # the server writes on through its own copy
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port), "--no-viz",
+                 "--log-interval", "5", "--data-parallel-size", str(layout.replicas), "--router-policy",
+                 layout.policy, *server_args], stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{self.text()[-3000:]}")
+
+    def text(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+def _routed(url: str, replicas: int) -> list[int]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if replicas == 1:
+        return []
+    counts = [0] * replicas
+    for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for s in fam.samples:
+            if s.name == "pagedllm:replica_routed_requests_total":
+                counts[int(s.labels["replica"])] = int(s.value)
+    return counts
+
+
+def run_layout(layout: Layout, reqs: list[BenchRequest], server_args: list[str], rate: float,
+               concurrency: int | None, seed: int) -> dict:
+    server = _Server(layout, server_args)
+    try:
+        name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        r = run_serve_bench(server.url, name, reqs, rate, concurrency, seed)
+        routed = _routed(server.url, layout.replicas)
+    finally:
+        server.stop()
+    log = server.text()
+    threads = [int(t) for t in re.findall(r"CPU: (\d+) threads", log)]
+    return {"label": layout.label, "replicas": layout.replicas, "router_policy": layout.policy,
+            "output_tok_s": r["output_throughput"], "prefix_hit_rate": r["prefix_hit_rate"],
+            "completed": r["completed"], "failed": r["failed"], "duration_s": r["duration"],
+            "mean_ttft_ms": r["mean_ttft_ms"], "mean_tpot_ms": r["mean_tpot_ms"],
+            "total_output_tokens": r["total_output_tokens"], "routed_per_replica": routed,
+            "threads_per_replica": threads, "errors": r["errors"][:5]}
+
+
+def run_dp_bench(layouts: list[Layout], reqs: list[BenchRequest], server_args: list[str],
+                 rate: float = float("inf"), concurrency: int | None = None, seed: int = 0) -> list[dict]:
+    rows = []
+    for layout in layouts:
+        print(f"{layout.label}: starting {layout.replicas} replica(s)...", flush=True)
+        rows.append(run_layout(layout, reqs, server_args, rate, concurrency, seed))
+        print_row(rows[-1])
+    return rows
+
+
+def print_row(r: dict) -> None:
+    routed = "/".join(map(str, r["routed_per_replica"])) or "-"
+    print(f"{r['label']:<18} {r['output_tok_s']:8.1f} out tok/s   hit rate {100 * r['prefix_hit_rate']:5.1f}%   "
+          f"TTFT {r['mean_ttft_ms']:8.0f} ms   TPOT {r['mean_tpot_ms']:6.1f} ms   routed {routed}   "
+          f"threads/replica {r['threads_per_replica']}   failed {r['failed']}", flush=True)
+
+
+def add_parser(bs, workload_args, opts, tokenizer) -> None:
+    """`pagedllm bench dp` (workload_args, opts, tokenizer: bench.cli's helpers)."""
+    d = bs.add_parser("dp", help="data-parallel serving: 1 replica vs N with prefix and round-robin routing, "
+                      "over HTTP")
+    workload_args(d, num_prompts=48)
+    d.set_defaults(workload="chat-shared-system", num_system_prompts=8, max_output_len=64)
+    d.add_argument("--model", default=None, help="model served and tokenizer of the workload (default model)")
+    d.add_argument("--layouts", default="1:prefix,2:prefix,2:round-robin",
+                   help="comma list of REPLICAS:ROUTER_POLICY, each served and measured in turn")
+    d.add_argument("--server-args", default="--dtype float32 --kv-cache-memory 256MiB --max-model-len 2048",
+                   help="more `pagedllm serve` flags, one string (each replica gets its own KV pool of "
+                        "--kv-cache-memory)")
+    d.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests/s, Poisson arrivals; inf sends them all at once")
+    d.add_argument("--max-concurrency", type=int, default=None, help="requests in flight at most (None: no cap)")
+    d.add_argument("--out", default="results/data_parallel.json", help="result JSON")
+    d.set_defaults(func=lambda a: _main(a, opts, tokenizer))
+
+
+def _main(a, opts, tokenizer) -> int:
+    from .provenance import save_result
+    from .workloads import load_workload
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
+    try:
+        layouts = parse_layouts(a.layouts)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    server_args = shlex.split(a.server_args) + (["--model", a.model] if a.model else [])
+    reqs = load_workload(a.workload, tokenizer(a.model), opts(a))
+    print(f"workload: {a.workload}, {len(reqs)} requests, {a.num_system_prompts} system prompt(s), mean prompt "
+          f"{sum(r.prompt_len for r in reqs) / len(reqs):.0f} tokens, mean output "
+          f"{sum(r.output_len for r in reqs) / len(reqs):.0f} tokens")
+    rows = run_dp_bench(layouts, reqs, server_args, a.request_rate, a.max_concurrency, a.seed)
+    command = "pagedllm " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    save_result({"benchmark": "data_parallel", "command": command, "workload": a.workload,
+                 "workload_options": opts(a).as_dict(), "server_args": server_args, "results": rows}, a.out)
+    print(f"wrote {a.out}")
+    return 0 if all(r["failed"] == 0 for r in rows) else 1

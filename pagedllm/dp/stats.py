@@ -1,0 +1,62 @@
+"""The figures of several replicas as one EngineStats: the server's totals.
+
+Counters add up, and stay monotonic across a replica's restart: the front keeps what a dead
+replica had counted (`retired`) and adds it to the sums. Gauges add up over the live
+replicas; KV usage and waste are recomputed from the summed blocks and slots.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+
+from ..engine.engine import EngineStats
+from ..kv import KVStats
+
+KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "forks", "evictions")
+ENGINE_COUNTERS = ("preemptions", "prompt_tokens", "computed_prompt_tokens", "generation_tokens", "steps")
+
+
+def zero_stats(block_size: int, bytes_per_token: int = 0) -> EngineStats:
+    kv = KVStats(**{f.name: 0 for f in fields(KVStats)})
+    kv = replace(kv, block_size=block_size, usage=0.0, waste=0.0)
+    return EngineStats(kv, bytes_per_token, 0, 0.0, 0, 0, 0, 0, 0, 0, 0)
+
+
+def counters_only(s: EngineStats) -> EngineStats:
+    """A dead replica's counters, its gauges zeroed: what its restart must not lose."""
+    z = zero_stats(s.kv.block_size, s.bytes_per_token)
+    kv = replace(z.kv, **{k: getattr(s.kv, k) for k in KV_COUNTERS})
+    return replace(z, kv=kv, **{k: getattr(s, k) for k in ENGINE_COUNTERS})
+
+
+def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
+    """The sum of several replicas' stats (or of live ones and retired counters)."""
+    if not parts:
+        raise ValueError("sum_stats needs at least one EngineStats")
+    kvs = [p.kv for p in parts]
+    B = kvs[0].block_size
+    num_blocks, used = sum(k.num_blocks for k in kvs), sum(k.used_blocks for k in kvs)
+    used_slots = sum(k.used_slots for k in kvs)
+    kv = KVStats(
+        num_blocks=num_blocks, block_size=B, used_blocks=used,
+        cached_free_blocks=sum(k.cached_free_blocks for k in kvs), free_blocks=sum(k.free_blocks for k in kvs),
+        usage=used / num_blocks if num_blocks else 0.0, used_slots=used_slots,
+        waste=(used * B - used_slots) / (used * B) if used else 0.0,
+        blocks_without_sharing=sum(k.blocks_without_sharing for k in kvs),
+        **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS})
+    return EngineStats(
+        kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts),
+        peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),
+        num_running=sum(p.num_running for p in parts), num_waiting=sum(p.num_waiting for p in parts),
+        **{k: sum(getattr(p, k) for p in parts) for k in ENGINE_COUNTERS})
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaFigures:
+    """One data-parallel replica as the metrics see it."""
+    index: int
+    alive: bool
+    restarts: int
+    routed: int            # requests the router sent it
+    stats: EngineStats | None  # None while it restarts
+    in_flight: int = 0     # requests sent and not finished

@@ -132,13 +132,15 @@ def run_dp_bench(layouts: list[Layout], reqs: list[BenchRequest], server_args: l
     for layout in layouts:
         print(f"{layout.label}: starting {layout.replicas} replica(s)...", flush=True)
         rows.append(run_layout(layout, reqs, server_args, rate, concurrency, seed))
-        print_row(rows[-1])
+        print_row(rows[-1], rows[0])
     return rows
 
 
-def print_row(r: dict) -> None:
+def print_row(r: dict, base: dict) -> None:
+    """One layout's figures, its throughput also as a ratio to the first layout's (same command)."""
     routed = "/".join(map(str, r["routed_per_replica"])) or "-"
-    print(f"{r['label']:<18} {r['output_tok_s']:8.1f} out tok/s   hit rate {100 * r['prefix_hit_rate']:5.1f}%   "
+    ratio = r["output_tok_s"] / base["output_tok_s"] if base["output_tok_s"] else float("nan")
+    print(f"{r['label']:<18} {r['output_tok_s']:8.1f} out tok/s ({ratio:.2f}x {base['label']})   hit rate {100 * r['prefix_hit_rate']:5.1f}%   "
           f"TTFT {r['mean_ttft_ms']:8.0f} ms   TPOT {r['mean_tpot_ms']:6.1f} ms   routed {routed}   "
           f"threads/replica {r['threads_per_replica']}   failed {r['failed']}", flush=True)
 

@@ -65,6 +65,19 @@ python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48
 #     requests matching their run alone with the mode off and on.
 python benchmarks/batch_invariant.py --match --rounds 3 --out $R/batch_invariant.json | tee $R/batch_invariant.txt
 
+# 12. Tensor parallel: the all-reduce alone (gloo vs shared memory), and TP=1 vs TP=3.
+python benchmarks/tensor_parallel.py --num-prompts 16 --max-tokens 64 --out $R/tensor_parallel.json
+
+# 13. Data parallel: 1 replica vs 2 with prefix and round-robin routing, over HTTP.
+pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --out $R/data_parallel.json
+pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --max-concurrency 4 \
+  --out $R/data_parallel_c4.json
+
+# 14. TP x DP on paper: LLaMA-13B on 1-8 GPUs.
+pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memory 80GiB,40GiB \
+  --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \
+  --max-num-batched-tokens 8192 | tee $R/parallel_projection.txt
+
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.
 pagedllm bench report $R/*.json --out-dir $R/report

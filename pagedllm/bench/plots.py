@@ -219,6 +219,38 @@ def plot_viz_overhead(ax, data: dict) -> None:
     ax.set_xlabel("output tokens/s (bar: median, dots: runs)")
 
 
+def plot_tensor_parallel(fig, data: dict) -> None:
+    """All-reduce alone, gloo vs shared memory; then the engine at TP=1 and TP=3."""
+    a, b = fig.subplots(1, 2)
+    rows = data["allreduce"]
+    labels = [f"{r['ranks']}r {r['tokens']}x{r['hidden']}" for r in rows]
+    x = range(len(rows))
+    a.bar([i - 0.2 for i in x], [r["gloo_median_us"] for r in rows], 0.4, label="gloo", color=OTHER_COLOUR)
+    a.bar([i + 0.2 for i in x], [r["shm_median_us"] for r in rows], 0.4, label="shared memory",
+          color=family_colour("pagedllm"))
+    a.set_yscale("log")
+    a.set_xticks(list(x), labels, rotation=60, fontsize=7)
+    a.set_ylabel("median µs per all-reduce (bf16)")
+    a.legend(fontsize=8)
+    warm = [r for r in data["engine"] if r["pass"] == "warm"]
+    names = [f"TP={r['tp']}" + (f" {r['runner'].rsplit('(', 1)[-1].rstrip(')')}" if r["tp"] > 1 else "")
+             for r in warm]
+    _bars(b, names, [r["output_tok_s"] for r in warm], [family_colour("pagedllm")] * len(warm), "{:.0f}")
+    b.set_xlabel("output tokens/s (warm pass)")
+
+
+def plot_data_parallel(fig, data: dict) -> None:
+    """Throughput and prefix hit rate of each layout."""
+    a, b = fig.subplots(1, 2)
+    rows = data["results"]
+    labels = [r["label"] for r in rows]
+    colours = [family_colour("pagedllm")] * len(rows)
+    _bars(a, labels, [r["output_tok_s"] for r in rows], colours, "{:.0f}")
+    a.set_xlabel("output tokens/s")
+    _bars(b, labels, [100 * r["prefix_hit_rate"] for r in rows], colours, "{:.1f}")
+    b.set_xlabel("prefix hit rate, %")
+
+
 # (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
 Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
 PLOTTERS: list[Plotter] = [
@@ -228,6 +260,9 @@ PLOTTERS: list[Plotter] = [
      and "client" in d["results"][0], plot_serve_sweep, "Serving: PagedLLM vs vllm serve", True),
     (lambda d: isinstance(d.get("results"), list) and d["results"] and "kernel_over_floor" in d["results"][0],
      plot_decode_attention, "Decode attention against its memory floor", False),
+    (lambda d: "allreduce" in d and "engine" in d, plot_tensor_parallel,
+     "Tensor parallel on CPU: all-reduce alone, and the engine", True),
+    (lambda d: d.get("benchmark") == "data_parallel", plot_data_parallel, "Data parallel routing", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,

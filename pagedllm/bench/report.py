@@ -43,11 +43,12 @@ def markdown(results: list[dict]) -> str:
     if serve:
         rows += ["", "| serving run | req/s | output tok/s | mean TTFT ms | median TTFT ms | P99 TTFT ms | mean TPOT ms | mean ITL ms | hit rate |",
                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in serve:
-            rows.append("| {} | {:.2f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {} |".format(
-                _serve_label(r), r["request_throughput"], r["output_throughput"],
-                r["mean_ttft_ms"], r["median_ttft_ms"], r["p99_ttft_ms"], r["mean_tpot_ms"],
-                r["mean_itl_ms"], _pct(r.get("prefix_hit_rate"))))
+        for r in serve:  # a data-parallel layout records only some of vLLM's keys
+            figures = [_num(r.get("request_throughput"), "{:.2f}"),
+                       _num(r.get("output_throughput", r.get("output_tok_s")), "{:.1f}")]
+            figures += [_num(r.get(k), "{:.1f}") for k in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms",
+                                                             "mean_tpot_ms", "mean_itl_ms")]
+            rows.append(f"| {_serve_label(r)} | {' | '.join(figures)} | {_pct(r.get('prefix_hit_rate'))} |")
     return "\n".join(rows) + "\n"
 
 

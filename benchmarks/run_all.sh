@@ -77,6 +77,9 @@ pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --
 pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memory 80GiB,40GiB \
   --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \
   --max-num-batched-tokens 8192 | tee $R/parallel_projection.txt
+pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memory 24GiB --gpus 1,2 \
+  --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \
+  --max-num-batched-tokens 8192 | tee -a $R/parallel_projection.txt
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.

@@ -60,7 +60,7 @@ def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connec
         return
     engine.stream_outputs = True
     s = engine.stats()
-    conn.send(("ready", ReplicaInfo(os.getpid(), engine.model_name, engine.max_model_len, engine._chars_per_token,
+    conn.send(("ready", ReplicaInfo(os.getpid(), engine.model_name, engine.max_model_len, engine.rules.chars_per_token,
                                     s.kv.num_blocks, s.kv.block_size, engine.kv.enable_prefix_caching, s)))
     ReplicaLoop(engine, commands, conn).run()
 

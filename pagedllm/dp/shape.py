@@ -5,28 +5,23 @@ tokenizes, validates and answers /tokenize in its own process, by the same rules
 """
 from __future__ import annotations
 
+from typing import Sequence as Seq
+
 from ..config import EngineConfig
-from ..engine.engine import LLMEngine
+from ..engine.validation import RequestRules
 from ..kv import KVCacheManager
 from ..loader import load_config, load_tokenizer, resolve_model_dir
 from ..models import ModelConfig
+from ..sampling_params import BeamSearchParams, SamplingParams
 from .replica import ReplicaInfo
 
 
 class EngineShape:
-    """The parts of LLMEngine that ServerState, the token routes and the metrics read.
-
-    Validation is LLMEngine's own code, borrowed method by method (not copied): it reads
-    only cfg, tokenizer, model_cfg, max_model_len, _chars_per_token and kv (policy,
-    can_ever_fit, pool size), which this class provides. `kv` is a real, empty KV manager
-    the size of the smallest replica's pool, so "can this request ever fit" is asked of a
+    """The parts of LLMEngine that ServerState, the token routes and the metrics read:
+    cfg, model_cfg, tokenizer, model_name, max_model_len, kv, rules, validate. The
+    request rules are the engine's own (RequestRules) over a real, empty KV manager the
+    size of the smallest replica's pool, so "can this request ever fit" is asked of a
     pool of the same size and policy as the one it will run in."""
-
-    validate = LLMEngine.validate
-    _split_params = LLMEngine._split_params
-    _tokenize = LLMEngine._tokenize
-    _check_prompt_len = LLMEngine._check_prompt_len
-    _check_lengths = LLMEngine._check_lengths
 
     def __init__(self, cfg: EngineConfig) -> None:
         """The tokenizer and model config (loaded while the replicas load their weights)."""
@@ -40,6 +35,11 @@ class EngineShape:
         info = infos[0]
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
-        self._chars_per_token = info.chars_per_token
         self.kv = KVCacheManager(min(i.num_blocks for i in infos), info.block_size, info.enable_prefix_caching,
                                  self.cfg.allocation, self.max_model_len)
+        self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len,
+                                  self.cfg.max_num_seqs, self.kv, info.chars_per_token)
+
+    def validate(self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
+                 add_special_tokens: bool = True) -> list[int]:
+        return self.rules.validate(prompt, params, add_special_tokens)

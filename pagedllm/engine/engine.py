@@ -21,6 +21,7 @@ from .detokenizer import detokenize, final_text
 from .observer import EngineObserver
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
+from .validation import RequestRules
 
 logger = logging.getLogger(__name__)
 
@@ -89,9 +90,8 @@ class LLMEngine:
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills)
-        # No token spans more characters than the longest vocabulary entry (2x for
-        # normalizers that merge characters): a bound on a prompt's length before encoding.
-        self._chars_per_token = 2 * max(map(len, self.tokenizer.get_vocab()), default=1)
+        self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
+                                  self.kv)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -129,15 +129,15 @@ class LLMEngine:
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
         BeamSearchParams make a beam-search request: one group of up to beam_width beams."""
-        params, beam = self._split_params(params or SamplingParams())
+        params, beam = self.rules.split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is not None and isinstance(prompt, str):
-            text, token_ids = prompt, self._tokenize(prompt_token_ids, add_special_tokens)[1]
+            text, token_ids = prompt, self.rules.tokenize(prompt_token_ids, add_special_tokens)[1]
         else:
-            text, token_ids = self._tokenize(prompt, add_special_tokens)
-        max_tokens = self._check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
+            text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
+        max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
         for i in range(1 if beam else params.num_samples):
@@ -159,68 +159,7 @@ class LLMEngine:
                  add_special_tokens: bool = True) -> list[int]:
         """Token ids of a request that add_request would accept; ValueError otherwise.
         Reads no mutable engine state, so it is safe to call from another thread."""
-        params, beam = self._split_params(params)
-        _, ids = self._tokenize(prompt, add_special_tokens)
-        self._check_lengths(len(ids), params, beam.beam_width if beam else 1)
-        return ids
-
-    def _split_params(self, params) -> tuple[SamplingParams, BeamSearchParams | None]:
-        """(what the common paths read, the beam settings of a beam-search request or None)."""
-        if isinstance(params, SamplingParams):
-            return params, None
-        if not isinstance(params, BeamSearchParams):
-            raise ValueError(f"sampling params must be a SamplingParams or BeamSearchParams, "
-                             f"got {type(params).__name__}")
-        beam = params
-        if beam.beam_width > self.cfg.max_num_seqs:
-            raise ValueError(f"beam_width {beam.beam_width} exceeds max_num_seqs ({self.cfg.max_num_seqs}): "
-                             "the beams of a request run together")
-        if self.kv.policy != "paged":
-            raise ValueError("beam search shares blocks between beams: it needs allocation 'paged', "
-                             f"not {self.kv.policy!r}")
-        return beam.sampling_params(), beam
-
-    def _tokenize(self, prompt: str | Seq[int], add_special_tokens: bool) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if len(prompt) > self._chars_per_token * self.max_model_len:  # too long: spare the encoding
-                raise ValueError(f"prompt is {len(prompt)} characters, so at least "
-                                 f"{len(prompt) // self._chars_per_token} tokens; "
-                                 f"it must be < max_model_len ({self.max_model_len}) tokens")
-            ids = self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-            if not ids:
-                raise ValueError(f"prompt {prompt[:40]!r} encodes to no tokens")
-            return prompt, ids
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("prompt must not be empty")
-        self._check_prompt_len(len(ids))  # before the per-id check: a huge list is refused at once
-        vocab = self.model_cfg.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
-
-    def _check_prompt_len(self, prompt_len: int) -> None:
-        if prompt_len >= self.max_model_len:
-            raise ValueError(f"prompt is {prompt_len} tokens; it must be < max_model_len ({self.max_model_len})")
-
-    def _check_lengths(self, prompt_len: int, params: SamplingParams, width: int = 1) -> int:
-        """max_tokens after checking the request can ever run; `width` beams may each need
-        their own blocks after a preemption by recompute (no sharing left then)."""
-        vocab = self.model_cfg.vocab_size
-        if params.logit_bias and max(params.logit_bias) >= vocab:
-            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
-        self._check_prompt_len(prompt_len)
-        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
-        if prompt_len + max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({prompt_len} tokens) + max_tokens ({max_tokens}) = "
-                             f"{prompt_len + max_tokens} exceeds max_model_len ({self.max_model_len})")
-        if not self.kv.can_ever_fit(prompt_len + max_tokens, width):
-            beams = f" for each of {width} beams" if width > 1 else ""
-            raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens{beams} needs more KV blocks "
-                             f"than the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
-        return max_tokens
+        return self.rules.validate(prompt, params, add_special_tokens)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks now; returns its final output."""

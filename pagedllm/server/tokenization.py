@@ -58,7 +58,7 @@ def tokenize(engine, tokenizer, req: TokenizeCompletionRequest | TokenizeChatReq
         text = req.prompt
     limit = engine.max_model_len
     # Bound the length before encoding: a 4 MB prompt is refused without tokenizing it.
-    if len(text) > engine._chars_per_token * limit:
+    if len(text) > engine.rules.chars_per_token * limit:
         raise ValueError(f"prompt is {len(text)} characters, more than max_model_len ({limit}) tokens can hold")
     ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens) if text else []
     if len(ids) > limit:

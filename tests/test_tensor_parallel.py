@@ -166,3 +166,30 @@ def test_serve_with_tp_ends_when_a_rank_dies(tmp_path_factory, tiny):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_visualizer_sees_the_same_blocks_under_tp(tiny):
+    """The visualizer watches rank 0's KV manager: under TP=2 its event stream (allocations,
+    prefix hits, forks, copy-on-write) is TP=1's, event for event."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.engine import LLMEngine
+    from pagedllm.viz.hub import VizHub
+
+    events = []
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=tiny, tensor_parallel_size=tp, dtype="float32",
+                                        num_gpu_blocks_override=16, max_model_len=256, num_threads=1))
+        try:
+            hub = VizHub(engine)
+            engine.observers.append(hub)
+            hub.start_recording()
+            shared = list(range(1000, 1040))
+            engine.add_request("a", shared + [7], SamplingParams(max_tokens=20, ignore_eos=True, temperature=0))
+            engine.add_request("b", shared + [8], SamplingParams(n=2, max_tokens=20, ignore_eos=True, temperature=0))
+            while engine.has_unfinished_requests():
+                engine.step()
+            events.append([ev for m in hub.stop_recording() for ev in m.get("kv", [])])
+        finally:
+            engine.close()
+    assert events[0] == events[1]
+    assert {"alloc", "fork", "cow", "free"} <= {ev["type"] for ev in events[0]}

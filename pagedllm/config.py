@@ -131,6 +131,9 @@ class EngineConfig:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
+        if self.batch_invariant and self.tensor_parallel_size > 1:
+            raise ValueError("batch_invariant with tensor_parallel_size > 1 is not supported: it is not checked "
+                             "that the ranks' sums keep a request's tokens independent of its batch")
         if self.batch_invariant and (self.attention_backend not in ("auto", "cpu") or self.device.startswith("cuda")):
             raise ValueError("batch_invariant runs on the CPU attention backend only (attention_backend auto or cpu, "
                              f"device auto or cpu), got attention_backend={self.attention_backend!r}, "

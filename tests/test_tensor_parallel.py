@@ -101,6 +101,8 @@ def test_tp_size_must_divide_the_model():
         LLM(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="batch_invariant with tensor_parallel_size > 1 is not supported"):
+        LLM(tensor_parallel_size=3, batch_invariant=True)
 
 
 def test_dead_worker_is_a_clear_error_not_a_hang(tiny):

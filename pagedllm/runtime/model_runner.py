@@ -146,9 +146,6 @@ class ModelRunner:
         self.backend_name = backend.name
         self.batch_invariant = cfg.batch_invariant
         if cfg.batch_invariant:
-            if tp.size > 1:
-                raise ValueError("batch_invariant with tensor_parallel_size > 1 is not supported: the ranks' "
-                                 "all-reduce adds partial sums in its own order")
             if backend.name != "cpu" or self.device.type != "cpu":
                 raise ValueError(f"batch_invariant needs the compiled CPU attention kernel, but this engine runs "
                                  f"{backend.name} attention on {self.device.type}")
@@ -183,9 +180,8 @@ class ModelRunner:
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
         log = logger.info if tp.is_driver else logger.debug
-        log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype,
-                    self.device, backend.name,
-                    f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
+        log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype, self.device,
+            backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
                                 profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp)
         self.max_model_len = max_model_len

@@ -81,6 +81,9 @@ pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memor
   --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \
   --max-num-batched-tokens 8192 | tee -a $R/parallel_projection.txt
 
+# 15. int8 weights against bf16: one request, a batch, and greedy agreement.
+python benchmarks/quantization.py --rounds 3 --out $R/quantization.json
+
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.
 pagedllm bench report $R/*.json --out-dir $R/report

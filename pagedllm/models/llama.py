@@ -12,9 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
+from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
+from .quantization import int8_linear, quantize_linears
 from .rope import RotaryEmbedding, apply_rope
 
 
@@ -39,8 +41,11 @@ class Ops:
     def __init__(self, kernels=None) -> None:
         self.k = kernels
         self.batch_invariant = False
+        self.int8 = False  # the linear layers hold int8 weights (quantization.py)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self.int8:
+            return int8_linear(layer, x)
         return invariant_linear(layer, x, self.k) if self.batch_invariant else layer(x)
 
     def fused(self, x: torch.Tensor) -> bool:
@@ -191,6 +196,15 @@ class LlamaForCausalLM(nn.Module):
         if packed == 0:
             return f"matmuls on {ROW_TILE}-row tiles"
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
+
+    def quantize(self, method: str) -> str:
+        """Weight-only quantization of every linear layer (once the weights are loaded and
+        in their dtype). Returns what was done, for the log."""
+        if method != "int8":
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
+        n = quantize_linears(self, keep={id(self.embed_tokens.weight)})
+        self.ops.int8 = True
+        return f"{n} linear layers on int8 weights (per-channel scales)"
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples.

@@ -175,6 +175,14 @@ class ModelRunner:
         model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
         model = model.to(self.dtype).eval()
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
+        if cfg.quantization is not None:
+            if self.device.type != "cpu":
+                raise ValueError(f"quantization {cfg.quantization!r} runs on the CPU only, not on {self.device}")
+            done = model.quantize(cfg.quantization)
+            if tp.is_driver:
+                # torch's int8 kernel is matrix-vector: each extra row costs as much as the first.
+                logger.warning("quantized: %s; fastest for one or two sequences at a time, batched throughput "
+                               "drops to ~0.35x bf16's (BENCHMARKS.md §16)", done)
         # RoPE tables stay float32 whatever the weights' dtype.
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
@@ -198,6 +206,7 @@ class ModelRunner:
         """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""
+        mode += ", int8 weights" if self.model.ops.int8 else ""
         tp = f", tensor parallel {self.tp.size} ({'shm' if self.tp.shm is not None else 'gloo'})" \
             if self.tp.size > 1 else ""
         return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}{tp}"

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -26,14 +25,11 @@ from pagedllm.bench.vllm_baseline import VllmServer, stop_process, vllm_bench_se
 from pagedllm.bench.workloads import WorkloadOptions, load_workload
 from pagedllm.config import parse_bytes
 from pagedllm.loader import load_tokenizer, resolve_model_dir
+from pagedllm.util import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PagedServer:

@@ -59,13 +59,13 @@ def _allreduce_rank(rank: int, world: int, port: int, shapes: list[tuple[int, in
 def allreduce_micro(reps: int) -> list[dict]:
     import torch.multiprocessing as mp
 
-    from pagedllm.distributed.launch import _free_port
+    from pagedllm.util import free_port
 
     shapes = [(t, h) for h in (576, 4096) for t in (1, 16, 64, 256)]
     rows: list[dict] = []
     for world in (2, 3):
         q = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_allreduce_rank, args=(world, _free_port(), shapes, reps, q), nprocs=world,
+        mp.start_processes(_allreduce_rank, args=(world, free_port(), shapes, reps, q), nprocs=world,
                            start_method="spawn")
         while not q.empty():
             rows.append(q.get())

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,7 @@ import httpx
 
 from .serve_client import run_serve_bench
 from .sharegpt import BenchRequest
+from ..util import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,17 +50,11 @@ def parse_layouts(text: str) -> list[Layout]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class _Server:
     """A `pagedllm serve` subprocess, up once /health answers."""
 
     def __init__(self, layout: Layout, server_args: list[str], timeout: float = 600) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         fd, self.log_path = tempfile.mkstemp(prefix=f"pagedllm-{layout.label}-", suffix=".log")
         with os.fdopen(fd, "w") as log:  # the server writes on through its own copy

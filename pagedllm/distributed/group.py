@@ -34,7 +34,7 @@ class TPGroup:
     distributed: bool = False
     # Rank 0 asks this which rank died when a collective fails (the launcher knows its processes).
     diagnose: Callable[[], str | None] = field(default=lambda: None, repr=False)
-    # (kernels, region) once the ranks of one machine share memory (shm.attach): the
+    # (kernels, region, slot bytes) once the ranks of one machine share memory (shm.attach): the
     # all-reduce goes through it instead of gloo.
     shm: Any = field(default=None, repr=False)
     shm_seq: int = 0
@@ -60,11 +60,9 @@ class TPGroup:
         return x
 
     def _shm_all_reduce(self, x: torch.Tensor) -> None:
-        from .shm import SLOT_BYTES
-
-        ops, region = self.shm
+        ops, region, slot_bytes = self.shm
         flat = x.view(-1)
-        step = SLOT_BYTES // x.element_size()
+        step = slot_bytes // x.element_size()
         for lo in range(0, flat.numel(), step):
             piece = flat[lo:lo + step]
             self.shm_seq += 1

@@ -11,7 +11,6 @@ import datetime
 import logging
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -24,6 +23,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..models import ModelConfig
+from ..util import free_port
 from .group import TPGroup, WorkerDiedError
 
 logger = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ def start_group(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_
             sys.exit(0)
         logger.info("tensor parallel: %d ranks under torchrun (%s)", n, backend)
         return Launcher(group)
-    port = _free_port()
+    port = free_port()
     init = f"tcp://127.0.0.1:{port}"
     procs = [_spawn((cfg, model_dir, model_cfg, max_model_len, r, n, backend, init)) for r in range(1, n)]
     launcher = Launcher(TPGroup(0, n, 0, n, distributed=True), procs)
@@ -139,12 +139,6 @@ def _init_watching(backend: str, init: str, n: int, launcher: Launcher) -> None:
             raise WorkerDiedError(f"{dead} while starting (its error is printed above)")
     if failure:
         raise failure[0]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: tuple) -> subprocess.Popen:

@@ -34,7 +34,7 @@ def attach(group: TPGroup, kernels, wanted: bool) -> bool:
     if group.is_driver and name is not None:
         os.unlink(name)  # the mappings stay; nothing is left in /dev/shm however the ranks end
     if ok:
-        group.shm = (kernels, region)
+        group.shm = (kernels, region, SLOT_BYTES)
     return ok
 
 

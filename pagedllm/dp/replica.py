@@ -117,7 +117,8 @@ class ReplicaLoop:
             self.stopping = True
 
     def _step(self) -> None:
-        before = self.engine.stats()
+        # The step's tokens from the engine's counters: stats() walks every block table, once a step is enough.
+        before = self.engine.computed_prompt_tokens + self.engine.generation_tokens
         try:
             outs = self.engine.step()
         except Exception as e:  # fail the requests in flight, keep serving (as AsyncLLMEngine does)
@@ -132,7 +133,7 @@ class ReplicaLoop:
                     self.conn.send(("finished", out))
             return
         s = self.engine.stats()
-        ran = s.computed_prompt_tokens + s.generation_tokens - before.computed_prompt_tokens - before.generation_tokens
+        ran = s.computed_prompt_tokens + s.generation_tokens - before
         self.conn.send(("step", outs, s, ran, self.adds_applied))
 
 

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from pagedllm.util import free_port
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -25,10 +25,6 @@ class Server:
             return f.read()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(tmp_path_factory, *extra: str, name: str = "server") -> Server:

@@ -1,11 +1,16 @@
-"""int8 weights (`--quantization int8`) against bf16: one request's decode speed, batched
-throughput, and how far greedy output stays with bf16's and fp32's.
+"""Quantized weights (`--quantization gguf | int8 | int4`) against bf16: one request's decode
+speed, batched throughput, and how far greedy output stays with bf16's and fp32's.
 
-Speed: one request (a 64-token random prompt, 256 new tokens, greedy, EOS ignored), as
-BENCHMARKS §2, and 48 ShareGPT prompts cut to 256 tokens with 128 new tokens; each engine in
-its own process, bf16 and int8 alternating for `--rounds` rounds, medians compared.
-Quality: 50 ShareGPT prompts, 64 greedy tokens: the mean length of the common prefix with
-bf16's and with fp32's output, and how many of the 50 agree on all 64 tokens.
+gguf runs the bundled file's own Q4_1 / Q8_0 blocks; int8 and int4 make q8_0 / q4_1 blocks
+from the bf16 weights. Speed: one request (a 64-token random prompt, 256 new tokens, greedy,
+EOS ignored), as BENCHMARKS §2, and 48 ShareGPT prompts cut to 256 tokens with 128 new
+tokens; each engine in its own process, the four alternating for `--rounds` rounds, medians
+compared.
+Quality: 50 ShareGPT prompts, 64 greedy tokens, at most 4 sequences a step (so decode runs
+the block kernels; 9 rows or more dequantize to bf16 first): the mean length of the common
+prefix with bf16's and with fp32's output, and how many of the 50 agree on all 64 tokens.
+Perplexity of a fixed 1024-token text (ShareGPT replies, pagedllm.bench.quality), scored 8
+tokens a step, through the kernels too.
 
     python benchmarks/quantization.py --rounds 3 --out benchmarks/results/quantization.json
 """
@@ -17,7 +22,10 @@ import statistics
 import time
 
 from pagedllm.bench.throughput import in_own_process, save
+from pagedllm.bench.quality import common_prefix, fixed_text_ids, perplexity
 from pagedllm.bench.workloads import sharegpt_truncated
+
+QUANTS = (None, "gguf", "int8", "int4")  # None: bf16
 
 
 def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -36,15 +44,16 @@ def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int) -
 def greedy(kw: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(max_model_len=2048, **kw)
+    llm = LLM(max_model_len=2048, max_num_seqs=4, **kw)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                          use_tqdm=False)]
 
 
-def common_prefix(a: list[list[int]], b: list[list[int]], n: int) -> tuple[float, int]:
-    same = [next((i for i, (x, y) in enumerate(zip(p, q)) if x != y), n) for p, q in zip(a, b)]
-    return sum(same) / len(same), sum(s == n for s in same)
+def text_perplexity(kw: dict, ids: list[int]) -> float:
+    from pagedllm import LLM
+
+    return perplexity(LLM(max_model_len=2048, max_num_batched_tokens=8, **kw), ids)
 
 
 def main() -> None:
@@ -58,7 +67,7 @@ def main() -> None:
     runs: dict[str, dict[str, list[dict]]] = {"one request": {}, "48 ShareGPT prompts": {}}
     for _ in range(args.rounds):
         for name, prompts, max_tokens in (("one request", one, 256), ("48 ShareGPT prompts", batch, 128)):
-            for q in (None, "int8"):
+            for q in QUANTS:
                 runs[name].setdefault(q or "bf16", []).append(in_own_process(speed, q, prompts, max_tokens))
     rows = []
     for name, by in runs.items():
@@ -70,16 +79,23 @@ def main() -> None:
             each = ", ".join(f"{r['output_tok_s']:.1f}" for r in rs)
             print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x bf16)  rounds {each}")
     prompts = [list(r.prompt) for r in sharegpt_truncated(50, 256, 64)]
-    outs = {name: in_own_process(greedy, kw, prompts, 64) for name, kw in {
-        "fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
-        "int8": {"dtype": "bfloat16", "quantization": "int8"}}.items()}
+    modes = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
+             **{q: {"dtype": "bfloat16", "quantization": q} for q in QUANTS if q}}
+    outs = {name: in_own_process(greedy, kw, prompts, 64) for name, kw in modes.items()}
+    from pagedllm.loader import load_tokenizer, resolve_model_dir
+
+    text = fixed_text_ids(load_tokenizer(resolve_model_dir(None)), 1024)
+    ppl = {name: in_own_process(text_perplexity, kw, text) for name, kw in modes.items()}
+    for name, v in ppl.items():
+        print(f"perplexity of a fixed {len(text)}-token text: {name:<5} {v:.3f} ({v / ppl['bf16']:.3f}x bf16's)")
     quality = {}
-    for a, b in (("bf16", "fp32"), ("int8", "fp32"), ("int8", "bf16")):
+    for a, b in (("bf16", "fp32"), *((q, ref) for q in QUANTS if q for ref in ("fp32", "bf16"))):
         mean, whole = common_prefix(outs[a], outs[b], 64)
         quality[f"{a}_vs_{b}"] = {"mean_common_prefix": mean, "all_64_equal": whole, "prompts": len(prompts)}
         print(f"greedy, 50 ShareGPT prompts x 64 tokens: {a} vs {b}: common prefix {mean:.1f} tokens on average, "
               f"{whole}/50 equal throughout")
-    save({"results": rows, "quality": quality, "rounds": args.rounds}, args.out)
+    save({"results": rows, "quality": quality, "perplexity": {"text_tokens": len(text), **ppl},
+          "rounds": args.rounds}, args.out)
     print(f"saved {args.out}")
 
 

@@ -81,8 +81,13 @@ pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memor
   --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \
   --max-num-batched-tokens 8192 | tee -a $R/parallel_projection.txt
 
-# 15. int8 weights against bf16: one request, a batch, and greedy agreement.
+# 15. Quantized weights (gguf, int8, int4) against bf16: one request, a batch, greedy agreement, perplexity.
 python benchmarks/quantization.py --rounds 3 --out $R/quantization.json
+
+# 16. One request at a time against llama.cpp (quantized weights, n-gram speculative decoding),
+#     and what speculation does to batched throughput.
+python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request.json
+python benchmarks/speculative_batched.py --out $R/speculative_batched.json
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.

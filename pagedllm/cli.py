@@ -87,7 +87,12 @@ def kv_report(stats) -> str:
         f"preemptions {s.preemptions}",
         f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "
         f"in {s.steps} steps",
-    ])
+    ] + ([] if s.spec is None else [
+        f"  speculative decoding: {s.spec.num_accepted_tokens}/{s.spec.num_draft_tokens} draft tokens accepted "
+        f"(acceptance {s.spec.acceptance_rate:.1%}) over {s.spec.num_drafts} verifications, "
+        f"{s.spec.mean_accepted_length:.2f} tokens per verifying step; accepted by draft position "
+        f"{s.spec.accepted_per_position}",
+    ]))
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -38,6 +38,9 @@ class RequestOutput:
     num_cached_tokens: int = 0         # prompt tokens served from the prefix cache
     metrics: dict = field(default_factory=dict)
     error: str | None = None           # why the request failed (finish_reason "error"), alone in its batch
+    # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens before
+    # it, then the top k (vLLM's shape); None for the first token, which nothing predicts.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -50,6 +50,14 @@ class ChunkPlan:
     # Who samples from the chunk's last row: nobody mid-prompt; the sequence itself, or
     # with n > 1 the parent and the samples that fork off it at the end of the prompt.
     samples: list[SampleTarget] = field(default_factory=list)
+    # Speculative decoding: the chunk's last len(draft) tokens are draft tokens (in
+    # lookahead slots); its last len(draft) + 1 rows verify them for the one sample target.
+    draft: list[int] = field(default_factory=list)
+    # Prompt logprobs: the rows at positions score_start .. score_start + len(score_ids) - 1
+    # each score the next prompt token (score_ids[i]), with the top score_top beside it.
+    score_start: int = 0
+    score_ids: list[int] = field(default_factory=list)
+    score_top: int = 0
 
     @property
     def num_tokens(self) -> int:

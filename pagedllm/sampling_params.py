@@ -26,6 +26,9 @@ class SamplingParams:
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = None   # None: off; k >= 0: the chosen token's logprob and the top k
+    # None: off; k >= 0: each prompt token's logprob given the tokens before it, and the top k
+    # there (perplexity, log-likelihood scoring). Such a prompt skips the prefix cache.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True   # leave special tokens (EOS, chat markers) out of the text
     min_p: float = 0.0            # drop tokens less likely than min_p x the top token's probability
     min_tokens: int = 0           # EOS and stop_token_ids cannot end the output before this many tokens
@@ -63,6 +66,8 @@ class SamplingParams:
             raise bad("max_tokens", "an integer >= 1")
         if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20]")
+        if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
+            raise bad("prompt_logprobs", "an integer in [0, 20]")
         if self.seed is not None and (not _int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
             raise bad("seed", "a 64-bit integer")
         if self.best_of is not None and (not _int(self.best_of) or self.best_of < self.n):

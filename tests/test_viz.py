@@ -152,3 +152,27 @@ def test_step_controller_gates_steps():
     t0 = time.monotonic()
     c.after_step(stop)
     assert c.step_delay == 0.05 and time.monotonic() - t0 >= 0.04
+
+
+def test_lookahead_slots_and_rollbacks_replay():
+    """Speculative decoding's lookahead slots and rollbacks are events like any other: the
+    replay rebuilds the manager after every step, and the trace shows both."""
+    from pagedllm.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(dtype="float32", num_gpu_blocks_override=16, max_model_len=256, block_size=4,
+                                 speculative_config={"method": "ngram", "num_speculative_tokens": 5}))
+    hub = VizHub(eng)
+    eng.observers.append(hub)
+    hub.start_recording()
+    eng.add_request("a", "Count from 1 to 30, separated by commas.", SamplingParams(max_tokens=40))
+    eng.add_request("b", "the cat sat on the mat. the cat sat on the mat. the cat",
+                    SamplingParams(max_tokens=30, temperature=0.8, seed=3))
+    while eng.has_unfinished_requests():
+        eng.step()
+        assert_matches(eng.kv, replay_messages(hub.recording))
+    trace = hub.stop_recording()
+    events = [ev for m in trace for ev in m.get("kv", [])]
+    assert any(ev["type"] == "fill" and ev.get("lookahead") for ev in events)
+    assert any(ev["type"] == "rollback" and ev["blocks"] for ev in events), "a rollback that frees a block"
+    assert any(len(b) == 4 and b[3] for m in trace if m["kind"] == "step" for b in m["batch"])
+    assert "spec_drafted" in trace[-1]["figures"]

@@ -251,6 +251,19 @@ def plot_data_parallel(fig, data: dict) -> None:
     b.set_xlabel("prefix hit rate, %")
 
 
+def plot_single_request(fig, data: dict) -> None:
+    """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
+    names = list(data["workloads"])
+    axes = fig.subplots(1, len(names))
+    runs = data["runs"]
+    for ax, w in zip(axes if len(names) > 1 else [axes], names):
+        _bars(ax, [r["engine"].split(" (")[0] for r in runs], [r[w]["output_tok_s"] for r in runs],
+              [family_colour(r["engine"]) for r in runs], "{:.0f}")
+        ax.set_xlabel(f"{w}: output tokens/s")
+        if ax is not axes[0]:
+            ax.set_yticks([])
+
+
 # (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
 Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
 PLOTTERS: list[Plotter] = [
@@ -263,6 +276,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: "allreduce" in d and "engine" in d, plot_tensor_parallel,
      "Tensor parallel on CPU: all-reduce alone, and the engine", True),
     (lambda d: d.get("benchmark") == "data_parallel", plot_data_parallel, "Data parallel routing", True),
+    (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,
+     "One request at a time, against llama.cpp", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,

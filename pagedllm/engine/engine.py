@@ -21,6 +21,7 @@ from .detokenizer import detokenize, final_text
 from .observer import EngineObserver
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
+from .speculative import NgramProposer, SpecStats
 from .validation import RequestRules
 
 logger = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class EngineStats:
     computed_prompt_tokens: int   # prefill tokens actually run (cache hits skip, recompute repeats)
     generation_tokens: int
     steps: int
+    spec: SpecStats | None = None   # speculative decoding's counts, when it is on
 
     @property
     def peak_kv_usage(self) -> float:
@@ -50,6 +52,9 @@ class EngineStats:
         d = asdict(self)
         d["kv"]["hit_rate"] = self.kv.hit_rate
         d["peak_kv_usage"] = self.peak_kv_usage
+        if self.spec is not None:
+            d["spec"].update(acceptance_rate=self.spec.acceptance_rate,
+                             mean_accepted_length=self.spec.mean_accepted_length)
         return d
 
 
@@ -88,8 +93,10 @@ class LLMEngine:
             raise
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
+        spec = cfg.speculative_config
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills)
+                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
+                                   NgramProposer(spec) if spec is not None else None, self.max_model_len)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
@@ -139,6 +146,8 @@ class LLMEngine:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None]
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
         for i in range(1 if beam else params.num_samples):
             seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
@@ -188,7 +197,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if not out.scheduled:
             return []
-        sampled, logprobs, errors = self.runner.execute(out.plan)
+        res = self.runner.execute(out.plan)
+        sampled, logprobs, errors = res.tokens, res.logprobs, res.errors
+        if res.prompt_logprobs:
+            self._prompt_logprobs(out, res.prompt_logprobs)
         self.steps += 1
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used
@@ -198,12 +210,13 @@ class LLMEngine:
         self.computed_prompt_tokens += out.num_prefill_tokens
         now = time.time()
         touched: dict[str, Request] = {}
-        new_tokens = self.scheduler.update(out, sampled)
-        for seq, token in new_tokens:
+        new_tokens = []
+        for seq, token in self.scheduler.update(out, sampled, res.accepted):
             req = seq.request
             touched[req.request_id] = req
-            if req.error is not None:
+            if req.error is not None or seq.finished:  # a verified run of tokens can end early
                 continue
+            new_tokens.append((seq, token))
             try:
                 self._accept(seq, token, logprobs.get(seq.seq_id), now)
             except Exception as e:  # e.g. detokenizing for stop strings: this request only
@@ -231,6 +244,17 @@ class LLMEngine:
             if req.finished or self.stream_outputs:
                 outputs.append(self.make_output(req))
         return outputs
+
+    def _prompt_logprobs(self, out, scores: dict[int, list]) -> None:
+        """Append each scored prompt token's logprobs to its request, texts decoded."""
+        for s in out.scheduled:
+            entries = scores.get(s.seq.seq_id)
+            if entries is None or s.seq.request.prompt_logprobs is None:
+                continue
+            for entry in entries:
+                for tid, lp in entry.items():
+                    lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
+            s.seq.request.prompt_logprobs.extend(entries)
 
     @staticmethod
     def _beam_groups(out, logprobs: dict) -> list[Request]:
@@ -377,7 +401,8 @@ class LLMEngine:
                    "first_token_time": req.first_token_time, "finish_time": req.finish_time,
                    "n": req.params.n, "max_tokens": req.max_tokens}
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens, metrics, req.error)
+                             req.num_cached_tokens, metrics, req.error,
+                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
 
     def _beam_output(self, req: Request) -> RequestOutput:
         """The kept hypotheses, best score first, once the search is over (nothing before:
@@ -404,7 +429,8 @@ class LLMEngine:
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
-            generation_tokens=self.generation_tokens, steps=self.steps)
+            generation_tokens=self.generation_tokens, steps=self.steps,
+            spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None)
 
 
 def _request_seed(engine_seed: int, request_id: str) -> int:

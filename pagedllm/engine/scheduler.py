@@ -11,6 +11,7 @@ from ..kv import KVCacheManager
 from ..plan import ChunkPlan, SampleTarget, StepPlan
 from ..util import cdiv
 from .sequence import Sequence, SeqStatus
+from .speculative import NgramProposer, SpecStats
 
 
 @dataclass
@@ -21,6 +22,7 @@ class ScheduledSeq:
     # Sequences to sample from this row's logits once the chunk reaches the end of the
     # sequence's tokens: [seq], or [parent, *pending samples] when n > 1 forks now.
     sample_for: list[Sequence] = field(default_factory=list)
+    num_draft: int = 0    # of num_tokens, the draft tokens (speculative decoding) verified
 
 
 @dataclass
@@ -28,7 +30,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq]
     copies: list[tuple[int, int]]   # (src, dst) block copies to do before the forward
     num_prefill_tokens: int = 0
-    num_decode_tokens: int = 0
+    num_decode_tokens: int = 0      # a decode's draft tokens included
+    num_draft_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     plan: StepPlan | None = None    # the same step in the runner's terms
 
@@ -45,8 +48,13 @@ def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) ->
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1) -> None:
+                 long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
+                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 62) -> None:
         self.kv = kv
+        # Speculative decoding: a decode may carry draft tokens in lookahead slots.
+        self.proposer = proposer
+        self.max_model_len = max_model_len
+        self.spec = SpecStats()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A prompt with more uncomputed tokens than this is long: it is prefilled at most this
@@ -95,7 +103,8 @@ class Scheduler:
                 remaining = self._remaining(seq)
                 if remaining == 1:
                     decodes_after -= 1
-                    chunks.append((seq, 1))
+                    room = budget - sum(k for _, k in chunks) - decodes_after - 1
+                    chunks.append((seq, 1 + self._draft(seq, room)))
                     continue
                 long_prefills += remaining > self.long_prefill_token_threshold
                 n = min(remaining, self.long_prefill_token_threshold,
@@ -103,6 +112,11 @@ class Scheduler:
                 if n > 0:
                     chunks.append((seq, n))
             while (copies := self._allocate_unit(chunks)) is None:
+                if any(s.draft for s, _ in chunks):  # drop the drafts before preempting anyone
+                    chunks = [(s, n - len(s.draft)) for s, n in chunks]
+                    for s, _ in chunks:
+                        s.draft = []
+                    continue
                 victims = self._pop_last_group()
                 decodes_after -= sum(1 for v in victims if self._remaining(v) == 1 and v not in group)
                 self._preempt(victims, out)
@@ -123,13 +137,33 @@ class Scheduler:
             return None
         copies: list[tuple[int, int]] = []
         for seq, n in chunks:
-            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n)
+            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n,
+                                          lookahead=len(seq.draft))
             if more is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
                 return None
             copies += more
         return copies
+
+    def _draft(self, seq: Sequence, room: int) -> int:
+        """Draft tokens for a decode (seq.draft), within `room` tokens of step budget, the
+        request's max_tokens and max_model_len. Beams and requests that ask for logprobs
+        decode one token a step."""
+        seq.draft = []
+        p = seq.params
+        if self.proposer is None or seq.request.beam is not None or p.logprobs is not None or p.ranks_samples:
+            return 0
+        if self.proposer.disable_by_batch_size and len(self.running) >= self.proposer.disable_by_batch_size:
+            return 0
+        limit = min(room, seq.request.max_tokens - seq.num_output_tokens - 1,
+                    self.max_model_len - len(seq.token_ids) - 1)
+        if limit <= 0:
+            return 0
+        if seq.ngrams is None:
+            seq.ngrams = self.proposer.new_index()
+        seq.draft = self.proposer.propose(seq.ngrams, seq.token_ids, limit)
+        return len(seq.draft)
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, long_prefills: int) -> None:
         """Admit waiting sequences (a beam group whole), unless this step had to preempt
@@ -144,7 +178,9 @@ class Scheduler:
                 break
             chunks = []   # (seq, prefix hit, cached tokens, tokens to compute now)
             for j, seq in enumerate(group):
-                hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
+                # Prompt logprobs need every prompt row computed: no prefix hit for them.
+                hit = [] if seq.request.prompt_logprobs is not None else \
+                    self.kv.lookup_prefix(seq.token_ids, seq.hashes)
                 cached = len(hit) * self.kv.block_size
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, cached, min(len(seq.token_ids) - cached, share,
@@ -221,13 +257,28 @@ class Scheduler:
         for s in out.scheduled:
             table = self.kv.block_table(s.seq.seq_id)
             end = s.start + s.num_tokens
+            draft = s.seq.draft
             chunks.append(ChunkPlan(
-                s.seq.seq_id, s.start, s.seq.token_ids[s.start:end], table.slots(s.start, end),
+                s.seq.seq_id, s.start, s.seq.token_ids[s.start:end - len(draft)] + draft, table.slots(s.start, end),
                 table.block_ids[:cdiv(end, self.kv.block_size)],
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
-                              t.request.beam.num_candidates if t.request.beam else 0) for t in s.sample_for]))
+                              t.request.beam.num_candidates if t.request.beam else 0) for t in s.sample_for],
+                list(draft)))
+            self._plan_scores(chunks[-1], s.seq)
         finished, self.finished_seq_ids = self.finished_seq_ids, []
         return StepPlan(chunks, out.copies, finished)
+
+    @staticmethod
+    def _plan_scores(chunk: ChunkPlan, seq: Sequence) -> None:
+        """The prompt tokens this chunk's rows score, those not scored yet (a recompute after
+        preemption scores nothing twice)."""
+        got = seq.request.prompt_logprobs
+        if got is None or seq.index != 0:
+            return
+        first, last = max(chunk.start, len(got) - 1), min(chunk.end, seq.num_prompt_tokens - 1)
+        if first < last:
+            chunk.score_start, chunk.score_ids = first, seq.token_ids[first + 1:last + 1]
+            chunk.score_top = seq.params.prompt_logprobs
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:
@@ -246,13 +297,15 @@ class Scheduler:
 
     @staticmethod
     def _add_scheduled(out: SchedulerOutput, seq: Sequence, n: int) -> None:
-        s = ScheduledSeq(seq, seq.num_computed_tokens, n)
-        if s.start + n == len(seq.token_ids):
+        d = len(seq.draft)
+        s = ScheduledSeq(seq, seq.num_computed_tokens, n, num_draft=d)
+        if s.start + n - d == len(seq.token_ids):
             s.sample_for = [seq]
             if seq.index == 0 and seq.num_output_tokens == 0:
                 s.sample_for += [c for c in seq.request.seqs[1:] if c.status is SeqStatus.PENDING]
-        if n == 1 and seq.num_computed_tokens > 0:
-            out.num_decode_tokens += 1
+        if n - d == 1 and seq.num_computed_tokens > 0:
+            out.num_decode_tokens += n
+            out.num_draft_tokens += d
         else:
             out.num_prefill_tokens += n
         out.scheduled.append(s)
@@ -262,18 +315,27 @@ class Scheduler:
         in their order (a beam group stays together)."""
         for seq in seqs:
             self.kv.free(seq.seq_id)
+            seq.draft = []
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             self.num_preemptions += 1
             out.preempted.append(seq)
         self.waiting.extendleft(reversed(seqs))
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> list[tuple[Sequence, int]]:
-        """Advance computed counts, fork pending samples, and return (seq, new token)."""
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None
+               ) -> list[tuple[Sequence, int]]:
+        """Advance computed counts, fork pending samples, and return (seq, new token), a
+        sequence's accepted draft tokens first, in order, then the token it sampled. The
+        lookahead slots of rejected drafts go back to the KV manager."""
         new_tokens = []
         for s in out.scheduled:
             seq = s.seq
             if seq.status is not SeqStatus.RUNNING:
+                continue
+            if seq.draft:
+                new_tokens += self._verified(s, (accepted or {}).get(seq.seq_id, []), seq.seq_id in sampled)
+                if seq.seq_id in sampled:
+                    new_tokens.append((seq, sampled[seq.seq_id]))
                 continue
             seq.num_computed_tokens = s.start + s.num_tokens
             for target in s.sample_for:
@@ -284,6 +346,17 @@ class Scheduler:
                     self.fork(seq, target)
                 new_tokens.append((target, sampled[target.seq_id]))
         return new_tokens
+
+    def _verified(self, s: ScheduledSeq, accepted: list[int], ok: bool) -> list[tuple[Sequence, int]]:
+        """A speculating decode after verification: its KV is right up to the last accepted
+        draft; the rest of its lookahead slots roll back."""
+        seq = s.seq
+        drafted, seq.draft = len(seq.draft), []
+        seq.num_computed_tokens = s.start + 1 + len(accepted)
+        self.kv.rollback(seq.seq_id, seq.num_computed_tokens, seq.token_ids + accepted)
+        if ok:
+            self.spec.record(drafted, len(accepted))
+        return [(seq, t) for t in accepted]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (its tokens set: the parent's, or a beam's one token more) shares the

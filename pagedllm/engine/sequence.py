@@ -35,6 +35,10 @@ class Sequence(PromptThenOutput):
     hashes: BlockHashes | None = None  # its block keys for the prefix cache (the scheduler sets them)
     logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
     cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked
+    # Speculative decoding: this step's draft tokens (in lookahead slots, not in token_ids
+    # until verified) and the n-gram index of its tokens (engine.speculative).
+    draft: list[int] = field(default_factory=list)
+    ngrams: object | None = None
 
     @property
     def params(self) -> SamplingParams:
@@ -66,6 +70,8 @@ class Request:
     beam: BeamGroup | None = None
     beams: list[Sequence] = field(default_factory=list)
     candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token scored so far ([None] first).
+    prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,5 @@
 """Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling, the
-batch-invariant matmul) once, caches them, loads them as torch.ops.pagedllm_cpu.
+batch-invariant matmul, the quantized-block matmuls) once, caches them, loads them as torch.ops.pagedllm_cpu.
 
 The library is compiled for this CPU (-march=native) by torch's extension builder (g++,
 ninja) and cached under ~/.cache/pagedllm/ext/ keyed by the sources, torch version, flags
@@ -21,8 +21,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "sampling.cpp",
-           CSRC / "shm_allreduce.cpp"]
+SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "quant_linear.cpp",
+           CSRC / "sampling.cpp", CSRC / "shm_allreduce.cpp"]
 
 
 def _arch_flags() -> list[str]:
@@ -57,7 +57,8 @@ def _cpu_signature() -> str:
 
 def _key() -> str:
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sorted(CSRC.iterdir())), torch.__version__.encode(),
+    for part in (*(p.read_bytes() for p in sorted(CSRC.iterdir())), " ".join(p.name for p in SOURCES).encode(),
+                 torch.__version__.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
         h.update(part)
     return h.hexdigest()[:16]

@@ -102,14 +102,16 @@ class KVCacheManager:
 
     # -- allocation ----------------------------------------------------------
     def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
-                       cached_blocks: Sequence[int] = (), hashes: BlockHashes | None = None
-                       ) -> list[tuple[int, int]] | None:
+                       cached_blocks: Sequence[int] = (), hashes: BlockHashes | None = None,
+                       lookahead: int = 0) -> list[tuple[int, int]] | None:
         """Give sequence `seq_id` slots for its first `num_tokens` tokens.
 
         A sequence not yet known starts from `cached_blocks` (a prefix hit) and keeps
-        `hashes` (its block keys) for caching its full blocks. Returns the copy-on-write
-        pairs the runner must copy before writing, or None if the pool cannot fit it
-        now, in which case nothing has changed.
+        `hashes` (its block keys) for caching its full blocks. `lookahead`: how many of
+        the last of those tokens are speculative drafts, beyond `token_ids`; their slots
+        are lookahead slots, kept or taken back by rollback() once verified. Returns the
+        copy-on-write pairs the runner must copy before writing, or None if the pool
+        cannot fit it now, in which case nothing has changed.
         """
         table = self.tables.get(seq_id)
         start = len(cached_blocks) * self.block_size if table is None else table.num_tokens
@@ -126,9 +128,36 @@ class KVCacheManager:
                 return None
         table.num_tokens = num_tokens
         if self.listener is not None:
-            self.listener({"type": "fill", "seq": seq_id, "tokens": num_tokens})
-        self._cache_full_blocks(table, token_ids)
+            ev = {"type": "fill", "seq": seq_id, "tokens": num_tokens}
+            if lookahead:  # speculative decoding: the last `lookahead` slots hold unverified drafts
+                ev["lookahead"] = lookahead
+            self.listener(ev)
+        self._cache_full_blocks(table, token_ids, num_tokens - lookahead)
         return copies
+
+    def rollback(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> list[int]:
+        """After verification: keep the first `num_tokens` slots (the tokens whose KV is
+        now right), give back the blocks only rejected drafts filled, and register the
+        full blocks among the kept ones (`token_ids`: at least those tokens). A block is
+        never cached from an unverified token. Returns the blocks freed."""
+        table = self.tables[seq_id]
+        if not 0 <= num_tokens <= table.num_tokens:
+            raise ValueError(f"rollback to {num_tokens} tokens outside [0, {table.num_tokens}]")
+        if len(token_ids) < num_tokens:
+            raise ValueError(f"rollback: {len(token_ids)} token ids for {num_tokens} kept tokens")
+        rejected = table.num_tokens - num_tokens
+        freed: list[int] = []
+        if self.policy == "paged":  # reserve-max keeps its whole reservation
+            keep = cdiv(num_tokens, self.block_size)
+            freed = table.block_ids[keep:][::-1]
+            del table.block_ids[keep:]
+            self.pool.release(freed)
+        table.num_tokens = num_tokens
+        if rejected and self.listener is not None:
+            self.listener({"type": "rollback", "seq": seq_id, "tokens": num_tokens, "rejected": rejected,
+                           "blocks": freed})
+        self._cache_full_blocks(table, token_ids, num_tokens)
+        return freed
 
     def _admit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, cached_blocks: Sequence[int],
                hashes: BlockHashes) -> BlockTable | None:
@@ -213,11 +242,12 @@ class KVCacheManager:
         if self.listener is not None:
             self.listener(event)
 
-    def _cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int]) -> None:
-        """Register each newly filled full block under its key (computed once per sequence)."""
+    def _cache_full_blocks(self, table: BlockTable, token_ids: Sequence[int], verified: int) -> None:
+        """Register each newly filled full block among the first `verified` tokens under its
+        key (computed once per sequence); a block holding a draft token waits."""
         if not self.enable_prefix_caching:
             return
-        full = table.num_tokens // self.block_size
+        full = min(verified, len(token_ids)) // self.block_size
         if full <= table.num_cached_blocks:
             return
         keys = table.hashes.update(token_ids)

@@ -5,6 +5,7 @@ padding in the linear layers. Only attention needs to know where sequences begin
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -16,8 +17,10 @@ from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
-from .quantization import int8_linear, quantize_linears
+from .quantization import block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
+
+logger = logging.getLogger(__name__)
 
 
 class RMSNorm(nn.Module):
@@ -41,11 +44,11 @@ class Ops:
     def __init__(self, kernels=None) -> None:
         self.k = kernels
         self.batch_invariant = False
-        self.int8 = False  # the linear layers hold int8 weights (quantization.py)
+        self.quant: str | None = None  # the linear layers hold quantized blocks (quantization.py)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.int8:
-            return int8_linear(layer, x)
+        if self.quant is not None and getattr(layer, "qformat", None) is not None:
+            return block_linear(layer, x, self.k)
         return invariant_linear(layer, x, self.k) if self.batch_invariant else layer(x)
 
     def fused(self, x: torch.Tensor) -> bool:
@@ -178,6 +181,8 @@ class LlamaForCausalLM(nn.Module):
         """Vocab-parallel: each rank looks up the ids in its own rows, zeros elsewhere,
         and an all-reduce adds the ranks' rows up."""
         if not self.tp.distributed:
+            if self.embed_tokens.weight is None:  # tied to a quantized LM head: unpack the rows looked up
+                return embed_rows(self.lm_head, input_ids)
             return self.embed_tokens(input_ids)
         local = input_ids - self.tp.rank * self.cfg.vocab_size
         outside = (local < 0) | (local >= self.cfg.vocab_size)
@@ -197,14 +202,57 @@ class LlamaForCausalLM(nn.Module):
             return f"matmuls on {ROW_TILE}-row tiles"
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
-    def quantize(self, method: str) -> str:
-        """Weight-only quantization of every linear layer (once the weights are loaded and
-        in their dtype). Returns what was done, for the log."""
-        if method != "int8":
+    def quantize(self, method: str, gguf_path=None) -> str:
+        """Weight-only quantization of the linear layers and the LM head (once the weights
+        are loaded and in their dtype): "int8" / "int4" from the float weights, "gguf" the
+        blocks of the GGUF file at gguf_path. A tied embedding then looks its rows up in
+        the LM head's blocks. Returns what runs how, for the log and describe()."""
+        if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
-        n = quantize_linears(self, keep={id(self.embed_tokens.weight)})
-        self.ops.int8 = True
-        return f"{n} linear layers on int8 weights (per-channel scales)"
+        dtype = self.norm.weight.dtype
+        tied = self.lm_head.weight is self.embed_tokens.weight
+        if method == "gguf":
+            done = self._load_gguf_blocks(gguf_path, dtype)
+        else:
+            n = quantize_linears(self, method, dtype, keep=set())
+            done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \
+                else f"{n} matmuls on q8_0 blocks"
+        if tied and getattr(self.lm_head, "qformat", None) is not None:
+            self.embed_tokens.weight = None
+        self.ops.quant, self.quant_summary = method, done
+        return done
+
+    def _load_gguf_blocks(self, path, dtype: torch.dtype) -> str:
+        """The GGUF file's own blocks for every linear layer whose parts are all of a type
+        with a kernel; the rest keep their float weights (logged)."""
+        from collections import Counter
+
+        from ..loader.gguf_quant import read_gguf_blocks
+
+        blocks, skipped = read_gguf_blocks(path, self.cfg.num_heads, self.cfg.num_kv_heads)
+        parts = {"lm_head": ["lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"]}
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            parts[f"layers.{i}.self_attn.qkv_proj"] = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
+            parts[f"layers.{i}.self_attn.o_proj"] = [f"{p}self_attn.o_proj.weight"]
+            parts[f"layers.{i}.mlp.gate_up_proj"] = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
+            parts[f"layers.{i}.mlp.down_proj"] = [f"{p}mlp.down_proj.weight"]
+        kinds: Counter[str] = Counter()
+        floats = []
+        for name, names in parts.items():
+            layer = self.get_submodule(name)
+            have = [blocks.get(n) for n in names]
+            if any(b is None for b in have) or len({b.fmt for b in have}) > 1:
+                floats.append(name)
+                continue
+            set_blocks(layer, cat_rows(have) if len(have) > 1 else have[0], dtype)
+            kinds[have[0].fmt] += 1
+        if skipped or floats:
+            logger.info(
+                "gguf: %d matmuls keep float weights (tensor types without a kernel here: %s)",
+                len(floats), ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else ""))
+        done = ", ".join(f"{n} on {k} blocks" for k, n in sorted(kinds.items()))
+        return f"GGUF matmuls: {done}" + (f", {len(floats)} on {dtype} weights" if floats else "")
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples.

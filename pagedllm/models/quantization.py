@@ -1,35 +1,184 @@
-"""Weight-only quantization of the linear layers: int8 weights with one scale per output
-channel, activations and accumulation in the model's dtype (torch's _weight_int8pack_mm).
+"""Weight-only quantization on llama.cpp's blocks of 32 weights along K, run by the CPU
+kernels in kernels/csrc/quant_linear.cpp (activations and accumulation in the model's
+dtype / fp32):
 
-A decode step at batch 1 reads every weight once and does little else, so its time
-follows the weights' bytes: int8 halves bf16's. Measured on this machine, SmolLM2's layer
-shapes at one token run 2.1-2.2x faster than bf16 F.linear."""
+  q4_1: w = d * q + m, q in 0..15, d and m fp16 per block (5 bits a weight);
+  q8_0: w = d * q, q in -127..127, d fp16 per block (8.5 bits a weight).
+
+`quantization="gguf"` runs a GGUF file's own blocks (loader/gguf_quant.py), "int4" makes
+q4_1 blocks from float weights (llama.cpp's rounding), "int8" q8_0 blocks. A decode step
+at one request reads every weight once and does little else, so its time follows the
+weights' bytes: q4_1 + a q8_0 LM head read 97 MB a token against bf16's 270 MB, and one
+request decodes ~2x faster than bf16. The kernels suit a few rows (each extra row costs
+~0.45x the first); more rows (prefill, big batches) dequantize to the model's dtype and run
+torch's matmul, paying the unpacking (~25 ms a step for SmolLM2 on one core) on top of
+bf16's time.
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+G = 32  # weights per block
+Q4_1, Q8_0 = "q4_1", "q8_0"
+# Up to this many rows the block kernel, beyond it dequantize + torch's matmul. Measured on
+# SmolLM2-135M's 121 matmuls of a step (1 thread, weights hot in L2): q4_1 kernel 8.3 ms at
+# 1 row, 28 ms at 5, ~44 ms at 8, 82 ms at 16; dequantize + bf16 matmul 42-50 ms at any M
+# up to 16 (bf16 alone: 21 ms), 85 ms at 64 (bf16: 53 ms).
+SMALL_M = 8
 
-def quantize_linears(model: nn.Module, keep: set[int]) -> int:
-    """Replace every nn.Linear's weight by int8 rows and per-row scales (symmetric, max-abs:
-    w ~ q * scale, |q| <= 127). The float weight is dropped unless id(weight) is in keep (an
-    embedding tied to the LM head still needs it). Returns how many layers were quantized."""
+
+@dataclass
+class Blocks:
+    """One weight [N, K] as blocks: q [N, K/32, 32] (uint8 0..15 for q4_1, int8 for q8_0),
+    d and m (q4_1 only) [N, K/32], fp16 values (as GGUF stores them) in any float dtype."""
+    fmt: str
+    q: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.q.shape[1] * G
+
+    def rows(self, index: torch.Tensor) -> Blocks:
+        """Output rows `index` (whole rows move: blocks stay intact)."""
+        return Blocks(self.fmt, self.q[index], self.d[index], None if self.m is None else self.m[index])
+
+    def dequantize(self) -> torch.Tensor:
+        w = self.q.float() * self.d.float()[..., None]
+        if self.m is not None:
+            w = w + self.m.float()[..., None]
+        return w.reshape(self.shape)
+
+
+def cat_rows(parts: list[Blocks]) -> Blocks:
+    """The blocks of torch.cat([w...]) (fused q/k/v, gate/up); one format for all parts."""
+    fmt = parts[0].fmt
+    if any(p.fmt != fmt for p in parts):
+        raise ValueError(f"cannot fuse blocks of formats {[p.fmt for p in parts]}")
+    m = None if fmt == Q8_0 else torch.cat([p.m for p in parts])
+    return Blocks(fmt, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
+
+
+def quantize_q4_1(w: torch.Tensor) -> Blocks:
+    """llama.cpp's quantize_row_q4_1: per block d = (max - min) / 15, m = min, q = round((w - m) / d);
+    d and m rounded to fp16 first, so q rounds against the scales that are kept."""
+    n, k = w.shape
+    if k % G:
+        raise ValueError(f"int4 needs K a multiple of {G}, got a weight of shape {tuple(w.shape)}")
+    b = w.detach().float().reshape(n, k // G, G)
+    mn, mx = b.amin(-1).half().float(), b.amax(-1)
+    d = ((mx - mn) / 15).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.round((b - mn[..., None]) * inv[..., None]), 0, 15).to(torch.uint8)
+    return Blocks(Q4_1, q, d, mn)
+
+
+def quantize_q8_0(w: torch.Tensor) -> Blocks:
+    """llama.cpp's quantize_row_q8_0: per block d = max|w| / 127, q = round(w / d)."""
+    n, k = w.shape
+    if k % G:
+        raise ValueError(f"int8 needs K a multiple of {G}, got a weight of shape {tuple(w.shape)}")
+    b = w.detach().float().reshape(n, k // G, G)
+    d = (b.abs().amax(-1) / 127).half().float()
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.clamp(torch.round(b * inv[..., None]), -127, 127).to(torch.int8)
+    return Blocks(Q8_0, q, d)
+
+
+def set_blocks(layer: nn.Linear, blocks: Blocks, dtype: torch.dtype, keep_weight: bool = False) -> None:
+    """Give `layer` the kernels' layout of `blocks` (packed once here) and drop its float
+    weight unless keep_weight. q4_1 goes in pairs of blocks, one byte holding element i of
+    both (quant_linear.cpp); an odd last block pairs with an empty one."""
+    n, k = blocks.shape
+    if (n, k) != (layer.out_features, layer.in_features):
+        raise ValueError(f"blocks of shape {(n, k)} for a layer of shape {(layer.out_features, layer.in_features)}")
+    d = blocks.d.half()  # scales are fp16 values (GGUF's, or rounded so by quantize_*)
+    if blocks.fmt == Q4_1:
+        q, m = blocks.q, blocks.m.half()
+        if q.shape[1] % 2:
+            q = F.pad(q, (0, 0, 0, 1))
+            d, m = F.pad(d, (0, 1)), F.pad(m, (0, 1))
+        qs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+        layer.register_buffer("qm", m.contiguous(), persistent=False)
+    elif blocks.fmt == Q8_0:
+        qs = blocks.q.contiguous()
+    else:
+        raise ValueError(f"unknown block format {blocks.fmt!r}")
+    layer.register_buffer("qs", qs, persistent=False)
+    layer.register_buffer("qd", d.contiguous(), persistent=False)
+    layer.qformat, layer.qdtype = blocks.fmt, dtype
+    if not keep_weight:
+        layer.weight = None
+
+
+def layer_blocks(layer: nn.Linear) -> Blocks:
+    """The blocks a layer runs, unpacked again (tests, embedding lookups)."""
+    nblk = layer.in_features // G
+    if layer.qformat == Q8_0:
+        return Blocks(Q8_0, layer.qs, layer.qd)
+    q = torch.stack([layer.qs & 15, layer.qs >> 4], dim=2).reshape(layer.qs.shape[0], -1, G)
+    return Blocks(Q4_1, q[:, :nblk], layer.qd[:, :nblk], layer.qm[:, :nblk])
+
+
+def dequantize(layer: nn.Linear, dtype: torch.dtype, kernels=None) -> torch.Tensor:
+    """The layer's weight [N, K] in dtype."""
+    if kernels is not None and dtype in (torch.bfloat16, torch.float32):
+        w = torch.empty(layer.out_features, layer.in_features, dtype=dtype)
+        if layer.qformat == Q4_1:
+            kernels.q4_1_unpack(w, layer.qs, layer.qd, layer.qm)
+        else:
+            kernels.q8_0_unpack(w, layer.qs, layer.qd)
+        return w
+    return layer_blocks(layer).dequantize().to(dtype)
+
+
+def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
+    """layer(x) from its blocks: the block kernel for a few rows, else the weight
+    dequantized and torch's matmul (also where the kernels are missing)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if kernels is not None and x2.shape[0] <= SMALL_M and x2.dtype in (torch.bfloat16, torch.float32):
+        out = x2.new_empty((x2.shape[0], layer.out_features))
+        if layer.qformat == Q4_1:
+            kernels.q4_1_linear(out, x2.contiguous(), layer.qs, layer.qd, layer.qm)
+        else:
+            kernels.q8_0_linear(out, x2.contiguous(), layer.qs, layer.qd)
+    else:
+        out = F.linear(x2, dequantize(layer, x2.dtype, kernels))
+    if layer.bias is not None:
+        out = out + layer.bias
+    return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def embed_rows(layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a quantized weight (a tied embedding's lookup), in the layer's dtype:
+    only the looked-up rows are unpacked."""
+    flat = ids.reshape(-1)
+    if layer.qformat == Q8_0:
+        rows = Blocks(Q8_0, layer.qs[flat], layer.qd[flat])
+    else:
+        nblk = layer.in_features // G
+        qs = layer.qs[flat]
+        q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(qs.shape[0], -1, G)[:, :nblk]
+        rows = Blocks(Q4_1, q, layer.qd[flat, :nblk], layer.qm[flat, :nblk])
+    return rows.dequantize().to(layer.qdtype).reshape(*ids.shape, layer.in_features)
+
+
+def quantize_linears(model: nn.Module, method: str, dtype: torch.dtype, keep: set[int]) -> int:
+    """Replace every nn.Linear's float weight by blocks made from it: "int8" q8_0 blocks,
+    "int4" q4_1 blocks except the LM head (q8_0: its errors go straight into the logits,
+    as llama.cpp's own Q4 files keep their output layer at 6-8 bits). The float weight is
+    kept if id(weight) is in keep. Returns how many layers were quantized."""
     n = 0
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or mod.weight is None:
             continue
-        w = mod.weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        mod.register_buffer("qweight", q, persistent=False)
-        mod.register_buffer("qscale", scale.to(mod.weight.dtype), persistent=False)
-        if id(mod.weight) not in keep:
-            mod.weight = None
+        four = method == "int4" and not name.endswith("lm_head")
+        blocks = quantize_q4_1(mod.weight) if four else quantize_q8_0(mod.weight)
+        set_blocks(mod, blocks, dtype, keep_weight=id(mod.weight) in keep)
         n += 1
     return n
-
-
-def int8_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """layer(x) from its int8 rows: x @ (q * scale).T (+ bias)."""
-    y = torch._weight_int8pack_mm(x.contiguous(), layer.qweight, layer.qscale)
-    return y if layer.bias is None else y + layer.bias

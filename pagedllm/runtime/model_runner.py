@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -18,13 +18,17 @@ from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
 from ..models.llama import tp_split_dim
 from ..models.rope import RotaryEmbedding
-from ..plan import SampleTarget, StepPlan
+from ..outputs import Logprob
+from ..plan import StepPlan
 from ..util import cdiv
 from .kv_cache import KVCache
+from .rejection import Verify, verify
 from .sampler import sample
 from .threads import ThreadGovernor, resolve_num_threads
 
 logger = logging.getLogger(__name__)
+# Prompt rows scored per logits matmul (prompt logprobs): 256 x 49152 float32 is 48 MiB.
+SCORE_ROWS = 256
 
 
 def cpu_has_native_bf16() -> bool:
@@ -103,6 +107,22 @@ class StepInputs:
     num_decodes: int
     logit_rows: list[int]
     copies: list[tuple[int, int]]
+    # Prompt logprobs: rows that score the next prompt token, that token, the top k asked.
+    score_rows: list[int] = field(default_factory=list)
+    score_ids: list[int] = field(default_factory=list)
+    score_top: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step gives the engine, by seq id: the token each sampling sequence drew (after
+    its accepted drafts, if it speculated), logprobs asked for, sampling errors, accepted
+    draft tokens, and the prompt tokens' logprobs scored this step."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
@@ -178,11 +198,15 @@ class ModelRunner:
         if cfg.quantization is not None:
             if self.device.type != "cpu":
                 raise ValueError(f"quantization {cfg.quantization!r} runs on the CPU only, not on {self.device}")
-            done = model.quantize(cfg.quantization)
+            gguf = None
+            if cfg.quantization == "gguf":
+                from ..loader.model_files import default_gguf_path
+                gguf = Path(cfg.model).expanduser() if cfg.model else default_gguf_path()
+            done = model.quantize(cfg.quantization, gguf)
             if tp.is_driver:
-                # torch's int8 kernel is matrix-vector: each extra row costs as much as the first.
-                logger.warning("quantized: %s; fastest for one or two sequences at a time, batched throughput "
-                               "drops to ~0.35x bf16's (BENCHMARKS.md §16)", done)
+                # The block kernels serve up to 8 rows a step; more rows dequantize first.
+                logger.warning("quantized: %s; fastest for one or a few sequences at a time, batched throughput "
+                               "~0.6-0.75x bf16's (BENCHMARKS.md §16)", done)
         # RoPE tables stay float32 whatever the weights' dtype.
         model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
                                      model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
@@ -206,7 +230,8 @@ class ModelRunner:
         """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
         threads = f", {torch.get_num_threads()} threads" if self.device.type == "cpu" else ""
         mode = ", batch-invariant" if self.batch_invariant else ""
-        mode += ", int8 weights" if self.model.ops.int8 else ""
+        if self.model.ops.quant is not None:
+            mode += f", {self.model.ops.quant} weights ({self.model.quant_summary})"
         tp = f", tensor parallel {self.tp.size} ({'shm' if self.tp.shm is not None else 'gloo'})" \
             if self.tp.size > 1 else ""
         return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}{tp}"
@@ -237,19 +262,30 @@ class ModelRunner:
         return peak
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> tuple[dict[int, int], dict, dict[int, str]]:
-        """Run the step; (token, logprobs, sampling error) by seq id for each sampled row."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run the step: sample, verify drafts, score prompt tokens."""
         if self.threads is not None:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        step, sample_rows = self._inputs(plan)
+        step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
             self.tp.broadcast(step)
-        logits = self._forward(step)
+        logits, scores = self._forward(step)
+        out = StepResult()
+        for seq_id, n in scored:
+            out.prompt_logprobs[seq_id], scores = scores[:n], scores[n:]
         if logits is None:
-            return {}, {}, {}
-        return sample(logits, sample_rows, self.model.ops.k, self.eos_token_ids, self.generators)
+            return out
+        if checks:
+            out.accepted, out.tokens, out.errors = verify(logits, checks, self.eos_token_ids, self.generators)
+        if sample_rows:
+            rows = logits if not checks else logits[torch.tensor([i for i, _ in sample_rows], device=logits.device)]
+            tokens, out.logprobs, errors = sample(rows, [t for _, t in sample_rows], self.model.ops.k,
+                                                  self.eos_token_ids, self.generators)
+            out.tokens.update(tokens)
+            out.errors.update(errors)
+        return out
 
     @torch.inference_mode()
     def serve(self) -> None:
@@ -260,7 +296,9 @@ class ModelRunner:
             self._forward(step)
 
     @staticmethod
-    def _inputs(plan: StepPlan) -> tuple[StepInputs, list[list[SampleTarget]]]:
+    def _inputs(plan: StepPlan) -> tuple[StepInputs, list, list[Verify], list[tuple[int, int]]]:
+        """The step's inputs; the rows that sample, as (logits row, [targets]); the drafts
+        to verify; and (seq id, prompt tokens scored) in the order of step.score_rows."""
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
         order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
@@ -269,19 +307,32 @@ class ModelRunner:
         slots: list[int] = []
         q_starts: list[int] = [0]
         logit_rows: list[int] = []
-        sample_rows: list[list[SampleTarget]] = []
+        sample_rows: list = []
+        checks: list[Verify] = []
+        scores: tuple[list[int], list[int], list[int]] = ([], [], [])
+        scored: list[tuple[int, int]] = []
         for c in order:
+            base = len(ids)
             ids.extend(c.token_ids)
             positions.extend(range(c.start, c.end))
             slots.extend(c.slots)
             q_starts.append(len(ids))
-            if c.samples:
+            if c.draft:  # a speculating decode: its last len(draft) + 1 rows verify
+                checks.append(Verify(len(logit_rows), c.samples[0], c.draft))
+                logit_rows.extend(range(len(ids) - len(c.draft) - 1, len(ids)))
+            elif c.samples:
+                sample_rows.append((len(logit_rows), c.samples))
                 logit_rows.append(len(ids) - 1)
-                sample_rows.append(c.samples)
+            if c.score_ids:
+                first = base + c.score_start - c.start
+                scores[0].extend(range(first, first + len(c.score_ids)))
+                scores[1].extend(c.score_ids)
+                scores[2].extend([c.score_top] * len(c.score_ids))
+                scored.append((c.seq_id, len(c.score_ids)))
         nd = sum(1 for c in order if c.num_tokens == 1)
         step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
-                          nd, logit_rows, plan.copies)
-        return step, sample_rows
+                          nd, logit_rows, plan.copies, *scores)
+        return step, sample_rows, checks, scored
 
     def _forward(self, step: StepInputs) -> torch.Tensor | None:
         """The step's forward on this rank: logits of the rows that sample (the whole
@@ -299,7 +350,33 @@ class ModelRunner:
             meta = self.backend.build_metadata(StepLayout(slots, step.tables, step.seq_lens, step.q_starts, nd), dev)
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                 self.kv_cache.layers, meta)
+        scores = self._score_prompt(hidden, step) if step.score_rows else []
         if not step.logit_rows:
-            return None
+            return None, scores
         logits = self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=hidden.device)])
-        return self.tp.gather_vocab(logits)
+        return self.tp.gather_vocab(logits), scores
+
+    def _score_prompt(self, hidden: torch.Tensor, step: StepInputs) -> list[dict[int, Logprob]]:
+        """Each scored row's next prompt token: its logprob and rank, then the top k (rank 0;
+        the other ranks take part in the gathers and return []). Rows go SCORE_ROWS at a
+        time: a whole prompt's float32 logits would take rows x vocab x 4 bytes at once."""
+        out: list[dict[int, Logprob]] = []
+        for i in range(0, len(step.score_rows), SCORE_ROWS):
+            rows = torch.tensor(step.score_rows[i:i + SCORE_ROWS], device=hidden.device)
+            logits = self.tp.gather_vocab(self.model.compute_logits(hidden[rows]))
+            if logits is None:
+                continue
+            lp = torch.log_softmax(logits.float(), dim=-1)
+            want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=lp.device)
+            chosen = lp.gather(1, want[:, None])[:, 0]
+            ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
+            tops = step.score_top[i:i + SCORE_ROWS]
+            top = torch.topk(lp, max(tops), dim=-1) if max(tops) else None
+            for j, (t, v, r) in enumerate(zip(want.tolist(), chosen.tolist(), ranks)):
+                entry = {t: Logprob(v, r)}
+                if top is not None:
+                    for rank, (tt, vv) in enumerate(zip(top.indices[j, :tops[j]].tolist(),
+                                                        top.values[j, :tops[j]].tolist()), 1):
+                        entry.setdefault(tt, Logprob(vv, rank))
+                out.append(entry)
+        return out

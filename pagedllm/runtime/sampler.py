@@ -79,7 +79,7 @@ def _sample_batch(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels,
     return out
 
 
-def _generator(seq: SampleTarget, gens: dict[int, torch.Generator]) -> torch.Generator:
+def generator(seq: SampleTarget, gens: dict[int, torch.Generator]) -> torch.Generator:
     g = gens.get(seq.seq_id)
     if g is None:
         g = gens[seq.seq_id] = torch.Generator().manual_seed(seq.seed)
@@ -90,14 +90,25 @@ def _sample_kernel(kernels, logits: torch.Tensor, picks: list[tuple[int, SampleT
     params = [seq.params for _, seq in picks]
     rows = logits[torch.tensor([i for i, _ in picks])].contiguous()
     # One draw per sequence and step keys the kernel's noise for the whole row.
-    seeds = torch.stack([torch.empty((), dtype=torch.int64).random_(generator=_generator(seq, gens)) for _, seq in picks])
+    seeds = torch.stack([torch.empty((), dtype=torch.int64).random_(generator=generator(seq, gens)) for _, seq in picks])
     return kernels.sample(rows, torch.tensor([float(p.temperature) for p in params], dtype=torch.float32),
                           torch.tensor([p.top_k for p in params], dtype=torch.int64),
                           torch.tensor([float(p.top_p) for p in params], dtype=torch.float32), seeds).tolist()
 
 
 def _sample_torch(row: torch.Tensor, seq: SampleTarget, gens: dict) -> int:
-    p = seq.params
+    return race(weights(row, seq.params), generator(seq, gens))
+
+
+def race(w: torch.Tensor, gen: torch.Generator) -> int:
+    """A token drawn with probability w / w.sum(): the exponential race (Gumbel-max)."""
+    noise = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=gen).to(w.device)
+    return int((w / noise).argmax())
+
+
+def weights(row: torch.Tensor, p) -> torch.Tensor:
+    """A row's unnormalised sampling probabilities [V] float32 under temperature, top-k
+    and top-p (`p`: the SamplingParams)."""
     # Shift by the max before dividing: values stay <= 0 and finite (or -inf) however small
     # the temperature; a temperature below float32's range acts as greedy.
     x = (row.float() - row.float().max()) / max(float(p.temperature), 1e-30)
@@ -110,9 +121,7 @@ def _sample_torch(row: torch.Tensor, seq: SampleTarget, gens: dict) -> int:
         drop = cum - sw >= p.top_p * cum[-1]
         drop[0] = False  # the top token always stays, even for a top_p below float32's range
         w = torch.zeros_like(w).scatter_(0, order, sw.masked_fill(drop, 0.0))
-    gen = _generator(seq, gens)
-    noise = torch.empty(w.shape, dtype=torch.float32).exponential_(generator=gen).to(w.device)
-    return int((w / noise).argmax())
+    return w
 
 
 def _logprobs(logits: torch.Tensor, rows: list[list[SampleTarget]], tokens: dict[int, int]

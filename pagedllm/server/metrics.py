@@ -74,7 +74,14 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
          s.computed_prompt_tokens),
         (c, "engine_steps", "Engine steps (forward passes) run.", s.steps),
         (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
-    ]
+        (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes).", s.bytes_per_token),
+    ] + ([] if s.spec is None else [
+        # vLLM's speculative-decoding counters, and the acceptance rate they give.
+        (c, "spec_decode_num_drafts", "Draft runs verified (a decode that carried draft tokens).", s.spec.num_drafts),
+        (c, "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec.num_draft_tokens),
+        (c, "spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.", s.spec.num_accepted_tokens),
+        (g, "spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far.", s.spec.acceptance_rate),
+    ])
 
 
 class EngineCollector(Collector):

@@ -156,7 +156,7 @@ class VizHub:
         kv_events, self._kv_events = self._kv_events, []
         self._publish({
             "kind": "step", "t": self._now(), "step": self.engine.steps, "kv": kv_events,
-            "batch": [[s.seq.seq_id, s.start, s.num_tokens] for s in out.scheduled],
+            "batch": [[s.seq.seq_id, s.start, s.num_tokens, s.num_draft] for s in out.scheduled],
             "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
             "preempted": [s.seq_id for s in out.preempted], "tokens": tokens,
             # Sequences that ended this step: those that got a token, and beams pruned without one.
@@ -197,7 +197,11 @@ class VizHub:
         # The traditional scheme reserves max length (prompt + max_tokens) per running sequence.
         reserve = sum(cdiv(min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len),
                            eng.kv.block_size) for s in eng.scheduler.running)
-        return kv_figures(eng.kv, reserve, eng.scheduler.num_preemptions)
+        figs = kv_figures(eng.kv, reserve, eng.scheduler.num_preemptions)
+        spec = eng.scheduler.spec
+        if eng.scheduler.proposer is not None:
+            figs.update(spec_drafted=spec.num_draft_tokens, spec_accepted=spec.num_accepted_tokens)
+        return figs
 
     def _queues(self) -> dict:
         sch = self.engine.scheduler

@@ -72,6 +72,12 @@ class KVReplay:
             self.tables[ev["seq"]].blocks[ev["index"]] = ev["dst"]
         elif kind == "fill":
             self.tables[ev["seq"]].tokens = ev["tokens"]
+        elif kind == "rollback":  # rejected drafts: their lookahead slots, and blocks only they filled, go
+            t = self.tables[ev["seq"]]
+            for b in ev["blocks"]:
+                self.refs[b] -= 1
+            del t.blocks[len(t.blocks) - len(ev["blocks"]):]
+            t.tokens = ev["tokens"]
         elif kind == "cache":
             self.hashed.add(ev["block"])
         elif kind == "fork":

@@ -70,7 +70,13 @@ function applyKV(ev) {
       flash([ev.src, ev.dst], "cow");
       break;
     case "fill":
-      t.tokens = ev.tokens;
+      t.tokens = ev.tokens; t.lookahead = ev.lookahead || 0;
+      break;
+    case "rollback":  // speculative decoding: rejected draft tokens give their lookahead slots back
+      ev.blocks.forEach((b) => { S.refs[b] -= 1; });
+      t.blocks.length -= ev.blocks.length; t.tokens = ev.tokens; t.lookahead = 0;
+      log("rollback", `${seqLabel(ev.seq)} rollback: ${ev.rejected} draft token${ev.rejected > 1 ? "s" : ""} rejected, keeps ${ev.tokens} tokens${ev.blocks.length ? `, frees ${ids(ev.blocks)}` : ""}`);
+      flash(ev.blocks, "free");
       break;
     case "cache": {
       S.hashed.add(ev.block);
@@ -205,6 +211,11 @@ function blockFill(sid, i) {
   const t = S.tables.get(sid), B = S.config.block_size;
   return Math.max(0, Math.min(B, t.tokens - i * B));
 }
+// Of block i's filled slots, the lookahead ones: draft tokens waiting for verification.
+function blockAhead(sid, i) {
+  const t = S.tables.get(sid), B = S.config.block_size, la = t.lookahead || 0;
+  return Math.max(0, Math.min(B, t.tokens - i * B) - Math.max(0, t.tokens - la - i * B));
+}
 
 function draw() {
   dirty = false;
@@ -220,6 +231,9 @@ function draw() {
   $("fig-hit").textContent = pct(f.hit_rate || 0);
   $("fig-waste").textContent = pct(f.waste || 0);
   $("fig-events").textContent = `${f.cow || 0} · ${f.forks || 0} · ${f.evictions || 0} · ${f.preemptions || 0}`;
+  $("fig-spec-box").hidden = f.spec_drafted === undefined;
+  if (f.spec_drafted !== undefined)
+    $("fig-spec").textContent = `${f.spec_accepted}/${f.spec_drafted} (${pct(f.spec_drafted ? f.spec_accepted / f.spec_drafted : 0)})`;
   $("fig-without").textContent = f.without_sharing ?? 0; $("fig-reserve").textContent = f.reserve_max ?? 0;
   const top = Math.max(used, f.without_sharing || 0, f.reserve_max || 0, 1);
   $("bar-used").style.width = pct(used / top); $("bar-without").style.width = pct((f.without_sharing || 0) / top);
@@ -260,12 +274,14 @@ function draw() {
     const t = S.tables.get(sid), s = S.seqs.get(sid);
     const tc = t.blocks.map((b, i) => {
       const k = blockFill(sid, i);
-      return `<div class="tcell${S.refs[b] > 1 ? " shared" : ""}" data-block="${b}" data-seq="${sid}" title="L${i} → P${b}">` +
+      const a = blockAhead(sid, i);
+      return `<div class="tcell${S.refs[b] > 1 ? " shared" : ""}" data-block="${b}" data-seq="${sid}" title="L${i} → P${b}${a ? `, ${a} lookahead slots` : ""}">` +
              `<div class="fill" style="width:${(100 * k) / B}%;background:${seqColor(sid)}"></div>` +
+             (a ? `<div class="ahead" style="left:${(100 * (k - a)) / B}%;width:${(100 * a) / B}%"></div>` : "") +
              `<span>L${i}→P${b}${k < B ? ` ${k}/${B}` : ""}</span></div>`;
     });
     rows.push(`<div class="trow" data-seq="${sid}"><span class="label"><i class="sw" style="background:${seqColor(sid)}"></i>` +
-              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok</span>${tc.join("")}</div>`);
+              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok${t.lookahead ? ` (${t.lookahead} lookahead)` : ""}</span>${tc.join("")}</div>`);
   }
   $("tables").innerHTML = rows.join("") || "<small>no sequence holds blocks</small>";
 
@@ -274,8 +290,10 @@ function draw() {
   $("q-running").innerHTML = S.running.map((sid) => chip(sid)).join("");
   $("q-waiting").innerHTML = S.waiting.filter((sid) => !S.preempted.has(sid)).map((sid) => chip(sid)).join("");
   $("q-preempted").innerHTML = [...S.preempted].map((sid) => chip(sid)).join("");
-  $("batch").innerHTML = S.batch.map(([sid, start, k]) =>
-    `<span class="chip ${k > 1 || start === 0 ? "prefill" : "decode"}" data-seq="${sid}">${seqLabel(sid)} ${k > 1 || start === 0 ? `prefill ${k}` : "decode 1"}</span>`).join("");
+  $("batch").innerHTML = S.batch.map(([sid, start, k, d = 0]) => {
+    const decode = start > 0 && k - d === 1;
+    return `<span class="chip ${decode ? "decode" : "prefill"}" data-seq="${sid}">${seqLabel(sid)} ${decode ? (d ? `decode 1 + ${d} draft` : "decode 1") : `prefill ${k}`}</span>`;
+  }).join("");
   $("batch-info").textContent = `${S.batch.length} sequences: ${S.prefill} prefill + ${S.decode} decode tokens`;
   drawTimeline();
 

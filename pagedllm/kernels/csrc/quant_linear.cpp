@@ -1,0 +1,526 @@
+// Linear layers over weights kept in llama.cpp-style blocks of 32 along K (models/quantization.py
+// packs them once at load):
+//   q4_1: qs uint8 [N, ceil(K/64), 32] (byte i of pair p: element i of block 2p in the low
+//         nibble, of block 2p + 1 in the high one), d, m fp16 [N, 2 ceil(K/64)]; w = d * q + m.
+//   q8_0: qs int8 [N, K/32, 32], d fp16 [N, K/32]; w = d * q.
+// out [M, N] = x [M, K] . W^T, x and out bf16 or fp32, fp32 accumulation.
+//
+// Made for small M (one request's decode, a few rows of speculative verification): each
+// block is read and unpacked once and applied to every row. Up to a few rows (MR, MRW) the
+// unpacked block stays in registers; more rows unpack 4 output rows into a scratch first
+// and run over it in tiles, so the unpacking is not repeated per tile. Large M is better
+// served by dequantizing (the *_unpack ops) and a bf16 matmul: the Python side does that.
+// Paths: q4_1 x bf16 on AVX512-BF16 multiplies the nibbles as they are (run_words, below);
+// the rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
+// The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
+// two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
+// One request's decode is bound by streaming the weights: measured on one core of this
+// machine, SmolLM2-135M's 97 MB of q4_1 + q8_0 blocks take ~16 ms a token from memory,
+// ~10 ms when they sit in L2 (benchmarks/quantization.py, models/quantization.py).
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int G = 32;  // weights per block
+constexpr int NB = 4;  // output rows unpacked together
+// Blocks of W per parallel task, at least: ~4 us of work against a fork of ~2 us, so that
+// SmolLM2's small matmuls (576 x 576) still split over two cores.
+constexpr int64_t GRAIN_BLOCKS = 512 / NB;
+constexpr int MR = 6;  // activation rows per tile (with NB: 24 accumulators, 4 blocks, x)
+
+// 16 bytes widened to 16 int32 lanes (GCC's generic conversion goes byte by byte).
+inline vi widen(const int8_t* p) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi v;
+  for (int i = 0; i < L; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+inline vi widen(const uint8_t* p) {
+#ifdef __AVX512F__
+  return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  vi v;
+  for (int i = 0; i < L; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+// fp16 -> fp32 in one instruction where F16C is (c10::Half's conversion is bit twiddling,
+// and GCC converts a vector of _Float16 element by element).
+inline float h2f(c10::Half h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h.x);
+#else
+  return float(h);
+#endif
+}
+inline vf h2f16(const c10::Half* p) {
+#ifdef __AVX512F__
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
+  return load16(p);
+#endif
+}
+
+// Q4_1 blocks go in pairs: byte i of pair p holds element i of block 2p (low nibble) and of
+// block 2p + 1 (high nibble), so one 32-byte load feeds two blocks of 32 16-bit lanes. An
+// odd last block pairs with an empty one (d = m = 0) that is never read.
+struct Q41 {
+  const uint8_t* qs;    // [N, npair, 32]
+  const c10::Half* d;  // [N, 2 npair]
+  const c10::Half* m;
+  int64_t npair;
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const uint8_t* p = qs + (n * npair + b / 2) * G;
+    const int shift = (b & 1) * 4;
+    const int64_t i = n * 2 * npair + b;
+    const vf dd = splat(h2f(d[i])), mm = splat(h2f(m[i]));
+    lo = __builtin_convertvector((widen(p) >> shift) & 15, vf) * dd + mm;
+    hi = __builtin_convertvector((widen(p + 16) >> shift) & 15, vf) * dd + mm;
+  }
+};
+
+struct Q80 {
+  const int8_t* qs;
+  const c10::Half* d;
+  int64_t nblk;
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const int64_t i = n * nblk + b;
+    const vf dd = splat(h2f(d[i]));
+    lo = __builtin_convertvector(widen(qs + i * G), vf) * dd;
+    hi = __builtin_convertvector(widen(qs + i * G + 16), vf) * dd;
+  }
+};
+
+// How a block meets a row of x. F32: the block as two fp32 vectors, x fp32, FMAs.
+struct F32 {
+  using X = float;
+  struct Wb {
+    vf lo, hi;
+  };
+  template <class Q>
+  static Wb unpack(const Q& q, int64_t n, int64_t b) {
+    Wb w;
+    q.block(n, b, w.lo, w.hi);
+    return w;
+  }
+  static void dot(vf& acc, const Wb& w, const X* x) { acc += w.lo * loadf(x) + w.hi * loadf(x + 16); }
+};
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// BF16: the block rounded to bf16 (to nearest, as the bf16 model's weights were), x bf16,
+// one vdpbf16ps per row and block instead of two FMAs: more rows cost little extra.
+struct BF16 {
+  using X = c10::BFloat16;
+  using Wb = __m512bh;
+  template <class Q>
+  static Wb unpack(const Q& q, int64_t n, int64_t b) {
+    vf lo, hi;
+    q.block(n, b, lo, hi);
+    return _mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);  // lanes 0-15 from lo
+  }
+  static void dot(vf& acc, const Wb& w, const X* x) {
+    acc = (vf)_mm512_dpbf16_ps((__m512)acc, w, (__m512bh)_mm512_loadu_si512(x));
+  }
+};
+#define PAGEDLLM_BF16_DOT 1
+#endif
+
+// Where tile() gets blocks: unpacked from the quantized weight, or from a scratch of
+// rows n0.. unpacked before ([row][block]).
+template <class P, class Q>
+struct Unpacked {
+  const Q& q;
+  typename P::Wb get(int64_t n, int64_t b) const { return P::unpack(q, n, b); }
+};
+template <class P>
+struct Scratch {
+  const typename P::Wb* w;
+  int64_t nblk, n0;
+  typename P::Wb get(int64_t n, int64_t b) const { return w[(n - n0) * nblk + b]; }
+};
+
+// res[r][j] = x row r . W row n0 + j, for R rows of x (k apart) and J rows of W.
+template <class P, int J, int R, class S>
+inline void tile(const S& src, int64_t n0, const typename P::X* x, int64_t k, float* res) {
+  vf acc[R][J] = {};
+  const int64_t nblk = k / G;
+  for (int64_t b = 0; b < nblk; ++b) {
+    typename P::Wb w[J];
+    for (int j = 0; j < J; ++j) w[j] = src.get(n0 + j, b);
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < J; ++j) P::dot(acc[r][j], w[j], x + r * k + b * G);
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) res[r * J + j] = hsum(acc[r][j]);
+}
+
+template <class P, int J, class S>
+inline void tile_rows(const S& src, int64_t n0, const typename P::X* x, int64_t k, int rows, float* res) {
+  switch (rows) {
+    case 1: tile<P, J, 1>(src, n0, x, k, res); break;
+    case 2: tile<P, J, 2>(src, n0, x, k, res); break;
+    case 3: tile<P, J, 3>(src, n0, x, k, res); break;
+    case 4: tile<P, J, 4>(src, n0, x, k, res); break;
+    case 5: tile<P, J, 5>(src, n0, x, k, res); break;
+    default: tile<P, J, 6>(src, n0, x, k, res); break;
+  }
+}
+
+template <class T>
+inline void put(T* out, int64_t ldo, int64_t m0, int rows, int64_t n0, int cols, const float* res) {
+  for (int r = 0; r < rows; ++r)
+    for (int j = 0; j < cols; ++j) out[(m0 + r) * ldo + n0 + j] = T(res[r * cols + j]);
+}
+
+// out [m, n] = x [m, k] . W^T, W's blocks read through q (Q41 or Q80), P the arithmetic.
+template <class P, class Q, class T>
+void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
+  const int64_t groups = (n + NB - 1) / NB, nblk = k / G;
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));
+  const Unpacked<P, Q> direct{q};
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    float res[MR * NB];
+    std::vector<typename P::Wb> scratch;
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * NB;
+      const int cols = int(std::min<int64_t>(NB, n - n0));
+      if (m <= MR) {  // one tile of rows: unpack straight into registers
+        if (cols == NB) {
+          tile_rows<P, NB>(direct, n0, x, k, int(m), res);
+          put(out, n, 0, int(m), n0, NB, res);
+        } else {
+          for (int j = 0; j < cols; ++j) {
+            tile_rows<P, 1>(direct, n0 + j, x, k, int(m), res);
+            put(out, n, 0, int(m), n0 + j, 1, res);
+          }
+        }
+        continue;
+      }
+      // More rows: unpack these columns once, then run every tile of rows over them.
+      scratch.resize(size_t(NB) * nblk);
+      for (int j = 0; j < cols; ++j)
+        for (int64_t b = 0; b < nblk; ++b) scratch[j * nblk + b] = P::unpack(q, n0 + j, b);
+      const Scratch<P> kept{scratch.data(), nblk, n0};
+      for (int64_t m0 = 0; m0 < m; m0 += MR) {
+        const int rows = int(std::min<int64_t>(MR, m - m0));
+        if (cols == NB) {
+          tile_rows<P, NB>(kept, n0, x + m0 * k, k, rows, res);
+          put(out, n, m0, rows, n0, NB, res);
+        } else {
+          for (int j = 0; j < cols; ++j) {
+            tile_rows<P, 1>(kept, n0 + j, x + m0 * k, k, rows, res);
+            put(out, n, m0, rows, n0 + j, 1, res);
+          }
+        }
+      }
+    }
+  });
+}
+
+#ifdef PAGEDLLM_BF16_DOT
+// Q4_1 against bf16 rows without unpacking to fp32. A nibble q with 0x4300 in the bits
+// above it is the bf16 number 128 + q, exactly, so
+//   sum (d q + m) x = d sum (128 + q) x + (m - 128 d) sum x,
+// the first term from vdpbf16ps on the words as they come (2 integer ops a block), the
+// second from each block's sum of x, computed once per call. The weights enter exactly.
+// (Q8_0 the same way, split into nibbles, measured slower than converting: one request is
+// bound by reading the weights, more rows by the extra dot product.)
+struct Words {
+  __m512bh a, b;  // blocks 2p and 2p + 1
+};
+inline Words nibble_words(const uint8_t* p) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512i bias = _mm512_set1_epi16(0x4300);
+  return {(__m512bh)_mm512_ternarylogic_epi32(v, _mm512_set1_epi16(0x000F), bias, 0xEA),  // (v & 15) | bias
+          (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 4), bias)};
+}
+
+// A step: the 32 bytes of a pair of blocks of one row of W.
+struct Q4Fmt {
+  static constexpr int BLOCKS = 2;
+  static constexpr float OFF = 128.f;  // a block's offset term is (m - OFF d) sum x
+  const Q41& q;
+  int64_t steps, ld;  // ld: scales per row of W
+  explicit Q4Fmt(const Q41& q) : q(q), steps(q.npair), ld(2 * q.npair) {}
+  Words load(int64_t n, int64_t s) const { return nibble_words(q.qs + (n * steps + s) * G); }
+  const c10::Half* d(int64_t n) const { return q.d + n * ld; }
+  const c10::Half* m(int64_t n) const { return q.m + n * ld; }
+  // acc += the scaled dots of a step (d: its scales as fp32); `two`: both blocks are inside K.
+  static void dot(vf& acc, const Words& w, const c10::BFloat16* x, const float* d, bool two) {
+    const __m512 zero = _mm512_setzero_ps();
+    acc = (vf)_mm512_fmadd_ps(_mm512_dpbf16_ps(zero, w.a, (__m512bh)_mm512_loadu_si512(x)), _mm512_set1_ps(d[0]),
+                              (__m512)acc);
+    if (two)
+      acc = (vf)_mm512_fmadd_ps(_mm512_dpbf16_ps(zero, w.b, (__m512bh)_mm512_loadu_si512(x + G)),
+                                _mm512_set1_ps(d[1]), (__m512)acc);
+  }
+};
+template <class F>
+struct FromBlocks {
+  const F& f;
+  Words get(int64_t n, int64_t s) const { return f.load(n, s); }
+};
+struct Kept {  // words of rows n0.. unpacked before, [row][step]
+  const Words* w;
+  int64_t steps, n0;
+  Words get(int64_t n, int64_t s) const { return w[(n - n0) * steps + s]; }
+};
+
+// Per-column constants of a group of W's rows, fp32, `ld` apart, zero past the last block:
+// d, and the offset coefficient m - OFF d.
+struct Consts {
+  const float* d;
+  const float* off;
+  int64_t ld;
+};
+
+// res[r][j] for R rows of x (bf16, k apart; sx: their block sums, c.ld apart) and J rows of W.
+template <class F, int J, int R, class S>
+inline void tile_words(const S& src, int64_t n0, const c10::BFloat16* x, const float* sx, int64_t k, Consts c,
+                       float* res) {
+  const float* dc = c.d;
+  const int64_t nblk = k / G, full = nblk / F::BLOCKS;
+  vf acc[R][J] = {};
+  for (int64_t s = 0; s < full; ++s)
+    for (int j = 0; j < J; ++j) {  // (an array of J words would live on the stack)
+      const Words w = src.get(n0 + j, s);
+      for (int r = 0; r < R; ++r) F::dot(acc[r][j], w, x + r * k + s * F::BLOCKS * G, dc + j * c.ld + s * F::BLOCKS, true);
+    }
+  if (full * F::BLOCKS < nblk) {  // q4_1 with an odd number of blocks: the last one alone
+    for (int j = 0; j < J; ++j) {
+      const Words w = src.get(n0 + j, full);
+      for (int r = 0; r < R; ++r)
+        F::dot(acc[r][j], w, x + r * k + full * F::BLOCKS * G, dc + j * c.ld + full * F::BLOCKS, false);
+    }
+  }
+  for (int r = 0; r < R; ++r)  // + sum_b (m_b - OFF d_b) sx_b
+    for (int j = 0; j < J; ++j) {
+      vf t = acc[r][j];
+      for (int64_t b = 0; b < c.ld; b += L) t += loadf(c.off + j * c.ld + b) * loadf(sx + r * c.ld + b);
+      res[r * J + j] = hsum(t);
+    }
+}
+
+template <class F, int J, class S>
+inline void tile_words_rows(const S& src, int64_t n0, const c10::BFloat16* x, const float* sx, int64_t k, Consts c,
+                            int rows, float* res) {
+  switch (rows) {
+    case 1: tile_words<F, J, 1>(src, n0, x, sx, k, c, res); break;
+    case 2: tile_words<F, J, 2>(src, n0, x, sx, k, c, res); break;
+    case 3: tile_words<F, J, 3>(src, n0, x, sx, k, c, res); break;
+    default: tile_words<F, J, 4>(src, n0, x, sx, k, c, res); break;
+  }
+}
+
+constexpr int MRW = 4;  // rows per tile here: 16 accumulators, words, x
+
+template <class F>
+void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t k, c10::BFloat16* out) {
+  const int64_t nblk = k / G, groups = (n + NB - 1) / NB, ld = (nblk + L - 1) / L * L;
+  std::vector<float> sx(m * ld, 0.f);  // each block's sum of x (exact bf16 values, fp32 sums)
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < nblk; ++b)
+      sx[r * ld + b] = hsum(load16(x + r * k + b * G) + load16(x + r * k + b * G + 16));
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));
+  const FromBlocks<F> direct{f};
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    float res[MRW * NB];
+    std::vector<Words> scratch;
+    std::vector<float> dc(NB * ld, 0.f), oc(NB * ld, 0.f);
+    const Consts c{dc.data(), oc.data(), ld};
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * NB;
+      const int cols = int(std::min<int64_t>(NB, n - n0));
+      for (int j = 0; j < cols; ++j) {  // this group's constants, once
+        const c10::Half* d = f.d(n0 + j);
+        const c10::Half* mm = f.m(n0 + j);
+        int64_t b = 0;
+        for (; b + L <= nblk; b += L) {
+          const vf dv = h2f16(d + b);
+          storef(dc.data() + j * ld + b, dv);
+          storef(oc.data() + j * ld + b, h2f16(mm + b) - F::OFF * dv);
+        }
+        for (; b < nblk; ++b) {
+          dc[j * ld + b] = h2f(d[b]);
+          oc[j * ld + b] = h2f(mm[b]) - F::OFF * dc[j * ld + b];
+        }
+      }
+      const Consts one[NB] = {c, {c.d + ld, c.off + ld, ld}, {c.d + 2 * ld, c.off + 2 * ld, ld},
+                              {c.d + 3 * ld, c.off + 3 * ld, ld}};
+      if (m <= MRW) {
+        if (cols == NB) {
+          tile_words_rows<F, NB>(direct, n0, x, sx.data(), k, c, int(m), res);
+          put(out, n, 0, int(m), n0, NB, res);
+        } else {
+          for (int j = 0; j < cols; ++j) {
+            tile_words_rows<F, 1>(direct, n0 + j, x, sx.data(), k, one[j], int(m), res);
+            put(out, n, 0, int(m), n0 + j, 1, res);
+          }
+        }
+        continue;
+      }
+      scratch.resize(size_t(NB) * f.steps);
+      for (int j = 0; j < cols; ++j)
+        for (int64_t s = 0; s < f.steps; ++s) scratch[j * f.steps + s] = direct.get(n0 + j, s);
+      const Kept kept{scratch.data(), f.steps, n0};
+      for (int64_t m0 = 0; m0 < m; m0 += MRW) {
+        const int rows = int(std::min<int64_t>(MRW, m - m0));
+        if (cols == NB) {
+          tile_words_rows<F, NB>(kept, n0, x + m0 * k, sx.data() + m0 * ld, k, c, rows, res);
+          put(out, n, m0, rows, n0, NB, res);
+        } else {
+          for (int j = 0; j < cols; ++j) {
+            tile_words_rows<F, 1>(kept, n0 + j, x + m0 * k, sx.data() + m0 * ld, k, one[j], rows, res);
+            put(out, n, m0, rows, n0 + j, 1, res);
+          }
+        }
+      }
+    }
+  });
+}
+#endif
+
+// x as fp32 rows: itself when it already is, else a converted copy in `buf`.
+const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
+  const int64_t total = x.numel();
+  buf.resize(total);
+  const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
+  for (int64_t i = 0; i < total; i += L) storef(buf.data() + i, load16(p + i));
+  return buf.data();
+}
+
+void check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t qbytes,
+           int64_t per_row, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              op, ": x must be contiguous bf16 or fp32 [M, K]");
+  TORCH_CHECK(x.size(1) % G == 0, op, ": K must be a multiple of 32, got ", x.size(1));
+  const int64_t n = qs.size(0), nblk = x.size(1) / G;
+  TORCH_CHECK(qs.dim() == 3 && qs.is_contiguous() && qs.size(1) == (nblk + per_row - 1) / per_row &&
+                  qs.size(2) == qbytes, op, ": qs must be contiguous [N, ", per_row == 1 ? "K/32" : "ceil(K/64)",
+              ", ", qbytes, "] for this K");
+  TORCH_CHECK(d.dim() == 2 && d.is_contiguous() && d.scalar_type() == at::kHalf && d.size(0) == n &&
+                  d.size(1) == qs.size(1) * per_row, op, ": scales must be contiguous fp16 [N, ", qs.size(1) * per_row, "]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == x.scalar_type() &&
+                  out.size(0) == x.size(0) && out.size(1) == n, op, ": out must be contiguous [M, N] in x's dtype");
+}
+
+template <class W>
+void dispatch(at::Tensor& out, const at::Tensor& x, const W& w) {
+  const int64_t m = x.size(0), n = out.size(1), k = x.size(1);
+  if (m == 0 || n == 0) return;
+  if (out.scalar_type() == at::kFloat) {
+    run<F32>(w, x.data_ptr<float>(), m, n, k, out.data_ptr<float>());
+    return;
+  }
+#ifdef PAGEDLLM_BF16_DOT
+  run<BF16>(w, x.data_ptr<c10::BFloat16>(), m, n, k, out.data_ptr<c10::BFloat16>());
+#else
+  std::vector<float> buf;
+  run<F32>(w, as_float(x, buf), m, n, k, out.data_ptr<c10::BFloat16>());
+#endif
+}
+
+template <class W, class T>
+void unpack_all(const W& w, int64_t n, int64_t k, T* out) {
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r)
+      for (int64_t b = 0; b < k / G; ++b) {
+        vf lo, hi;
+        w.block(r, b, lo, hi);
+        store16(out + r * k + b * G, lo);
+        store16(out + r * k + b * G + 16, hi);
+      }
+  });
+}
+
+#ifdef PAGEDLLM_BF16_DOT
+template <class W>
+void unpack_all(const W& w, int64_t n, int64_t k, c10::BFloat16* out) {  // 32 at a time, one rounding op
+  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t r = n0; r < n1; ++r)
+      for (int64_t b = 0; b < k / G; ++b) _mm512_storeu_si512(out + r * k + b * G, (__m512i)BF16::unpack(w, r, b));
+  });
+}
+#endif
+
+template <class W>
+void unpack_dispatch(at::Tensor& out, const W& w, int64_t n, int64_t k, const char* op) {
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == n && out.size(1) == k &&
+                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
+              op, ": out must be contiguous bf16 or fp32 [N, K]");
+  if (out.scalar_type() == at::kFloat)
+    unpack_all(w, n, k, out.data_ptr<float>());
+  else
+    unpack_all(w, n, k, out.data_ptr<c10::BFloat16>());
+}
+
+}  // namespace
+
+void q4_1_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  check(out, x, qs, d, G, 2, "q4_1_linear");
+  TORCH_CHECK(qs.scalar_type() == at::kByte && m.sizes() == d.sizes() && m.is_contiguous() &&
+                  m.scalar_type() == at::kHalf, "q4_1_linear: qs must be uint8 and m like d");
+  const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), qs.size(1)};
+#ifdef PAGEDLLM_BF16_DOT
+  if (x.scalar_type() == at::kBFloat16) {
+    if (x.size(0) > 0 && out.size(1) > 0)
+      run_words(Q4Fmt(q), x.data_ptr<c10::BFloat16>(), x.size(0), out.size(1), x.size(1),
+                out.data_ptr<c10::BFloat16>());
+    return;
+  }
+#endif
+  dispatch(out, x, q);
+}
+
+void q8_0_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
+  check(out, x, qs, d, G, 1, "q8_0_linear");
+  TORCH_CHECK(qs.scalar_type() == at::kChar, "q8_0_linear: qs must be int8");
+  dispatch(out, x, Q80{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), qs.size(1)});
+}
+
+void q4_1_unpack(at::Tensor out, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == G && qs.is_contiguous() && qs.scalar_type() == at::kByte &&
+                  d.is_contiguous() && m.is_contiguous() && d.scalar_type() == at::kHalf &&
+                  m.scalar_type() == at::kHalf && d.numel() == qs.size(0) * qs.size(1) * 2 && m.sizes() == d.sizes(),
+              "q4_1_unpack: qs uint8 [N, ceil(K/64), 32], d and m fp16 [N, 2 ceil(K/64)]");
+  TORCH_CHECK(out.dim() == 2 && out.size(1) % G == 0 && (out.size(1) + 2 * G - 1) / (2 * G) == qs.size(1),
+              "q4_1_unpack: out must be [N, K] for these blocks");
+  unpack_dispatch(out, Q41{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), qs.size(1)}, qs.size(0),
+                  out.size(1), "q4_1_unpack");
+}
+
+void q8_0_unpack(at::Tensor out, const at::Tensor& qs, const at::Tensor& d) {
+  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == G && qs.is_contiguous() && qs.scalar_type() == at::kChar &&
+                  d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == qs.size(0) * qs.size(1),
+              "q8_0_unpack: qs int8 [N, K/32, 32], d fp16 [N, K/32]");
+  unpack_dispatch(out, Q80{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), qs.size(1)}, qs.size(0), qs.size(1) * G,
+                  "q8_0_unpack");
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("q4_1_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d, Tensor m) -> ()");
+  m.def("q8_0_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d) -> ()");
+  m.def("q4_1_unpack(Tensor(a!) out, Tensor qs, Tensor d, Tensor m) -> ()");
+  m.def("q8_0_unpack(Tensor(a!) out, Tensor qs, Tensor d) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("q4_1_linear", &pagedllm::q4_1_linear);
+  m.impl("q8_0_linear", &pagedllm::q8_0_linear);
+  m.impl("q4_1_unpack", &pagedllm::q4_1_unpack);
+  m.impl("q8_0_unpack", &pagedllm::q8_0_unpack);
+}

@@ -1,0 +1,91 @@
+"""A GGUF file's linear weights as blocks (`quantization="gguf"`), read straight from the
+file, no dequantize-requantize: Q4_1 and Q8_0 as they are, Q4_0 as Q4_1 with m = -8 d.
+
+Names follow transformers' GGUF mapping (blk.N.attn_q -> model.layers.N.self_attn.q_proj
+...). llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE layout
+(convert_hf_to_gguf.py, LlamaModel.permute); transformers' loader undoes it and so do we:
+whole output rows move, so blocks stay intact. Other tensor types (F16, F32, K-quants...)
+are left out with a note: those layers run on the float weights that the bf16 conversion
+of the same file holds (model_files.py), which are their exact values.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..models.quantization import Q4_1, Q8_0, Blocks
+
+_LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+            "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+            "ffn_down": "mlp.down_proj"}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF parameter name of a GGUF tensor (None: not a matmul weight: norms, rope tables)."""
+    if gguf_name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    m = _BLOCK.fullmatch(gguf_name)
+    if m and m.group(2) in _LINEARS:
+        return f"model.layers.{m.group(1)}.{_LINEARS[m.group(2)]}.weight"
+    return None
+
+
+def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
+    """Row order that undoes llama.cpp's permute(w, n_head): it stored row (h, 2i + j) of
+    HF's q/k weight at (h, j * dim/2 + i); HF row (h, j, i) sits at (h, i, j) there.
+    Same as transformers' reverse_permute (reshape(n_head, dim/2, 2).swapaxes(1, 2))."""
+    half = n_rows // n_head // 2
+    return torch.arange(n_rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
+    """Blocks of one tensor from its raw bytes [N, K/32 * block bytes]."""
+    nblk = k // 32
+    b = np.asarray(raw, dtype=np.uint8).reshape(n, nblk, -1)
+    d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind == "Q8_0":
+        return Blocks(Q8_0, torch.from_numpy(b[..., 2:34].copy().view(np.int8)), d)
+    if kind == "Q4_1":
+        m = torch.from_numpy(b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        nib = b[..., 4:20]
+    else:  # Q4_0: w = d (q - 8)
+        m = -8 * d
+        nib = b[..., 2:18]
+    # ggml's Q4 byte j: element j in the low nibble, element j + 16 in the high one.
+    q = np.empty((n, nblk, 32), dtype=np.uint8)
+    np.bitwise_and(nib, 15, out=q[..., :16])
+    np.right_shift(nib, 4, out=q[..., 16:])
+    return Blocks(Q4_1, torch.from_numpy(q), d, m)
+
+
+RUNNABLE = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, Blocks], list[str]]:
+    """HF-named matmul weights of the GGUF file at `path` as Blocks (attn_q / attn_k rows
+    in HF's order), and a note for each matmul weight left out because its type has no
+    kernel here ("blk.0.ffn_down.weight: Q6_K")."""
+    from gguf import GGUFReader
+
+    blocks: dict[str, Blocks] = {}
+    skipped: list[str] = []
+    for t in GGUFReader(str(path)).tensors:
+        name = hf_name(t.name)
+        if name is None:
+            continue
+        kind = t.tensor_type.name
+        if kind not in RUNNABLE:
+            skipped.append(f"{t.name}: {kind}")
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])  # ggml lists ne0 (K, along a row) first
+        b = _blocks(kind, t.data, n, k)
+        if ".q_proj." in name or ".k_proj." in name:
+            b = b.rows(unpermute_rows(n, num_heads if ".q_proj." in name else num_kv_heads))
+        blocks[name] = b
+    return blocks, skipped

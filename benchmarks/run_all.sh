@@ -86,7 +86,7 @@ python benchmarks/quantization.py --rounds 3 --out $R/quantization.json
 
 # 16. One request at a time against llama.cpp (quantized weights, n-gram speculative decoding),
 #     and what speculation does to batched throughput.
-python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request.json
+python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request_spec_quant.json
 python benchmarks/speculative_batched.py --out $R/speculative_batched.json
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;

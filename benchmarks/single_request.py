@@ -13,7 +13,7 @@ llama.cpp's in the same run. PagedLLM's variants: weights (bf16, or a --quantiza
 speculative decoding (ngram k=4) on or off.
 
     python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram \\
-        --out benchmarks/results/single_request.json
+        --out benchmarks/results/single_request_spec_quant.json
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def main() -> None:
     ap.add_argument("--variants", default="bf16,bf16+ngram",
                     help="comma list of WEIGHTS[+ngram]; WEIGHTS: bf16 or a --quantization value")
     ap.add_argument("--skip-llama-cpp", action="store_true")
-    ap.add_argument("--out", default="benchmarks/results/single_request.json")
+    ap.add_argument("--out", default="benchmarks/results/single_request_spec_quant.json")
     args = ap.parse_args()
     work = workloads()
     runs = [] if args.skip_llama_cpp else [in_own_process(run_llama_cpp, work)]

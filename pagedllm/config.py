@@ -42,14 +42,15 @@ def canonical_dtype(name: str) -> str:
     return name
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's --speculative-config. ngram (prompt lookup): the draft is what followed the
     latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max
-    down to prompt_lookup_min), up to num_speculative_tokens of it; no extra weights."""
+    down to prompt_lookup_min), up to num_speculative_tokens of it; no extra weights.
+    draft_model: `model`, a smaller model with the same tokenizer, proposes them greedily."""
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
@@ -57,11 +58,14 @@ class SpeculativeConfig:
     # No drafts in a step with at least this many sequences running (vLLM's key): a big batch
     # already fills the matmuls, and verifying drafts there costs more than it saves.
     disable_by_batch_size: int | None = None
+    model: str | None = None   # draft_model: a smaller model with the same tokenizer (GGUF file or HF dir)
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}"
-                             " (a draft model is not supported yet)")
+            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative_config: method 'draft_model' needs a model (the draft's GGUF file or HF "
+                             "directory), and only it takes one")
         for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
@@ -156,7 +160,8 @@ class EngineConfig:
         "bf16's", choices=list(QUANTIZATIONS))
     speculative_config: SpeculativeConfig | dict | str | None = knob(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
-        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}: draft tokens get lookahead slots in the block "
+        "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or {\"method\": \"draft_model\", \"model\": PATH, "
+        "\"num_speculative_tokens\": k} (same tokenizer): draft tokens get lookahead slots in the block "
         "table, one forward verifies them, rejected ones roll back; greedy output is unchanged, sampled output "
         "keeps its distribution", type=parse_speculative_config)
     tensor_parallel_size: int = knob(

@@ -53,6 +53,10 @@ class ChunkPlan:
     # Speculative decoding: the chunk's last len(draft) tokens are draft tokens (in
     # lookahead slots); its last len(draft) + 1 rows verify them for the one sample target.
     draft: list[int] = field(default_factory=list)
+    # A draft model drafts (draft_from >= 0): draft holds placeholders the runner fills; the
+    # draft model's KV is right below draft_from; context: the sequence's tokens.
+    draft_from: int = -1
+    context: list[int] = field(default_factory=list)
     # Prompt logprobs: the rows at positions score_start .. score_start + len(score_ids) - 1
     # each score the next prompt token (score_ids[i]), with the top score_top beside it.
     score_start: int = 0

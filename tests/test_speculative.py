@@ -277,7 +277,7 @@ def test_acceptance_shows_in_stats_report_and_metrics(spec_llm):
 @pytest.mark.parametrize("bad, message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
     ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of .*draft_model"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup_max": 3}, r"unknown keys \['lookup_max'\]"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 5, "prompt_lookup_max": 3}, "prompt_lookup_min 5 >"),
@@ -346,3 +346,62 @@ def test_bf16_batch_invariant_greedy_is_the_same_with_speculation(prompts):
         outs.append(_ids(llm.generate(prompts[:10], p, use_tqdm=False)))
     assert outs[0] == outs[1]
     assert llm.engine.stats().spec.num_accepted_tokens > 20
+
+
+# -- a draft model -----------------------------------------------------------------
+def _derived_model(src, dst, layers: int | None = None, extra_token: str | None = None):
+    """A copy of the default model: its first `layers` layers only (a smaller, worse draft),
+    or with one more token in its tokenizer (a draft that must be refused)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if layers is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        cfg["num_hidden_layers"] = layers
+        (dst / "config.json").write_text(json.dumps(cfg))
+        w = load_file(dst / "model.safetensors")
+        keep = {k: v for k, v in w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+        save_file(keep, dst / "model.safetensors")
+    if extra_token is not None:
+        tok = json.loads((dst / "tokenizer.json").read_text())
+        tok["model"]["vocab"][extra_token] = len(tok["model"]["vocab"])
+        (dst / "tokenizer.json").write_text(json.dumps(tok))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def small_draft(model_dir, tmp_path_factory):
+    return _derived_model(model_dir, tmp_path_factory.mktemp("draft") / "first-8-layers", layers=8)
+
+
+def test_draft_model_greedy_is_exact_and_rolls_back(llm_fp32, small_draft, prompts):
+    """The target's first 8 layers as the draft: it proposes, the target rejects part of it,
+    and greedy output is the plain engine's. Its KV pool shares the budget and the blocks."""
+    from pagedllm import LLM
+
+    llm = LLM(dtype="float32", kv_cache_memory="128MiB", max_model_len=2048, block_size=8,
+              speculative_config={"method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3})
+    p = SamplingParams(temperature=0, max_tokens=40)
+    want = _ids(llm_fp32.generate(prompts[:8], p, use_tqdm=False))
+    assert _ids(llm.generate(prompts[:8], p, use_tqdm=False)) == want
+    s = llm.engine.stats().spec
+    assert s.num_drafts > 20 and s.num_accepted_tokens >= 5 and s.acceptance_rate < 0.95, s  # kept and rejected
+    assert llm.engine.runner.draft is not None and llm.engine.kv.pool.num_used == 0
+    assert llm.engine.runner.kv_cache.num_blocks < 128 * 2**20 // llm.engine.runner.kv_cache.bytes_per_block
+    llm.engine.kv.check_integrity()
+
+
+def test_draft_model_with_another_tokenizer_is_refused(model_dir, tmp_path):
+    from pagedllm import LLM
+
+    other = _derived_model(model_dir, tmp_path / "other-tokenizer", extra_token="<|not-ours|>")
+    with pytest.raises(ValueError, match="has another tokenizer than the target"):
+        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(other),
+                                                 "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="needs a model"):
+        EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="only it takes one"):
+        EngineConfig(speculative_config={"method": "ngram", "model": str(model_dir), "num_speculative_tokens": 2})

@@ -21,7 +21,7 @@ from .detokenizer import detokenize, final_text
 from .observer import EngineObserver
 from .scheduler import Scheduler
 from .sequence import Request, Sequence, SeqStatus
-from .speculative import NgramProposer, SpecStats
+from .speculative import SpecStats, make_proposer
 from .validation import RequestRules
 
 logger = logging.getLogger(__name__)
@@ -66,6 +66,8 @@ class LLMEngine:
         model_dir = resolve_model_dir(cfg.model)
         self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
         self.tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
+        if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
+            _check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
         # Sliding-window attention equals full attention up to the window, and full
         # attention is what we compute, so a windowed model is capped at its window.
         limit = min(self.model_cfg.max_position_embeddings, self.model_cfg.sliding_window or 1 << 62)
@@ -96,7 +98,7 @@ class LLMEngine:
         spec = cfg.speculative_config
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
-                                   NgramProposer(spec) if spec is not None else None, self.max_model_len)
+                                   make_proposer(spec) if spec is not None else None, self.max_model_len)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
@@ -431,6 +433,17 @@ class LLMEngine:
             prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
             generation_tokens=self.generation_tokens, steps=self.steps,
             spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None)
+
+
+def _check_draft_tokenizer(tokenizer, draft_model: str) -> None:
+    """A draft model must speak the target's tokens: same vocabulary, same ids."""
+    draft = load_tokenizer(resolve_model_dir(draft_model))
+    ours, theirs = tokenizer.get_vocab(), draft.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"speculative_config: the draft model {draft_model!r} has another tokenizer than the "
+                         f"target ({len(theirs)} tokens vs {len(ours)}; e.g. {differ}): a draft must use the "
+                         "target's token ids")
 
 
 def _request_seed(engine_seed: int, request_id: str) -> int:

@@ -11,7 +11,7 @@ from ..kv import KVCacheManager
 from ..plan import ChunkPlan, SampleTarget, StepPlan
 from ..util import cdiv
 from .sequence import Sequence, SeqStatus
-from .speculative import NgramProposer, SpecStats
+from .speculative import DraftModelProposer, NgramProposer, SpecStats
 
 
 @dataclass
@@ -49,7 +49,7 @@ def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) ->
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 proposer: NgramProposer | None = None, max_model_len: int = 1 << 62) -> None:
+                 proposer: NgramProposer | DraftModelProposer | None = None, max_model_len: int = 1 << 62) -> None:
         self.kv = kv
         # Speculative decoding: a decode may carry draft tokens in lookahead slots.
         self.proposer = proposer
@@ -160,7 +160,7 @@ class Scheduler:
                     self.max_model_len - len(seq.token_ids) - 1)
         if limit <= 0:
             return 0
-        if seq.ngrams is None:
+        if seq.ngrams is None and not self.proposer.runner_drafts:
             seq.ngrams = self.proposer.new_index()
         seq.draft = self.proposer.propose(seq.ngrams, seq.token_ids, limit)
         return len(seq.draft)
@@ -264,6 +264,8 @@ class Scheduler:
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
                               t.request.beam.num_candidates if t.request.beam else 0) for t in s.sample_for],
                 list(draft)))
+            if draft and self.proposer.runner_drafts:
+                chunks[-1].draft_from, chunks[-1].context = s.seq.draft_done, s.seq.token_ids
             self._plan_scores(chunks[-1], s.seq)
         finished, self.finished_seq_ids = self.finished_seq_ids, []
         return StepPlan(chunks, out.copies, finished)
@@ -316,6 +318,7 @@ class Scheduler:
         for seq in seqs:
             self.kv.free(seq.seq_id)
             seq.draft = []
+            seq.draft_done = 0
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             self.num_preemptions += 1
@@ -353,6 +356,8 @@ class Scheduler:
         seq = s.seq
         drafted, seq.draft = len(seq.draft), []
         seq.num_computed_tokens = s.start + 1 + len(accepted)
+        if self.proposer.runner_drafts:  # the draft model saw the real token and all but its last draft
+            seq.draft_done = s.start + 1 + min(len(accepted), drafted - 1)
         self.kv.rollback(seq.seq_id, seq.num_computed_tokens, seq.token_ids + accepted)
         if ok:
             self.spec.record(drafted, len(accepted))

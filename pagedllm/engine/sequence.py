@@ -39,6 +39,7 @@ class Sequence(PromptThenOutput):
     # until verified) and the n-gram index of its tokens (engine.speculative).
     draft: list[int] = field(default_factory=list)
     ngrams: object | None = None
+    draft_done: int = 0   # a draft model's KV is right below this position
 
     @property
     def params(self) -> SamplingParams:

@@ -46,6 +46,8 @@ class NgramIndex:
 
 
 class NgramProposer:
+    runner_drafts = False
+
     def __init__(self, cfg: SpeculativeConfig) -> None:
         self.k = cfg.num_speculative_tokens
         self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
@@ -58,6 +60,26 @@ class NgramProposer:
         """At most min(k, limit) draft tokens for the sequence of `tokens`."""
         k = min(self.k, limit)
         return index.propose(tokens, k) if k > 0 else []
+
+
+class DraftModelProposer:
+    """A draft model drafts in the runner: the scheduler only reserves k lookahead slots
+    (placeholder tokens, -1) that the runner's draft model fills before the verify forward."""
+    runner_drafts = True
+
+    def __init__(self, cfg: SpeculativeConfig) -> None:
+        self.k = cfg.num_speculative_tokens
+        self.disable_by_batch_size = cfg.disable_by_batch_size
+
+    def new_index(self) -> None:
+        return None
+
+    def propose(self, index: None, tokens: list[int], limit: int) -> list[int]:
+        return [-1] * max(0, min(self.k, limit))
+
+
+def make_proposer(cfg: SpeculativeConfig) -> NgramProposer | DraftModelProposer:
+    return DraftModelProposer(cfg) if cfg.method == "draft_model" else NgramProposer(cfg)
 
 
 @dataclass

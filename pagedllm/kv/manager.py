@@ -153,7 +153,7 @@ class KVCacheManager:
             del table.block_ids[keep:]
             self.pool.release(freed)
         table.num_tokens = num_tokens
-        if rejected and self.listener is not None:
+        if self.listener is not None:  # rejected 0: every draft kept, the lookahead slots are verified now
             self.listener({"type": "rollback", "seq": seq_id, "tokens": num_tokens, "rejected": rejected,
                            "blocks": freed})
         self._cache_full_blocks(table, token_ids, num_tokens)

@@ -83,10 +83,12 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                  cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
-                 profile: Callable[[], int] | None = None, tp: TPGroup | None = None) -> None:
+                 profile: Callable[[], int] | None = None, tp: TPGroup | None = None,
+                 extra_bytes_per_token: int = 0) -> None:
         """model_cfg: this rank's slice under tensor parallelism (its KV heads). Every
         rank holds the same number of blocks (the fewest any can fit): rank 0's block
-        tables index all the pools."""
+        tables index all the pools. extra_bytes_per_token: another pool of as many blocks
+        shares the budget (a draft model's KV)."""
         tp = tp or TPGroup()
         elt = torch.finfo(dtype).bits // 8
         self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
@@ -97,7 +99,7 @@ class KVCache:
             budget = kv_budget(cfg, device, profile)
             if device.type == "cpu":  # the machine's ranks share its RAM: the budget is theirs together
                 budget //= tp.local_size
-            num_blocks = tp.min(budget // self.bytes_per_block)
+            num_blocks = tp.min(budget // (self.bytes_per_block + extra_bytes_per_token * cfg.block_size))
             if num_blocks < 1:
                 raise ValueError(f"kv_cache_memory {budget} bytes is smaller than one KV block "
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")

@@ -14,7 +14,7 @@ from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
 from ..distributed import TPGroup
 from ..kernels import load_ops
-from ..loader import load_weights
+from ..loader import load_weights, resolve_model_dir
 from ..models import LlamaForCausalLM, ModelConfig
 from ..models.llama import tp_split_dim
 from ..models.rope import RotaryEmbedding
@@ -92,6 +92,21 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
             raise
         logger.warning("%s; using the torch reference attention instead", e)
         return get_backend("torch")
+
+
+def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, kernels, tp: TPGroup,
+                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """This rank's slice of the model, its weights loaded, in `dtype`, with its RoPE tables
+    (float32 whatever the weights' dtype)."""
+    with torch.device("meta"):  # no random init of weights we overwrite anyway
+        model = LlamaForCausalLM(mc, backend, kernels, tp)
+    model = model.to_empty(device=device)
+    if mc.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
+    model = model.to(dtype).eval()
+    model.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
+    return model
 
 
 @dataclass(slots=True)
@@ -187,13 +202,7 @@ class ModelRunner:
             via = "shared memory" if shm.attach(tp, kernels, wanted) else "gloo"
             if tp.is_driver:
                 logger.info("tensor parallel: all-reduce through %s", via)
-        with torch.device("meta"):  # no random init of weights we overwrite anyway
-            model = LlamaForCausalLM(model_cfg, backend, kernels, tp)
-        model = model.to_empty(device=self.device)
-        if model_cfg.tie_word_embeddings:
-            model.lm_head.weight = model.embed_tokens.weight
-        model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
-        model = model.to(self.dtype).eval()
+        model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype)
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         if cfg.quantization is not None:
             if self.device.type != "cpu":
@@ -207,15 +216,22 @@ class ModelRunner:
                 # The block kernels serve up to 8 rows a step; more rows dequantize first.
                 logger.warning("quantized: %s; fastest for one or a few sequences at a time, batched throughput "
                                "~0.6-0.75x bf16's (BENCHMARKS.md §16)", done)
-        # RoPE tables stay float32 whatever the weights' dtype.
-        model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_position_embeddings,
-                                     model_cfg.rope_theta, model_cfg.rope_scaling).to(self.device)
         self.model = model
         log = logger.info if tp.is_driver else logger.debug
         log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype, self.device,
             backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
+        spec = cfg.speculative_config
+        self.draft = None
+        if spec is not None and spec.method == "draft_model":
+            from .draft import DraftRunner
+            if tp.size > 1:
+                raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
+            self.draft = DraftRunner(resolve_model_dir(spec.model), backend, kernels, self.device, self.dtype)
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
-                                profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp)
+                                profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp,
+                                extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0)
+        if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
+            self.draft.allocate(self.kv_cache.num_blocks, cfg.block_size)
         self.max_model_len = max_model_len
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
@@ -268,6 +284,14 @@ class ModelRunner:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
+        if self.draft is not None and any(c.draft_from >= 0 for c in plan.chunks):
+            # Copies first: the draft model writes into the blocks they fill.
+            self.kv_cache.copy_blocks(plan.copies)
+            self.draft.copy_blocks(plan.copies)
+            plan.copies = []
+            self.draft.propose(plan.chunks)
+        elif self.draft is not None:
+            self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
             self.tp.broadcast(step)

@@ -75,7 +75,8 @@ function applyKV(ev) {
     case "rollback":  // speculative decoding: rejected draft tokens give their lookahead slots back
       ev.blocks.forEach((b) => { S.refs[b] -= 1; });
       t.blocks.length -= ev.blocks.length; t.tokens = ev.tokens; t.lookahead = 0;
-      log("rollback", `${seqLabel(ev.seq)} rollback: ${ev.rejected} draft token${ev.rejected > 1 ? "s" : ""} rejected, keeps ${ev.tokens} tokens${ev.blocks.length ? `, frees ${ids(ev.blocks)}` : ""}`);
+      if (ev.rejected)
+        log("rollback", `${seqLabel(ev.seq)} rollback: ${ev.rejected} draft token${ev.rejected > 1 ? "s" : ""} rejected, keeps ${ev.tokens} tokens${ev.blocks.length ? `, frees ${ids(ev.blocks)}` : ""}`);
       flash(ev.blocks, "free");
       break;
     case "cache": {

@@ -253,10 +253,13 @@ class LLMEngine:
             entries = scores.get(s.seq.seq_id)
             if entries is None or s.seq.request.prompt_logprobs is None:
                 continue
-            for entry in entries:
-                for tid, lp in entry.items():
-                    lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
-            s.seq.request.prompt_logprobs.extend(entries)
+            s.seq.request.prompt_logprobs.extend(map(self._decoded, entries))
+
+    def _decoded(self, entry: dict) -> dict:
+        """A logprobs entry with each token's text set (vLLM's decoded_token)."""
+        for tid, lp in entry.items():
+            lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
+        return entry
 
     @staticmethod
     def _beam_groups(out, logprobs: dict) -> list[Request]:
@@ -324,9 +327,7 @@ class LLMEngine:
         if logprob is not None:
             seq.cumulative_logprob += logprob[token].logprob
             if seq.params.logprobs is not None:  # else only best_of's ranking asked for it
-                for tid, lp in logprob.items():
-                    lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
-                seq.logprobs.append(logprob)
+                seq.logprobs.append(self._decoded(logprob))
         self._check_stop(seq, token)
 
     def _fail(self, req: Request, error: str) -> None:

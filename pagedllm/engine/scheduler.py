@@ -31,7 +31,6 @@ class SchedulerOutput:
     copies: list[tuple[int, int]]   # (src, dst) block copies to do before the forward
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0      # a decode's draft tokens included
-    num_draft_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)
     plan: StepPlan | None = None    # the same step in the runner's terms
 
@@ -160,7 +159,7 @@ class Scheduler:
                     self.max_model_len - len(seq.token_ids) - 1)
         if limit <= 0:
             return 0
-        if seq.ngrams is None and not self.proposer.runner_drafts:
+        if seq.ngrams is None:
             seq.ngrams = self.proposer.new_index()
         seq.draft = self.proposer.propose(seq.ngrams, seq.token_ids, limit)
         return len(seq.draft)
@@ -307,7 +306,6 @@ class Scheduler:
                 s.sample_for += [c for c in seq.request.seqs[1:] if c.status is SeqStatus.PENDING]
         if n - d == 1 and seq.num_computed_tokens > 0:
             out.num_decode_tokens += n
-            out.num_draft_tokens += d
         else:
             out.num_prefill_tokens += n
         out.scheduled.append(s)

@@ -21,6 +21,10 @@ from .quantization import block_linear, cat_rows, embed_rows, quantize_linears, 
 from .rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
+# Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
+# concatenate, in order: HF names and the GGUF loader's both map through this.
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
 class RMSNorm(nn.Module):
@@ -214,7 +218,7 @@ class LlamaForCausalLM(nn.Module):
         if method == "gguf":
             done = self._load_gguf_blocks(gguf_path, dtype)
         else:
-            n = quantize_linears(self, method, dtype, keep=set())
+            n = quantize_linears(self, method, dtype)
             done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \
                 else f"{n} matmuls on q8_0 blocks"
         if tied and getattr(self.lm_head, "qformat", None) is not None:
@@ -230,17 +234,16 @@ class LlamaForCausalLM(nn.Module):
         from ..loader.gguf_quant import read_gguf_blocks
 
         blocks, skipped = read_gguf_blocks(path, self.cfg.num_heads, self.cfg.num_kv_heads)
-        parts = {"lm_head": ["lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"]}
-        for i in range(self.cfg.num_layers):
-            p = f"model.layers.{i}."
-            parts[f"layers.{i}.self_attn.qkv_proj"] = [f"{p}self_attn.{x}_proj.weight" for x in "qkv"]
-            parts[f"layers.{i}.self_attn.o_proj"] = [f"{p}self_attn.o_proj.weight"]
-            parts[f"layers.{i}.mlp.gate_up_proj"] = [f"{p}mlp.gate_proj.weight", f"{p}mlp.up_proj.weight"]
-            parts[f"layers.{i}.mlp.down_proj"] = [f"{p}mlp.down_proj.weight"]
         kinds: Counter[str] = Counter()
         floats = []
-        for name, names in parts.items():
-            layer = self.get_submodule(name)
+        for name, layer in self.named_modules():
+            if not isinstance(layer, nn.Linear):
+                continue
+            if name == "lm_head":
+                names = ["lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"]
+            else:  # layers.<i>.<matmul>: its checkpoint weights (several when fused)
+                layers, i, sub = name.split(".", 2)
+                names = [f"model.{layers}.{i}.{t}.weight" for t in FUSED.get(sub, (sub,))]
             have = [blocks.get(n) for n in names]
             if any(b is None for b in have) or len({b.fmt for b in have}) > 1:
                 floats.append(name)
@@ -270,12 +273,11 @@ class LlamaForCausalLM(nn.Module):
             loaded[name] = t
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
-            for kind in ("weight", "bias"):
-                parts = [loaded.pop(f"{p}self_attn.{x}_proj.{kind}", None) for x in "qkv"]
-                if all(x is not None for x in parts):
-                    loaded[f"{p}self_attn.qkv_proj.{kind}"] = torch.cat(parts)
-            loaded[f"{p}mlp.gate_up_proj.weight"] = torch.cat(
-                [loaded.pop(f"{p}mlp.gate_proj.weight"), loaded.pop(f"{p}mlp.up_proj.weight")])
+            for ours, theirs in FUSED.items():
+                for kind in ("weight", "bias"):
+                    parts = [loaded.pop(f"{p}{t}.{kind}", None) for t in theirs]
+                    if all(x is not None for x in parts):
+                        loaded[f"{p}{ours}.{kind}"] = torch.cat(parts)
         expected = {k for k in own if not (k == "lm_head.weight" and self.cfg.tie_word_embeddings)}
         missing, unexpected = expected - loaded.keys(), loaded.keys() - expected
         if missing or unexpected:

@@ -90,10 +90,10 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(Q8_0, q, d)
 
 
-def set_blocks(layer: nn.Linear, blocks: Blocks, dtype: torch.dtype, keep_weight: bool = False) -> None:
+def set_blocks(layer: nn.Linear, blocks: Blocks, dtype: torch.dtype) -> None:
     """Give `layer` the kernels' layout of `blocks` (packed once here) and drop its float
-    weight unless keep_weight. q4_1 goes in pairs of blocks, one byte holding element i of
-    both (quant_linear.cpp); an odd last block pairs with an empty one."""
+    weight. q4_1 goes in pairs of blocks, one byte holding element i of both
+    (quant_linear.cpp); an odd last block pairs with an empty one."""
     n, k = blocks.shape
     if (n, k) != (layer.out_features, layer.in_features):
         raise ValueError(f"blocks of shape {(n, k)} for a layer of shape {(layer.out_features, layer.in_features)}")
@@ -112,17 +112,19 @@ def set_blocks(layer: nn.Linear, blocks: Blocks, dtype: torch.dtype, keep_weight
     layer.register_buffer("qs", qs, persistent=False)
     layer.register_buffer("qd", d.contiguous(), persistent=False)
     layer.qformat, layer.qdtype = blocks.fmt, dtype
-    if not keep_weight:
-        layer.weight = None
+    layer.weight = None
 
 
-def layer_blocks(layer: nn.Linear) -> Blocks:
-    """The blocks a layer runs, unpacked again (tests, embedding lookups)."""
-    nblk = layer.in_features // G
+def layer_blocks(layer: nn.Linear, rows: torch.Tensor | None = None) -> Blocks:
+    """The blocks a layer runs (output rows `rows`, default all), unpacked again (tests,
+    embedding lookups: only the looked-up rows)."""
+    pick = (lambda t: t) if rows is None else (lambda t: t[rows])
     if layer.qformat == Q8_0:
-        return Blocks(Q8_0, layer.qs, layer.qd)
-    q = torch.stack([layer.qs & 15, layer.qs >> 4], dim=2).reshape(layer.qs.shape[0], -1, G)
-    return Blocks(Q4_1, q[:, :nblk], layer.qd[:, :nblk], layer.qm[:, :nblk])
+        return Blocks(Q8_0, pick(layer.qs), pick(layer.qd))
+    nblk = layer.in_features // G
+    qs = pick(layer.qs)
+    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(qs.shape[0], -1, G)
+    return Blocks(Q4_1, q[:, :nblk], pick(layer.qd)[:, :nblk], pick(layer.qm)[:, :nblk])
 
 
 def dequantize(layer: nn.Linear, dtype: torch.dtype, kernels=None) -> torch.Tensor:
@@ -157,28 +159,21 @@ def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tenso
 def embed_rows(layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a quantized weight (a tied embedding's lookup), in the layer's dtype:
     only the looked-up rows are unpacked."""
-    flat = ids.reshape(-1)
-    if layer.qformat == Q8_0:
-        rows = Blocks(Q8_0, layer.qs[flat], layer.qd[flat])
-    else:
-        nblk = layer.in_features // G
-        qs = layer.qs[flat]
-        q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(qs.shape[0], -1, G)[:, :nblk]
-        rows = Blocks(Q4_1, q, layer.qd[flat, :nblk], layer.qm[flat, :nblk])
+    rows = layer_blocks(layer, ids.reshape(-1))
     return rows.dequantize().to(layer.qdtype).reshape(*ids.shape, layer.in_features)
 
 
-def quantize_linears(model: nn.Module, method: str, dtype: torch.dtype, keep: set[int]) -> int:
+def quantize_linears(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     """Replace every nn.Linear's float weight by blocks made from it: "int8" q8_0 blocks,
     "int4" q4_1 blocks except the LM head (q8_0: its errors go straight into the logits,
-    as llama.cpp's own Q4 files keep their output layer at 6-8 bits). The float weight is
-    kept if id(weight) is in keep. Returns how many layers were quantized."""
+    as llama.cpp's own Q4 files keep their output layer at 6-8 bits). Returns how many
+    layers were quantized."""
     n = 0
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or mod.weight is None:
             continue
         four = method == "int4" and not name.endswith("lm_head")
         blocks = quantize_q4_1(mod.weight) if four else quantize_q8_0(mod.weight)
-        set_blocks(mod, blocks, dtype, keep_weight=id(mod.weight) in keep)
+        set_blocks(mod, blocks, dtype)
         n += 1
     return n

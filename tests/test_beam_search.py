@@ -38,8 +38,10 @@ def check_against_hf(llm: LLM, hf_model, prompts: list[list[int]], params: BeamS
                         params.early_stopping)
         got = [(s.tokens[len(ids):], s.score) for s in out.sequences]
         assert [g for g, _ in got] == [w for w, _ in want], f"prompt {ids[:8]}...: beams differ"
+        # A score is a sum of fp32 logprobs scaled by len ** -length_penalty, so its rounding error
+        # grows with its size (and differs between Intel's and AMD's fp32 kernels): compare relatively.
         for (_, a), (_, b) in zip(got, want):
-            assert a == pytest.approx(b, abs=1e-4)
+            assert a == pytest.approx(b, rel=1e-5, abs=1e-4)
     return outs
 
 

@@ -71,9 +71,13 @@ def _file_digest(path: Path) -> str:
 
 
 def _gguf_cache_dir(path: Path) -> Path:
-    out = cache_root() / f"{path.stem}-{_file_digest(path)}"
+    digest = _file_digest(path)
+    out = cache_root() / f"{path.stem}-{digest}"
     if (out / "complete").is_file():
         return out
+    # The same file under another name (a link, a copy) was converted already: the content decides.
+    for done in sorted(cache_root().glob(f"*-{digest}/complete")):
+        return done.parent
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,7 +137,15 @@ def _slice(view, dim: int, rank: int, size: int) -> torch.Tensor:
     return view[index]
 
 
-def load_tokenizer(model_dir: Path):
-    from transformers import AutoTokenizer
+# Tokenizer classes defined wholly by tokenizer.json: loaded by name, they are what AutoTokenizer
+# would return, without its import of transformers' model registry (~1.3 s of every start).
+_GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    return AutoTokenizer.from_pretrained(model_dir)
+
+def load_tokenizer(model_dir: Path):
+    import transformers
+
+    config = model_dir / "tokenizer_config.json"
+    name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZERS else None
+    return (cls or transformers.AutoTokenizer).from_pretrained(model_dir)

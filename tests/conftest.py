@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +35,81 @@ def pytest_make_collect_report(collector):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"module skipped under CI=true (skips are failures in CI): {reason}"
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class BackgroundRun:
+    """A long, self-contained job that some tests check (a compiler run), started as soon as the
+    tests are collected, in a process at the lowest priority, so that it fills the CPU time the
+    suite leaves idle (on 2 cores, much of a core while servers start and clients wait) instead
+    of holding up the tests that need it. It runs once per run, in a folder of its own; a test
+    asks for it through a fixture and waits for it to end."""
+
+    def __init__(self, fixture: str, argv: list[str], env: dict[str, str]) -> None:
+        self.fixture, self.argv, self.env = fixture, argv, env  # "{dir}" in them: the job's folder
+        self.dir: Path | None = None
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"pagedllm-{self.fixture}-"))
+        fill = lambda v: v.replace("{dir}", str(self.dir))  # noqa: E731
+        with open(self.dir / "output.log", "w") as log:
+            self.proc = subprocess.Popen([fill(a) for a in self.argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **{k: fill(v) for k, v in self.env.items()}},
+                                         preexec_fn=lambda: os.nice(19))
+
+    def wait(self, timeout: float = 900) -> tuple[int, str, Path]:
+        """(exit code, output, folder), started here if the run did not start it."""
+        if self.proc is None:
+            self.start()
+        assert self.proc is not None and self.dir is not None
+        code = self.proc.wait(timeout)
+        return code, (self.dir / "output.log").read_text(), self.dir
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        if self.dir is not None:
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+
+BACKGROUND = [
+    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~35 s of compiling), in a cache of
+    # its own; the tests of CPUs without AVX-512 load and check it in processes of their own.
+    BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
+                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}),
+    # The Triton kernels compiled for sm_80 and sm_90 by Triton's own compiler and ptxas.
+    BackgroundRun("triton_compile_check", [sys.executable, str(ROOT / "scripts" / "triton_compile_check.py"),
+                                           "--quick", "--json", "{dir}/kernels.json"], {}),
+]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
+    for job in BACKGROUND:
+        if job.fixture in wanted:
+            job.start()
+
+
+def pytest_unconfigure(config):
+    for job in BACKGROUND:
+        job.stop()
+
+
+@pytest.fixture(scope="session")
+def avx2_kernel_cache() -> Path:
+    """The PAGEDLLM_CACHE that holds the AVX2-only copy of the CPU kernels. A failed build is not
+    an error here: the test's own process then builds again and says why it cannot."""
+    return BACKGROUND[0].wait()[2]
+
+
+@pytest.fixture(scope="session")
+def triton_compile_check() -> tuple[int, str, Path]:
+    """scripts/triton_compile_check.py --quick: (exit code, output, folder with kernels.json)."""
+    return BACKGROUND[1].wait()
 
 
 @pytest.fixture(scope="session")

@@ -187,11 +187,11 @@ print("ok")
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the AVX2 build is an x86 check")
-def test_avx2_build_without_avx512(tmp_path):
+def test_avx2_build_without_avx512(avx2_kernel_cache):
     """Laptops without AVX-512 get the generic vector code: build that copy (-march=x86-64-v3)
     in a separate cache and check it against the reference in its own process."""
-    env = {**os.environ, "PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(tmp_path)}
+    env = {**os.environ, "PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(avx2_kernel_cache)}
     r = subprocess.run([sys.executable, "-c", AVX2_CHECK.format(tests=os.path.dirname(__file__))], env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
-    assert list(tmp_path.glob("ext/*/*.so")), "the AVX2 copy was not built in its own cache"
+    assert list(avx2_kernel_cache.glob("ext/*/*.so")), "the AVX2 copy was not built in its own cache"

@@ -166,10 +166,10 @@ print("ok")
 
 
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the AVX2 build is an x86 check")
-def test_block_kernels_without_avx512(tmp_path):
+def test_block_kernels_without_avx512(avx2_kernel_cache):
     """CPUs without AVX-512 (BF16) run the generic vector code: build that copy
     (-march=x86-64-v3) in its own cache and check it in its own process."""
-    env = {**os.environ, "PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(tmp_path)}
+    env = {**os.environ, "PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(avx2_kernel_cache)}
     r = subprocess.run([sys.executable, "-c", AVX2_CHECK], env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr[-3000:]
 

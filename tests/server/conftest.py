@@ -44,7 +44,7 @@ def start_server(tmp_path_factory, *extra: str, name: str = "server") -> Server:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"server did not come up:\n{server.log()}")
 

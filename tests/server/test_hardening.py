@@ -4,6 +4,7 @@ prompts ahead of short ones."""
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -40,18 +41,34 @@ class Watcher:
         assert self.ready.wait(30), "no snapshot"
 
     def _run(self, url: str, key: str) -> None:
-        with httpx.stream("GET", f"{url}/viz/events?api_key={key}", timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.raw.append(line)
-                    self.messages.append(json.loads(line[6:]))
-                    self.ready.set()
-                if self.stop.is_set():
-                    return
+        try:
+            with httpx.stream("GET", f"{url}/viz/events?api_key={key}", timeout=60) as r:
+                self.sock = r.extensions["network_stream"].get_extra_info("socket")
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        self.raw.append(line)
+                        self.messages.append(json.loads(line[6:]))
+                        self.ready.set()
+                    if self.stop.is_set():
+                        return
+        except httpx.HTTPError:
+            if not self.stop.is_set():  # the stream failed on its own, not by close()
+                raise
+
+    def wait_for(self, condition, timeout: float = 30) -> bool:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if any(condition(m) for m in list(self.messages)):
+                return True
+            time.sleep(0.02)
+        return False
 
     def close(self) -> None:
+        """Hangs up at once: an idle stream would otherwise end only at the next keep-alive (15 s)."""
         self.stop.set()
+        self.sock.shutdown(socket.SHUT_RDWR)  # wakes the reader blocked in recv()
         self.thread.join(30)
+        assert not self.thread.is_alive()
 
 
 def texts(msg: dict) -> list[str]:
@@ -76,8 +93,8 @@ def test_viz_shows_a_tenant_only_its_own_text(tenants):
     r = complete(url, ALICE, secret, max_tokens=6)
     assert r.status_code == 200, r.text
     rid = r.json()["id"]
-    time.sleep(1.0)  # the last step's message reaches every watcher
-    for w in (bob, alice, admin):
+    for w in (bob, alice, admin):  # the step that finished the request reaches every watcher
+        assert w.wait_for(lambda m: m["kind"] == "step" and m.get("finished")), "no finishing step"
         w.close()
     own = "".join(t for m in alice.messages for t in texts(m))
     assert "Zanzibar" in own, "a tenant sees its own prompt"

@@ -40,7 +40,9 @@ def server(tmp_path_factory):
     stop_server(s)
 
 
-def _stream(url: str, body: dict, first: threading.Event, errors: list) -> None:
+def _stream(url: str, body: dict, first: threading.Event, errors: list, hang_up: threading.Event) -> None:
+    """Streams until the request ends or `hang_up` is set: then the client goes away mid-stream,
+    and the server aborts the request and frees its blocks."""
     try:
         with httpx.stream("POST", url + "/v1/completions", json={**body, "model": MODEL, "stream": True},
                           timeout=300) as r:
@@ -48,6 +50,8 @@ def _stream(url: str, body: dict, first: threading.Event, errors: list) -> None:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     first.set()
+                if hang_up.is_set():
+                    return
     except Exception as e:  # reported by the test, not lost in the thread
         errors.append(e)
         first.set()
@@ -83,14 +87,15 @@ def test_live_page_matches_block_manager(server, model_dir):
         ctl("delay", seconds=0.05)  # slow enough that requests are still running when we pause
 
         errors: list = []
-        first_a = threading.Event()
+        first_a, hang_up = threading.Event(), threading.Event()
         threads = [threading.Thread(target=_stream, args=(server.url, {
-            "prompt": PREFIX + "When do you open on Sunday?", "max_tokens": 400, "ignore_eos": True}, first_a, errors))]
+            "prompt": PREFIX + "When do you open on Sunday?", "max_tokens": 400, "ignore_eos": True}, first_a, errors,
+            hang_up))]
         threads[0].start()
         assert first_a.wait(120), "request A produced nothing"
         for body in ({"prompt": PREFIX + "Can I renew a book online?", "max_tokens": 400, "ignore_eos": True},
                      {"prompt": poem, "n": 2, "temperature": 0.9, "seed": 3, "max_tokens": 400, "ignore_eos": True}):
-            threads.append(threading.Thread(target=_stream, args=(server.url, body, threading.Event(), errors)))
+            threads.append(threading.Thread(target=_stream, args=(server.url, body, threading.Event(), errors, hang_up)))
             threads[-1].start()
 
         # The page logs the prefix hit of B on A's blocks and the copy-on-write of the n=2 fork.
@@ -115,6 +120,9 @@ def test_live_page_matches_block_manager(server, model_dir):
         page.hover("#pool .cell.shared >> nth=0")
         assert "shared" in page.text_content("#tip") and "tokens:" in page.text_content("#tip")
 
+        # The clients hang up mid-stream (the rest of their 400 tokens would only cost time): every
+        # block of the aborted requests, shared ones and copies included, goes back to the pool.
+        hang_up.set()
         ctl("delay", seconds=0)
         ctl("resume")
         for t in threads:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -73,20 +74,30 @@ def test_governor_follows_the_neighbour(monkeypatch):
         torch.set_num_threads(before)
 
 
+def _neighbour(cpu: int, nice: int) -> subprocess.Popen:
+    def pin() -> None:
+        os.sched_setaffinity(0, {cpu})
+        os.nice(nice)
+    # A loop in user space: a niced process's system calls count as system time, not nice.
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], preexec_fn=pin)
+
+
 @pytest.mark.skipif(len(th.allowed_cpus()) < 2 or th._busy_seconds([0]) is None,
                     reason="needs two CPUs and /proc/stat")
-def test_governor_sees_a_real_busy_process():
-    """`yes` pinned to one of two watched CPUs: the governor drops to one thread."""
+@pytest.mark.parametrize("nice", [0, 19])
+def test_governor_sees_a_real_busy_process_but_not_a_niced_one(nice):
+    """A busy loop pinned to one of two watched CPUs: the governor drops to one thread; the same
+    loop at nice 19 yields its core to us whenever we want it, and the governor keeps two."""
     cpus = th.allowed_cpus()[:2]
     before = torch.get_num_threads()
-    busy = subprocess.Popen(["yes"], stdout=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, {cpus[1]}))
+    busy = _neighbour(cpus[1], nice)
     try:
         gov = th.ThreadGovernor(2, interval=0.3, cpus=cpus)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + (10 if nice == 0 else 2)
         while gov.threads == 2 and time.monotonic() < deadline:
             time.sleep(0.1)
             gov.tick()
-        assert gov.threads == 1
+        assert gov.threads == (1 if nice == 0 else 2)
     finally:
         busy.kill()
         busy.wait()

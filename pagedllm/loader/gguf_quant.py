@@ -10,7 +10,9 @@ of the same file holds (model_files.py), which are their exact values.
 """
 from __future__ import annotations
 
+import os
 import re
+from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -67,15 +69,24 @@ def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
 RUNNABLE = ("Q4_0", "Q4_1", "Q8_0")
 
 
+@lru_cache(maxsize=2)
+def _gguf_tensors(path: str, size: int, mtime_ns: int) -> list:
+    """The file's tensors (memory-mapped, nothing copied), read once per process for a file that
+    has not changed: GGUFReader parses every metadata field, the tokenizer's 49k strings and merges
+    too, which takes seconds; benchmarks and tests start several engines on one file."""
+    from gguf import GGUFReader
+
+    return list(GGUFReader(path).tensors)
+
+
 def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, Blocks], list[str]]:
     """HF-named matmul weights of the GGUF file at `path` as Blocks (attn_q / attn_k rows
     in HF's order), and a note for each matmul weight left out because its type has no
     kernel here ("blk.0.ffn_down.weight: Q6_K")."""
-    from gguf import GGUFReader
-
     blocks: dict[str, Blocks] = {}
     skipped: list[str] = []
-    for t in GGUFReader(str(path)).tensors:
+    stat = os.stat(path)
+    for t in _gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns):
         name = hf_name(t.name)
         if name is None:
             continue

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import importlib.util
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -47,8 +49,9 @@ class BackgroundRun:
     of holding up the tests that need it. It runs once per run, in a folder of its own; a test
     asks for it through a fixture and waits for it to end."""
 
-    def __init__(self, fixture: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, fixture: str, argv: list[str], env: dict[str, str], applies: bool = True) -> None:
         self.fixture, self.argv, self.env = fixture, argv, env  # "{dir}" in them: the job's folder
+        self.applies = applies  # False where its tests skip (another CPU, triton not installed)
         self.dir: Path | None = None
         self.proc: subprocess.Popen | None = None
 
@@ -77,20 +80,21 @@ class BackgroundRun:
 
 
 BACKGROUND = [
-    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~35 s of compiling), in a cache of
+    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~25 s of compiling), in a cache of
     # its own; the tests of CPUs without AVX-512 load and check it in processes of their own.
     BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
-                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}),
+                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}, platform.machine() == "x86_64"),
     # The Triton kernels compiled for sm_80 and sm_90 by Triton's own compiler and ptxas.
     BackgroundRun("triton_compile_check", [sys.executable, str(ROOT / "scripts" / "triton_compile_check.py"),
-                                           "--quick", "--json", "{dir}/kernels.json"], {}),
+                                           "--quick", "--json", "{dir}/kernels.json"], {},
+                  importlib.util.find_spec("triton") is not None),
 ]
 
 
 def pytest_collection_modifyitems(session, config, items):
     wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
     for job in BACKGROUND:
-        if job.fixture in wanted:
+        if job.applies and job.fixture in wanted:
             job.start()
 
 

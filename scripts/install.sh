@@ -22,24 +22,26 @@ lock=constraints.txt
 torch_locked=$(sed -n 's/^torch==\([^ ;]*\).*/\1/p' "$lock" | head -1)
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+installed_torch=$(python -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
+other_torch=""  # why a torch other than the locked one is used, if it is
+if [ -n "$installed_torch" ] && [ "$installed_torch" != "$torch_locked" ]; then
+  other_torch="$installed_torch installed"
+elif [ -z "$installed_torch" ] && [ -n "${PAGEDLLM_TORCH:-}" ]; then
+  other_torch="PAGEDLLM_TORCH=$PAGEDLLM_TORCH"
+fi
 if [ "${PAGEDLLM_UNLOCKED:-0}" = 1 ]; then
   echo "PAGEDLLM_UNLOCKED=1: resolving the newest releases instead of $lock" >&2
   : > "$tmp/constraints.txt"
+elif [ -n "$other_torch" ]; then
+  # Another torch brings its own build's pins (triton, CUDA libraries): the lock's would conflict.
+  echo "torch: $other_torch, not the locked $torch_locked; its build's packages are not held to $lock" >&2
+  grep -vE '^(torch|triton|nvidia-|cuda-)' "$lock" > "$tmp/constraints.txt" || true
 else
   cp "$lock" "$tmp/constraints.txt"
 fi
-# A torch other than the locked one (already installed, or PAGEDLLM_TORCH) brings its own
-# build's pins (triton, CUDA libraries): the lock's would conflict with them, so they go.
-unlock_torch() {
-  echo "torch: $1, not the locked $torch_locked; its build's packages are not held to $lock" >&2
-  grep -vE '^(torch|triton|nvidia-|cuda-)' "$lock" > "$tmp/constraints.txt" || true
-  [ "${PAGEDLLM_UNLOCKED:-0}" != 1 ] || : > "$tmp/constraints.txt"
-}
-installed_torch=$(python -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
 if [ -n "$installed_torch" ]; then
-  [ "$installed_torch" = "$torch_locked" ] || unlock_torch "$installed_torch installed"
+  :
 elif [ -n "${PAGEDLLM_TORCH:-}" ]; then
-  unlock_torch "PAGEDLLM_TORCH=$PAGEDLLM_TORCH"
   python -m pip install -c "$tmp/constraints.txt" "$PAGEDLLM_TORCH"
 elif command -v nvidia-smi >/dev/null 2>&1; then
   python -m pip install -c "$tmp/constraints.txt" torch  # the CUDA build, at the locked version

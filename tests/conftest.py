@@ -79,7 +79,7 @@ class BackgroundRun:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
-BACKGROUND = [
+AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
     # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~25 s of compiling), in a cache of
     # its own; the tests of CPUs without AVX-512 load and check it in processes of their own.
     BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
@@ -107,13 +107,13 @@ def pytest_unconfigure(config):
 def avx2_kernel_cache() -> Path:
     """The PAGEDLLM_CACHE that holds the AVX2-only copy of the CPU kernels. A failed build is not
     an error here: the test's own process then builds again and says why it cannot."""
-    return BACKGROUND[0].wait()[2]
+    return AVX2_KERNELS.wait()[2]
 
 
 @pytest.fixture(scope="session")
 def triton_compile_check() -> tuple[int, str, Path]:
     """scripts/triton_compile_check.py --quick: (exit code, output, folder with kernels.json)."""
-    return BACKGROUND[1].wait()
+    return TRITON_CHECK.wait()
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 INSTALL = ROOT / "scripts" / "install.sh"
@@ -38,12 +39,8 @@ def _pins() -> dict[str, list[tuple[str, str]]]:
             continue
         m = re.fullmatch(r"([A-Za-z0-9._-]+)==([^ ;]+)\s*(?:;\s*(.*))?", line)
         assert m, f"constraints.txt: not an exact pin: {line!r}"
-        pins.setdefault(_normalise(m[1]), []).append((m[2], m[3] or ""))
+        pins.setdefault(canonicalize_name(m[1]), []).append((m[2], m[3] or ""))
     return pins
-
-
-def _normalise(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()  # PEP 503
 
 
 def _declared() -> list[str]:
@@ -67,7 +64,7 @@ def test_lock_pins_every_declared_dependency_within_its_bounds():
     unpinned, outside = [], []
     for text in _declared():
         req = Requirement(text)
-        versions = pins.get(_normalise(req.name))
+        versions = pins.get(canonicalize_name(req.name))
         if not versions:
             unpinned.append(req.name)
         outside += [f"{req.name}=={v} vs {req.specifier}" for v, _ in versions or []
@@ -114,7 +111,7 @@ def test_installed_packages_are_the_locked_ones():
         for text in dist.requires or []:
             req = Requirement(text)
             if req.marker is None or any(req.marker.evaluate({**env, "extra": e}) for e in extras or {""}):
-                todo.append((_normalise(req.name), set(req.extras)))
+                todo.append((canonicalize_name(req.name), set(req.extras)))
     assert not wrong, f"installed versions differ from constraints.txt: {wrong}"
 
 
@@ -124,17 +121,15 @@ def _installed_extras() -> list[str]:
 
     from packaging.requirements import Requirement
 
+    def installed(name: str) -> bool:
+        try:
+            return bool(metadata.version(name))
+        except metadata.PackageNotFoundError:
+            return False
+
+    reqs = [Requirement(r) for r in metadata.requires("pagedllm") or [] if "extra ==" in r]
     extras = metadata.distribution("pagedllm").metadata.get_all("Provides-Extra") or []
-    def installed(extra: str) -> bool:
-        reqs = [Requirement(r) for r in metadata.requires("pagedllm") or []]
-        for req in reqs:
-            if req.marker is not None and req.marker.evaluate({"extra": extra}):
-                try:
-                    metadata.version(req.name)
-                except metadata.PackageNotFoundError:
-                    return False
-        return True
-    return [e for e in extras if installed(e)]
+    return [e for e in extras if all(installed(r.name) for r in reqs if r.marker.evaluate({"extra": e}))]
 
 
 def test_ci_installs_the_browser_and_the_triton_extra():

@@ -76,7 +76,8 @@ def _gguf_cache_dir(path: Path) -> Path:
     if (out / "complete").is_file():
         return out
     # The same file under another name (a link, a copy) was converted already: the content decides.
-    for done in sorted(cache_root().glob(f"*-{digest}/complete")):
+    done = next(iter(sorted(cache_root().glob(f"*-{digest}/complete"))), None)
+    if done is not None:
         return done.parent
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)

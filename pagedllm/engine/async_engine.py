@@ -264,6 +264,9 @@ class AsyncLLMEngine:
                 self._deliver(rid, EngineDeadError(f"engine failed: {e}"))
         finally:
             self._fail_all(EngineDeadError("the server is shutting down"))
+            # The engine thread ran every collective, so it leaves the tensor-parallel
+            # group too: a group left to the interpreter's exit, its peer gone, aborts it.
+            self.engine.close()
 
     def _fail_all(self, error: BaseException) -> None:
         for rid in list(self.engine.requests):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .outputs import Logprob
 from .sampling_params import SamplingParams
 
 
@@ -78,3 +79,15 @@ class StepPlan:
     copies: list[tuple[int, int]]   # (src, dst) block copies to make before the forward
     # Sequences that ended since the last plan: the runner drops what it keeps per sequence.
     finished_seq_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What a step gives the engine back (plain data, as the plan), by seq id: the token each sampling sequence drew (after
+    its accepted drafts, if it speculated), logprobs asked for, sampling errors, accepted
+    draft tokens, and the prompt tokens' logprobs scored this step."""
+    tokens: dict[int, int] = field(default_factory=dict)
+    logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
+    errors: dict[int, str] = field(default_factory=dict)
+    accepted: dict[int, list[int]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)

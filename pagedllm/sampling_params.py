@@ -1,6 +1,7 @@
 """Per-request sampling settings, validated at construction (vLLM's names)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -10,6 +11,14 @@ SAMPLING_EPS = 1e-5
 # The nucleus always keeps the top token, so any top_p below this floor means the same
 # thing, and a floor keeps top_p * sum away from underflow.
 TOP_P_FLOOR = 1e-6
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs carry while it runs (vLLM's): everything so far, only what
+    is new since the last output (a stream writes it as it comes), or one output at the end."""
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -36,6 +45,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0    # subtracted per occurrence in the output
     repetition_penalty: float = 1.0   # > 1 discourages tokens of the prompt or the output (HF's rule)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -228,7 +228,8 @@ def test_one_request_failing_inside_a_step_fails_alone(llm_fp32, monkeypatch):
     bad.update(s.seq_id for s in engine.add_request("bad-sample", "Tell me a story.", params).seqs)
     engine.add_request("ok-2", "Name three colors.", params)
     engine.add_request("bad-stop", "Hello", SamplingParams(max_tokens=10, stop=["zzz"], temperature=0))
-    monkeypatch.setattr(engine, "_check_stop", _failing_for("bad-stop", engine._check_stop))
+    monkeypatch.setattr(engine.processor, "_check_stop_strings",
+                        _failing_for("bad-stop", engine.processor._check_stop_strings))
     outs = {o.request_id: o for o in run_to_completion(engine)}
     for rid in ("bad-sample", "bad-stop"):
         assert outs[rid].outputs[0].finish_reason == "error" and outs[rid].error, rid
@@ -240,10 +241,10 @@ def test_one_request_failing_inside_a_step_fails_alone(llm_fp32, monkeypatch):
 
 
 def _failing_for(rid, check):
-    def wrapped(seq, token):
+    def wrapped(seq, n):
         if seq.request.request_id == rid:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
-        return check(seq, token)
+        return check(seq, n)
     return wrapped
 
 

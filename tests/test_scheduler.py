@@ -12,6 +12,7 @@ import pytest
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Request, Sequence, SeqStatus
 from pagedllm.kv import KVCacheManager
+from pagedllm.plan import StepResult
 from pagedllm.sampling_params import SamplingParams
 
 B = 16
@@ -30,9 +31,7 @@ def make_seq(sched: Scheduler, prompt_len: int, max_tokens: int = 8) -> Sequence
 
 def step(sched: Scheduler, out) -> None:
     """What the engine does after the forward: sample a token for each row that asks."""
-    sampled = {t.seq_id: 5 for s in out.scheduled for t in s.sample_for}
-    for seq, tok in sched.update(out, sampled):
-        seq.token_ids.append(tok)
+    sched.update_from_output(out, StepResult(tokens={t.seq_id: 5 for s in out.scheduled for t in s.sample_for}))
     sched.kv.check_integrity()
 
 

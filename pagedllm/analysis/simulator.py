@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Request, Sequence, SeqStatus
 from ..kv import KVCacheManager
+from ..plan import StepResult
 from ..sampling_params import SamplingParams
 
 
@@ -37,7 +38,7 @@ def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 
     """Each (prompt_len, output_len) runs to exactly output_len tokens (ignore_eos), with
     the engine's scheduling: same admission, chunking, preemption and block decisions."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, policy, max_model_len)
-    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens)
+    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len=max_model_len)
     rng = random.Random(seed)
     ids = itertools.count()
     for i, (p, o) in enumerate(lengths):
@@ -58,11 +59,10 @@ def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 
         steps += 1
         prompt_computed += out.num_prefill_tokens
         st = kv.stats()  # blocks held during the step's forward pass, as the engine records
-        for seq, _ in sched.update(out, {s.seq.seq_id: 0 for s in out.scheduled if s.sample_for}):
-            seq.token_ids.append(0)
-            generated += 1
-            if seq.num_output_tokens >= seq.request.max_tokens:
-                sched.finish(seq, "length")
+        # Token 0 for every row that samples: the engine's update path appends it and stops
+        # the sequence at its length, as after a real forward.
+        sampled = StepResult(tokens={t.seq_id: 0 for s in out.scheduled for t in s.sample_for})
+        generated += len(sched.update_from_output(out, sampled).new_tokens)
         running = len(out.scheduled)  # sequences in this step's batch, as the engine records
         max_running = max(max_running, running)
         running_sum += running

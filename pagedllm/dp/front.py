@@ -1,8 +1,8 @@
-"""DataParallelEngine: N replica processes behind the interface the server uses of
-AsyncLLMEngine (validate, submit, generate, alive, stats, observer, shutdown).
+"""DataParallelEngine: N replica processes behind one EngineClient (pagedllm.engine.client),
+the interface AsyncLLMEngine gives the server too.
 
-The server's event loop validates a request (EngineShape), asks the Router for a replica
-and puts the request on that replica's queue. One supervisor thread per replica reads its
+The server's event loop validates a request (the engines' RequestRules, in this process),
+asks the Router for a replica and puts the request on that replica's queue. One supervisor thread per replica reads its
 pipe: outputs go to the request streams and the metrics observer; when the pipe ends (the
 process died) the replica's requests in flight fail with EngineDeadError at once, and a
 new process takes the same index, so the hash ring, and the other replicas, are untouched.
@@ -20,20 +20,18 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
-from ..engine.async_engine import (
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-    StepObserver,
-    _Stream,
-    read_stream,
-)
+from ..engine.async_engine import _Stream, read_stream
+from ..engine.client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver
+from ..engine.validation import RequestRules
+from ..kv import PoolShape
+from ..loader import load_config, load_tokenizer, resolve_model_dir
+from ..models import ModelConfig
 from ..engine.engine import EngineStats
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
+from ..util import cdiv
 from .replica import ReplicaInfo, replica_main, wait_ready
 from .router import ReplicaLoad, Router
-from .shape import EngineShape
 from .stats import ReplicaFigures, counters_only, sum_stats, zero_stats
 
 logger = logging.getLogger(__name__)
@@ -58,6 +56,7 @@ class Replica:
     adds_applied: int = 0
     restarts: int = 0
     routed: int = 0   # requests sent to it, over the server's life
+    fresh: threading.Event = field(default_factory=threading.Event)  # set by its next walked figures
 
     def load(self) -> ReplicaLoad:
         return ReplicaLoad(len(self.streams), self.stats.kv.usage if self.stats else 0.0, self.alive)
@@ -78,8 +77,11 @@ class DataParallelEngine:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._retired = zero_stats(cfg.block_size)  # counters of replicas that died
-        # Converts or downloads the model once, here, not in N processes at the same time.
-        self.engine = EngineShape(cfg)
+        # Converts or downloads the model once, here, not in N processes at the same time;
+        # the tokenizer and model config load while the replicas load their weights.
+        model_dir = resolve_model_dir(cfg.model)
+        model_cfg = ModelConfig.from_hf(load_config(model_dir))
+        tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
         for r in self.replicas:
             self._spawn(r)
         try:
@@ -87,7 +89,7 @@ class DataParallelEngine:
         except ValueError:
             self.shutdown()
             raise
-        self.engine.fit(infos)
+        self.info = _front_info(cfg, model_cfg, tokenizer, infos)
         self._threads = [threading.Thread(target=self._supervise, args=(r,), name=f"pagedllm-dp{r.index}",
                                           daemon=True) for r in self.replicas]
         self._threads.append(threading.Thread(target=self._log_loop, name="pagedllm-dp-log", daemon=True))
@@ -114,7 +116,22 @@ class DataParallelEngine:
                     for r in self.replicas]
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
-        return self.engine.validate(prompt, params, add_special_tokens)
+        """By the engines' own rules, here: the smallest replica's pool decides what can ever fit."""
+        return self.info.rules.validate(prompt, params, add_special_tokens)
+
+    async def get_stats(self, timeout: float = 2.0) -> EngineStats:
+        """The totals with every live replica's KV slot figures walked now: each is asked
+        between two of its steps; one that does not answer in time keeps its latest."""
+        with self._lock:
+            asked = [r for r in self.replicas if r.alive and r.commands is not None]
+            for r in asked:
+                r.fresh.clear()
+        for r in asked:
+            _put(r.commands, ("stats",))
+        deadline = time.monotonic() + timeout
+        for r in asked:
+            await asyncio.to_thread(r.fresh.wait, max(0.0, deadline - time.monotonic()))
+        return self.stats
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -280,6 +297,7 @@ class DataParallelEngine:
             elif kind == "stats":
                 with self._lock:
                     r.stats, r.adds_applied = msg[1], msg[2]
+                r.fresh.set()
             elif kind == "finished":  # aborted outside a step, or failed with its step
                 self._observe("on_finished", msg[1])
                 self._deliver(r, msg[1])
@@ -321,3 +339,15 @@ def _put(commands: mp.Queue, cmd: tuple) -> None:
         commands.put(cmd)
     except (ValueError, OSError):
         pass
+
+
+def _front_info(cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, infos: list[ReplicaInfo]) -> EngineInfo:
+    """What the server reads of the engines, from the started replicas': their limits, and
+    the request rules over the smallest pool (as large as the one a request may land in)."""
+    info = infos[0]
+    reserve = cdiv(info.max_model_len, info.block_size) if cfg.allocation == "reserve-max" else 0
+    shape = PoolShape(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, reserve)
+    rules = RequestRules(tokenizer, model_cfg.vocab_size, info.max_model_len, cfg.max_num_seqs, shape,
+                         info.chars_per_token)
+    return EngineInfo(info.model_name, cfg.model, tokenizer, rules, info.max_model_len, info.block_size,
+                      shape.num_blocks, info.enable_prefix_caching, cfg)

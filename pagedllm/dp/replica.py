@@ -1,12 +1,14 @@
 """One data-parallel replica: a process that owns an LLMEngine (its own weights and KV
 pool) and steps it, talking to the server's front over picklable messages.
 
+The loop is the engine-core loop (pagedllm.engine.core_loop), as in AsyncLLMEngine.
 In (a multiprocessing Queue, so the server's event loop never blocks on a busy replica):
-    ("add", request_id, token_ids, params, cache_salt, owner) · ("abort", request_id) · ("stop",)
+    ("add", request_id, token_ids, params, cache_salt, owner) · ("abort", request_id) · ("stop",) · ("stats",)
 Out (a Pipe, read by one thread in the server):
     ("ready", ReplicaInfo) or ("failed", message), once, first;
-    ("step", outputs, stats, tokens_run, adds_applied) after every step;
-    ("stats", stats, adds_applied) while idle; ("rejected", request_id, message);
+    ("step", outputs, view, tokens_run, adds_applied) after every step (the view: counters);
+    ("stats", stats, adds_applied) while idle, and after a ("stats",) command (walked figures);
+    ("rejected", request_id, message);
     ("finished", output) for a request aborted outside a step (the metrics count it).
 """
 from __future__ import annotations
@@ -20,13 +22,9 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
-from ..engine.async_engine import is_fatal
 from ..engine.engine import EngineStats
 
 logger = logging.getLogger(__name__)
-
-IDLE_WAIT = 0.5  # seconds an idle replica waits for a command before it republishes its stats
-
 
 @dataclass(frozen=True, slots=True)
 class ReplicaInfo:
@@ -58,83 +56,60 @@ def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connec
     except Exception as e:  # a bad config or model: the front reports it and does not retry
         conn.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))
         return
-    engine.stream_outputs = True
     s = engine.stats()
     conn.send(("ready", ReplicaInfo(os.getpid(), engine.model_name, engine.max_model_len, engine.rules.chars_per_token,
                                     s.kv.num_blocks, s.kv.block_size, engine.kv.enable_prefix_caching, s)))
-    ReplicaLoop(engine, commands, conn).run()
+    ReplicaSink(engine, commands, conn).run()
 
 
-class ReplicaLoop:
-    """AsyncLLMEngine's loop, with a queue and a pipe where it has an event loop."""
+class ReplicaSink:
+    """The engine-core loop's source and sink in a replica: commands off the queue,
+    results down the pipe (the front's supervisor thread reads it)."""
 
     def __init__(self, engine, commands: mp.Queue, conn: Connection) -> None:
-        self.engine, self.commands, self.conn = engine, commands, conn
-        self.adds_applied = 0
-        self.stopping = False
+        from ..engine.core_loop import EngineCoreLoop
+
+        self.commands, self.conn = commands, conn
+        self.parent = mp.parent_process()
+        self.loop = EngineCoreLoop(engine, self, self)
 
     def run(self) -> None:
-        parent = mp.parent_process()
         try:
-            while not self.stopping:
-                busy = self.engine.has_unfinished_requests()
-                self._apply(block=not busy)
-                if self.engine.has_unfinished_requests():
-                    self._step()
-                else:
-                    self.conn.send(("stats", self.engine.stats(), self.adds_applied))
-                    if parent is not None and not parent.is_alive():
-                        return  # the server is gone (killed): nobody reads what we make
+            self.loop.run(threading.Event())
         except (BrokenPipeError, EOFError, OSError):
             return  # the front closed its end: it is shutting down
 
-    def _apply(self, block: bool) -> None:
-        """Every queued command; when idle, wait up to IDLE_WAIT for the first."""
+    def get(self, timeout: float) -> tuple | None:
         try:
-            cmd = self.commands.get(timeout=IDLE_WAIT) if block else self.commands.get_nowait()
+            cmd = self.commands.get(timeout=timeout) if timeout else self.commands.get_nowait()
         except queue.Empty:
-            return
-        while True:
-            self._command(cmd)
-            try:
-                cmd = self.commands.get_nowait()
-            except queue.Empty:
-                return
+            return None
+        if cmd[0] == "stats":  # a metrics scrape: the walked figures, between two steps
+            return ("call", lambda e: e.refresh_view(),
+                    lambda view, ok: self.conn.send(("stats", view, self.loop.adds_applied)))
+        return cmd
 
-    def _command(self, cmd: tuple) -> None:
-        if cmd[0] == "add":
-            _, rid, ids, params, salt, owner = cmd
-            self.adds_applied += 1
-            try:
-                self.engine.add_request(rid, ids, params, salt, owner)
-            except ValueError as e:
-                self.conn.send(("rejected", rid, str(e)))
-        elif cmd[0] == "abort":
-            out = self.engine.abort_request(cmd[1])
-            if out is not None:
-                self.conn.send(("finished", out))
-        else:
-            self.stopping = True
+    def wants(self, request_id: str) -> bool:
+        return True  # the front drops what a departed client's request still sends
 
-    def _step(self) -> None:
-        # The step's tokens from the engine's counters: stats() walks every block table, once a step is enough.
-        before = self.engine.computed_prompt_tokens + self.engine.generation_tokens
-        try:
-            outs = self.engine.step()
-        except Exception as e:  # fail the requests in flight, keep serving (as AsyncLLMEngine does)
-            if is_fatal(e):
-                raise  # a tensor-parallel rank died: this process ends, the front restarts it
-            logger.exception("engine step failed; aborting the requests in flight")
-            msg = f"internal error in the engine step: {type(e).__name__}: {e}"
-            for rid in list(self.engine.requests):
-                out = self.engine.abort_request(rid)
-                if out is not None:
-                    out.error = msg
-                    self.conn.send(("finished", out))
-            return
-        s = self.engine.stats()
-        ran = s.computed_prompt_tokens + s.generation_tokens - before
-        self.conn.send(("step", outs, s, ran, self.adds_applied))
+    def rejected(self, request_id: str, error: ValueError) -> None:
+        self.conn.send(("rejected", request_id, str(error)))
+
+    def stepped(self, outputs: list, view: EngineStats, tokens_run: int, adds_applied: int) -> None:
+        self.conn.send(("step", outputs, view, tokens_run, adds_applied))
+
+    def finished(self, output) -> None:
+        self.conn.send(("finished", output))
+
+    def idle(self, view: EngineStats, adds_applied: int) -> bool:
+        self.conn.send(("stats", view, adds_applied))
+        return self.parent is None or self.parent.is_alive()  # the server is gone (killed): nobody reads
+
+    def died(self, error: BaseException) -> None:
+        raise error  # a tensor-parallel rank died, or a bug: this process ends, the front restarts it
+
+    def closed(self) -> None:
+        self.loop.engine.close()
 
 
 def wait_ready(conn: Connection, proc: mp.process.BaseProcess, timeout: float,

@@ -37,14 +37,15 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
     kvs = [p.kv for p in parts]
     B = kvs[0].block_size
     num_blocks, used = sum(k.num_blocks for k in kvs), sum(k.used_blocks for k in kvs)
-    used_slots = sum(k.used_slots for k in kvs)
+    walked = all(k.used_slots is not None for k in kvs)  # the slot figures only if every part has them
+    used_slots = sum(k.used_slots for k in kvs) if walked else None
     kv = KVStats(
         num_blocks=num_blocks, block_size=B, used_blocks=used,
         cached_free_blocks=sum(k.cached_free_blocks for k in kvs), free_blocks=sum(k.free_blocks for k in kvs),
         usage=used / num_blocks if num_blocks else 0.0, used_slots=used_slots,
-        waste=(used * B - used_slots) / (used * B) if used else 0.0,
-        blocks_without_sharing=sum(k.blocks_without_sharing for k in kvs),
-        **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS})
+        waste=((used * B - used_slots) / (used * B) if used else 0.0) if walked else None,
+        blocks_without_sharing=sum(k.blocks_without_sharing for k in kvs) if walked else None,
+        **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS + ("shared_blocks",)})
     return EngineStats(
         kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts),
         peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),

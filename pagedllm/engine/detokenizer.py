@@ -23,19 +23,20 @@ class DetokState:
 
 
 def detokenize(tokenizer, ids: list[int], start: int, state: DetokState, skip_special_tokens: bool,
-               final: bool = False) -> str:
-    """The text that ids[start + state.read:] add (the output begins at `start`, so the
-    caller need not copy it out); advances state. Text ending in a broken
-    character is held back until more ids complete it, or until `final`, when it is
-    emitted as a full decode would (with U+FFFD)."""
-    if start + state.read >= len(ids):
+               final: bool = False, end: int | None = None) -> str:
+    """The text that ids[start + state.read:end] add (the output begins at `start`, so the
+    caller need not copy it out; `end` defaults to all of ids); advances state. Text
+    ending in a broken character is held back until more ids complete it, or until
+    `final`, when it is emitted as a full decode would (with U+FFFD)."""
+    end = len(ids) if end is None else end
+    if start + state.read >= end:
         return ""
     before = tokenizer.decode(ids[start + state.prefix:start + state.read], skip_special_tokens=skip_special_tokens)
-    after = tokenizer.decode(ids[start + state.prefix:], skip_special_tokens=skip_special_tokens)
+    after = tokenizer.decode(ids[start + state.prefix:end], skip_special_tokens=skip_special_tokens)
     if not final and (len(after) <= len(before) or after.endswith(INCOMPLETE)):
         return ""
     # The next window starts at the ids just read: context enough for any decoder we load.
-    state.prefix, state.read = state.read, len(ids) - start
+    state.prefix, state.read = state.read, end - start
     return after[len(before):]
 
 

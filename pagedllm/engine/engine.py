@@ -14,12 +14,12 @@ from ..config import EngineConfig
 from ..kv import KVCacheManager, KVStats
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
-from ..outputs import CompletionOutput, RequestOutput
+from ..outputs import RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams
 from .beam import BeamGroup
-from .detokenizer import detokenize, final_text
 from .observer import EngineObserver
-from .scheduler import Scheduler
+from .output_processor import OutputProcessor
+from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence, SeqStatus
 from .speculative import SpecStats, make_proposer
 from .validation import RequestRules
@@ -96,32 +96,30 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
         spec = cfg.speculative_config
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
-                                   make_proposer(spec) if spec is not None else None, self.max_model_len)
-        self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
-                                  self.kv)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
+                                   make_proposer(spec) if spec is not None else None, self.max_model_len,
+                                   frozenset(self.eos_token_ids))
+        self.processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
+                                  self.kv.shape)
         self.requests: dict[str, Request] = {}
-        self._seq_ids = itertools.count()
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0
         self.peak_waste = 0.0
-        self.prompt_tokens = 0
-        self.computed_prompt_tokens = 0
         # Streaming callers want every request that moved in a step, not only finished ones.
         self.stream_outputs = False
         # Benchmarks set this to a list to get one record per step (costs a table walk).
         self.step_log: list[dict] | None = None
         self._t0 = time.perf_counter()
-        self.generation_tokens = 0
-        self.steps = 0
         self.model_name = served_model_name(cfg.model)
         # Told of requests, steps and aborts (pagedllm.engine.observer); the visualizer is one.
         self.observers: list[EngineObserver] = []
+        self.view: EngineStats = self.stats()   # the figures after the latest step
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -152,7 +150,7 @@ class LLMEngine:
             req.prompt_logprobs = [None]
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
         for i in range(1 if beam else params.num_samples):
-            seq = Sequence(next(self._seq_ids), req, i, list(token_ids), len(token_ids),
+            seq = Sequence(self.scheduler.new_seq_id(), req, i, list(token_ids), len(token_ids),
                            seed=(base_seed * 1_000_003 + i) & 0x7FFFFFFFFFFF,
                            status=SeqStatus.PENDING)
             req.seqs.append(seq)
@@ -187,7 +185,7 @@ class LLMEngine:
         for o in self.observers:
             if o.active:
                 o.on_abort(req)
-        return self.make_output(req)
+        return self.processor.output(req)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -195,151 +193,59 @@ class LLMEngine:
     # -- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; return outputs of the requests that finished (or, with
-        stream_outputs, of every request that got a token)."""
+        stream_outputs, of every request that moved, as its output_kind asks)."""
+        up = self.core_step()
+        return [] if up is None else self.process(up)
+
+    def core_step(self) -> StepUpdate | None:
+        """Schedule, execute, and let the scheduler apply the result (tokens, stops on ids
+        and lengths, beams, drafts); None when nothing was scheduled. No text is made here."""
         out = self.scheduler.schedule()
         if not out.scheduled:
-            return []
+            return None
         res = self.runner.execute(out.plan)
-        sampled, logprobs, errors = res.tokens, res.logprobs, res.errors
-        if res.prompt_logprobs:
-            self._prompt_logprobs(out, res.prompt_logprobs)
-        self.steps += 1
         if self.kv.pool.num_used > self.peak_used_blocks:
             self.peak_used_blocks = self.kv.pool.num_used
             self.peak_waste = self.kv.stats().waste
         if self.step_log is not None:
             self.step_log.append(self._step_record(out))
-        self.computed_prompt_tokens += out.num_prefill_tokens
-        now = time.time()
-        touched: dict[str, Request] = {}
-        new_tokens = []
-        for seq, token in self.scheduler.update(out, sampled, res.accepted):
-            req = seq.request
-            touched[req.request_id] = req
-            if req.error is not None or seq.finished:  # a verified run of tokens can end early
-                continue
-            new_tokens.append((seq, token))
-            try:
-                self._accept(seq, token, logprobs.get(seq.seq_id), now)
-            except Exception as e:  # e.g. detokenizing for stop strings: this request only
-                self._fail(req, f"{type(e).__name__}: {e}")
-        for req in self._beam_groups(out, logprobs) if logprobs else ():  # beams' candidates come as logprobs
-            touched[req.request_id] = req
-            try:
-                new_tokens += self._advance_beams(req, now)
-            except Exception as e:  # this request only
-                self._fail(req, f"{type(e).__name__}: {e}")
-        if errors:  # rare: skip the walk over the batch on every ordinary step
-            for s in out.scheduled:
-                for seq in s.sample_for:
-                    if seq.seq_id in errors and seq.request.error is None:
-                        self._fail(seq.request, errors[seq.seq_id])
-                        touched[seq.request.request_id] = seq.request
-        for o in self.observers:
-            if o.active:
-                o.on_step(out, new_tokens)
-        outputs = []
-        for req in touched.values():
+        return self.scheduler.update_from_output(out, res)
+
+    def process(self, up: StepUpdate) -> list[RequestOutput]:
+        """The step's outputs (the output processor: stop strings, text, logprob texts); the
+        observers are told; finished requests leave."""
+        outputs = self.processor.process(up, self.stream_outputs, time.time())
+        watching = [o for o in self.observers if o.active]
+        # The step's read-only view: counters only (O(1)), unless a watcher shows the slot
+        # figures; then walked once, for the watcher and the metrics alike.
+        self.view = self.stats(walk=bool(watching))
+        for o in watching:
+            o.on_step(up.out, up.new_tokens, self.view)
+        for req in up.touched.values():
             if req.finished:
-                req.finish_time = now
                 self.requests.pop(req.request_id, None)
-            if req.finished or self.stream_outputs:
-                outputs.append(self.make_output(req))
         return outputs
 
-    def _prompt_logprobs(self, out, scores: dict[int, list]) -> None:
-        """Append each scored prompt token's logprobs to its request, texts decoded."""
-        for s in out.scheduled:
-            entries = scores.get(s.seq.seq_id)
-            if entries is None or s.seq.request.prompt_logprobs is None:
-                continue
-            s.seq.request.prompt_logprobs.extend(map(self._decoded, entries))
+    def refresh_view(self) -> EngineStats:
+        """The view, walked afresh (between steps: an idle engine, a metrics scrape)."""
+        self.view = self.stats()
+        return self.view
 
-    def _decoded(self, entry: dict) -> dict:
-        """A logprobs entry with each token's text set (vLLM's decoded_token)."""
-        for tid, lp in entry.items():
-            lp.decoded_token = self.tokenizer.convert_tokens_to_string([self.tokenizer.convert_ids_to_tokens(tid)])
-        return entry
+    @property
+    def prompt_tokens(self) -> int:
+        return self.scheduler.prompt_tokens
 
-    @staticmethod
-    def _beam_groups(out, logprobs: dict) -> list[Request]:
-        """Beam groups whose live beams all have their candidates after this step."""
-        ready: dict[str, Request] = {}
-        for s in out.scheduled:
-            for seq in s.sample_for:
-                req = seq.request
-                if req.beam is not None and seq.seq_id in logprobs and not seq.finished:
-                    req.candidates[seq.seq_id] = [(t, lp.logprob) for t, lp in logprobs[seq.seq_id].items()]
-                    if all(b.seq_id in req.candidates for b in req.beams):
-                        ready[req.request_id] = req
-        return list(ready.values())
+    @property
+    def computed_prompt_tokens(self) -> int:
+        return self.scheduler.computed_prompt_tokens
 
-    def _advance_beams(self, req: Request, now: float) -> list[tuple[Sequence, int]]:
-        """One beam-search step: choose the next beams (pure, in engine.beam), then apply
-        it to block tables: a beam chosen once extends itself, chosen again forks (shared
-        blocks, copy-on-write of the partial last one), not chosen is freed now."""
-        beams, group, eos = req.beams, req.beam, self.eos_token_ids
-        ignore_eos = group.params.ignore_eos
+    @property
+    def generation_tokens(self) -> int:
+        return self.scheduler.generation_tokens
 
-        def ends(token: int, gen_len: int) -> str | None:
-            if not ignore_eos and token in eos:
-                return "stop"
-            if gen_len >= req.max_tokens or len(req.prompt_token_ids) + gen_len >= self.max_model_len:
-                return "length"
-            return None
-        chosen = group.step([req.candidates.pop(b.seq_id) for b in beams], [b.output_token_ids for b in beams], ends)
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.prompt_tokens += len(req.prompt_token_ids)
-        extended: set[int] = set()
-        nxt: list[Sequence] = []
-        for c in chosen:  # forks first: a child copies its parent's tokens before the parent grows
-            parent = beams[c.beam]
-            if c.beam in extended:
-                child = Sequence(next(self._seq_ids), req, len(req.seqs), parent.token_ids + [c.token],
-                                 len(req.prompt_token_ids), parent.seed)
-                req.seqs.append(child)
-                self.scheduler.fork(parent, child)
-                nxt.append(child)
-            else:
-                extended.add(c.beam)
-                nxt.append(parent)
-        for seq, c in zip(nxt, chosen):
-            if seq is beams[c.beam]:
-                seq.token_ids.append(c.token)
-        for i, b in enumerate(beams):
-            if i not in extended:
-                self.scheduler.finish(b, "pruned")
-        req.beams = [] if group.done else nxt
-        if group.done:
-            for b in nxt:
-                self.scheduler.finish(b, "stop")
-        self.generation_tokens += len(chosen)
-        return [(seq, c.token) for seq, c in zip(nxt, chosen)]
-
-    def _accept(self, seq: Sequence, token: int, logprob, now: float) -> None:
-        seq.token_ids.append(token)
-        self.generation_tokens += 1
-        req = seq.request
-        if req.first_token_time is None:
-            req.first_token_time = now
-            self.prompt_tokens += len(req.prompt_token_ids)
-        if logprob is not None:
-            seq.cumulative_logprob += logprob[token].logprob
-            if seq.params.logprobs is not None:  # else only best_of's ranking asked for it
-                seq.logprobs.append(self._decoded(logprob))
-        self._check_stop(seq, token)
-
-    def _fail(self, req: Request, error: str) -> None:
-        """Something went wrong for this request alone inside a step: end it (its blocks
-        go back now) and let the rest of the batch go on."""
-        logger.warning("request %s failed inside a step: %s", req.request_id, error)
-        req.error = error
-        for seq in req.seqs:
-            if seq.status is SeqStatus.PENDING:
-                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
-            else:
-                self.scheduler.finish(seq, "error")
+    @property
+    def steps(self) -> int:
+        return self.scheduler.steps
 
     def _step_record(self, out) -> dict:
         kv = self.kv.stats()
@@ -349,84 +255,12 @@ class LLMEngine:
                 "prefill_tokens": out.num_prefill_tokens, "decode_tokens": out.num_decode_tokens,
                 "cached_free_blocks": kv.cached_free_blocks}
 
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        if seq.num_output_tokens < p.min_tokens:  # nothing ends the output before min_tokens (vLLM)
-            if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                self.scheduler.finish(seq, "length")
-            return
-        if not p.ignore_eos and token in self.eos_token_ids:
-            return self.scheduler.finish(seq, "stop", token)
-        if token in p.stop_token_ids:
-            return self.scheduler.finish(seq, "stop", token)
-        if p.stop:
-            # Only the new text, and the tail it may complete a stop string with, can hold
-            # a stop string that was not there one token ago.
-            tail = max(0, len(seq.text) - max(len(s) for s in p.stop) + 1)
-            if self._detokenize(seq):
-                for s in p.stop:
-                    at = seq.text.find(s, tail)
-                    if at >= 0:
-                        seq.text = seq.text[:at + len(s)] if p.include_stop_str_in_output else seq.text[:at]
-                        return self.scheduler.finish(seq, "stop", s)
-        if seq.num_output_tokens >= seq.request.max_tokens or len(seq.token_ids) >= self.max_model_len:
-            self.scheduler.finish(seq, "length")
-
-    def _detokenize(self, seq: Sequence) -> str:
-        """Bring seq.text up to its output ids, decoding only the new ones; returns the new
-        text. A character still missing bytes is held back until the sequence ends."""
-        args = (self.tokenizer, seq.token_ids, seq.num_prompt_tokens, seq.detok, seq.params.skip_special_tokens)
-        if seq.finished:
-            seq.text = final_text(*args, seq.text)
-            return ""
-        new = detokenize(*args)
-        seq.text += new
-        return new
-
-    def make_output(self, req: Request) -> RequestOutput:
-        if req.beam is not None:
-            return self._beam_output(req)
-        outs = []
-        p = req.params
-        seqs = req.seqs
-        if p.ranks_samples:
-            # best_of: the n samples of highest cumulative logprob, known only at the end
-            # (vLLM streams none of a best_of request either).
-            seqs = sorted(seqs, key=lambda s: -s.cumulative_logprob)[:p.n] if req.finished else []
-        for index, seq in enumerate(seqs):
-            ids = seq.output_token_ids
-            if not (seq.finish_reason == "stop" and isinstance(seq.stop_reason, str)):  # cut at its stop string
-                self._detokenize(seq)
-            cumulative = seq.cumulative_logprob if p.logprobs is not None or p.ranks_samples else None
-            outs.append(CompletionOutput(index, seq.text, list(ids), seq.finish_reason, seq.stop_reason,
-                                         list(seq.logprobs) if p.logprobs is not None else None, cumulative))
-        metrics = {"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
-                   "first_token_time": req.first_token_time, "finish_time": req.finish_time,
-                   "n": req.params.n, "max_tokens": req.max_tokens}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens, metrics, req.error,
-                             list(req.prompt_logprobs) if req.prompt_logprobs is not None else None)
-
-    def _beam_output(self, req: Request) -> RequestOutput:
-        """The kept hypotheses, best score first, once the search is over (nothing before:
-        a beam's tokens can still be dropped)."""
-        outs = []
-        if req.finished and req.error is None:
-            for i, h in enumerate(req.beam.results()):
-                text = self.tokenizer.decode(h.output_ids, skip_special_tokens=True)
-                outs.append(CompletionOutput(i, text, list(h.output_ids), h.finish_reason,
-                                             h.output_ids[-1] if h.finish_reason == "stop" else None,
-                                             None, h.cumulative))
-        metrics = {"arrival_time": req.arrival_time, "scheduled_time": req.scheduled_time,
-                   "first_token_time": req.first_token_time, "finish_time": req.finish_time,
-                   "n": req.beam.width, "max_tokens": req.max_tokens, "beam_scores": [h.score for h in req.beam.results()]}
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens, metrics, req.error)
-
     # -- figures -------------------------------------------------------------
-    def stats(self) -> EngineStats:
+    def stats(self, walk: bool = True) -> EngineStats:
+        """The engine's figures now; walk=False leaves out the KV slot figures that walk every
+        block table (used slots, eta), so it costs O(batch)."""
         return EngineStats(
-            kv=self.kv.stats(), bytes_per_token=self.runner.kv_cache.bytes_per_token * self.runner.tp.size,
+            kv=self.kv.stats(walk), bytes_per_token=self.runner.kv_cache.bytes_per_token * self.runner.tp.size,
             peak_used_blocks=self.peak_used_blocks, peak_waste=self.peak_waste,
             preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from .engine import EngineStats
     from .scheduler import SchedulerOutput
     from .sequence import Request, Sequence
 
@@ -17,8 +18,9 @@ class EngineObserver(Protocol):
     def on_request(self, req: Request) -> None:
         """A request was queued."""
 
-    def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]]) -> None:
-        """A step ran `out` and produced these (sequence, token) pairs."""
+    def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]], view: EngineStats) -> None:
+        """A step ran `out` and produced these (sequence, token) pairs; `view` is the
+        engine's figures after it (walked: a watcher shows eta), shared with the metrics."""
 
     def on_abort(self, req: Request) -> None:
         """A request was aborted between steps (its blocks are already freed)."""

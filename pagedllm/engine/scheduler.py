@@ -3,15 +3,18 @@ sequence cap and the KV pool; preempts by recompute when blocks run out."""
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import KVCacheManager
-from ..plan import ChunkPlan, SampleTarget, StepPlan
+from ..plan import ChunkPlan, SampleTarget, StepPlan, StepResult
 from ..util import cdiv
-from .sequence import Sequence, SeqStatus
+from .sequence import Request, Sequence, SeqStatus
 from .speculative import DraftModelProposer, NgramProposer, SpecStats
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,6 +42,16 @@ class SchedulerOutput:
         return self.num_prefill_tokens + self.num_decode_tokens
 
 
+@dataclass
+class StepUpdate:
+    """What one step changed, for the output processor and the observers."""
+    out: SchedulerOutput
+    new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)  # in order
+    touched: dict[str, Request] = field(default_factory=dict)            # requests the step moved
+    # seq id -> [seq, tokens appended this step] (the stop-string check reads them)
+    runs: dict[int, list] = field(default_factory=dict)
+
+
 def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) -> int:
     """A quarter of the step budget, in whole blocks: a long prompt's chunk leaves three
     quarters of every step to decodes and to short prompts arriving behind it."""
@@ -48,8 +61,10 @@ def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) ->
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 proposer: NgramProposer | DraftModelProposer | None = None, max_model_len: int = 1 << 62) -> None:
+                 proposer: NgramProposer | DraftModelProposer | None = None, max_model_len: int = 1 << 62,
+                 eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.kv = kv
+        self.eos_token_ids = eos_token_ids
         # Speculative decoding: a decode may carry draft tokens in lookahead slots.
         self.proposer = proposer
         self.max_model_len = max_model_len
@@ -67,6 +82,16 @@ class Scheduler:
         self.pending_copies: list[tuple[int, int]] = []
         self.finished_seq_ids: list[int] = []   # since the last plan
         self.num_preemptions = 0
+        self._seq_ids = itertools.count()
+        # The step's counters (the engine reports them): prompt tokens of requests that
+        # started generating, prefill tokens actually run, generated tokens, steps.
+        self.prompt_tokens = 0
+        self.computed_prompt_tokens = 0
+        self.generation_tokens = 0
+        self.steps = 0
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def add(self, seq: Sequence) -> None:
         if seq.hashes is None:  # its block keys, computed once however long it waits
@@ -155,8 +180,7 @@ class Scheduler:
             return 0
         if self.proposer.disable_by_batch_size and len(self.running) >= self.proposer.disable_by_batch_size:
             return 0
-        limit = min(room, seq.request.max_tokens - seq.num_output_tokens - 1,
-                    self.max_model_len - len(seq.token_ids) - 1)
+        limit = min(room, self.tokens_left(seq.request, seq.num_output_tokens) - 1)
         if limit <= 0:
             return 0
         if seq.ngrams is None:
@@ -323,32 +347,116 @@ class Scheduler:
             out.preempted.append(seq)
         self.waiting.extendleft(reversed(seqs))
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None
-               ) -> list[tuple[Sequence, int]]:
-        """Advance computed counts, fork pending samples, and return (seq, new token), a
-        sequence's accepted draft tokens first, in order, then the token it sampled. The
-        lookahead slots of rejected drafts go back to the KV manager."""
-        new_tokens = []
+    # -- after the forward: the one update path ------------------------------
+    def update_from_output(self, out: SchedulerOutput, res: StepResult, now: float | None = None) -> StepUpdate:
+        """Everything a step's result changes, in one place: computed counts, the accepted
+        drafts and their rolled-back slots, forks of pending samples, each new token
+        appended with its logprobs, stops on token ids and lengths, beam-search choices
+        (fork, extend, prune), prompt logprobs, and requests whose sampling failed. Stop
+        strings need text: the output processor checks them (stop_at)."""
+        now = time.time() if now is None else now
+        up = StepUpdate(out)
+        self.steps += 1
+        self.computed_prompt_tokens += out.num_prefill_tokens
         for s in out.scheduled:
             seq = s.seq
+            if res.prompt_logprobs and seq.seq_id in res.prompt_logprobs and seq.request.prompt_logprobs is not None:
+                seq.request.prompt_logprobs.extend(res.prompt_logprobs[seq.seq_id])
             if seq.status is not SeqStatus.RUNNING:
                 continue
             if seq.draft:
-                new_tokens += self._verified(s, (accepted or {}).get(seq.seq_id, []), seq.seq_id in sampled)
-                if seq.seq_id in sampled:
-                    new_tokens.append((seq, sampled[seq.seq_id]))
+                accepted = self._verified(s, res.accepted.get(seq.seq_id, []), seq.seq_id in res.tokens)
+                run = accepted + ([res.tokens[seq.seq_id]] if seq.seq_id in res.tokens else [])
+                self._append_run(up, seq, run, {}, now)
                 continue
             seq.num_computed_tokens = s.start + s.num_tokens
             for target in s.sample_for:
-                if target.seq_id not in sampled:  # its sampling failed: the engine fails it
+                if target.seq_id not in res.tokens:  # its sampling failed (below), or a beam's candidates came
                     continue
                 if target is not seq:
                     target.token_ids = list(seq.token_ids)
                     self.fork(seq, target)
-                new_tokens.append((target, sampled[target.seq_id]))
-        return new_tokens
+                self._append_run(up, target, [res.tokens[target.seq_id]], res.logprobs, now)
+        if res.logprobs:  # beams' candidates come as logprobs
+            for req in self._beam_groups(out, res.logprobs):
+                up.touched[req.request_id] = req
+                up.new_tokens += self._advance_beams(req, now)
+        if res.errors:  # rare: skip the walk over the batch on every ordinary step
+            for s in out.scheduled:
+                for seq in s.sample_for:
+                    if seq.seq_id in res.errors and seq.request.error is None:
+                        self.fail(seq.request, res.errors[seq.seq_id])
+                        up.touched[seq.request.request_id] = seq.request
+        return up
 
-    def _verified(self, s: ScheduledSeq, accepted: list[int], ok: bool) -> list[tuple[Sequence, int]]:
+    def _append_run(self, up: StepUpdate, seq: Sequence, tokens: list[int], logprobs: dict, now: float) -> None:
+        """Append a sequence's new tokens one by one, each checked for a stop; a token after
+        the one that stopped it is dropped (a verified run of drafts can end early)."""
+        req = seq.request
+        up.touched[req.request_id] = req
+        if req.error is not None:
+            return
+        for token in tokens:
+            if seq.finished:
+                break
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.prompt_tokens += len(req.prompt_token_ids)
+            lp = logprobs.get(seq.seq_id)
+            if lp is not None:
+                seq.cumulative_logprob += lp[token].logprob
+                if seq.params.logprobs is not None:  # else only best_of's ranking asked for it
+                    seq.logprobs.append(lp)
+            up.new_tokens.append((seq, token))
+            up.runs.setdefault(seq.seq_id, [seq, 0])[1] += 1
+            self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        """Stops on token ids and lengths (vLLM's order); nothing but the length limits ends
+        an output before min_tokens."""
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids or token in p.stop_token_ids:
+                return self.finish(seq, "stop", token)
+        if self.at_length_limit(seq.request, seq.num_output_tokens):
+            self.finish(seq, "length")
+
+    def tokens_left(self, req: Request, num_output_tokens: int) -> int:
+        """The one length rule: output tokens a request may still add, under its max_tokens
+        and the context's max_model_len."""
+        return min(req.max_tokens - num_output_tokens, self.max_model_len - len(req.prompt_token_ids) - num_output_tokens)
+
+    def at_length_limit(self, req: Request, num_output_tokens: int) -> bool:
+        return self.tokens_left(req, num_output_tokens) <= 0
+
+    def stop_at(self, seq: Sequence, num_output_tokens: int, stop: str) -> None:
+        """The output processor found stop string `stop` ending at output token
+        num_output_tokens: the tokens after it go (not generated, as far as anyone
+        counts), and the sequence stops there, if a length limit has not stopped it."""
+        extra = seq.num_output_tokens - num_output_tokens
+        if extra > 0:
+            del seq.token_ids[len(seq.token_ids) - extra:]
+            del seq.logprobs[num_output_tokens:]
+            self.generation_tokens -= extra
+        if seq.finished:  # by a length limit (or an EOS after the stop string) at the same step
+            seq.finish_reason, seq.stop_reason = "stop", stop
+        else:
+            self.finish(seq, "stop", stop)
+
+    def fail(self, req: Request, error: str) -> None:
+        """Something went wrong for this request alone inside a step: end it (its blocks
+        go back now) and let the rest of the batch go on."""
+        logger.warning("request %s failed inside a step: %s", req.request_id, error)
+        req.error = error
+        for seq in req.seqs:
+            if seq.status is SeqStatus.PENDING:
+                seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
+            else:
+                self.finish(seq, "error")
+
+    def _verified(self, s: ScheduledSeq, accepted: list[int], ok: bool) -> list[int]:
         """A speculating decode after verification: its KV is right up to the last accepted
         draft; the rest of its lookahead slots roll back."""
         seq = s.seq
@@ -359,7 +467,62 @@ class Scheduler:
         self.kv.rollback(seq.seq_id, seq.num_computed_tokens, seq.token_ids + accepted)
         if ok:
             self.spec.record(drafted, len(accepted))
-        return [(seq, t) for t in accepted]
+        return accepted
+
+    # -- beam search -----------------------------------------------------------
+    @staticmethod
+    def _beam_groups(out: SchedulerOutput, logprobs: dict) -> list[Request]:
+        """Beam groups whose live beams all have their candidates after this step."""
+        ready: dict[str, Request] = {}
+        for s in out.scheduled:
+            for seq in s.sample_for:
+                req = seq.request
+                if req.beam is not None and seq.seq_id in logprobs and not seq.finished:
+                    req.candidates[seq.seq_id] = [(t, lp.logprob) for t, lp in logprobs[seq.seq_id].items()]
+                    if all(b.seq_id in req.candidates for b in req.beams):
+                        ready[req.request_id] = req
+        return list(ready.values())
+
+    def _advance_beams(self, req: Request, now: float) -> list[tuple[Sequence, int]]:
+        """One beam-search step: choose the next beams (pure, in engine.beam), then apply
+        it to block tables: a beam chosen once extends itself, chosen again forks (shared
+        blocks, copy-on-write of the partial last one), not chosen is freed now."""
+        beams, group = req.beams, req.beam
+        ignore_eos = group.params.ignore_eos
+
+        def ends(token: int, gen_len: int) -> str | None:
+            if not ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            return "length" if self.at_length_limit(req, gen_len) else None
+        chosen = group.step([req.candidates.pop(b.seq_id) for b in beams], [b.output_token_ids for b in beams], ends)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            self.prompt_tokens += len(req.prompt_token_ids)
+        extended: set[int] = set()
+        nxt: list[Sequence] = []
+        for c in chosen:  # forks first: a child copies its parent's tokens before the parent grows
+            parent = beams[c.beam]
+            if c.beam in extended:
+                child = Sequence(self.new_seq_id(), req, len(req.seqs), parent.token_ids + [c.token],
+                                 len(req.prompt_token_ids), parent.seed)
+                req.seqs.append(child)
+                self.fork(parent, child)
+                nxt.append(child)
+            else:
+                extended.add(c.beam)
+                nxt.append(parent)
+        for seq, c in zip(nxt, chosen):
+            if seq is beams[c.beam]:
+                seq.token_ids.append(c.token)
+        for i, b in enumerate(beams):
+            if i not in extended:
+                self.finish(b, "pruned")
+        req.beams = [] if group.done else nxt
+        if group.done:
+            for b in nxt:
+                self.finish(b, "stop")
+        self.generation_tokens += len(chosen)
+        return [(seq, c.token) for seq, c in zip(nxt, chosen)]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (its tokens set: the parent's, or a beam's one token more) shares the

@@ -1,13 +1,13 @@
 """What makes a request acceptable: its prompt, its sampling or beam settings, and whether
-it can ever fit the KV pool. Plain rules over a tokenizer, limits and a KV manager: the
+it can ever fit the KV pool. Plain rules over a tokenizer, limits and a pool's shape: the
 engine asks them before queueing; with data parallelism the server asks them in its own
-process, of a KV manager the size of the replicas' pools."""
+process, of the smallest replica's pool."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Sequence as Seq
 
-from ..kv import KVCacheManager
+from ..kv import PoolShape
 from ..sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -23,7 +23,7 @@ class RequestRules:
     vocab_size: int
     max_model_len: int
     max_num_seqs: int
-    kv: KVCacheManager     # its policy, pool size and can_ever_fit; never changed here
+    kv: PoolShape          # its policy, pool size and can_ever_fit
     chars_per_token: int = field(default=0)
 
     def __post_init__(self) -> None:
@@ -94,5 +94,5 @@ class RequestRules:
         if not self.kv.can_ever_fit(prompt_len + max_tokens, width):
             beams = f" for each of {width} beams" if width > 1 else ""
             raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens{beams} needs more KV blocks "
-                             f"than the whole pool ({self.kv.pool.num_blocks} blocks of {self.kv.block_size})")
+                             f"than the whole pool ({self.kv.num_blocks} blocks of {self.kv.block_size})")
         return max_tokens

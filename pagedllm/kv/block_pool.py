@@ -33,6 +33,7 @@ class BlockPool:
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.num_cached_free = 0
+        self.num_shared = 0   # blocks with ref > 1, counted as refs change (no scan to report it)
         self.num_evictions = 0
         self.on_evict: Callable[[int], None] | None = None  # set by whoever watches the pool
 
@@ -92,6 +93,7 @@ class BlockPool:
             if block.block_hash is not None:
                 self.num_cached_free -= 1
         block.ref_cnt += 1
+        self.num_shared += block.ref_cnt == 2
 
     def release(self, block_ids: list[int]) -> None:
         """Drop one reference from each block, in the given order; blocks reaching
@@ -101,6 +103,7 @@ class BlockPool:
             block = self.blocks[block_id]
             assert block.ref_cnt > 0, f"double free of block {block_id}"
             block.ref_cnt -= 1
+            self.num_shared -= block.ref_cnt == 1
             if block.ref_cnt == 0:
                 self.free_queue[block_id] = None
                 if block.block_hash is not None:

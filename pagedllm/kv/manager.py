@@ -13,6 +13,7 @@ from .block_table import BlockTable
 from ..config import ALLOCATION_POLICIES
 from ..util import cdiv
 from .hashing import BlockHashes
+from .pool_shape import PoolShape
 
 POLICIES = ALLOCATION_POLICIES
 
@@ -25,14 +26,16 @@ class KVStats:
     cached_free_blocks: int
     free_blocks: int
     usage: float              # U_kv: allocated blocks / all blocks
-    used_slots: int           # slots that hold a token (a shared block counts once)
-    waste: float              # eta: (allocated - used) / allocated slots
-    blocks_without_sharing: int
+    # The three figures that walk every block table (None in a stats(walk=False) snapshot):
+    used_slots: int | None    # slots that hold a token (a shared block counts once)
+    waste: float | None       # eta: (allocated - used) / allocated slots
+    blocks_without_sharing: int | None
     prefix_queries: int       # tokens looked up in the prefix cache
     prefix_hits: int          # tokens served from it
     cow_copies: int
     forks: int
     evictions: int
+    shared_blocks: int = 0    # blocks held by more than one table
 
     @property
     def hit_rate(self) -> float:
@@ -302,10 +305,13 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> BlockTable:
         return self.tables[seq_id]
 
+    @property
+    def shape(self) -> PoolShape:
+        return PoolShape(self.pool.num_blocks, self.block_size, self.policy, self.reserve_blocks)
+
     def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
         """Whether num_seqs sequences of num_tokens each fit the empty pool, unshared."""
-        need = self.reserve_blocks if self.policy == "reserve-max" else cdiv(num_tokens, self.block_size)
-        return need * num_seqs <= self.pool.num_blocks
+        return self.shape.can_ever_fit(num_tokens, num_seqs)
 
     def reset_prefix_cache(self) -> int:
         dropped = self.pool.reset_cache()
@@ -313,7 +319,28 @@ class KVCacheManager:
             self.listener({"type": "reset_cache"})
         return dropped
 
-    def stats(self) -> KVStats:
+    def stats(self, walk: bool = True) -> KVStats:
+        """The pool's figures. Counters are kept as blocks move, so walk=False costs O(1);
+        the slot figures (used slots, eta, blocks without sharing) walk every table, and
+        are computed only when asked."""
+        pool, B = self.pool, self.block_size
+        used = pool.num_used
+        used_slots = waste = without_sharing = None
+        if walk:
+            used_slots, without_sharing = self._walk_slots()
+            alloc_slots = used * B
+            waste = (alloc_slots - used_slots) / alloc_slots if alloc_slots else 0.0
+        return KVStats(
+            num_blocks=pool.num_blocks, block_size=B, used_blocks=used,
+            cached_free_blocks=pool.num_cached_free, free_blocks=pool.num_free - pool.num_cached_free,
+            usage=used / pool.num_blocks, used_slots=used_slots, waste=waste,
+            blocks_without_sharing=without_sharing,
+            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
+            cow_copies=self.cow_copies, forks=self.forks, evictions=pool.num_evictions,
+            shared_blocks=pool.num_shared)
+
+    def _walk_slots(self) -> tuple[int, int]:
+        """(slots holding a token, a shared block once; blocks the tables would hold unshared)."""
         B = self.block_size
         fill: dict[int, int] = {}
         without_sharing = 0
@@ -323,18 +350,7 @@ class KVCacheManager:
                 f = min(B, max(0, t.num_tokens - i * B))
                 if f > fill.get(b, -1):
                     fill[b] = f
-        used = self.pool.num_used
-        used_slots = sum(fill.values())
-        alloc_slots = used * B
-        return KVStats(
-            num_blocks=self.pool.num_blocks, block_size=B, used_blocks=used,
-            cached_free_blocks=self.pool.num_cached_free,
-            free_blocks=self.pool.num_free - self.pool.num_cached_free,
-            usage=used / self.pool.num_blocks, used_slots=used_slots,
-            waste=(alloc_slots - used_slots) / alloc_slots if alloc_slots else 0.0,
-            blocks_without_sharing=without_sharing,
-            prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
-            cow_copies=self.cow_copies, forks=self.forks, evictions=self.pool.num_evictions)
+        return sum(fill.values()), without_sharing
 
     def check_integrity(self) -> None:
         """Invariants that must hold between any two operations (used by tests and
@@ -355,4 +371,5 @@ class KVCacheManager:
                 assert self.pool.cached[blk.block_hash] == blk.block_id
                 cached_free += in_free
         assert cached_free == self.pool.num_cached_free
+        assert self.pool.num_shared == sum(r > 1 for r in refs), "shared-block count drifted"
         assert len(self.pool.cached) == sum(b.block_hash is not None for b in self.pool.blocks)

@@ -19,7 +19,7 @@ from ..models import LlamaForCausalLM, ModelConfig
 from ..models.llama import tp_split_dim
 from ..models.rope import RotaryEmbedding
 from ..outputs import Logprob
-from ..plan import StepPlan
+from ..plan import StepPlan, StepResult
 from ..util import cdiv
 from .kv_cache import KVCache
 from .rejection import Verify, verify
@@ -126,18 +126,6 @@ class StepInputs:
     score_rows: list[int] = field(default_factory=list)
     score_ids: list[int] = field(default_factory=list)
     score_top: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class StepResult:
-    """What a step gives the engine, by seq id: the token each sampling sequence drew (after
-    its accepted drafts, if it speculated), logprobs asked for, sampling errors, accepted
-    draft tokens, and the prompt tokens' logprobs scored this step."""
-    tokens: dict[int, int] = field(default_factory=dict)
-    logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
-    errors: dict[int, str] = field(default_factory=dict)
-    accepted: dict[int, list[int]] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
 
 
 def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:

@@ -61,7 +61,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The figures walked now (KV slots, eta), asked of the engine between two steps: a
+        # scrape every few seconds costs one walk, not one per step.
+        stats = await state.engine.get_stats()
+        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -69,7 +72,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
         s = state.engine.stats
         return {"object": "list", "data": [{
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
-            "max_model_len": state.engine.engine.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
+            "max_model_len": state.engine.info.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
             "block_size": s.kv.block_size}]}
 
 
@@ -163,7 +166,7 @@ def _tokenize(state: ServerState, body: Any) -> dict:
     chat = isinstance(body, dict) and "messages" in body  # vLLM's two shapes, told apart as it does
     req = state.parse(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
     try:
-        return tokenize(state.engine.engine, state.tokenizer, req)
+        return tokenize(state.engine.info, state.tokenizer, req)
     except ValueError as e:
         raise APIError(400, str(e), param="messages" if chat else "prompt") from None
 
@@ -171,7 +174,7 @@ def _tokenize(state: ServerState, body: Any) -> dict:
 def _detokenize(state: ServerState, body: Any) -> dict:
     req = state.parse(DetokenizeRequest, body)
     try:
-        return detokenize(state.engine.engine, state.tokenizer, req)
+        return detokenize(state.engine.info, state.tokenizer, req)
     except ValueError as e:
         raise APIError(400, str(e), param="tokens") from None
 

@@ -25,7 +25,7 @@ from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
     from ..dp.stats import ReplicaFigures
-    from ..engine.async_engine import AsyncLLMEngine
+    from ..engine.client import EngineClient
 
 # vLLM v1's buckets, so dashboards' quantiles mean the same thing.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -95,6 +95,8 @@ class EngineCollector(Collector):
 
     def collect(self):
         for kind, name, doc, value in engine_rows(self.stats()):
+            if value is None:  # a slot figure of a view that did not walk the tables
+                continue
             f = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
             f.add_metric(self.labels, value)
             yield f
@@ -125,6 +127,8 @@ class ReplicaCollector(Collector):
             if r.stats is None:
                 continue
             for kind, name, doc, value in engine_rows(r.stats):
+                if value is None:
+                    continue
                 key = "replica_" + name
                 if key not in fams:
                     fams[key] = kind(f"{self.prefix}:{key}", f"Per replica: {doc}", labels=labels)
@@ -140,7 +144,8 @@ class ServerMetrics:
         if not prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics prefix must be letters, digits and underscores, got {prefix!r}")
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(stats, model_name, prefix))
+        self._fresh: EngineStats | None = None   # set by render() around one exposition
+        self.registry.register(EngineCollector(lambda: self._fresh or stats(), model_name, prefix))
         self.model_name = model_name
         self._last_token: dict[str, float] = {}   # request id -> when its last token came (engine thread only)
         p, reg, lbl = prefix, self.registry, ["model_name"]
@@ -181,14 +186,14 @@ class ServerMetrics:
             info.labels(**{k: str(v) for k, v in cache_info.items()}).set(1)
 
     @classmethod
-    def for_engine(cls, engine: AsyncLLMEngine, model_name: str, prefix: str = "pagedllm") -> ServerMetrics:
+    def for_engine(cls, engine: EngineClient, model_name: str, prefix: str = "pagedllm") -> ServerMetrics:
         """Metrics of a serving engine, registered as its observer."""
-        cfg, s = engine.engine.cfg, engine.stats
+        cfg, s = engine.info.cfg, engine.stats
         # vLLM's CacheConfig.metrics_info labels that have a meaning here.
         info = {"block_size": s.kv.block_size, "num_gpu_blocks": s.kv.num_blocks,
-                "enable_prefix_caching": engine.engine.kv.enable_prefix_caching,
+                "enable_prefix_caching": engine.info.enable_prefix_caching,
                 "gpu_memory_utilization": cfg.gpu_memory_utilization, "cache_dtype": cfg.dtype}
-        metrics = cls(lambda: engine.stats, model_name, prefix, engine.engine.max_model_len, info)
+        metrics = cls(lambda: engine.stats, model_name, prefix, engine.info.max_model_len, info)
         engine.observer = metrics
         figures = getattr(engine, "replica_figures", None)  # a data-parallel front: per-replica series too
         if figures is not None:
@@ -222,7 +227,8 @@ class ServerMetrics:
         reasons = [c.finish_reason for c in out.outputs]
         reason = "abort" if "abort" in reasons or not reasons else (reasons[0] or "abort")
         self.success.labels(self.model_name, reason).inc()
-        gen = [len(c.token_ids) for c in out.outputs]
+        # A DELTA output's token_ids are its last few: the lengths travel in its metrics.
+        gen = m.get("output_lens") or [len(c.token_ids) for c in out.outputs]
         self.prompt_len.observe(len(out.prompt_token_ids))
         self.gen_len.observe(sum(gen))
         if m.get("n") is not None:
@@ -244,5 +250,11 @@ class ServerMetrics:
             if max(gen, default=0) > 1:
                 self.tpot.observe((done - first) / (max(gen) - 1))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, stats: EngineStats | None = None) -> bytes:
+        """The exposition text; `stats`: the figures to show (a fresh, walked read), else
+        the engine's latest view."""
+        self._fresh = stats
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._fresh = None

@@ -19,7 +19,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-from ..engine.async_engine import AsyncLLMEngine
+from ..engine.client import EngineClient
 from .metrics import ServerMetrics
 from .unsupported import unsupported_field
 
@@ -38,7 +38,7 @@ class APIError(Exception):
 
 
 class ServerState:
-    def __init__(self, engine: AsyncLLMEngine, model_name: str, api_keys: list[str], isolation: str,
+    def __init__(self, engine: EngineClient, model_name: str, api_keys: list[str], isolation: str,
                  max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0,
                  metrics_prefix: str = "pagedllm") -> None:
         if isolation not in ISOLATION_MODES:
@@ -53,7 +53,7 @@ class ServerState:
         self.closing = asyncio.Event()  # set when the shutdown grace is over (server.http.GracefulShutdown)
         # Fed by the engine thread: every request once, disconnects (aborts) included.
         self.metrics = ServerMetrics.for_engine(engine, model_name, metrics_prefix)
-        self.tokenizer = engine.engine.tokenizer
+        self.tokenizer = engine.info.tokenizer
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
 
     # -- request checks ------------------------------------------------------
@@ -121,9 +121,9 @@ class ServerState:
     def model_names(self) -> tuple[str, ...]:
         """Names a request may use: the served name, and while that is the default one
         (no --served-model-name), the --model argument as given too, as vLLM answers to."""
-        engine = self.engine.engine
-        if self.model_name == engine.model_name and engine.cfg.model is not None:
-            return self.model_name, str(engine.cfg.model)
+        info = self.engine.info
+        if self.model_name == info.model_name and info.model is not None:
+            return self.model_name, str(info.model)
         return (self.model_name,)
 
     def refuse_unsupported(self, model: type[BaseModel], data: dict, refused: dict) -> None:

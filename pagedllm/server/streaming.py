@@ -13,8 +13,9 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
-from ..engine.async_engine import EngineDeadError, QueueFullError, RequestFailedError
+from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
 from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
 from .state import APIError, ServerState
 
@@ -24,6 +25,8 @@ logger = logging.getLogger(__name__)
 async def serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
                 key: str | None, chat: bool, echo: list[str] | None = None):
     engine = state.engine
+    if isinstance(params, SamplingParams):  # a stream writes what is new; a response needs only the end
+        params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     salt = state.cache_salt(key, req.cache_salt)
     rid = f"{prefix}-{uuid.uuid4().hex}"
     streams = []
@@ -103,14 +106,15 @@ class ResponseBuilder:
         self.echo = echo  # per prompt: the text each of its choices starts with
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.stops = req.stop if isinstance(req.stop, list) else ([req.stop] if req.stop else [])
 
     def _index(self, prompt_idx: int, c: CompletionOutput) -> int:
         return prompt_idx * self.n + c.index
 
     def usage(self, finals: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in finals.values())
-        completion = sum(len(c.token_ids) for o in finals.values() for c in o.outputs)
+        # A streamed request's last output holds its last tokens only: its metrics have the lengths.
+        completion = sum(sum(o.metrics.get("output_lens") or [len(c.token_ids) for c in o.outputs])
+                         for o in finals.values())
         cached = sum(o.num_cached_tokens for o in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -137,8 +141,9 @@ class ResponseBuilder:
                 "choices": choices, "usage": self.usage(finals)}
 
     async def sse(self, merged) -> AsyncIterator[str]:
-        sent_text: dict[int, int] = {}
-        sent_lp: dict[int, int] = {}
+        """One chunk per new piece of each choice, as the engine's DELTA outputs give them:
+        their text is already safe to send (no partial stop string, no broken character)."""
+        opened: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
@@ -148,22 +153,15 @@ class ResponseBuilder:
                 for c in out.outputs:
                     idx = self._index(i, c)
                     done = c.finish_reason is not None
-                    if idx not in sent_text:
-                        sent_text[idx], sent_lp[idx] = 0, 0
+                    if idx not in opened:
+                        opened.add(idx)
                         if self.chat:  # OpenAI opens each choice with the assistant role
                             yield self._chunk(chunk_obj, idx, {"role": "assistant", "content": ""}, None, None)
                         elif self.echo:  # the prompt comes first, in a chunk of its own
                             yield self._chunk(chunk_obj, idx, self.echo[i], None, None)
-                    text = c.text
-                    end = len(text) if done else self._safe_len(text)
-                    delta = text[sent_text[idx]:end]
-                    lps = (c.logprobs or [])[sent_lp[idx]:] if c.logprobs is not None else None
-                    if not delta and not done and not lps:
+                    if not c.text and not done and not c.logprobs:
                         continue
-                    sent_text[idx] = max(sent_text[idx], end)
-                    if lps:
-                        sent_lp[idx] += len(lps)
-                    yield self._chunk(chunk_obj, idx, delta, c.finish_reason if done else None, lps,
+                    yield self._chunk(chunk_obj, idx, c.text, c.finish_reason if done else None, c.logprobs or None,
                                       c.stop_reason if done else None)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
@@ -179,16 +177,6 @@ class ResponseBuilder:
             logger.warning("stream %s failed: %s", self.rid, e)
             yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
             yield "data: [DONE]\n\n"
-
-    def _safe_len(self, text: str) -> int:
-        """How much of a running sequence's text can go out: hold back a tail that may
-        still become a stop string, and an incomplete UTF-8 character."""
-        end = len(text)
-        while end and text[end - 1] == "\ufffd":
-            end -= 1
-        if self.stops:
-            end = max(0, min(end, len(text) - max(len(s) for s in self.stops) + 1))
-        return end
 
     def _chunk(self, obj: str, idx: int, delta, finish, lps, stop_reason=None) -> str:
         choice: dict[str, Any] = {"index": idx, "finish_reason": finish}

@@ -43,7 +43,7 @@ class DetokenizeRequest(BaseModel):
     tokens: list[StrictInt]  # not "1", 1.5 or true
 
 
-def tokenize(engine, tokenizer, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
+def tokenize(info: EngineInfo, tokenizer, req: TokenizeCompletionRequest | TokenizeChatRequest) -> dict[str, Any]:
     """ValueError (naming the field) for text that is empty, too long, or that the chat
     template rejects; a count above max_model_len is refused, as vLLM does."""
     if isinstance(req, TokenizeChatRequest):
@@ -56,9 +56,9 @@ def tokenize(engine, tokenizer, req: TokenizeCompletionRequest | TokenizeChatReq
             raise ValueError(f"messages: the chat template rejected them: {e}") from None
     else:
         text = req.prompt
-    limit = engine.max_model_len
+    limit = info.max_model_len
     # Bound the length before encoding: a 4 MB prompt is refused without tokenizing it.
-    if len(text) > engine.rules.chars_per_token * limit:
+    if len(text) > info.rules.chars_per_token * limit:
         raise ValueError(f"prompt is {len(text)} characters, more than max_model_len ({limit}) tokens can hold")
     ids = tokenizer.encode(text, add_special_tokens=req.add_special_tokens) if text else []
     if len(ids) > limit:
@@ -67,10 +67,10 @@ def tokenize(engine, tokenizer, req: TokenizeCompletionRequest | TokenizeChatReq
             "token_strs": tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None}
 
 
-def detokenize(engine, tokenizer, req: DetokenizeRequest) -> dict[str, Any]:
-    vocab = engine.model_cfg.vocab_size
-    if len(req.tokens) > engine.max_model_len:
-        raise ValueError(f"tokens: {len(req.tokens)} ids; the limit is max_model_len ({engine.max_model_len})")
+def detokenize(info: EngineInfo, tokenizer, req: DetokenizeRequest) -> dict[str, Any]:
+    vocab = info.vocab_size
+    if len(req.tokens) > info.max_model_len:
+        raise ValueError(f"tokens: {len(req.tokens)} ids; the limit is max_model_len ({info.max_model_len})")
     if any(not 0 <= t < vocab for t in req.tokens):
         raise ValueError(f"tokens: ids must be integers in [0, {vocab})")
     try:

@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..kv import KVCacheManager
+from ..kv import KVStats
 from ..util import cdiv
 from .state import kv_picture
 
 if TYPE_CHECKING:
-    from ..engine.engine import LLMEngine
+    from ..engine.engine import EngineStats, LLMEngine
     from ..engine.scheduler import SchedulerOutput
     from ..engine.sequence import Request, Sequence
 
@@ -149,7 +149,7 @@ class VizHub:
                        "max_tokens": req.max_tokens, "prompt": self._pieces(req.prompt_token_ids),
                        **_owners([req])})
 
-    def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]]) -> None:
+    def on_step(self, out: SchedulerOutput, new_tokens: list[tuple[Sequence, int]], view: EngineStats) -> None:
         tokens: dict[int, list[str]] = {}
         for seq, tok in new_tokens:
             tokens.setdefault(seq.seq_id, []).append(self._piece(tok))
@@ -162,7 +162,7 @@ class VizHub:
             # Sequences that ended this step: those that got a token, and beams pruned without one.
             "finished": {s.seq_id: s.finish_reason for s in [seq for seq, _ in new_tokens] +
                          [x.seq for x in out.scheduled] if s.finish_reason},
-            **self._queues(), "figures": self.figures(),
+            **self._queues(), "figures": self.figures(view),
             **_owners({seq.request for seq, _ in new_tokens})})
 
     def on_abort(self, req: Request) -> None:
@@ -192,12 +192,15 @@ class VizHub:
                 "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
                 "model": eng.model_name}
 
-    def figures(self) -> dict:
+    def figures(self, view: EngineStats | None = None) -> dict:
+        """The live figures, from the step's read-only view (the engine's own figures of
+        that step, walked once for every reader), or from the engine now."""
         eng = self.engine
+        view = view or eng.stats()
         # The traditional scheme reserves max length (prompt + max_tokens) per running sequence.
         reserve = sum(cdiv(min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len),
                            eng.kv.block_size) for s in eng.scheduler.running)
-        figs = kv_figures(eng.kv, reserve, eng.scheduler.num_preemptions)
+        figs = kv_figures(view.kv, reserve, view.preemptions)
         spec = eng.scheduler.spec
         if eng.scheduler.proposer is not None:
             figs.update(spec_drafted=spec.num_draft_tokens, spec_accepted=spec.num_accepted_tokens)
@@ -225,10 +228,10 @@ def _owners(reqs) -> dict:
             "_seq_owner": {s.seq_id: r.owner for r in reqs for s in r.seqs}}
 
 
-def kv_figures(kv: KVCacheManager, reserve_max_blocks: int, preemptions: int = 0) -> dict:
-    """The live figures: U_kv, H, eta, and blocks used against no sharing and reserve-max."""
-    st = kv.stats()
-    return {"used": st.used_blocks, "shared": sum(1 for b in kv.pool.blocks if b.ref_cnt > 1),
+def kv_figures(st: KVStats, reserve_max_blocks: int, preemptions: int = 0) -> dict:
+    """The live figures: U_kv, H, eta, and blocks used against no sharing and reserve-max
+    (`st`: a walked KVStats, as KVCacheManager.stats() gives)."""
+    return {"used": st.used_blocks, "shared": st.shared_blocks,
             "cached_free": st.cached_free_blocks, "free": st.free_blocks, "usage": round(st.usage, 4),
             "hit_rate": round(st.hit_rate, 4), "waste": round(st.waste, 4),
             "without_sharing": st.blocks_without_sharing, "reserve_max": reserve_max_blocks,

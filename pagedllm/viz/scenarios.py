@@ -140,7 +140,7 @@ def library_messages() -> list[dict]:
                         "prefix_caching": True, "max_num_seqs": 4, "max_model_len": max_len,
                         "model": "none (KV manager only)"},
              **kv_picture(kv), "seqs": {}, "requests": {},
-             "running": [], "waiting": [], "figures": kv_figures(kv, 0)}]
+             "running": [], "waiting": [], "figures": kv_figures(kv.stats(), 0)}]
     msgs.append({"kind": "request", "t": 0, "req": NAMES[0], "label": NAMES[0], "seqs": [0], "n": 1, "max_tokens": 8,
                  "prompt": [WORDS[t] for t in SYSTEM]})
     for step, (label, new) in enumerate(library_steps(kv, tokens, copies), 1):
@@ -155,7 +155,7 @@ def library_messages() -> list[dict]:
                      "decode_tokens": sum(1 for t in new.values() if len(t) == 1), "preempted": [],
                      "tokens": {s: [WORDS[x] for x in t] for s, t in new.items() if s != 0},
                      "finished": {}, "running": sorted(kv.tables), "waiting": [],
-                     "figures": kv_figures(kv, reserve())})
+                     "figures": kv_figures(kv.stats(), reserve())})
         events.clear()
     return msgs
 

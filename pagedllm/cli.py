@@ -163,140 +163,31 @@ def preflight(args: argparse.Namespace) -> None:
 
 
 def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start=None) -> int:
-    """Build the engine and serve it; on_start(state, hub) runs as a task once serving."""
+    """Serve the engine (server/launch.py puts the server together); on_start(state, viz)
+    runs as a task once serving."""
     try:  # before the imports below too: torch and the server stack take seconds
         preflight(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    import asyncio
-    import os
-    import signal
-    from contextlib import asynccontextmanager
+    from .server.launch import ServerOptions, serve
 
-    import uvicorn
-
-    from .engine.async_engine import AsyncLLMEngine, is_fatal
-    from .engine.engine import LLMEngine
-    from .server.api import create_app
-    from .server.http import ConcurrencyLimit, GracefulShutdown, timed_h11
-    from .server.state import ServerState
-
-    keys = list(args.api_key or [])
-    if not keys and os.environ.get("PAGEDLLM_API_KEY"):
-        keys = [k for k in os.environ["PAGEDLLM_API_KEY"].split(",") if k]
-    isolation = args.prefix_cache_isolation or ("per-key" if keys else "none")
-    try:
-        if cfg.data_parallel_size > 1:
-            async_engine, hub, controller = _data_parallel_engine(args, cfg), None, None
-            engine = async_engine.engine
-        else:
-            engine = LLMEngine(cfg)
-            hub, controller = _viz_parts(engine, step_delay) if args.viz else (None, None)
-            async_engine = AsyncLLMEngine(engine, args.max_queue_len, args.log_interval, gate=controller)
-        name = args.served_model_name or engine.model_name
-        if hub is not None:
-            # Both wait on the engine thread's idle wait: a new subscriber or a resume wakes it.
-            hub.wake = controller.wake = async_engine.wake
-        state = ServerState(async_engine, name, keys, isolation, args.max_body_bytes,
-                            admin_key=args.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
-                            body_timeout=args.body_timeout, metrics_prefix=args.metrics_prefix)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    app = create_app(state)
-    if hub is not None:
-        from .viz.routes import add_viz_routes
-        add_viz_routes(app, state, hub, controller)
-
-    fatal: list[BaseException] = []
-
-    async def watch_engine() -> None:
-        """An engine that can never step again (a tensor-parallel rank died) ends the
-        server, with its error, rather than answer 503 for ever."""
-        while (err := getattr(async_engine, "error", None)) is None or not is_fatal(err):
-            await asyncio.sleep(0.5)
-        logging.getLogger(__name__).error("stopping the server: %s", err)
-        fatal.append(err)
-        handle_exit(signal.SIGTERM, None)
-
-    @asynccontextmanager
-    async def lifespan(_app):
-        loop = asyncio.get_running_loop()
-        tasks = [loop.create_task(watch_engine())]
-        if on_start:
-            tasks.append(loop.create_task(on_start(state, hub)))
-        yield
-        for task in tasks:
-            task.cancel()
-        async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
-
-    app.router.lifespan_context = lifespan
-    logging.getLogger(__name__).info(
-        "serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s, visualizer: %s)",
-        name, args.host, args.port, len(keys), isolation,
-        f"http://{args.host}:{args.port}/viz/" if hub else "off")
-    asgi = ConcurrencyLimit(app, args.limit_concurrency) if args.limit_concurrency else app
-    shutdown = GracefulShutdown(asgi, state.closing, args.graceful_shutdown_timeout)
-    # uvicorn's own graceful timeout is the backstop: it cancels what is left, tearing
-    # streams. It starts a moment after the signal; ours ends them cleanly first, and
-    # the margin lets their last events go out and their connections close.
-    config = uvicorn.Config(shutdown, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                            timeout_graceful_shutdown=args.graceful_shutdown_timeout + 5, access_log=False,
-                            http=timed_h11(args.header_timeout, args.body_timeout), log_config=_uvicorn_logging())
-    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
-    # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    server = uvicorn.Server(config)
-    exit_handler = server.handle_exit
-
-    def handle_exit(sig, frame) -> None:
-        if hub is not None:  # open /viz pages hold event streams: end them first, or shutdown waits on them
-            hub.close_all()
-        shutdown.begin()
-        exit_handler(sig, frame)
-    server.handle_exit = handle_exit
-    server.run()
-    if fatal:
-        print(f"error: the engine failed: {fatal[0]}", file=sys.stderr)
-        return 1
-    logging.getLogger(__name__).info("server stopped")
-    return 0
+    opts = ServerOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)})
+    return serve(cfg, opts, _viz_attach(args, cfg, step_delay), on_start)
 
 
-def _data_parallel_engine(args: argparse.Namespace, cfg):
-    """N replica processes behind one front. The visualizer watches one engine's blocks
-    from inside its process, so it is off here (said once in the log)."""
-    from .dp.front import DataParallelEngine
-
-    if args.viz:
+def _viz_attach(args: argparse.Namespace, cfg, step_delay: float):
+    """The visualizer's hook for the server, or None. It watches one engine's blocks from
+    inside its process, so data parallelism turns it off (said once in the log)."""
+    if not args.viz:
+        return None
+    if cfg.data_parallel_size > 1:
         logging.getLogger(__name__).info("visualizer off: it shows a single engine, and --data-parallel-size "
                                          "is %d (pagedllm viz runs one)", cfg.data_parallel_size)
-    return DataParallelEngine(cfg, args.max_queue_len, args.log_interval, logging.getLevelName(
-        logging.getLogger().getEffectiveLevel()))
+        return None
+    from .viz.mount import VizMount
 
-
-def _viz_parts(engine, step_delay: float):
-    """The visualizer's hub, registered as an engine observer, and the controller that
-    gates the async engine's steps (pause, single step, delay) for it."""
-    from .viz.controller import StepController
-    from .viz.hub import VizHub
-
-    hub = VizHub(engine)
-    engine.observers.append(hub)
-    return hub, StepController(hub, step_delay)
-
-
-def _uvicorn_logging() -> dict:
-    """uvicorn's own logging config with our timestamps, so its lines and ours read alike."""
-    import copy
-
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    for formatter in config["formatters"].values():
-        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
-    return config
+    return lambda engine: VizMount.on(engine, step_delay)
 
 
 def cmd_viz(args: argparse.Namespace) -> int:
@@ -321,7 +212,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
     base = f"http://{args.host}:{args.port}/viz/"
     url = f"{base}?trace={sc.name}" if not sc.requests else base
 
-    async def start(state, hub) -> None:
+    async def start(state, viz) -> None:
         print(f"\nPagedLLM visualizer: open {url}\n  scenario {sc.name}: {sc.description}", flush=True)
         if not sc.requests:
             print("  (replayed in the page from its trace; the live engine is idle)", flush=True)
@@ -329,7 +220,7 @@ def cmd_viz(args: argparse.Namespace) -> int:
         if args.wait_for_viewer:
             print("  it starts when the page connects; run it again from the page or with "
                   f"POST {base}scenarios/{sc.name}/run", flush=True)
-            while hub.num_subscribers == 0:
+            while viz.hub.num_subscribers == 0:
                 await asyncio.sleep(0.2)
             await asyncio.sleep(1.0)  # let the page draw its snapshot first
         await run_scenario(state, sc.name)

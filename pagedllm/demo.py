@@ -76,7 +76,7 @@ def run_library_demo(print_fn=print) -> dict:
     for seq in (C, B, A, SYS):                                   # unlike the paper's sketch, free
         kv.free(seq)
     kv.check_integrity()
-    p(f"\n  after all requests finish: {kv.pool.num_free} of 12 blocks free again "
+    p(f"\n  after all requests finish: {kv.pool.num_available} of 12 blocks free again "
       f"({kv.pool.num_cached_free} of them still cached for future prefix hits)")
     return {"without_sharing": st.blocks_without_sharing, "with_sharing": st.used_blocks,
-            "cow": copies, "refs": refs, "free_after": kv.pool.num_free, "hit_blocks": len(hit)}
+            "cow": copies, "refs": refs, "free_after": kv.pool.num_available, "hit_blocks": len(hit)}

@@ -1,5 +1,8 @@
-"""Small arithmetic every layer shares (no torch: the KV manager imports it)."""
+"""Small helpers every layer shares (no torch: the KV manager imports it)."""
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -14,3 +17,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers, e.g. the blocks that hold a tokens: cdiv(a, block_size)."""
     return -(-a // b)
+
+
+def cache_root() -> Path:
+    """Where converted models, the compiled CPU kernels and benchmark venvs are kept:
+    $PAGEDLLM_CACHE, else $XDG_CACHE_HOME/pagedllm (~/.cache/pagedllm)."""
+    base = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
+    return Path(base)

@@ -128,7 +128,7 @@ def test_preemption_victim_is_newest_running_and_goes_to_queue_front():
     assert sched.running == [a, b]
     assert sched.num_preemptions == 1
     assert [len(kv.block_table(s.seq_id).block_ids) for s in (a, b)] == [2, 2]
-    assert kv.pool.num_free == 0
+    assert kv.pool.num_available == 0
     kv.check_integrity()
     step(sched, out)
 

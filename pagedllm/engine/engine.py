@@ -80,7 +80,7 @@ class LLMEngine:
         # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
         # the collectives' code path on its one device.
         if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
-            from ..distributed.launch import start_group
+            from ..runtime.launch import start_group
 
             self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
             self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)

@@ -157,7 +157,7 @@ class Scheduler:
         """Slots for a running unit's chunks, or None with nothing changed. A sequence alone
         just asks (once per decode); a beam group counts its blocks first, all or none."""
         if len(chunks) > 1 and sum(self.kv.blocks_needed(s.seq_id, s.num_computed_tokens + n)
-                                   for s, n in chunks) > self.kv.pool.num_free:
+                                   for s, n in chunks) > self.kv.pool.num_available:
             return None
         copies: list[tuple[int, int]] = []
         for seq, n in chunks:
@@ -213,7 +213,7 @@ class Scheduler:
                 skipped.append(self.waiting.popleft())
                 continue
             if any(n <= 0 for *_, n in chunks) or len(group) > 1 and sum(
-                    self.kv.blocks_needed(s.seq_id, c + n, hit) for s, hit, c, n in chunks) > self.kv.pool.num_free:
+                    self.kv.blocks_needed(s.seq_id, c + n, hit) for s, hit, c, n in chunks) > self.kv.pool.num_available:
                 break
             admitted = self._admit_group(chunks, out)
             budget -= admitted

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..util import cache_root
+
 logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
@@ -38,11 +40,6 @@ def _arch_flags() -> list[str]:
 
 
 CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-unused-function", *_arch_flags()]
-
-
-def _cache_root() -> Path:
-    from ..loader.model_files import cache_root
-    return cache_root()
 
 
 def _cpu_signature() -> str:
@@ -70,7 +67,7 @@ def load_ops():
     Raises RuntimeError saying why when it cannot be built (no compiler, say)."""
     key = _key()
     name = f"pagedllm_cpu_{key}"
-    build_dir = _cache_root() / "ext" / name
+    build_dir = cache_root() / "ext" / name
     lib = build_dir / f"{name}.so"
     if not lib.exists():
         build_dir.mkdir(parents=True, exist_ok=True)

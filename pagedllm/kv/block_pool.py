@@ -39,8 +39,9 @@ class BlockPool:
 
     # -- queries -------------------------------------------------------------
     @property
-    def num_free(self) -> int:
-        """Blocks that can be handed out now (free + cached-free)."""
+    def num_available(self) -> int:
+        """Blocks that can be handed out now: free + cached-free, the whole free queue
+        (KVStats.free_blocks counts the free ones only)."""
         return len(self.free_queue)
 
     @property
@@ -50,7 +51,8 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash)
 
-    def is_free(self, block_id: int) -> bool:
+    def is_available(self, block_id: int) -> bool:
+        """In the free queue: free, or cached-free (a prefix hit may still revive it)."""
         return block_id in self.free_queue
 
     # -- transitions ---------------------------------------------------------

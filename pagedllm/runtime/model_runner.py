@@ -197,8 +197,8 @@ class ModelRunner:
                 raise ValueError(f"quantization {cfg.quantization!r} runs on the CPU only, not on {self.device}")
             gguf = None
             if cfg.quantization == "gguf":
-                from ..loader.model_files import default_gguf_path
-                gguf = Path(cfg.model).expanduser() if cfg.model else default_gguf_path()
+                from ..loader.gguf_quant import model_gguf_blocks
+                gguf = model_gguf_blocks(cfg.model, model_cfg)
             done = model.quantize(cfg.quantization, gguf)
             if tp.is_driver:
                 # The block kernels serve up to 8 rows a step; more rows dequantize first.

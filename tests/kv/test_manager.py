@@ -74,9 +74,9 @@ def test_prefix_hit_counts_tokens_and_revives_blocks():
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(3, 4)
     kv.allocate_slots(0, list(range(8)), 8)
-    before = (kv.pool.num_free, dict(kv.tables))
+    before = (kv.pool.num_available, dict(kv.tables))
     assert kv.allocate_slots(1, list(range(9)), 9) is None
-    assert (kv.pool.num_free, dict(kv.tables)) == before
+    assert (kv.pool.num_available, dict(kv.tables)) == before
     kv.check_integrity()
 
 
@@ -98,7 +98,7 @@ def test_reserve_max_fragments():
     for s in range(3):
         assert kv.allocate_slots(s, [1], 1) == []
     kv.free(1)                                      # hole of 3 at blocks 3..5, 1 free at 9
-    assert kv.pool.num_free == 4
+    assert kv.pool.num_available == 4
     assert kv.allocate_slots(3, [1], 1) == [] and kv.block_table(3).block_ids == [3, 4, 5]
     assert kv.allocate_slots(4, [1], 1) is None     # 1 block free, not 3 contiguous
     st = kv.stats()

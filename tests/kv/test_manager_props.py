@@ -221,7 +221,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         for s in list(self.tokens):
             self.kv.free(s)
         self.kv.check_integrity()
-        assert self.kv.pool.num_free == NUM_BLOCKS, "blocks leaked"
+        assert self.kv.pool.num_available == NUM_BLOCKS, "blocks leaked"
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..config import EngineConfig
 from ..models import ModelConfig
 from ..util import free_port
-from .group import TPGroup, WorkerDiedError
+from ..distributed import TPGroup, WorkerDiedError
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def torchrun_ranks() -> tuple[int, int, int, int] | None:
 
 
 def _backend(device: str) -> str:
-    from ..runtime.model_runner import resolve_device
+    from .model_runner import resolve_device
 
     return "nccl" if resolve_device(device).type == "cuda" else "gloo"
 
@@ -142,10 +142,10 @@ def _init_watching(backend: str, init: str, n: int, launcher: Launcher) -> None:
 
 
 def _spawn(args: tuple) -> subprocess.Popen:
-    """A fresh interpreter running `python -m pagedllm.distributed.launch`, its arguments
+    """A fresh interpreter running `python -m pagedllm.runtime.launch`, its arguments
     pickled on stdin: unlike multiprocessing's spawn it does not re-run the caller's
     __main__, so a script, a notebook or the REPL needs no `if __name__` guard."""
-    p = subprocess.Popen([sys.executable, "-m", "pagedllm.distributed.launch"], stdin=subprocess.PIPE)
+    p = subprocess.Popen([sys.executable, "-m", "pagedllm.runtime.launch"], stdin=subprocess.PIPE)
     p.stdin.write(pickle.dumps(args))
     p.stdin.close()
     return p
@@ -175,7 +175,7 @@ def _worker_main(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max
 
 def serve(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int, group: TPGroup) -> None:
     """A rank other than 0: load its slice, then run every step rank 0 sends until it says stop."""
-    from ..runtime.model_runner import ModelRunner
+    from .model_runner import ModelRunner
 
     try:
         ModelRunner(cfg, model_dir, model_cfg, max_model_len, group).serve()

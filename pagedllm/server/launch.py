@@ -1,0 +1,195 @@
+"""A server put together and run: the engine (one, or N data-parallel replicas), the app,
+a watchdog that ends the server when the engine can never step again, and uvicorn with
+our graceful shutdown. The CLI parses the flags and calls `serve`.
+
+Something that watches the one engine and brings routes of its own (the visualizer) is
+handed in as an `Attach` hook: the server calls it at fixed points and imports nothing
+of it, so the arrow runs from the visualizer to the server."""
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+import uvicorn
+from fastapi import FastAPI
+from uvicorn.config import LOGGING_CONFIG
+
+from ..config import EngineConfig
+from ..engine.async_engine import AsyncLLMEngine, StepGate, is_fatal
+from ..engine.engine import LLMEngine
+from .api import create_app
+from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
+from .state import ServerState
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """What serving takes beyond the engine's config, named as the `serve` flags are."""
+    host: str
+    port: int
+    api_key: list[str] | None          # none: PAGEDLLM_API_KEY=k1,k2, else no key needed
+    admin_key: str | None              # none: PAGEDLLM_ADMIN_KEY
+    served_model_name: str | None      # none: the model's own name
+    prefix_cache_isolation: str | None  # none: per-key with API keys, else none
+    max_queue_len: int
+    max_body_bytes: int
+    metrics_prefix: str
+    log_interval: float
+    graceful_shutdown_timeout: float
+    header_timeout: float
+    body_timeout: float
+    limit_concurrency: int | None
+    log_level: str
+
+
+class Attachment(Protocol):
+    """A watcher of the served engine with routes of its own (the visualizer, viz/mount.py)."""
+    path: str  # where its page is, for the start-up line
+
+    @property
+    def gate(self) -> StepGate:
+        """Gates the async engine's steps (pause, single step, delay)."""
+
+    def bind(self, async_engine: AsyncLLMEngine) -> None:
+        """Called once the async engine exists (its wake())."""
+
+    def mount(self, app: FastAPI, state: ServerState) -> None:
+        """Add its routes to the app."""
+
+    def close(self) -> None:
+        """At the shutdown signal, before the drain: end the streams it holds open."""
+
+
+Attach = Callable[[LLMEngine], Attachment]  # called on the engine before it serves
+OnStart = Callable[[ServerState, Attachment | None], Awaitable[None]]
+
+
+def api_keys(given: list[str] | None) -> list[str]:
+    keys = list(given or [])
+    if not keys and os.environ.get("PAGEDLLM_API_KEY"):
+        keys = [k for k in os.environ["PAGEDLLM_API_KEY"].split(",") if k]
+    return keys
+
+
+def serve(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
+          on_start: OnStart | None = None) -> int:
+    """Build the engine and serve it until a signal, or until the engine can never step
+    again. `attach` is called on a single engine only (data parallelism has none to
+    watch); on_start(state, attachment) runs as a task once serving. Returns the exit
+    code: 0 stopped, 1 the engine failed, 2 a bad setting."""
+    keys = api_keys(opts.api_key)
+    isolation = opts.prefix_cache_isolation or ("per-key" if keys else "none")
+    try:
+        async_engine, attached = _engines(cfg, opts, attach)
+        name = opts.served_model_name or async_engine.info.model_name
+        state = ServerState(async_engine, name, keys, isolation, opts.max_body_bytes,
+                            admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
+                            body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app = create_app(state)
+    if attached is not None:
+        attached.mount(app, state)
+    server = _uvicorn_server(app, state, opts, attached)
+    fatal: list[BaseException] = []
+
+    def stop(err: BaseException) -> None:
+        fatal.append(err)
+        server.handle_exit(signal.SIGTERM, None)  # the extended handler, as a SIGTERM would
+
+    app.router.lifespan_context = _lifespan(state, async_engine, attached, on_start, stop)
+    logger.info("serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s, visualizer: %s)",
+                name, opts.host, opts.port, len(keys), isolation,
+                f"http://{opts.host}:{opts.port}{attached.path}" if attached else "off")
+    server.run()
+    if fatal:
+        print(f"error: the engine failed: {fatal[0]}", file=sys.stderr)
+        return 1
+    logger.info("server stopped")
+    return 0
+
+
+def _engines(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None):
+    """The async engine the server talks to (N replica processes behind one front under
+    data parallelism), and what was attached to the single engine."""
+    if cfg.data_parallel_size > 1:
+        from ..dp.front import DataParallelEngine
+
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        return DataParallelEngine(cfg, opts.max_queue_len, opts.log_interval, level), None
+    engine = LLMEngine(cfg)
+    attached = attach(engine) if attach is not None else None
+    async_engine = AsyncLLMEngine(engine, opts.max_queue_len, opts.log_interval,
+                                  gate=attached.gate if attached is not None else None)
+    if attached is not None:
+        attached.bind(async_engine)
+    return async_engine, attached
+
+
+async def _watch_engine(async_engine, stop: Callable[[BaseException], None]) -> None:
+    """An engine that can never step again (a tensor-parallel rank died) ends the
+    server, with its error, rather than answer 503 for ever."""
+    while (err := getattr(async_engine, "error", None)) is None or not is_fatal(err):
+        await asyncio.sleep(0.5)
+    logger.error("stopping the server: %s", err)
+    stop(err)
+
+
+def _lifespan(state: ServerState, async_engine, attached: Attachment | None, on_start: OnStart | None,
+              stop: Callable[[BaseException], None]):
+    @asynccontextmanager
+    async def lifespan(_app):
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(_watch_engine(async_engine, stop))]
+        if on_start:
+            tasks.append(loop.create_task(on_start(state, attached)))
+        yield
+        for task in tasks:
+            task.cancel()
+        async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
+    return lifespan
+
+
+def _uvicorn_server(app: FastAPI, state: ServerState, opts: ServerOptions,
+                    attached: Attachment | None) -> uvicorn.Server:
+    """uvicorn around the app and its HTTP guards, its exit handler extended with ours."""
+    asgi = ConcurrencyLimit(app, opts.limit_concurrency) if opts.limit_concurrency else app
+    shutdown = GracefulShutdown(asgi, state.closing, opts.graceful_shutdown_timeout)
+    # uvicorn's own graceful timeout is the backstop: it cancels what is left, tearing
+    # streams. It starts a moment after the signal; ours ends them cleanly first, and
+    # the margin lets their last events go out and their connections close.
+    config = uvicorn.Config(shutdown, host=opts.host, port=opts.port, log_level=opts.log_level.lower(),
+                            timeout_graceful_shutdown=opts.graceful_shutdown_timeout + 5, access_log=False,
+                            http=timed_h11(opts.header_timeout, opts.body_timeout), log_config=_uvicorn_logging())
+    # uvicorn drains in-flight requests on SIGTERM, then re-raises the signal against the
+    # handler it found installed; a no-op one here lets a graceful shutdown exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server = uvicorn.Server(config)
+    exit_handler = server.handle_exit
+
+    def handle_exit(sig, frame) -> None:
+        if attached is not None:  # open pages hold event streams: end them first, or shutdown waits on them
+            attached.close()
+        shutdown.begin()
+        exit_handler(sig, frame)
+    server.handle_exit = handle_exit
+    return server
+
+
+def _uvicorn_logging() -> dict:
+    """uvicorn's own logging config with our timestamps, so its lines and ours read alike."""
+    config = copy.deepcopy(LOGGING_CONFIG)
+    for formatter in config["formatters"].values():
+        formatter["fmt"] = "%(asctime)s " + formatter["fmt"]
+    return config

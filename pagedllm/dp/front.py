@@ -26,7 +26,7 @@ from ..engine.validation import RequestRules
 from ..kv import PoolShape
 from ..loader import load_config, load_tokenizer, resolve_model_dir
 from ..models import ModelConfig
-from ..engine.engine import EngineStats
+from ..engine.stats import EngineStats
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..util import cdiv

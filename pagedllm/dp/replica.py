@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
-from ..engine.engine import EngineStats
+from ..engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
-from ..engine.engine import EngineStats
+from ..engine.stats import EngineStats
 from ..engine.speculative import SpecStats
 from ..kv import KVStats
 

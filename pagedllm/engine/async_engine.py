@@ -17,7 +17,8 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver  # noqa: F401
 from .core_loop import EngineCoreLoop, FreeRunning, StepGate, is_fatal  # noqa: F401 (is_fatal: the server's)
-from .engine import EngineStats, LLMEngine
+from .engine import LLMEngine
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

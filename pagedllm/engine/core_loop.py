@@ -18,7 +18,8 @@ import time
 from typing import Protocol
 
 from ..outputs import RequestOutput
-from .engine import EngineStats, LLMEngine
+from .engine import LLMEngine
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,8 @@ from tqdm.auto import tqdm
 from ..config import EngineConfig
 from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams
-from .engine import EngineStats, LLMEngine
+from .engine import LLMEngine
+from .stats import EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
     from .scheduler import SchedulerOutput
     from .sequence import Request, Sequence
 

@@ -20,7 +20,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from ..engine.engine import EngineStats
+from ..engine.stats import EngineStats
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:

@@ -1,0 +1,38 @@
+"""EngineStats: an engine's figures at one moment (its read-only view of a step)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ..kv import KVStats
+from .speculative import SpecStats
+
+
+@dataclass
+class EngineStats:
+    """Counters of the engine's life so far, for reports and metrics: the KV manager's
+    own figures, and what only the engine knows (peaks, tokens, queues)."""
+    kv: KVStats
+    bytes_per_token: int
+    peak_used_blocks: int
+    peak_waste: float        # eta at the step of peak usage
+    preemptions: int
+    num_running: int              # requests with a sequence running
+    num_waiting: int              # requests with a sequence waiting (and none running)
+    prompt_tokens: int            # prompt tokens of requests that started generating
+    computed_prompt_tokens: int   # prefill tokens actually run (cache hits skip, recompute repeats)
+    generation_tokens: int
+    steps: int
+    spec: SpecStats | None = None   # speculative decoding's counts, when it is on
+
+    @property
+    def peak_kv_usage(self) -> float:
+        return self.peak_used_blocks / self.kv.num_blocks
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["kv"]["hit_rate"] = self.kv.hit_rate
+        d["peak_kv_usage"] = self.peak_kv_usage
+        if self.spec is not None:
+            d["spec"].update(acceptance_rate=self.spec.acceptance_rate,
+                             mean_accepted_length=self.spec.mean_accepted_length)
+        return d

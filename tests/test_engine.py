@@ -168,7 +168,7 @@ def test_async_engine_survives_a_failing_step(llm_fp32):
 
     engine = llm_fp32.engine
     aeng = AsyncLLMEngine(engine, log_interval=1000)
-    real_step = engine.step
+    real_step = engine.core_step  # what the engine-core loop runs
     calls = {"n": 0}
 
     def flaky_step():
@@ -177,7 +177,7 @@ def test_async_engine_survives_a_failing_step(llm_fp32):
             raise RuntimeError("boom")
         return real_step()
 
-    engine.step = flaky_step
+    engine.core_step = flaky_step
     try:
         async def run(rid):
             outs = [o async for o in aeng.generate(rid, PROMPT, SamplingParams(max_tokens=5, ignore_eos=True))]
@@ -189,7 +189,7 @@ def test_async_engine_survives_a_failing_step(llm_fp32):
         assert out.finished and len(out.outputs[0].token_ids) == 5 and aeng.alive
         assert engine.kv.pool.num_used == 0
     finally:
-        engine.step = real_step
+        engine.core_step = real_step
         aeng.shutdown()
         engine.stream_outputs = False
 

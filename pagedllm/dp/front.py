@@ -288,10 +288,10 @@ class DataParallelEngine:
                 return
             kind = msg[0]
             if kind == "step":
-                _, outs, stats, ran, applied = msg
+                _, outs, stats, ran, applied, moved = msg
                 with self._lock:  # the counters before the outputs: an answered request is counted
                     r.stats, r.adds_applied = stats, applied
-                self._observe("on_step", outs, ran)
+                self._observe("on_step", outs, ran, moved)
                 for out in outs:
                     self._deliver(r, out)
             elif kind == "stats":

@@ -6,7 +6,8 @@ In (a multiprocessing Queue, so the server's event loop never blocks on a busy r
     ("add", request_id, token_ids, params, cache_salt, owner) · ("abort", request_id) · ("stop",) · ("stats",)
 Out (a Pipe, read by one thread in the server):
     ("ready", ReplicaInfo) or ("failed", message), once, first;
-    ("step", outputs, view, tokens_run, adds_applied) after every step (the view: counters);
+    ("step", outputs, view, tokens_run, adds_applied, moved) after every step (the view:
+    counters; moved: the requests that got tokens);
     ("stats", stats, adds_applied) while idle, and after a ("stats",) command (walked figures);
     ("rejected", request_id, message);
     ("finished", output) for a request aborted outside a step (the metrics count it).
@@ -95,8 +96,9 @@ class ReplicaSink:
     def rejected(self, request_id: str, error: ValueError) -> None:
         self.conn.send(("rejected", request_id, str(error)))
 
-    def stepped(self, outputs: list, view: EngineStats, tokens_run: int, adds_applied: int) -> None:
-        self.conn.send(("step", outputs, view, tokens_run, adds_applied))
+    def stepped(self, outputs: list, view: EngineStats, tokens_run: int, adds_applied: int,
+                moved: list[str]) -> None:
+        self.conn.send(("step", outputs, view, tokens_run, adds_applied, moved))
 
     def finished(self, output) -> None:
         self.conn.send(("finished", output))

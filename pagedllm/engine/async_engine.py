@@ -173,11 +173,12 @@ class AsyncLLMEngine:
     def rejected(self, request_id: str, error: ValueError) -> None:
         self._deliver(request_id, error)
 
-    def stepped(self, outputs: list[RequestOutput], view: EngineStats, tokens_run: int, adds_applied: int) -> None:
+    def stepped(self, outputs: list[RequestOutput], view: EngineStats, tokens_run: int, adds_applied: int,
+                moved: list[str]) -> None:
         # Publish the counters before the outputs: a client that has its answer must find
         # it counted in /metrics.
         self.stats = view
-        self._observe("on_step", outputs, tokens_run)
+        self._observe("on_step", outputs, tokens_run, moved)
         for out in outputs:
             self._deliver(out.request_id, out if out.error is None else
                           RequestFailedError(f"request failed: {out.error}"))

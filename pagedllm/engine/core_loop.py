@@ -75,8 +75,9 @@ class LoopSink(Protocol):
         """add_request refused it (a rule only the engine can check)."""
 
     def stepped(self, outputs: list[RequestOutput], view: EngineStats, tokens_run: int,
-                adds_applied: int) -> None:
-        """After a step: the figures first (an answered request must be counted), then outputs."""
+                adds_applied: int, moved: list[str]) -> None:
+        """After a step: the figures first (an answered request must be counted), then outputs.
+        `moved`: the requests that got tokens (a FINAL_ONLY one has no output until its last)."""
 
     def finished(self, output: RequestOutput) -> None:
         """A request ended outside a step's outputs: aborted, or failed with its step (error set)."""
@@ -170,7 +171,8 @@ class EngineCoreLoop:
             self.fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             return
         ran = engine.computed_prompt_tokens + engine.generation_tokens - before
-        self.sink.stepped(outputs, engine.view, ran, self.adds_applied)
+        moved = list(dict.fromkeys(seq.request.request_id for seq, _ in up.new_tokens)) if up is not None else []
+        self.sink.stepped(outputs, engine.view, ran, self.adds_applied, moved)
 
     def fail_all(self, error: str) -> None:
         """End every request now (their blocks go back), each output carrying `error`."""

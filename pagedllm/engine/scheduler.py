@@ -370,12 +370,13 @@ class Scheduler:
                 self._append_run(up, seq, run, {}, now)
                 continue
             seq.num_computed_tokens = s.start + s.num_tokens
-            for target in s.sample_for:
-                if target.seq_id not in res.tokens:  # its sampling failed (below), or a beam's candidates came
-                    continue
+            # Pending samples fork off first: each copies the parent's tokens before any grows.
+            sampled = [t for t in s.sample_for if t.seq_id in res.tokens]  # failed ones: below; beams: candidates
+            for target in sampled:
                 if target is not seq:
                     target.token_ids = list(seq.token_ids)
                     self.fork(seq, target)
+            for target in sampled:
                 self._append_run(up, target, [res.tokens[target.seq_id]], res.logprobs, now)
         if res.logprobs:  # beams' candidates come as logprobs
             for req in self._beam_groups(out, res.logprobs):

@@ -201,20 +201,19 @@ class ServerMetrics:
         return metrics
 
     # -- engine-thread observer ------------------------------------------------
-    def on_step(self, outputs: list[RequestOutput], tokens: int) -> None:
-        """After each step: its token count and the outputs of every request it moved."""
+    def on_step(self, outputs: list[RequestOutput], tokens: int, moved: list[str]) -> None:
+        """After each step: its token count, the requests that got tokens (their gaps), and
+        the outputs it made (a finished one's is its last)."""
         now = time.time()
         if tokens:
             self.iteration.observe(tokens)
-        for out in outputs:
-            first = out.metrics.get("first_token_time")
-            if first is None:
-                continue
-            last = self._last_token.get(out.request_id)
+        for rid in moved:
+            last = self._last_token.get(rid)
             if last is not None and now > last:
                 self.itl.observe(now - last)
                 self.tpot_legacy.observe(now - last)
-            self._last_token[out.request_id] = now if last is not None else first
+            self._last_token[rid] = now
+        for out in outputs:
             if out.finished:
                 self.on_finished(out)
 

@@ -78,11 +78,9 @@ def test_sse_ends_with_a_503_event_and_done_when_closing():
         resp = ResponseBuilder(state, req, "cmpl-1", chat=False, n=1)
 
         async def merged():
-            try:
-                text = ""
+            try:  # the engine's DELTA outputs: each holds its new text and token
                 for i in range(1000):
-                    text += f" w{i}"
-                    yield 0, RequestOutput("cmpl-1-0", "p", [1, 2], [CompletionOutput(0, text, list(range(i + 1)))],
+                    yield 0, RequestOutput("cmpl-1-0", "p", [1, 2], [CompletionOutput(0, f" w{i}", [i])],
                                            finished=False)
                     if i == 2:
                         state.closing.set()

@@ -38,6 +38,9 @@ class SampleTarget(PromptThenOutput):
     # A beam: no token is drawn; the runner returns this many best next tokens with their
     # log-probabilities, and the engine's beam search chooses.
     beam_candidates: int = 0
+    # Speculative decoding: after sampling, propose up to this many draft tokens for the
+    # sequence's next step (StepResult.drafts).
+    num_spec: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -54,10 +57,9 @@ class ChunkPlan:
     # Speculative decoding: the chunk's last len(draft) tokens are draft tokens (in
     # lookahead slots); its last len(draft) + 1 rows verify them for the one sample target.
     draft: list[int] = field(default_factory=list)
-    # A draft model drafts (draft_from >= 0): draft holds placeholders the runner fills; the
-    # draft model's KV is right below draft_from; context: the sequence's tokens.
-    draft_from: int = -1
-    context: list[int] = field(default_factory=list)
+    # The blocks after block_ids that hold the sequence's lookahead slots, where a draft
+    # model writes the KV of its next proposal (after this step's sampling).
+    lookahead_block_ids: list[int] = field(default_factory=list)
     # Prompt logprobs: the rows at positions score_start .. score_start + len(score_ids) - 1
     # each score the next prompt token (score_ids[i]), with the top score_top beside it.
     score_start: int = 0
@@ -91,3 +93,5 @@ class StepResult:
     errors: dict[int, str] = field(default_factory=dict)
     accepted: dict[int, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
+    # Speculative decoding: each proposing sequence's draft tokens for its next step.
+    drafts: dict[int, list[int]] = field(default_factory=dict)

@@ -34,13 +34,8 @@ FACADE = {
     ("pagedllm", "pagedllm.engine"),
 }
 
-# Known knots, pending the engine's redraw (issue 24): delete an entry when its import goes.
-PENDING: set[tuple[str, str]] = {
-    # The draft model's runner builds its model with the target runner's build_model, and the
-    # target runner makes the DraftRunner: a circle inside runtime/.
-    ("pagedllm.runtime.draft", "pagedllm.runtime.model_runner"),
-    ("pagedllm.runtime.model_runner", "pagedllm.runtime.draft"),
-}
+# Known knots, pending a redraw: delete an entry when its import goes (none are left).
+PENDING: set[tuple[str, str]] = set()
 
 TORCH_FREE = ("kv",)  # with everything they import from pagedllm
 HEAVY = ("torch", "triton", "numpy")

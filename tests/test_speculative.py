@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
 from pagedllm.config import EngineConfig, SpeculativeConfig
-from pagedllm.engine.speculative import NgramIndex, SpecStats
+from pagedllm.engine.speculative import SpecStats
+from pagedllm.runtime.ngram import NgramIndex
 from pagedllm.kv import KVCacheManager
 from pagedllm.kv.block_table import BlockTable
 from pagedllm.plan import SampleTarget
@@ -304,11 +305,11 @@ def test_random_proposals_never_change_greedy_output(llm_fp32, monkeypatch):
     """Drafts that are mostly wrong (random tokens, now and then the right one): the output
     is still the plain engine's, and every rejected lookahead slot is rolled back."""
     from pagedllm import LLM
-    from pagedllm.engine import speculative
+    from pagedllm.runtime import ngram
 
     want = _ids(llm_fp32.generate(PROMPTS[3:5], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False))
     rng = random.Random(0)
-    monkeypatch.setattr(speculative.NgramIndex, "propose",
+    monkeypatch.setattr(ngram.NgramIndex, "propose",
                         lambda self, tokens, k: [rng.randrange(0, 50) for _ in range(rng.randint(0, k))])
     llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, block_size=4,
               speculative_config={"num_speculative_tokens": 6})

@@ -20,7 +20,7 @@ from .observer import EngineObserver
 from .output_processor import OutputProcessor
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence, SeqStatus
-from .speculative import make_proposer
+from .speculative import SpecPolicy
 from .stats import EngineStats
 from .validation import RequestRules
 
@@ -71,7 +71,7 @@ class LLMEngine:
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
-                                   make_proposer(spec) if spec is not None else None, self.max_model_len,
+                                   SpecPolicy.of(spec) if spec is not None else None, self.max_model_len,
                                    frozenset(self.eos_token_ids))
         self.processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,

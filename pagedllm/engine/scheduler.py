@@ -12,7 +12,7 @@ from ..kv import KVCacheManager
 from ..plan import ChunkPlan, SampleTarget, StepPlan, StepResult
 from ..util import cdiv
 from .sequence import Request, Sequence, SeqStatus
-from .speculative import DraftModelProposer, NgramProposer, SpecStats
+from .speculative import SpecPolicy, SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -61,12 +61,13 @@ def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) ->
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
-                 proposer: NgramProposer | DraftModelProposer | None = None, max_model_len: int = 1 << 62,
+                 spec_policy: SpecPolicy | None = None, max_model_len: int = 1 << 62,
                  eos_token_ids: frozenset[int] = frozenset()) -> None:
         self.kv = kv
         self.eos_token_ids = eos_token_ids
-        # Speculative decoding: a decode may carry draft tokens in lookahead slots.
-        self.proposer = proposer
+        # Speculative decoding: a decode may carry the draft tokens the runtime proposed
+        # after its last step, in lookahead slots.
+        self.spec_policy = spec_policy
         self.max_model_len = max_model_len
         self.spec = SpecStats()
         self.max_num_seqs = max_num_seqs
@@ -161,8 +162,9 @@ class Scheduler:
             return None
         copies: list[tuple[int, int]] = []
         for seq, n in chunks:
-            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, seq.num_computed_tokens + n,
-                                          lookahead=len(seq.draft))
+            end = seq.num_computed_tokens + n
+            ahead = self._lookahead(seq, end)
+            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, lookahead=len(seq.draft) + ahead)
             if more is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
@@ -171,22 +173,33 @@ class Scheduler:
         return copies
 
     def _draft(self, seq: Sequence, room: int) -> int:
-        """Draft tokens for a decode (seq.draft), within `room` tokens of step budget, the
-        request's max_tokens and max_model_len. Beams and requests that ask for logprobs
-        decode one token a step."""
+        """Draft tokens for a decode (seq.draft): what the runtime proposed after its last
+        step, within `room` tokens of step budget, the request's max_tokens and max_model_len."""
         seq.draft = []
-        p = seq.params
-        if self.proposer is None or seq.request.beam is not None or p.logprobs is not None or p.ranks_samples:
-            return 0
-        if self.proposer.disable_by_batch_size and len(self.running) >= self.proposer.disable_by_batch_size:
+        if not seq.spec_tokens or not self._speculates(seq):
             return 0
         limit = min(room, self.tokens_left(seq.request, seq.num_output_tokens) - 1)
         if limit <= 0:
             return 0
-        if seq.ngrams is None:
-            seq.ngrams = self.proposer.new_index()
-        seq.draft = self.proposer.propose(seq.ngrams, seq.token_ids, limit)
+        seq.draft = seq.spec_tokens[:limit]
         return len(seq.draft)
+
+    def _speculates(self, seq: Sequence) -> bool:
+        """Whether a sequence drafts this step. Beams and requests that ask for logprobs (or
+        rank samples by them) decode one token a step; so does everyone in a batch of at
+        least disable_by_batch_size sequences."""
+        policy, p = self.spec_policy, seq.params
+        if policy is None or seq.request.beam is not None or p.logprobs is not None or p.ranks_samples:
+            return False
+        return not (policy.disable_by_batch_size and len(self.running) >= policy.disable_by_batch_size)
+
+    def _lookahead(self, seq: Sequence, end: int) -> int:
+        """Slots to hold past `end` for a draft model's next proposal (never past max_model_len;
+        beams never draft). Held by every such sequence whether it drafts this step or not,
+        so what a table holds only grows between steps."""
+        if self.spec_policy is None or seq.request.beam is not None:
+            return 0
+        return max(0, min(self.spec_policy.num_lookahead_tokens, self.max_model_len - end))
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, long_prefills: int) -> None:
         """Admit waiting sequences (a beam group whole), unless this step had to preempt
@@ -234,7 +247,9 @@ class Scheduler:
                 self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached, hit, seq.hashes)
         scheduled = 0
         for seq, hit, cached, n in chunks:
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n, hit, seq.hashes)
+            ahead = self._lookahead(seq, cached + n)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n + ahead, hit, seq.hashes,
+                                            lookahead=ahead)
             if copies is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
@@ -277,19 +292,20 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput) -> StepPlan:
         chunks = []
+        B = self.kv.block_size
         for s in out.scheduled:
-            table = self.kv.block_table(s.seq.seq_id)
+            seq = s.seq
+            table = self.kv.block_table(seq.seq_id)
             end = s.start + s.num_tokens
-            draft = s.seq.draft
+            draft = seq.draft
+            propose = self.spec_policy.num_speculative_tokens if s.sample_for == [seq] and self._speculates(seq) else 0
             chunks.append(ChunkPlan(
-                s.seq.seq_id, s.start, s.seq.token_ids[s.start:end - len(draft)] + draft, table.slots(s.start, end),
-                table.block_ids[:cdiv(end, self.kv.block_size)],
+                seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, table.slots(s.start, end),
+                table.block_ids[:cdiv(end, B)],
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
-                              t.request.beam.num_candidates if t.request.beam else 0) for t in s.sample_for],
-                list(draft)))
-            if draft and self.proposer.runner_drafts:
-                chunks[-1].draft_from, chunks[-1].context = s.seq.draft_done, s.seq.token_ids
-            self._plan_scores(chunks[-1], s.seq)
+                              t.request.beam.num_candidates if t.request.beam else 0, propose) for t in s.sample_for],
+                list(draft), table.block_ids[cdiv(end, B):cdiv(table.num_tokens, B)] if propose else []))
+            self._plan_scores(chunks[-1], seq)
         finished, self.finished_seq_ids = self.finished_seq_ids, []
         return StepPlan(chunks, out.copies, finished)
 
@@ -340,7 +356,7 @@ class Scheduler:
         for seq in seqs:
             self.kv.free(seq.seq_id)
             seq.draft = []
-            seq.draft_done = 0
+            seq.spec_tokens = []
             seq.num_computed_tokens = 0
             seq.status = SeqStatus.WAITING
             self.num_preemptions += 1
@@ -364,6 +380,7 @@ class Scheduler:
                 seq.request.prompt_logprobs.extend(res.prompt_logprobs[seq.seq_id])
             if seq.status is not SeqStatus.RUNNING:
                 continue
+            seq.spec_tokens = res.drafts.get(seq.seq_id, [])  # for its next step
             if seq.draft:
                 accepted = self._verified(s, res.accepted.get(seq.seq_id, []), seq.seq_id in res.tokens)
                 run = accepted + ([res.tokens[seq.seq_id]] if seq.seq_id in res.tokens else [])
@@ -463,9 +480,10 @@ class Scheduler:
         seq = s.seq
         drafted, seq.draft = len(seq.draft), []
         seq.num_computed_tokens = s.start + 1 + len(accepted)
-        if self.proposer.runner_drafts:  # the draft model saw the real token and all but its last draft
-            seq.draft_done = s.start + 1 + min(len(accepted), drafted - 1)
-        self.kv.rollback(seq.seq_id, seq.num_computed_tokens, seq.token_ids + accepted)
+        # The lookahead slots past the kept tokens stay: the draft model wrote its next
+        # proposal's KV there this step.
+        self.kv.rollback(seq.seq_id, seq.num_computed_tokens, seq.token_ids + accepted,
+                         lookahead=self._lookahead(seq, seq.num_computed_tokens))
         if ok:
             self.spec.record(drafted, len(accepted))
         return accepted
@@ -531,7 +549,8 @@ class Scheduler:
         right after its group, so a group stays one run of the list. Under reserve-max the
         child's private copy may not fit: it is recomputed later (beams need paged)."""
         child.hashes = parent.hashes.prefix(len(parent.token_ids))
-        copies = self.kv.fork(parent.seq_id, child.seq_id, hashes=child.hashes)
+        # The computed tokens only: the parent's lookahead slots are its own.
+        copies = self.kv.fork(parent.seq_id, child.seq_id, parent.num_computed_tokens, hashes=child.hashes)
         if copies is None:
             child.num_computed_tokens = 0
             child.status = SeqStatus.WAITING

@@ -35,11 +35,10 @@ class Sequence(PromptThenOutput):
     hashes: BlockHashes | None = None  # its block keys for the prefix cache (the scheduler sets them)
     logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
     cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked
-    # Speculative decoding: this step's draft tokens (in lookahead slots, not in token_ids
-    # until verified) and the n-gram index of its tokens (engine.speculative).
+    # Speculative decoding: the drafts the runtime proposed after the last step, and this
+    # step's draft tokens (in lookahead slots, not in token_ids until verified).
+    spec_tokens: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
-    ngrams: object | None = None
-    draft_done: int = 0   # a draft model's KV is right below this position
 
     @property
     def params(self) -> SamplingParams:

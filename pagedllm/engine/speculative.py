@@ -1,10 +1,7 @@
-"""Speculative decoding's drafts and counts: n-gram prompt lookup (no extra weights).
-
-A sequence that repeats itself (code being edited, a document quoted back, a list that
-follows a pattern) has its next tokens already in its context: after the latest earlier
-occurrence of its last n tokens. The scheduler gives those draft tokens lookahead slots,
-the runner verifies them all in one forward, and the KV manager rolls back the rejected.
-Plain Python, no torch."""
+"""Speculative decoding, the engine's side: who may draft (SpecPolicy) and what it achieved
+(SpecStats). The runtime proposes drafts after sampling (runtime/spec_decode.py: n-gram
+lookup, or a draft model); the scheduler gives the next step's drafts slots, the runner
+verifies them all in one forward, and the KV manager rolls back the rejected. Plain Python."""
 from __future__ import annotations
 
 import itertools
@@ -13,73 +10,21 @@ from dataclasses import dataclass, field
 from ..config import SpeculativeConfig
 
 
-@dataclass(slots=True)
-class NgramIndex:
-    """One sequence's n-grams -> where their latest occurrence ends, built incrementally:
-    each step adds the n-grams ending at the new tokens, never rescans the context."""
-    n_min: int
-    n_max: int
-    # ends[n - n_min][ngram] = end (exclusive) of its latest occurrence among those indexed
-    ends: list[dict[tuple[int, ...], int]] = field(default_factory=list)
-    indexed: int = 0          # n-grams ending at positions < indexed are in `ends`
+@dataclass(frozen=True, slots=True)
+class SpecPolicy:
+    """What the scheduler decides of speculation: who may carry drafts this step, and the
+    lookahead slots a draft model writes its next proposal into (after sampling, in the
+    runtime, as vLLM v1's proposers do). The proposers themselves live in the runtime."""
+    num_speculative_tokens: int
+    disable_by_batch_size: int | None = None
+    # Slots kept past a sequence's last computed token: the draft model writes the KV of
+    # the token just sampled and of its own drafts there (0 for n-gram lookup).
+    num_lookahead_tokens: int = 0
 
-    def __post_init__(self) -> None:
-        self.ends = [{} for _ in range(self.n_max - self.n_min + 1)]
-
-    def catch_up(self, tokens: list[int], upto: int) -> None:
-        """Index the n-grams ending before `upto`."""
-        for end in range(max(self.indexed, self.n_min), upto):
-            for n in range(self.n_min, min(self.n_max, end) + 1):
-                self.ends[n - self.n_min][tuple(tokens[end - n:end])] = end
-        self.indexed = max(self.indexed, upto)
-
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest
-        suffix of `tokens` (of n_max down to n_min tokens) seen before; [] if none."""
-        L = len(tokens)
-        self.catch_up(tokens, L)  # earlier occurrences only: they end before the suffix does
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            end = self.ends[n - self.n_min].get(tuple(tokens[L - n:]))
-            if end is not None:
-                return tokens[end:end + k]
-        return []
-
-
-class NgramProposer:
-    runner_drafts = False
-
-    def __init__(self, cfg: SpeculativeConfig) -> None:
-        self.k = cfg.num_speculative_tokens
-        self.n_min, self.n_max = cfg.prompt_lookup_min, cfg.prompt_lookup_max
-        self.disable_by_batch_size = cfg.disable_by_batch_size
-
-    def new_index(self) -> NgramIndex:
-        return NgramIndex(self.n_min, self.n_max)
-
-    def propose(self, index: NgramIndex, tokens: list[int], limit: int) -> list[int]:
-        """At most min(k, limit) draft tokens for the sequence of `tokens`."""
-        k = min(self.k, limit)
-        return index.propose(tokens, k) if k > 0 else []
-
-
-class DraftModelProposer:
-    """A draft model drafts in the runner: the scheduler only reserves k lookahead slots
-    (placeholder tokens, -1) that the runner's draft model fills before the verify forward."""
-    runner_drafts = True
-
-    def __init__(self, cfg: SpeculativeConfig) -> None:
-        self.k = cfg.num_speculative_tokens
-        self.disable_by_batch_size = cfg.disable_by_batch_size
-
-    def new_index(self) -> None:
-        return None
-
-    def propose(self, index: None, tokens: list[int], limit: int) -> list[int]:
-        return [-1] * max(0, min(self.k, limit))
-
-
-def make_proposer(cfg: SpeculativeConfig) -> NgramProposer | DraftModelProposer:
-    return DraftModelProposer(cfg) if cfg.method == "draft_model" else NgramProposer(cfg)
+    @classmethod
+    def of(cls, cfg: SpeculativeConfig) -> SpecPolicy:
+        k = cfg.num_speculative_tokens
+        return cls(k, cfg.disable_by_batch_size, k if cfg.method == "draft_model" else 0)
 
 
 @dataclass

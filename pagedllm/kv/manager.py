@@ -112,8 +112,9 @@ class KVCacheManager:
 
         A sequence not yet known starts from `cached_blocks` (a prefix hit) and keeps
         `hashes` (its block keys) for caching its full blocks. `lookahead`: how many of
-        the last of those tokens are speculative drafts, beyond `token_ids`; their slots
-        are lookahead slots, kept or taken back by rollback() once verified. Returns the
+        the last of those tokens are speculative (drafts, or slots a draft model writes its
+        next proposal into), beyond `token_ids`; their slots are lookahead slots, kept or
+        taken back by rollback() once verified, never cached. Returns the
         copy-on-write pairs the runner must copy before writing, or None if the pool
         cannot fit it now, in which case nothing has changed.
         """
@@ -139,26 +140,28 @@ class KVCacheManager:
         self._cache_full_blocks(table, token_ids, num_tokens - lookahead)
         return copies
 
-    def rollback(self, seq_id: int, num_tokens: int, token_ids: Sequence[int]) -> list[int]:
+    def rollback(self, seq_id: int, num_tokens: int, token_ids: Sequence[int], lookahead: int = 0) -> list[int]:
         """After verification: keep the first `num_tokens` slots (the tokens whose KV is
-        now right), give back the blocks only rejected drafts filled, and register the
-        full blocks among the kept ones (`token_ids`: at least those tokens). A block is
-        never cached from an unverified token. Returns the blocks freed."""
+        now right) and `lookahead` unverified slots past them, give back the blocks only
+        rejected drafts filled, and register the full blocks among the kept tokens
+        (`token_ids`: at least those tokens). A block is never cached from an unverified
+        token. Returns the blocks freed."""
         table = self.tables[seq_id]
         if not 0 <= num_tokens <= table.num_tokens:
             raise ValueError(f"rollback to {num_tokens} tokens outside [0, {table.num_tokens}]")
         if len(token_ids) < num_tokens:
             raise ValueError(f"rollback: {len(token_ids)} token ids for {num_tokens} kept tokens")
-        rejected = table.num_tokens - num_tokens
+        held = min(table.num_tokens, num_tokens + max(0, lookahead))
+        rejected = table.num_tokens - held
         freed: list[int] = []
         if self.policy == "paged":  # reserve-max keeps its whole reservation
-            keep = cdiv(num_tokens, self.block_size)
+            keep = cdiv(held, self.block_size)
             freed = table.block_ids[keep:][::-1]
             del table.block_ids[keep:]
             self.pool.release(freed)
-        table.num_tokens = num_tokens
+        table.num_tokens = held
         if self.listener is not None:  # rejected 0: every draft kept, the lookahead slots are verified now
-            self.listener({"type": "rollback", "seq": seq_id, "tokens": num_tokens, "rejected": rejected,
+            self.listener({"type": "rollback", "seq": seq_id, "tokens": held, "rejected": rejected,
                            "blocks": freed})
         self._cache_full_blocks(table, token_ids, num_tokens)
         return freed

@@ -14,15 +14,15 @@ from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
 from ..distributed import TPGroup
 from ..kernels import load_ops
-from ..loader import load_weights, resolve_model_dir
-from ..models import LlamaForCausalLM, ModelConfig
-from ..models.llama import tp_split_dim
-from ..models.rope import RotaryEmbedding
+from ..loader import resolve_model_dir
+from ..models import ModelConfig
 from ..outputs import Logprob
 from ..plan import StepPlan, StepResult
 from ..util import cdiv
+from .build import build_model
 from .kv_cache import KVCache
 from .rejection import Verify, verify
+from .spec_decode import make_proposer
 from .sampler import sample
 from .threads import ThreadGovernor, resolve_num_threads
 
@@ -92,21 +92,6 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
             raise
         logger.warning("%s; using the torch reference attention instead", e)
         return get_backend("torch")
-
-
-def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, kernels, tp: TPGroup,
-                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-    """This rank's slice of the model, its weights loaded, in `dtype`, with its RoPE tables
-    (float32 whatever the weights' dtype)."""
-    with torch.device("meta"):  # no random init of weights we overwrite anyway
-        model = LlamaForCausalLM(mc, backend, kernels, tp)
-    model = model.to_empty(device=device)
-    if mc.tie_word_embeddings:
-        model.lm_head.weight = model.embed_tokens.weight
-    model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
-    model = model.to(dtype).eval()
-    model.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
-    return model
 
 
 @dataclass(slots=True)
@@ -214,12 +199,15 @@ class ModelRunner:
             from .draft import DraftRunner
             if tp.size > 1:
                 raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
-            self.draft = DraftRunner(resolve_model_dir(spec.model), backend, kernels, self.device, self.dtype)
+            self.draft = DraftRunner(resolve_model_dir(spec.model), backend, kernels, self.device, self.dtype,
+                                     max_model_len)
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
                                 profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp,
                                 extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0)
         if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
             self.draft.allocate(self.kv_cache.num_blocks, cfg.block_size)
+        # Drafts for the next step, proposed after sampling (rank 0 only: it samples).
+        self.proposer = make_proposer(spec, self.draft) if spec is not None and tp.is_driver else None
         self.max_model_len = max_model_len
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
@@ -272,11 +260,8 @@ class ModelRunner:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
-        if self.draft is not None:  # copies first: the draft model writes into the blocks they fill
-            self.kv_cache.copy_blocks(plan.copies)
+        if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
-            plan.copies = []
-            self.draft.propose(plan.chunks)
         step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
             self.tp.broadcast(step)
@@ -294,6 +279,8 @@ class ModelRunner:
                                                   self.eos_token_ids, self.generators)
             out.tokens.update(tokens)
             out.errors.update(errors)
+        if self.proposer is not None:
+            out.drafts = self.proposer.propose(plan, out)
         return out
 
     @torch.inference_mode()
@@ -343,9 +330,10 @@ class ModelRunner:
                           nd, logit_rows, plan.copies, *scores)
         return step, sample_rows, checks, scored
 
-    def _forward(self, step: StepInputs) -> torch.Tensor | None:
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[dict[int, Logprob]]]:
         """The step's forward on this rank: logits of the rows that sample (the whole
-        vocabulary on rank 0, None on the other ranks and when nothing samples)."""
+        vocabulary on rank 0, None on the other ranks and when nothing samples), and the
+        scored prompt tokens' logprobs."""
         self.kv_cache.copy_blocks(step.copies)
         ids, positions, slots = step.ids, step.positions, step.slots
         nd, n = step.num_decodes, len(step.seq_lens)

@@ -202,7 +202,7 @@ class VizHub:
                            eng.kv.block_size) for s in eng.scheduler.running)
         figs = kv_figures(view.kv, reserve, view.preemptions)
         spec = eng.scheduler.spec
-        if eng.scheduler.proposer is not None:
+        if eng.scheduler.spec_policy is not None:
             figs.update(spec_drafted=spec.num_draft_tokens, spec_accepted=spec.num_accepted_tokens)
         return figs
 

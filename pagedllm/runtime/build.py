@@ -1,0 +1,28 @@
+"""A model built for this rank: its layers on `device`, its slice of the weights loaded."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..attention import AttentionBackend
+from ..distributed import TPGroup
+from ..loader import load_weights
+from ..models import LlamaForCausalLM, ModelConfig
+from ..models.llama import tp_split_dim
+from ..models.rope import RotaryEmbedding
+
+
+def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, kernels, tp: TPGroup,
+                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+    """This rank's slice of the model, its weights loaded, in `dtype`, with its RoPE tables
+    (float32 whatever the weights' dtype)."""
+    with torch.device("meta"):  # no random init of weights we overwrite anyway
+        model = LlamaForCausalLM(mc, backend, kernels, tp)
+    model = model.to_empty(device=device)
+    if mc.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
+    model = model.to(dtype).eval()
+    model.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
+    return model

@@ -5,7 +5,8 @@ The server's event loop validates a request (EngineShape), asks the Router for a
 and puts the request on that replica's queue. One supervisor thread per replica reads its
 pipe: outputs go to the request streams and the metrics observer; when the pipe ends (the
 process died) the replica's requests in flight fail with EngineDeadError at once, and a
-new process takes the same index, so the hash ring, and the other replicas, are untouched.
+new process takes the same index, so the hash ring, and the other replicas, are untouched;
+the router forgets what it sent the dead one, whose successor starts with an empty pool.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ..engine.engine import EngineStats
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .replica import ReplicaInfo, replica_main, wait_ready
-from .router import ReplicaLoad, Router
+from .router import MAX_RECORD_BLOCKS, ReplicaLoad, Router
 from .shape import EngineShape
 from .stats import ReplicaFigures, counters_only, sum_stats, zero_stats
 
@@ -71,7 +72,6 @@ class DataParallelEngine:
             from ..runtime.threads import resolve_num_threads
             cfg = replace(cfg, num_threads=max(1, resolve_num_threads(None)[0] // n))
         self.cfg, self.max_queue_len, self.log_interval, self.log_level = cfg, max_queue_len, log_interval, log_level
-        self.router = Router(n, cfg.router_policy, cfg.block_size)
         self.replicas = [Replica(i) for i in range(n)]
         self.observer: StepObserver | None = None
         self._ctx = mp.get_context("spawn")
@@ -88,6 +88,9 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.engine.fit(infos)
+        # A record larger than a replica's pool would remember blocks the replica has reused.
+        self.router = Router(n, cfg.router_policy, cfg.block_size,
+                             record_blocks=min(MAX_RECORD_BLOCKS, min(i.num_blocks for i in infos)))
         self._threads = [threading.Thread(target=self._supervise, args=(r,), name=f"pagedllm-dp{r.index}",
                                           daemon=True) for r in self.replicas]
         self._threads.append(threading.Thread(target=self._log_loop, name="pagedllm-dp-log", daemon=True))
@@ -233,6 +236,7 @@ class DataParallelEngine:
                          r.proc.pid, code)
             with self._lock:
                 r.alive = False
+                self.router.forget(r.index)
                 if r.stats is not None:
                     self._retired = sum_stats([self._retired, counters_only(r.stats)])
                     r.stats = None

@@ -4,11 +4,14 @@ prefix: affinity on what the replicas hold. The router keeps, per replica, a rec
 chained block hashes (kv/hashing.py: salted by the cache salt, so tenants isolated per key
 never share a record) of the full prompt blocks it sent there; a replica's prefix cache
 holds those blocks, or held them until its own LRU reused them. A request goes to the live
-replica under its load bound whose record matches the longest run of its leading blocks:
-every chat behind one system prompt finds the replica that computed it, however short the
-prompt is, as long as it fills a block. No match (a new prefix), or a tie, walks a
-consistent-hash ring from a key of the prompt's first blocks, so new prefixes spread
-evenly, and adding a replica moves only the keys whose points the new one takes over.
+replica under its load bound whose record matches the longest run of its leading blocks,
+once that run is a fifth of the prompt's full blocks or more: every chat behind one system
+prompt finds the replica that computed it, however short the system prompt, as long as it
+fills a block and is not lost in a long user turn. Ties go by a consistent-hash ring
+walked from a key of the prompt's first blocks. A new prefix (no such match, or one sharing
+only a preamble with others) goes to the replica with the fewest requests in flight, the
+ring's first of those, so new prefixes spread evenly when idle and toward spare capacity
+under load.
 Records are LRU-bounded (an attacker sending endless distinct prompts flushes them, as
 it would flush the replicas' caches, but never grows them), and a dead replica's record
 is forgotten: its successor starts with an empty pool. round-robin and least-loaded
@@ -27,10 +30,13 @@ from ..config import ROUTER_POLICIES
 from ..kv.hashing import BlockHashes
 
 VIRTUAL_NODES = 160      # per replica: the ring's spread of keys is within ~10 % of even
-PREFIX_BLOCKS = 4        # at most this many first blocks make the ring's key (new prefixes spread by it)
+PREFIX_BLOCKS = 4        # at most this many first blocks make the ring's key
 LOAD_FACTOR = 1.25       # c of "bounded loads": no replica above c x the mean in flight ...
 LOAD_SLACK = 1           # ... plus this, so a few requests of one prefix stay together
 MAX_KV_USAGE = 0.95      # a replica with its KV pool this full takes no affinity traffic
+MIN_MATCH_FRACTION = 0.2  # a record's match counts from this share of the prompt's full blocks on:
+                          # a preamble every system prompt opens with must not pull them all to
+                          # the one replica that saw it first (SGLang's cache_aware: 0.3 of chars)
 MAX_RECORD_BLOCKS = 1 << 16  # block hashes a replica's record keeps at most (~7 MB): a record
                              # larger than the replica's pool would remember what it evicted
 
@@ -152,13 +158,13 @@ class Router:
 
     def __init__(self, num_replicas: int, policy: str = "prefix", block_size: int = 16,
                  factor: float = LOAD_FACTOR, slack: int = LOAD_SLACK, max_kv_usage: float = MAX_KV_USAGE,
-                 record_blocks: int = MAX_RECORD_BLOCKS) -> None:
+                 record_blocks: int = MAX_RECORD_BLOCKS, min_match: float = MIN_MATCH_FRACTION) -> None:
         if policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {policy!r}")
         if num_replicas < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {num_replicas!r}")
         self.policy, self.block_size = policy, block_size
-        self.factor, self.slack, self.max_kv_usage = factor, slack, max_kv_usage
+        self.factor, self.slack, self.max_kv_usage, self.min_match = factor, slack, max_kv_usage, min_match
         self.ring = HashRing(range(num_replicas))
         self.records = [BlockRecord(record_blocks) for _ in range(num_replicas)]
         self._next = 0  # round-robin's turn
@@ -176,9 +182,15 @@ class Router:
         key = hashes[min(len(hashes), PREFIX_BLOCKS) - 1]  # prefix_key's, without hashing twice
         room = [r for r in self.ring.walk(key)
                 if loads[r].alive and loads[r].in_flight + 1 <= bound and loads[r].kv_usage < self.max_kv_usage]
-        # The longest match wins; max() keeps the first of equals, so ties (and "no match
-        # anywhere") go by ring order. Every replica full or busy: spread, affinity lost.
-        r = max(room, key=lambda i: self.records[i].matched(hashes)) if room else least_loaded(loads)
+        if not room:  # every replica full or busy: spread, affinity lost
+            r = least_loaded(loads)
+        else:
+            matched = {i: self.records[i].matched(hashes) for i in room}
+            best = max(matched.values())
+            if best >= self.min_match * len(hashes):  # the longest match wins; ties by ring order
+                r = next(i for i in room if matched[i] == best)
+            else:  # a new prefix: the ring's replica, unless another has fewer requests in flight
+                r = min(room, key=lambda i: loads[i].in_flight)  # min keeps the first of equals
         self.records[r].add(hashes)
         return r
 

@@ -25,10 +25,12 @@ class EngineShape:
 
     def __init__(self, cfg: EngineConfig) -> None:
         """The tokenizer and model config (loaded while the replicas load their weights)."""
-        model_dir = resolve_model_dir(cfg.model)
         self.cfg = cfg
+        # The HF directories read (a GGUF's converted one): the server's /model_info names them.
+        self.model_dir = model_dir = resolve_model_dir(cfg.model)
+        self.tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
         self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
-        self.tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
 
     def fit(self, infos: list[ReplicaInfo]) -> None:
         """The limits, from the started replicas' engines."""

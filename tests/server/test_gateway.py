@@ -5,16 +5,12 @@ a gateway reads, truthfully and behind the keys; the real gateway in front of a 
 ~10 s to the suite for nothing the gateway does differently per worker.)"""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from pagedllm.util import free_port
+from pagedllm.bench.gateway import Gateway
 
 from .conftest import MODEL
 
@@ -44,41 +40,11 @@ def test_model_info_and_server_info_are_behind_the_keys_and_hold_none(keyed_serv
 
 
 @pytest.fixture(scope="module")
-def gateway(server, tmp_path_factory):
+def gateway(server):
     """sglang-router's gateway, cache_aware, in front of the session's server."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                 "--port", str(port), "--worker-urls", server.url,
-                                 "--policy", "cache_aware", "--log-level", "warn",
-                                 "--shutdown-grace-period-secs", "1"], stdout=f, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _await_workers(url, proc, log, 1)
-        yield url, server.url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-def _await_workers(url: str, proc: subprocess.Popen, log: Path, n: int) -> None:
-    """Until the gateway has registered n healthy workers (it registers them after it listens)."""
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the gateway exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            workers = httpx.get(url + "/workers", timeout=2).json()["workers"]
-            if sum(w["is_healthy"] for w in workers) == n:
-                return
-        except (httpx.HTTPError, json.JSONDecodeError, KeyError):
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not register {n} workers:\n{log.read_text()}")
+    gw = Gateway([server.url], "cache_aware")
+    yield gw.url, server.url
+    gw.stop()
 
 
 def test_the_gateway_names_our_model_and_serves_through_it(gateway):

@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.bench.data_parallel import ServeProcess, routed_per_replica, threads_used
 from pagedllm.bench.gateway import Gateway
-from pagedllm.bench.provenance import save_result
+from pagedllm.bench.provenance import provenance, save_result
 from pagedllm.bench.serve_client import run_serve_bench
 from pagedllm.bench.workloads import WorkloadOptions, load_workload
 from pagedllm.loader import load_tokenizer, resolve_model_dir
@@ -126,6 +126,12 @@ def report(rows: list[dict]) -> tuple[list[str], dict]:
     return lines, {"gateway_mean": gw, "dp2_mean": dp, "gateway_over_dp2": ratios, "hit_rate_points": points}
 
 
+def where(p: dict) -> str:
+    """The result's provenance in one line, for the .txt."""
+    return (f"commit {p['commit'][:12]}{' (dirty)' if p['dirty'] else ''}, torch {p['torch']}, {p['threads']} "
+            f"threads in the client, {p['logical_cpus']} logical CPUs ({p['cpu']}), {p['date']}")
+
+
 def _name(r: dict) -> str:
     return f"{r['label']}, round {r['round']}" if "round" in r else r["label"]
 
@@ -175,7 +181,8 @@ def main() -> int:
                  "gateway": f"sglang-router {version('sglang-router')}, --policy cache_aware",
                  "load_average_before": load_before, "note": args.note, "rounds": args.rounds, "results": rows,
                  **summary}, args.out)
-    Path(args.out).with_suffix(".txt").write_text("\n".join([f"$ {command}", args.note, *lines]) + "\n")
+    Path(args.out).with_suffix(".txt").write_text("\n".join([f"$ {command}", where(provenance()), args.note,
+                                                             *lines]) + "\n")
     print(f"wrote {args.out} and {Path(args.out).with_suffix('.txt')}")
     return 0 if all(r["failed"] == 0 for r in rows) else 1
 

@@ -73,6 +73,10 @@ pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --
 pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --max-concurrency 4 \
   --out $R/data_parallel_c4.json
 
+# 13b. Two engines behind one address: the SGLang Model Gateway (sglang-router, cache_aware) in
+#      front of 2 workers against --data-parallel-size 2 (BENCHMARKS.md section 18).
+python benchmarks/gateway_vs_dp.py --num-prompts 48 --max-concurrency 8 --rounds 2 --out $R/gateway_vs_dp.json
+
 # 14. TP x DP on paper: LLaMA-13B on 1-8 GPUs.
 pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memory 80GiB,40GiB \
   --num-prompts 4000 --max-prompt-len 1024 --max-output-len 1024 --max-num-seqs 4096 \

@@ -170,8 +170,8 @@ class EngineConfig:
     data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
                                    "(pagedllm serve)", type=int)
     router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
-                              "(the replica likely to hold the prompt's first blocks; load overrides), "
-                              "round-robin or least-loaded", choices=list(ROUTER_POLICIES))
+                              "(the replica it sent the longest run of the prompt's leading blocks, new "
+                              "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:

@@ -53,6 +53,11 @@ def test_completions_and_chat_streaming_and_not(dp_server):
     text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
     assert text == chat.choices[0].message.content and text
     assert httpx.get(dp_server.url + "/health").json() == {"status": "ok"}
+    # What a gateway reads: the server's totals over its replicas (SGLang's over its DP ranks).
+    info, listed = (httpx.get(dp_server.url + p).json() for p in ("/server_info", "/v1/models"))
+    assert (info["dp_size"], info["max_running_requests"]) == (2, 2 * 256)
+    assert info["max_total_num_tokens"] == listed["data"][0]["kv_cache_blocks"] * 16
+    assert httpx.get(dp_server.url + "/model_info").json()["model_type"] == "llama"
     # Validated in the server process by the engine's own rules: a 400 naming the limit.
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagedllm.dp.router import (
+    MIN_MATCH_FRACTION,
     PREFIX_BLOCKS,
     HashRing,
     ReplicaLoad,
@@ -113,3 +114,160 @@ def test_bad_policy_and_no_live_replica_are_errors():
         Router(2, "random")
     with pytest.raises(ValueError, match="no live replica"):
         Router(1).choose([1] * 40, None, [ReplicaLoad(alive=False)])
+
+
+# -- affinity on what the replicas hold ----------------------------------------------------
+# A chat template's frame around the turns, as SmolLM2's puts it ("<|im_start|>system\n" ...):
+# with it, a system prompt of 8 tokens or more fills the first block (3 + 8 + 5 = 16).
+HEADER, SEP, FOOTER = [1, 9690, 198], [2, 198, 1, 4093, 198], [2, 198, 1, 520, 9531, 198]
+# System prompt lengths in tokens: shorter than one block, between 1 and 4 blocks, past 4.
+BANDS = {"under 1 block": (8, 15), "1 to 4 blocks": (17, 63), "over 4 blocks": (65, 200)}
+
+
+def _chat(system: list[int], user: list[int]) -> list[int]:
+    return HEADER + system + SEP + user + FOOTER
+
+
+def _systems(rng: random.Random, n: int, lo: int, hi: int) -> list[list[int]]:
+    """n system prompts that differ from their first token on."""
+    return [[20000 + i] + [rng.randrange(49152) for _ in range(rng.randint(lo, hi) - 1)] for i in range(n)]
+
+
+def _user(rng: random.Random, longest: int = 40) -> list[int]:
+    """A user turn; at most 40 tokens keeps a one-block system prompt at a quarter or more of
+    the prompt's blocks (the router counts matches from a fifth on)."""
+    return [rng.randrange(49152) for _ in range(rng.randint(1, longest))]
+
+
+def _homes(router: Router, systems: list[list[int]], chats: int, rng: random.Random, n: int,
+           salt: str | None = None, longest: int = 40) -> list[set[int]]:
+    """Route `chats` chats behind each system prompt, in random order, one at a time (each
+    finished before the next arrives); the replicas each system prompt's chats went to."""
+    order = [s for s in range(len(systems)) for _ in range(chats)]
+    rng.shuffle(order)
+    loads = [ReplicaLoad() for _ in range(n)]
+    homes: list[set[int]] = [set() for _ in systems]
+    for s in order:
+        homes[s].add(router.choose(_chat(systems[s], _user(rng, longest)), salt, loads))
+    return homes
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(2, 8), st.sampled_from(sorted(BANDS)), st.integers(0, 2**32))
+def test_each_system_prompts_chats_go_to_one_replica(n, band, seed):
+    """8 system prompts, many user turns behind each: whatever the system prompt's length,
+    once it fills a block, its chats all go where its first chat went."""
+    rng = random.Random(seed)
+    systems = _systems(rng, 8, *BANDS[band])
+    homes = _homes(Router(n, "prefix", BLOCK), systems, 12, rng, n)
+    assert all(len(h) == 1 for h in homes)
+
+
+@pytest.mark.parametrize("band", sorted(BANDS))
+def test_different_system_prompts_spread_over_replicas(band):
+    """New prefixes go by the hash ring: 8 system prompts use 3 or 4 of 4 replicas, and 64
+    put between 8 and 24 on each (16 is even)."""
+    rng = random.Random(7)
+    homes = _homes(Router(4, "prefix", BLOCK), _systems(rng, 8, *BANDS[band]), 6, rng, 4)
+    assert len({next(iter(h)) for h in homes}) >= 3
+    homes = _homes(Router(4, "prefix", BLOCK), _systems(rng, 64, *BANDS[band]), 2, rng, 4)
+    per_replica = [sum(h == {r} for h in homes) for r in range(4)]
+    assert all(8 <= k <= 24 for k in per_replica), per_replica
+
+
+def test_a_prefix_shorter_than_one_block_is_not_held_so_chats_spread():
+    """Only full blocks are cached: a shared frame and system prompt of 13 tokens leave every
+    chat's first block different, so there is nothing to keep together and they spread."""
+    rng = random.Random(3)
+    system = [20000, 5, 6, 7, 8]
+    router, loads = Router(4, "prefix", BLOCK), [ReplicaLoad() for _ in range(4)]
+    chosen = {router.choose(_chat(system, _user(rng)), None, loads) for _ in range(40)}
+    assert len(chosen) >= 3
+
+
+def test_a_preamble_every_system_prompt_opens_with_does_not_pull_them_together():
+    """As the bench workload's: 8 system prompts open with the same 2 blocks. The first
+    chat of each new one matches those blocks where another was sent; that is too little
+    of its prompt to count, so the ring spreads them, and each still keeps together."""
+    rng = random.Random(17)
+    preamble = [rng.randrange(49152) for _ in range(2 * BLOCK - len(HEADER))]
+    systems = [preamble + s for s in _systems(rng, 8, 60, 120)]
+    homes = _homes(Router(4, "prefix", BLOCK), systems, 8, rng, 4, longest=200)
+    assert all(len(h) == 1 for h in homes)
+    assert len({next(iter(h)) for h in homes}) >= 3
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(2, 6), st.integers(0, 2**32),
+       st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 99)), min_size=1, max_size=150))
+def test_the_longest_match_with_room_wins_and_no_replica_passes_the_bound(n, seed, ops):
+    """Chats of 8 system prompts arrive and finish in any order: each goes to a replica
+    with room whose record matches the most leading blocks, when that match counts (a
+    fifth of the prompt's blocks), never past the load bound."""
+    rng = random.Random(seed)
+    systems = _systems(rng, 8, 8, 120)
+    router, loads = Router(n, "prefix", BLOCK), [ReplicaLoad() for _ in range(n)]
+    in_flight: list[int] = []
+    for arrive, s, pick in ops:
+        if arrive:
+            ids = _chat(systems[s], _user(rng, 200))
+            bound, matched = load_bound(loads), router.matched(ids)
+            best = max(matched[i] for i in range(n) if loads[i].in_flight + 1 <= bound)
+            r = router.choose(ids, None, loads)
+            assert loads[r].in_flight + 1 <= bound
+            if best >= MIN_MATCH_FRACTION * (len(ids) // BLOCK):
+                assert matched[r] == best
+            loads[r].in_flight += 1
+            in_flight.append(r)
+        elif in_flight:
+            loads[in_flight.pop(pick % len(in_flight))].in_flight -= 1
+
+
+def test_records_stay_bounded_and_keep_the_hot_prefix():
+    """Endless distinct prompts (an attacker's, or just traffic) never grow a record past its
+    capacity; a system prompt in use stays matched, because every chat touches it (here
+    every 10th request: the 10 between add at most 40 blocks to a record of 64)."""
+    rng = random.Random(5)
+    router, loads = Router(2, "prefix", BLOCK, record_blocks=64), [ReplicaLoad(), ReplicaLoad()]
+    system = _systems(rng, 1, 40, 40)[0]
+    home = router.choose(_chat(system, [1]), None, loads)
+    for k in range(2000):
+        junk = [rng.randrange(49152) for _ in range(BLOCK * rng.randint(1, 4))]
+        router.choose(junk, None, loads)
+        if k % 10 == 0:
+            assert router.choose(_chat(system, _user(rng)), None, loads) == home
+        assert all(len(rec) <= 64 for rec in router.records)
+    huge = [rng.randrange(49152) for _ in range(BLOCK * 1000)]
+    r = router.choose(huge, None, loads)
+    assert len(router.records[r]) == 64
+    assert router.matched(huge)[r] == 64  # the first blocks are the ones kept
+
+
+def test_a_dead_replicas_record_is_forgotten():
+    rng = random.Random(11)
+    router, loads = Router(2, "prefix", BLOCK), [ReplicaLoad(), ReplicaLoad()]
+    system = _systems(rng, 1, 30, 30)[0]
+    home = router.choose(_chat(system, [1]), None, loads)
+    assert router.matched(_chat(system, [2]))[home] > 0
+    loads[home].alive = False
+    other = router.choose(_chat(system, [3]), None, loads)
+    assert other == 1 - home
+    router.forget(home)  # the front does this when the process dies; its successor starts empty
+    loads[home].alive = True
+    assert len(router.records[home]) == 0
+    assert {router.choose(_chat(system, _user(rng)), None, loads) for _ in range(10)} == {other}
+
+
+def test_tenants_salts_do_not_share_records():
+    rng = random.Random(13)
+    router, loads = Router(4, "prefix", BLOCK), [ReplicaLoad() for _ in range(4)]
+    system = _systems(rng, 1, 50, 50)[0]
+    for _ in range(5):
+        router.choose(_chat(system, _user(rng)), "tenant-a", loads)
+    probe = _chat(system, [9, 9])
+    assert max(router.matched(probe, "tenant-a")) > 0
+    assert router.matched(probe, "tenant-b") == [0] * 4
+    assert router.matched(probe, None) == [0] * 4
+    # Tenant b's chats keep together on their own record, wherever the ring put the first.
+    homes = _homes(router, [system], 10, rng, 4, salt="tenant-b")
+    assert len(homes[0]) == 1

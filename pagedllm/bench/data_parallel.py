@@ -8,17 +8,14 @@ many requests each replica got, and the threads each replica ran.
 from __future__ import annotations
 
 import logging
-import os
 import re
 import shlex
-import subprocess
 import sys
-import tempfile
-import time
 from dataclasses import dataclass
 
 import httpx
 
+from .process import LoggedProcess
 from .serve_client import run_serve_bench
 from .sharegpt import BenchRequest
 from ..util import free_port
@@ -50,45 +47,25 @@ def parse_layouts(text: str) -> list[Layout]:
     return out
 
 
-class _Server:
-    """A `pagedllm serve` subprocess, up once /health answers."""
+class ServeProcess(LoggedProcess):
+    """A `pagedllm serve` subprocess on 127.0.0.1 with `args`, up once /health answers."""
 
-    def __init__(self, layout: Layout, server_args: list[str], timeout: float = 600) -> None:
+    def __init__(self, label: str, args: list[str], timeout: float = 600) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        fd, self.log_path = tempfile.mkstemp(prefix=f"pagedllm-{layout.label}-", suffix=".log")
-        with os.fdopen(fd, "w") as log:  # the server writes on through its own copy
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port), "--no-viz",
-                 "--log-interval", "5", "--data-parallel-size", str(layout.replicas), "--router-policy",
-                 layout.policy, *server_args], stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.text()[-3000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise RuntimeError(f"server did not come up in {timeout:.0f} s:\n{self.text()[-3000:]}")
-
-    def text(self) -> str:
-        with open(self.log_path) as f:
-            return f.read()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        super().__init__(f"pagedllm-{label}", [sys.executable, "-m", "pagedllm.cli", "serve", "--port", str(self.port),
+                                               "--no-viz", "--log-interval", "5", *args])
+        self.wait_until(lambda: httpx.get(self.url + "/health", timeout=2).status_code == 200, timeout,
+                        f"pagedllm serve ({label}) coming up")
 
 
-def _routed(url: str, replicas: int) -> list[int]:
+def threads_used(log: str) -> list[int]:
+    """The CPU threads each engine of a server's log said it runs."""
+    return [int(t) for t in re.findall(r"CPU: (\d+) threads", log)]
+
+
+def routed_per_replica(url: str, replicas: int) -> list[int]:
+    """Requests the data-parallel server sent each replica ([] for one replica)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     if replicas == 1:
@@ -103,15 +80,15 @@ def _routed(url: str, replicas: int) -> list[int]:
 
 def run_layout(layout: Layout, reqs: list[BenchRequest], server_args: list[str], rate: float,
                concurrency: int | None, seed: int) -> dict:
-    server = _Server(layout, server_args)
+    server = ServeProcess(layout.label, ["--data-parallel-size", str(layout.replicas), "--router-policy",
+                                         layout.policy, *server_args])
     try:
         name = httpx.get(server.url + "/v1/models", timeout=30).json()["data"][0]["id"]
         r = run_serve_bench(server.url, name, reqs, rate, concurrency, seed)
-        routed = _routed(server.url, layout.replicas)
+        routed = routed_per_replica(server.url, layout.replicas)
     finally:
         server.stop()
-    log = server.text()
-    threads = [int(t) for t in re.findall(r"CPU: (\d+) threads", log)]
+    threads = threads_used(server.text())
     return {"label": layout.label, "replicas": layout.replicas, "router_policy": layout.policy,
             "output_tok_s": r["output_throughput"], "prefix_hit_rate": r["prefix_hit_rate"],
             "completed": r["completed"], "failed": r["failed"], "duration_s": r["duration"],

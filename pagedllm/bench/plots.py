@@ -251,6 +251,23 @@ def plot_data_parallel(fig, data: dict) -> None:
     b.set_xlabel("prefix hit rate, %")
 
 
+def plot_gateway_vs_dp(fig, data: dict) -> None:
+    """Hit rate, median and P99 TTFT of the two layouts: the mean over the rounds as a bar,
+    each round as a dot."""
+    means = [data["gateway_mean"], data["dp2_mean"]]
+    labels = [m["label"].removesuffix(" (mean)") for m in means]
+    colours = [OTHER_COLOUR, OURS]
+    rounds = [[r for r in data["results"] if r["label"] == label] for label in labels]
+    panels = (("prefix_hit_rate", 100, "{:.1f}", "prefix hit rate, %"),
+              ("median_ttft_ms", 1, "{:.0f}", "median TTFT, ms"), ("p99_ttft_ms", 1, "{:.0f}", "P99 TTFT, ms"))
+    for i, (ax, (key, scale, fmt, xlabel)) in enumerate(zip(fig.subplots(1, 3), panels)):
+        _bars(ax, labels, [scale * m[key] for m in means], colours, fmt,
+              [[scale * r[key] for r in rs] for rs in rounds])
+        ax.set_xlabel(xlabel)
+        if i:
+            ax.set_yticks([])
+
+
 def plot_single_request(fig, data: dict) -> None:
     """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
     names = list(data["workloads"])
@@ -276,6 +293,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: "allreduce" in d and "engine" in d, plot_tensor_parallel,
      "Tensor parallel on CPU: all-reduce alone, and the engine", True),
     (lambda d: d.get("benchmark") == "data_parallel", plot_data_parallel, "Data parallel routing", True),
+    (lambda d: d.get("benchmark") == "gateway_vs_dp", plot_gateway_vs_dp,
+     "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
     (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,
      "One request at a time, against llama.cpp", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -101,12 +101,16 @@ LATENCY_METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Ti
 
 def run_serve_bench(base_url: str, model: str, reqs: list[BenchRequest], rate: float = float("inf"),
                     concurrency: int | None = None, seed: int = 0, api_key: str | None = None,
-                    percentiles: tuple[float, ...] = (99,), progress: bool = False) -> dict:
+                    percentiles: tuple[float, ...] = (99,), progress: bool = False,
+                    counter_urls: list[str] | None = None) -> dict:
     """vLLM's result JSON: flat keys (mean_ttft_ms, p99_itl_ms, completed, duration, ...), plus
-    prefix_hit_rate and cached_tokens, which vLLM does not measure."""
-    q0, h0 = _prefix_counters(base_url)
+    prefix_hit_rate and cached_tokens, which vLLM does not measure. counter_urls: the servers
+    whose prefix-cache counters make the hit rate (default base_url; behind a gateway, its
+    workers)."""
+    urls = counter_urls or [base_url]
+    q0, h0 = map(sum, zip(*map(_prefix_counters, urls)))
     results, duration = asyncio.run(_run(base_url, model, reqs, rate, concurrency, seed, api_key, progress))
-    q1, h1 = _prefix_counters(base_url)
+    q1, h1 = map(sum, zip(*map(_prefix_counters, urls)))
     ok = [r for r in results if r["ok"]]
     in_tok, out_tok = sum(r["prompt_tokens"] for r in ok), sum(r["output_tokens"] for r in ok)
     samples = {"ttft": [r["ttft"] for r in ok], "tpot": [r["tpot"] for r in ok if r["tpot"] is not None],

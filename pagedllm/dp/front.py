@@ -5,7 +5,8 @@ The server's event loop validates a request (the engines' RequestRules, in this 
 asks the Router for a replica and puts the request on that replica's queue. One supervisor thread per replica reads its
 pipe: outputs go to the request streams and the metrics observer; when the pipe ends (the
 process died) the replica's requests in flight fail with EngineDeadError at once, and a
-new process takes the same index, so the hash ring, and the other replicas, are untouched.
+new process takes the same index, so the hash ring, and the other replicas, are untouched;
+the router forgets what it sent the dead one, whose successor starts with an empty pool.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from ..util import cdiv
 from .replica import ReplicaInfo, replica_main, wait_ready
-from .router import ReplicaLoad, Router
+from .router import MAX_RECORD_BLOCKS, ReplicaLoad, Router
 from .stats import ReplicaFigures, counters_only, sum_stats, zero_stats
 
 logger = logging.getLogger(__name__)
@@ -70,7 +71,6 @@ class DataParallelEngine:
             from ..runtime.threads import resolve_num_threads
             cfg = replace(cfg, num_threads=max(1, resolve_num_threads(None)[0] // n))
         self.cfg, self.max_queue_len, self.log_interval, self.log_level = cfg, max_queue_len, log_interval, log_level
-        self.router = Router(n, cfg.router_policy, cfg.block_size)
         self.replicas = [Replica(i) for i in range(n)]
         self.observer: StepObserver | None = None
         self._ctx = mp.get_context("spawn")
@@ -89,7 +89,10 @@ class DataParallelEngine:
         except ValueError:
             self.shutdown()
             raise
-        self.info = _front_info(cfg, model_cfg, tokenizer, infos)
+        self.info = _front_info(cfg, model_dir, model_cfg, tokenizer, infos)
+        # A record larger than a replica's pool would remember blocks the replica has reused.
+        self.router = Router(n, cfg.router_policy, cfg.block_size,
+                             record_blocks=min(MAX_RECORD_BLOCKS, min(i.num_blocks for i in infos)))
         self._threads = [threading.Thread(target=self._supervise, args=(r,), name=f"pagedllm-dp{r.index}",
                                           daemon=True) for r in self.replicas]
         self._threads.append(threading.Thread(target=self._log_loop, name="pagedllm-dp-log", daemon=True))
@@ -250,6 +253,7 @@ class DataParallelEngine:
                          r.proc.pid, code)
             with self._lock:
                 r.alive = False
+                self.router.forget(r.index)
                 if r.stats is not None:
                     self._retired = sum_stats([self._retired, counters_only(r.stats)])
                     r.stats = None
@@ -341,7 +345,8 @@ def _put(commands: mp.Queue, cmd: tuple) -> None:
         pass
 
 
-def _front_info(cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, infos: list[ReplicaInfo]) -> EngineInfo:
+def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,
+                infos: list[ReplicaInfo]) -> EngineInfo:
     """What the server reads of the engines, from the started replicas': their limits, and
     the request rules over the smallest pool (as large as the one a request may land in)."""
     info = infos[0]
@@ -349,5 +354,7 @@ def _front_info(cfg: EngineConfig, model_cfg: ModelConfig, tokenizer, infos: lis
     shape = PoolShape(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, reserve)
     rules = RequestRules(tokenizer, model_cfg.vocab_size, info.max_model_len, cfg.max_num_seqs, shape,
                          info.chars_per_token)
+    tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
     return EngineInfo(info.model_name, cfg.model, tokenizer, rules, info.max_model_len, info.block_size,
-                      shape.num_blocks, info.enable_prefix_caching, cfg)
+                      shape.num_blocks, info.enable_prefix_caching, cfg, model_dir, tokenizer_dir,
+                      model_cfg.model_type)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outputs import RequestOutput
@@ -42,6 +43,9 @@ class EngineInfo:
     num_blocks: int            # the smallest replica's pool
     enable_prefix_caching: bool
     cfg: EngineConfig
+    model_dir: Path            # the HF directories read (a GGUF's converted one)
+    tokenizer_dir: Path
+    model_type: str            # config.json's, e.g. "llama"
 
     @property
     def vocab_size(self) -> int:
@@ -50,7 +54,8 @@ class EngineInfo:
     @classmethod
     def of(cls, engine: LLMEngine) -> EngineInfo:
         return cls(engine.model_name, engine.cfg.model, engine.tokenizer, engine.rules, engine.max_model_len,
-                   engine.kv.block_size, engine.kv.pool.num_blocks, engine.kv.enable_prefix_caching, engine.cfg)
+                   engine.kv.block_size, engine.kv.pool.num_blocks, engine.kv.enable_prefix_caching, engine.cfg,
+                   engine.model_dir, engine.tokenizer_dir, engine.model_cfg.model_type)
 
 
 class StepObserver(Protocol):

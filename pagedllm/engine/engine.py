@@ -32,9 +32,11 @@ class LLMEngine:
         from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts
 
         self.cfg = cfg
-        model_dir = resolve_model_dir(cfg.model)
+        # The HF directories read (a GGUF's converted one): the server's /model_info names them.
+        self.model_dir = model_dir = resolve_model_dir(cfg.model)
+        self.tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
         self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
-        self.tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
+        self.tokenizer = load_tokenizer(self.tokenizer_dir)
         if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
             _check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
         # Sliding-window attention equals full attention up to the window, and full

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
+from .info import model_info, server_info
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import APIError, ServerState
 from .streaming import serve
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """The OpenAI routes, /health, /version and /metrics."""
+    """The OpenAI routes, /health, /version, /metrics, /model_info and /server_info."""
     app = FastAPI(title="PagedLLM", version=__version__)
     app.state.pagedllm = state
     _add_error_handlers(app)
@@ -74,6 +75,20 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
             "max_model_len": state.engine.info.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
             "block_size": s.kv.block_size}]}
+
+    # What a gateway reads of a worker (the SGLang Model Gateway names a model by them),
+    # under SGLang's paths and their older get_ names; behind the same keys as /v1/models.
+    @app.get("/model_info")
+    @app.get("/get_model_info", include_in_schema=False)
+    async def model_info_route(request: Request):
+        state.authenticate(request)
+        return model_info(state.engine.info)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info", include_in_schema=False)
+    async def server_info_route(request: Request):
+        state.authenticate(request)
+        return server_info(state.engine.info, state.model_name, state.engine.stats.kv.num_blocks)
 
 
 def _add_generation_routes(app: FastAPI, state: ServerState) -> None:

@@ -8,7 +8,6 @@ from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
 from ..plan import PromptThenOutput
 from .beam import BeamGroup
-from .detokenizer import DetokState
 
 
 class SeqStatus(enum.Enum):
@@ -30,8 +29,6 @@ class Sequence(PromptThenOutput):
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""                # detokenized output so far (caught up when someone reads it)
-    detok: DetokState = field(default_factory=DetokState)  # where `text` stands in the output ids
     hashes: BlockHashes | None = None  # its block keys for the prefix cache (the scheduler sets them)
     logprobs: list = field(default_factory=list)  # {token id: Logprob} per output token, if asked
     cumulative_logprob: float = 0.0               # of the chosen tokens, when logprobs are asked

@@ -281,6 +281,22 @@ def plot_single_request(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_engine_layer(fig, data: dict) -> None:
+    """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
+    batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
+    rounds = data["rounds"]
+    rates = sorted(rounds[0]["before"]["serve"], key=float)
+    panels = [("step at batch 96, ms", lambda r: r["step_result"]["step"]["mean_ms"])] + [
+        (f"TPOT at {rate} req/s, ms", lambda r, rate=rate: r["serve"][rate]["mean_tpot_ms"]) for rate in rates]
+    trees = ["before", "after"]
+    for i, (ax, (xlabel, get)) in enumerate(zip(fig.subplots(1, len(panels)), panels)):
+        pts = [[get(r[t]) for r in rounds] for t in trees]
+        _bars(ax, trees, [sum(p) / len(p) for p in pts], [OTHER_COLOUR, OURS], "{:.1f}", pts)
+        ax.set_xlabel(xlabel)
+        if i:
+            ax.set_yticks([])
+
+
 # (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
 Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
 PLOTTERS: list[Plotter] = [
@@ -293,6 +309,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: "allreduce" in d and "engine" in d, plot_tensor_parallel,
      "Tensor parallel on CPU: all-reduce alone, and the engine", True),
     (lambda d: d.get("benchmark") == "data_parallel", plot_data_parallel, "Data parallel routing", True),
+    (lambda d: isinstance(d.get("rounds"), list) and d["rounds"] and "step_result" in d["rounds"][0].get("after", {}),
+     plot_engine_layer, "The engine layer before and after (issue 24)", True),
     (lambda d: d.get("benchmark") == "gateway_vs_dp", plot_gateway_vs_dp,
      "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
     (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,

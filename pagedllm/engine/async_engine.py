@@ -198,6 +198,13 @@ class AsyncLLMEngine:
             self._deliver(rid, EngineDeadError(f"engine failed: {error}"))
 
     def closed(self) -> None:
+        while True:  # a call still queued (a /metrics scrape) must not wait for ever
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "call":
+                cmd[2](EngineDeadError("the engine is not running"), False)
         for rid in list(self.engine.requests):
             out = self.engine.abort_request(rid)
             if out is not None:

@@ -90,7 +90,9 @@ class LLMEngine:
         self.model_name = served_model_name(cfg.model)
         # Told of requests, steps and aborts (pagedllm.engine.observer); the visualizer is one.
         self.observers: list[EngineObserver] = []
-        self.view: EngineStats = self.stats()   # the figures after the latest step
+        # The figures after the latest step, built when first read (an offline run reads none).
+        self._view: EngineStats = self.stats()
+        self._view_step = 0
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent)."""
@@ -187,20 +189,27 @@ class LLMEngine:
         observers are told; finished requests leave."""
         outputs = self.processor.process(up, self.stream_outputs, time.time())
         watching = [o for o in self.observers if o.active]
-        # The step's read-only view: counters only (O(1)), unless a watcher shows the slot
-        # figures; then walked once, for the watcher and the metrics alike.
-        self.view = self.stats(walk=bool(watching))
-        for o in watching:
-            o.on_step(up.out, up.new_tokens, self.view)
+        if watching:  # a watcher shows the slot figures: this step's view walked once, for it and the metrics
+            view = self.refresh_view()
+            for o in watching:
+                o.on_step(up.out, up.new_tokens, view)
         for req in up.touched.values():
             if req.finished:
                 self.requests.pop(req.request_id, None)
         return outputs
 
+    @property
+    def view(self) -> EngineStats:
+        """The step's read-only view: built once a step, when first read, with counters only
+        (O(1)) unless it was walked for a watcher or a scrape."""
+        if self._view_step != self.steps:
+            self._view, self._view_step = self.stats(walk=False), self.steps
+        return self._view
+
     def refresh_view(self) -> EngineStats:
         """The view, walked afresh (between steps: an idle engine, a metrics scrape)."""
-        self.view = self.stats()
-        return self.view
+        self._view, self._view_step = self.stats(), self.steps
+        return self._view
 
     @property
     def prompt_tokens(self) -> int:

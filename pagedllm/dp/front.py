@@ -30,7 +30,6 @@ from ..models import ModelConfig
 from ..engine.stats import EngineStats
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
-from ..util import cdiv
 from .replica import ReplicaInfo, replica_main, wait_ready
 from .router import MAX_RECORD_BLOCKS, ReplicaLoad, Router
 from .stats import ReplicaFigures, counters_only, sum_stats, zero_stats
@@ -350,8 +349,7 @@ def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,
     """What the server reads of the engines, from the started replicas': their limits, and
     the request rules over the smallest pool (as large as the one a request may land in)."""
     info = infos[0]
-    reserve = cdiv(info.max_model_len, info.block_size) if cfg.allocation == "reserve-max" else 0
-    shape = PoolShape(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, reserve)
+    shape = PoolShape.of(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, info.max_model_len)
     rules = RequestRules(tokenizer, model_cfg.vocab_size, info.max_model_len, cfg.max_num_seqs, shape,
                          info.chars_per_token)
     tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)

@@ -16,7 +16,7 @@ from typing import AsyncIterator, Callable, Sequence as Seq
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams
 from .client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver  # noqa: F401
-from .core_loop import EngineCoreLoop, FreeRunning, StepGate, is_fatal  # noqa: F401 (is_fatal: the server's)
+from .core_loop import EngineCoreLoop, StepGate
 from .engine import LLMEngine
 from .stats import EngineStats
 

@@ -77,7 +77,8 @@ class LoopSink(Protocol):
     def stepped(self, outputs: list[RequestOutput], view: EngineStats, tokens_run: int,
                 adds_applied: int, moved: list[str]) -> None:
         """After a step: the figures first (an answered request must be counted), then outputs.
-        `moved`: the requests that got tokens (a FINAL_ONLY one has no output until its last)."""
+        `moved`: the requests the step moved, by tokens or a failure (a FINAL_ONLY one has no
+        output until its last)."""
 
     def finished(self, output: RequestOutput) -> None:
         """A request ended outside a step's outputs: aborted, or failed with its step (error set)."""
@@ -171,8 +172,7 @@ class EngineCoreLoop:
             self.fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             return
         ran = engine.computed_prompt_tokens + engine.generation_tokens - before
-        moved = list(dict.fromkeys(seq.request.request_id for seq, _ in up.new_tokens)) if up is not None else []
-        self.sink.stepped(outputs, engine.view, ran, self.adds_applied, moved)
+        self.sink.stepped(outputs, engine.view, ran, self.adds_applied, list(up.touched) if up is not None else [])
 
     def fail_all(self, error: str) -> None:
         """End every request now (their blocks go back), each output carrying `error`."""

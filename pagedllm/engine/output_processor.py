@@ -50,8 +50,12 @@ class OutputProcessor:
     def process(self, up: StepUpdate, stream: bool, now: float) -> list[RequestOutput]:
         """Check the step's new tokens for stop strings, then the outputs due: every moved
         request's (as its output_kind says) when streaming, else the finished ones'."""
-        for seq, n in up.runs.values():
-            if seq.params.stop and seq.request.error is None:
+        runs: dict[Sequence, int] = {}  # tokens each sequence with stop strings got this step
+        for seq, _ in up.new_tokens:
+            if seq.params.stop:
+                runs[seq] = runs.get(seq, 0) + 1
+        for seq, n in runs.items():
+            if seq.request.error is None:
                 try:
                     self._check_stop_strings(seq, n)
                 except Exception as e:  # e.g. a tokenizer that cannot decode: this request only

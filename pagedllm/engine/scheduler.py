@@ -48,8 +48,6 @@ class StepUpdate:
     out: SchedulerOutput
     new_tokens: list[tuple[Sequence, int]] = field(default_factory=list)  # in order
     touched: dict[str, Request] = field(default_factory=dict)            # requests the step moved
-    # seq id -> [seq, tokens appended this step] (the stop-string check reads them)
-    runs: dict[int, list] = field(default_factory=dict)
 
 
 def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) -> int:
@@ -298,7 +296,9 @@ class Scheduler:
             table = self.kv.block_table(seq.seq_id)
             end = s.start + s.num_tokens
             draft = seq.draft
-            propose = self.spec_policy.num_speculative_tokens if s.sample_for == [seq] and self._speculates(seq) else 0
+            propose = 0
+            if self.spec_policy is not None and len(s.sample_for) == 1 and self._speculates(seq):
+                propose = self.spec_policy.num_speculative_tokens
             chunks.append(ChunkPlan(
                 seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, table.slots(s.start, end),
                 table.block_ids[:cdiv(end, B)],
@@ -428,7 +428,6 @@ class Scheduler:
                 if seq.params.logprobs is not None:  # else only best_of's ranking asked for it
                     seq.logprobs.append(lp)
             up.new_tokens.append((seq, token))
-            up.runs.setdefault(seq.seq_id, [seq, 0])[1] += 1
             self._check_stop(seq, token)
 
     def _check_stop(self, seq: Sequence, token: int) -> None:

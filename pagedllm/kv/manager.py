@@ -58,7 +58,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.policy = policy
         self.enable_prefix_caching = enable_prefix_caching
-        self.reserve_blocks = cdiv(max_model_len, block_size) if max_model_len else 0
+        self.shape = PoolShape.of(num_blocks, block_size, policy, max_model_len)
+        self.reserve_blocks = self.shape.reserve_blocks
         if policy == "reserve-max" and self.reserve_blocks > num_blocks:
             raise ValueError(f"reserve-max needs {self.reserve_blocks} blocks per sequence "
                              f"(max_model_len {max_model_len}) but the pool has {num_blocks}")
@@ -309,10 +310,6 @@ class KVCacheManager:
     def block_table(self, seq_id: int) -> BlockTable:
         return self.tables[seq_id]
 
-    @property
-    def shape(self) -> PoolShape:
-        return PoolShape(self.pool.num_blocks, self.block_size, self.policy, self.reserve_blocks)
-
     def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
         """Whether num_seqs sequences of num_tokens each fit the empty pool, unshared."""
         return self.shape.can_ever_fit(num_tokens, num_seqs)
@@ -350,8 +347,12 @@ class KVCacheManager:
         without_sharing = 0
         for t in self.tables.values():
             without_sharing += t.num_used_blocks
-            for i, b in enumerate(t.block_ids):
-                f = min(B, max(0, t.num_tokens - i * B))
+            full = t.num_tokens // B
+            # A table's leading blocks are full: B, the most any holder can fill, so they are
+            # set without comparing (in C; a table is mostly full blocks). Its last few compare.
+            fill.update(dict.fromkeys(t.block_ids[:full], B))
+            for i in range(full, len(t.block_ids)):
+                b, f = t.block_ids[i], max(0, t.num_tokens - i * B)
                 if f > fill.get(b, -1):
                     fill[b] = f
         return sum(fill.values()), without_sharing

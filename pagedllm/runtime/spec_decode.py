@@ -7,7 +7,7 @@ Each proposer keeps its own copy of a proposing sequence's tokens (grown by the 
 each step adds, copied once), so a plan stays plain data."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ..config import SpeculativeConfig
 from ..plan import ChunkPlan, StepPlan, StepResult
@@ -91,7 +91,7 @@ class DraftModelProposer(Proposer):
 
     def _drafts(self, work: list[Proposal]) -> dict[int, list[int]]:
         for w in work:
-            st, c = w.state, w.chunk
+            st = w.state
             if w.resumed:  # new, or recomputed after preemption: the draft's KV is rebuilt from 0
                 st.valid = 0
             else:  # the drafts the target accepted have their draft KV already

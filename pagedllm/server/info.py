@@ -12,6 +12,8 @@ block, its context length our max_model_len); nothing about keys or tenants.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from .. import __version__
@@ -24,20 +26,30 @@ from ..loader import load_config
 ARCHITECTURES = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"], "qwen2": ["Qwen2ForCausalLM"]}
 
 
+def _paths(info: EngineInfo) -> dict[str, str]:
+    """SGLang's model_path and tokenizer_path are HF directories (or hub ids); ours are the
+    directories the weights and tokenizer were read from (for a GGUF, the one it was
+    converted to), so a gateway on the same machine loads our tokenizer."""
+    return {"model_path": str(info.model_dir), "tokenizer_path": str(info.tokenizer_dir)}
+
+
+@lru_cache(maxsize=4)
+def _architectures(model_dir: Path, model_type: str) -> list[str]:
+    """config.json's, read once (a client polling /model_info reads no file)."""
+    return load_config(model_dir).get("architectures") or ARCHITECTURES.get(model_type, [])
+
+
 def model_info(info: EngineInfo) -> dict[str, Any]:
-    """SGLang's /model_info. Its model_path and tokenizer_path are HF directories (or hub
-    ids); ours are the directories the weights and tokenizer were read from (for a GGUF,
-    the one it was converted to), so a gateway on the same machine loads our tokenizer."""
+    """SGLang's /model_info."""
     model_type = info.model_type
     return {
-        "model_path": str(info.model_dir),
-        "tokenizer_path": str(info.tokenizer_dir),
+        **_paths(info),
         "is_generation": True,
         "preferred_sampling_params": None,
         "has_image_understanding": False,
         "has_audio_understanding": False,
         "model_type": model_type,
-        "architectures": load_config(info.model_dir).get("architectures") or ARCHITECTURES.get(model_type, []),
+        "architectures": list(_architectures(info.model_dir, model_type)),
     }
 
 
@@ -47,8 +59,7 @@ def server_info(info: EngineInfo, served_name: str, kv_blocks: int) -> dict[str,
     and max_total_num_tokens are the server's totals, as SGLang's are over its DP ranks."""
     cfg = info.cfg
     return {
-        "model_path": str(info.model_dir),
-        "tokenizer_path": str(info.tokenizer_dir),
+        **_paths(info),
         "served_model_name": served_name,
         "version": __version__,
         "tp_size": cfg.tensor_parallel_size,

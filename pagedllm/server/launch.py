@@ -23,7 +23,8 @@ from fastapi import FastAPI
 from uvicorn.config import LOGGING_CONFIG
 
 from ..config import EngineConfig
-from ..engine.async_engine import AsyncLLMEngine, StepGate, is_fatal
+from ..engine.async_engine import AsyncLLMEngine
+from ..engine.core_loop import StepGate, is_fatal
 from ..engine.engine import LLMEngine
 from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11

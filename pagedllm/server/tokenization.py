@@ -7,11 +7,14 @@ answers {"prompt"}.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from .protocol import ChatMessage
+
+if TYPE_CHECKING:
+    from ..engine.client import EngineInfo
 
 
 class TokenizeCompletionRequest(BaseModel):

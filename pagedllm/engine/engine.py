@@ -200,10 +200,14 @@ class LLMEngine:
 
     @property
     def view(self) -> EngineStats:
-        """The step's read-only view: built once a step, when first read, with counters only
-        (O(1)) unless it was walked for a watcher or a scrape."""
+        """The step's read-only view: built once a step, when first read, its counters O(1).
+        The KV slot figures (used slots, eta, blocks without sharing) are those of the latest
+        walk (a watcher's, a scrape's, an idle engine's), so a reader never finds them missing."""
         if self._view_step != self.steps:
-            self._view, self._view_step = self.stats(walk=False), self.steps
+            view, walked = self.stats(walk=False), self._view.kv
+            view.kv.used_slots, view.kv.waste = walked.used_slots, walked.waste
+            view.kv.blocks_without_sharing = walked.blocks_without_sharing
+            self._view, self._view_step = view, self.steps
         return self._view
 
     def refresh_view(self) -> EngineStats:

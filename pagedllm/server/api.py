@@ -62,10 +62,10 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics():
-        # The figures walked now (KV slots, eta), asked of the engine between two steps: a
-        # scrape every few seconds costs one walk, not one per step.
-        stats = await state.engine.get_stats()
-        return Response(state.metrics.render(stats), media_type="text/plain; version=0.0.4; charset=utf-8")
+        # The KV slot figures (eta) walked between two steps, at most once a second however
+        # often anyone scrapes; the counters are the latest step's.
+        await state.walk_slots()
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/v1/models")
     async def models(request: Request):

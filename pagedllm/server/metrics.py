@@ -144,8 +144,7 @@ class ServerMetrics:
         if not prefix.replace("_", "").isalnum():
             raise ValueError(f"metrics prefix must be letters, digits and underscores, got {prefix!r}")
         self.registry = CollectorRegistry()
-        self._fresh: EngineStats | None = None   # set by render() around one exposition
-        self.registry.register(EngineCollector(lambda: self._fresh or stats(), model_name, prefix))
+        self.registry.register(EngineCollector(stats, model_name, prefix))
         self.model_name = model_name
         self._last_token: dict[str, float] = {}   # request id -> when its last token came (engine thread only)
         p, reg, lbl = prefix, self.registry, ["model_name"]
@@ -249,11 +248,5 @@ class ServerMetrics:
             if max(gen, default=0) > 1:
                 self.tpot.observe((done - first) / (max(gen) - 1))
 
-    def render(self, stats: EngineStats | None = None) -> bytes:
-        """The exposition text; `stats`: the figures to show (a fresh, walked read), else
-        the engine's latest view."""
-        self._fresh = stats
-        try:
-            return generate_latest(self.registry)
-        finally:
-            self._fresh = None
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

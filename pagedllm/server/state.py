@@ -21,9 +21,11 @@ from pydantic import BaseModel, ValidationError
 
 from ..engine.client import EngineClient
 from .metrics import ServerMetrics
+from .shared_read import SharedRead
 from .unsupported import unsupported_field
 
 ISOLATION_MODES = ("none", "per-key")
+SLOT_WALK_TTL_S = 1.0   # a /metrics scrape walks the block tables at most this often
 
 
 class APIError(Exception):
@@ -54,6 +56,7 @@ class ServerState:
         # Fed by the engine thread: every request once, disconnects (aborts) included.
         self.metrics = ServerMetrics.for_engine(engine, model_name, metrics_prefix)
         self.tokenizer = engine.info.tokenizer
+        self.walk_slots = SharedRead(engine.get_stats, SLOT_WALK_TTL_S)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
 
     # -- request checks ------------------------------------------------------

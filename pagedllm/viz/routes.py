@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 
+from ..server.shared_read import SharedRead
 from ..server.state import APIError, ServerState
 from .controller import MAX_STEP_DELAY_S, StepController
 from .hub import VizHub
@@ -98,7 +99,12 @@ def _add_event_route(app: FastAPI, state: ServerState, hub: VizHub) -> None:
 
 
 def _add_state_route(app: FastAPI, state: ServerState, hub: VizHub, controller: StepController) -> None:
-    cached_read: dict = {}
+    def read(engine):
+        return {"step": engine.steps, "config": hub.config(), "figures": hub.figures(),
+                "tables": kv_picture(engine.kv)["tables"],
+                "paused": controller.paused, "step_delay": controller.step_delay,
+                "subscribers": hub.num_subscribers}
+    shared = SharedRead(lambda: state.engine.call(read), STATE_TTL_S)
 
     @app.get("/viz/state")
     async def viz_state(request: Request):
@@ -106,15 +112,7 @@ def _add_state_route(app: FastAPI, state: ServerState, hub: VizHub, controller: 
         tables and counts only: no text). Reads within STATE_TTL_S share one engine call,
         so polling it cannot slow the engine for others."""
         _check_key(state, request)
-
-        def read(engine):
-            return {"step": engine.steps, "config": hub.config(), "figures": hub.figures(),
-                    "tables": kv_picture(engine.kv)["tables"],
-                    "paused": controller.paused, "step_delay": controller.step_delay,
-                    "subscribers": hub.num_subscribers}
-        if cached_read.get("task") is None or time.monotonic() - cached_read["at"] > STATE_TTL_S:
-            cached_read.update(task=asyncio.ensure_future(state.engine.call(read)), at=time.monotonic())
-        return await asyncio.wait_for(asyncio.shield(cached_read["task"]), 30)
+        return await shared()
 
 
 def _add_control_route(app: FastAPI, state: ServerState, controller: StepController) -> None:

@@ -141,7 +141,11 @@ class AsyncLLMEngine:
         engine thread between steps; the latest view once the engine is gone."""
         if not self.alive:
             return self.stats
-        self.stats = await self.call(lambda e: e.refresh_view())
+        return await self.call(self._publish_walked)
+
+    def _publish_walked(self, engine: LLMEngine) -> EngineStats:
+        # On the engine thread, which alone writes self.stats.
+        self.stats = engine.refresh_view()
         return self.stats
 
     def shutdown(self, timeout: float = 10.0) -> None:

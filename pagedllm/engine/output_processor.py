@@ -79,9 +79,6 @@ class OutputProcessor:
             if req.finished:
                 self._reqs.pop(req.request_id, None)
 
-    def drop(self, request_id: str) -> None:
-        self._reqs.pop(request_id, None)
-
     # -- stop strings ----------------------------------------------------------
     def _check_stop_strings(self, seq: Sequence, n: int) -> None:
         """Look for a stop string in the text each of the step's n new tokens adds, in order

@@ -121,6 +121,8 @@ class EngineConfig:
                            "reservation of max_model_len per request; no block sharing, so no prefix cache)",
                            choices=list(ALLOCATION_POLICIES))
     max_num_seqs: int = knob(256, "most sequences running at once", type=int)
+    max_logprobs: int = knob(20, "most logprobs (top-k) a request may ask per token, output or prompt (vLLM's "
+                             "flag); a prompt's are kept beside its cached KV blocks at this k", type=int)
     max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int)
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's "
                                      "max_position_embeddings)", type=int)
@@ -180,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"allocation must be one of {ALLOCATION_POLICIES}, got {self.allocation!r}")
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 1024:
+            raise ValueError(f"max_logprobs must be an integer in [0, 1024], got {self.max_logprobs!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

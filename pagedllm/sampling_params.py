@@ -74,10 +74,11 @@ class SamplingParams:
             raise bad("top_k", "an integer >= 0 (or -1 for off)")
         if self.max_tokens is not None and (not _int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1")
-        if self.logprobs is not None and (not _int(self.logprobs) or not 0 <= self.logprobs <= 20):
-            raise bad("logprobs", "an integer in [0, 20]")
-        if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= 20):
-            raise bad("prompt_logprobs", "an integer in [0, 20]")
+        # Their upper bound is the engine's max_logprobs (RequestRules.check_lengths).
+        if self.logprobs is not None and (not _int(self.logprobs) or self.logprobs < 0):
+            raise bad("logprobs", "an integer >= 0")
+        if self.prompt_logprobs is not None and (not _int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise bad("prompt_logprobs", "an integer >= 0")
         if self.seed is not None and (not _int(self.seed) or not -(1 << 63) <= self.seed < 1 << 64):
             raise bad("seed", "a 64-bit integer")
         if self.best_of is not None and (not _int(self.best_of) or self.best_of < self.n):

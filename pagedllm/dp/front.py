@@ -351,7 +351,7 @@ def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,
     info = infos[0]
     shape = PoolShape.of(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, info.max_model_len)
     rules = RequestRules(tokenizer, model_cfg.vocab_size, info.max_model_len, cfg.max_num_seqs, shape,
-                         info.chars_per_token)
+                         cfg.max_logprobs, info.chars_per_token)
     tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
     return EngineInfo(info.model_name, cfg.model, tokenizer, rules, info.max_model_len, info.block_size,
                       shape.num_blocks, info.enable_prefix_caching, cfg, model_dir, tokenizer_dir,

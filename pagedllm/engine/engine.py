@@ -77,7 +77,7 @@ class LLMEngine:
                                    frozenset(self.eos_token_ids))
         self.processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
-                                  self.kv.shape)
+                                  self.kv.shape, cfg.max_logprobs)
         self.requests: dict[str, Request] = {}
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0

@@ -24,6 +24,7 @@ class RequestRules:
     max_model_len: int
     max_num_seqs: int
     kv: PoolShape          # its policy, pool size and can_ever_fit
+    max_logprobs: int = 20  # the most top-k a request may ask per token (--max-logprobs)
     chars_per_token: int = field(default=0)
 
     def __post_init__(self) -> None:
@@ -84,6 +85,11 @@ class RequestRules:
         """max_tokens after checking the request can ever run; `width` beams may each need
         their own blocks after a preemption by recompute (no sharing left then)."""
         vocab = self.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name}: {k} is more than this server returns per token "
+                                 f"(max_logprobs {self.max_logprobs})")
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is outside the vocabulary [0, {vocab})")
         self.check_prompt_len(prompt_len)

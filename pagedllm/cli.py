@@ -83,6 +83,10 @@ def kv_report(stats) -> str:
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
         f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
+    ] + ([] if not kv.prompt_logprob_queries else [
+        f"  prompt logprobs from the cache: {kv.prompt_logprob_hits}/{kv.prompt_logprob_queries} prompt tokens "
+        f"({kv.prompt_logprob_hit_rate:.1%}; {kv.prompt_logprob_blocks} blocks keep theirs)",
+    ]) + [
         f"  forks {kv.forks}, copy-on-write copies {kv.cow_copies}, evictions {kv.evictions}, "
         f"preemptions {s.preemptions}",
         f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "

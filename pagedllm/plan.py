@@ -6,6 +6,7 @@ sees the KV manager, a Sequence or the scheduler, so the arrows run one way
 (engine -> plan <- runtime)."""
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from .outputs import Logprob
@@ -25,6 +26,49 @@ class PromptThenOutput:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True, eq=False)
+class PromptScores:
+    """Prompt logprobs of consecutive prompt tokens, compact: each token's logprob given
+    the tokens before it, its rank, and the top k (ids and logprobs, k per token, best
+    first). float32 as computed, so an entry kept beside a cached block reads back as the
+    recomputed one would. Plain arrays: the KV manager keeps them without knowing them."""
+    k: int
+    logprobs: array = field(default_factory=lambda: array("f"))
+    ranks: array = field(default_factory=lambda: array("i"))
+    top_ids: array = field(default_factory=lambda: array("i"))   # [len * k], row-major
+    top_logprobs: array = field(default_factory=lambda: array("f"))
+
+    def __len__(self) -> int:
+        return len(self.logprobs)
+
+    def slice(self, start: int, end: int) -> PromptScores:
+        k = self.k
+        return PromptScores(k, self.logprobs[start:end], self.ranks[start:end], self.top_ids[start * k:end * k],
+                            self.top_logprobs[start * k:end * k])
+
+    def extend(self, other: PromptScores) -> None:
+        """Append `other`'s tokens; a larger k is cut to this one's (top k of top k' is top k)."""
+        if other.k < self.k:
+            raise ValueError(f"prompt scores of top {other.k} cannot extend scores of top {self.k}")
+        self.logprobs.extend(other.logprobs)
+        self.ranks.extend(other.ranks)
+        if other.k == self.k:
+            self.top_ids.extend(other.top_ids)
+            self.top_logprobs.extend(other.top_logprobs)
+            return
+        for i in range(len(other)):
+            self.top_ids.extend(other.top_ids[i * other.k:i * other.k + self.k])
+            self.top_logprobs.extend(other.top_logprobs[i * other.k:i * other.k + self.k])
+
+    def entry(self, i: int, token_id: int, k: int) -> dict[int, Logprob]:
+        """vLLM's shape for token i: {the prompt token: its Logprob, then the top k (k <= self.k)}."""
+        out = {token_id: Logprob(self.logprobs[i], self.ranks[i])}
+        base = i * self.k
+        for rank in range(1, k + 1):
+            out.setdefault(self.top_ids[base + rank - 1], Logprob(self.top_logprobs[base + rank - 1], rank))
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -62,6 +106,8 @@ class ChunkPlan:
     lookahead_block_ids: list[int] = field(default_factory=list)
     # Prompt logprobs: the rows at positions score_start .. score_start + len(score_ids) - 1
     # each score the next prompt token (score_ids[i]), with the top score_top beside it.
+    # A chunk may start before the sequence's prefix hit ends, to score tokens whose KV is
+    # cached but whose logprobs are not: those rows have slot -1 (they write nothing).
     score_start: int = 0
     score_ids: list[int] = field(default_factory=list)
     score_top: int = 0
@@ -92,6 +138,6 @@ class StepResult:
     logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
     accepted: dict[int, list[int]] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[dict[int, Logprob]]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     # Speculative decoding: each proposing sequence's draft tokens for its next step.
     drafts: dict[int, list[int]] = field(default_factory=dict)

@@ -12,7 +12,8 @@ import torch
 class StepLayout:
     """One step as every backend sees it before building its own metadata: sequences in
     row order, decodes (single-token queries, shortest context first) before prefills."""
-    slots: list[int]                 # per query row: where its K/V goes (-1: a padding row)
+    slots: list[int]                 # per query row: where its K/V goes (-1: nowhere; a padding row,
+                                     # or a row whose KV a prefix hit already holds)
     block_tables: list[list[int]]    # per sequence: its physical blocks, up to its last token
     seq_lens: list[int]              # per sequence: keys it attends to, this step's included
     query_starts: list[int]          # first query row of each sequence, then the row count

@@ -27,6 +27,9 @@ def length_groups(lens: list[int], size: int) -> list[tuple[int, int, int]]:
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     nb, bs, kvh, d = k_cache.shape
+    if bool((slot_mapping < 0).any()):  # slot -1: nothing to write (padding, or a re-read cached row)
+        keep = slot_mapping >= 0
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
     k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
 

@@ -13,7 +13,8 @@ from ..engine.stats import EngineStats
 from ..engine.speculative import SpecStats
 from ..kv import KVStats
 
-KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "forks", "evictions")
+KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "forks", "evictions", "prompt_logprob_queries",
+               "prompt_logprob_hits")
 ENGINE_COUNTERS = ("preemptions", "prompt_tokens", "computed_prompt_tokens", "generation_tokens", "steps")
 
 
@@ -45,7 +46,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         usage=used / num_blocks if num_blocks else 0.0, used_slots=used_slots,
         waste=((used * B - used_slots) / (used * B) if used else 0.0) if walked else None,
         blocks_without_sharing=sum(k.blocks_without_sharing for k in kvs) if walked else None,
-        **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS + ("shared_blocks",)})
+        **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS + ("shared_blocks", "prompt_logprob_blocks")})
     return EngineStats(
         kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts),
         peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),

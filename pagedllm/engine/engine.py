@@ -74,7 +74,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
                                    SpecPolicy.of(spec) if spec is not None else None, self.max_model_len,
-                                   frozenset(self.eos_token_ids))
+                                   frozenset(self.eos_token_ids), cfg.max_logprobs)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv.shape, cfg.max_logprobs)
@@ -120,7 +120,7 @@ class LLMEngine:
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
         if params.prompt_logprobs is not None:
-            req.prompt_logprobs = [None]
+            req.prompt_scores = self.scheduler.prompt_scores_for(params.prompt_logprobs)
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
         for i in range(1 if beam else params.num_samples):
             seq = Sequence(self.scheduler.new_seq_id(), req, i, list(token_ids), len(token_ids),

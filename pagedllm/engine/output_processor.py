@@ -36,7 +36,9 @@ class _SeqText:
 @dataclass(slots=True)
 class _ReqState:
     seqs: dict[int, _SeqText] = field(default_factory=dict)
-    decoded_prompt_logprobs: int = 1   # entry 0 is None: nothing predicts the first token
+    # The request's prompt logprobs in vLLM's shape, built from its scores as they come
+    # (entry 0 is None: nothing predicts the first token), and how many went out.
+    prompt_logprobs: list = field(default_factory=lambda: [None])
     sent_prompt_logprobs: int = 0
 
 
@@ -45,6 +47,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self._reqs: dict[str, _ReqState] = {}
+        self._texts: dict[int, str] = {}
 
     # -- per step --------------------------------------------------------------
     def process(self, up: StepUpdate, stream: bool, now: float) -> list[RequestOutput]:
@@ -191,23 +194,32 @@ class OutputProcessor:
         return end
 
     def _prompt_logprobs(self, req: Request, delta: bool) -> list | None:
-        got = req.prompt_logprobs
-        if got is None:
+        scores = req.prompt_scores
+        if scores is None:
             return None
         st = self._state(req)
-        for entry in got[st.decoded_prompt_logprobs:]:
-            self._decode(entry)
-        st.decoded_prompt_logprobs = len(got)
+        got, k, ids = st.prompt_logprobs, req.params.prompt_logprobs, req.prompt_token_ids
+        for i in range(len(got) - 1, len(scores)):   # scores[i] is token i + 1's
+            got.append(self._decode(scores.entry(i, ids[i + 1], k)))
         if not delta:
             return list(got)
         new, st.sent_prompt_logprobs = got[st.sent_prompt_logprobs:], len(got)
         return new or None
 
-    def _decode(self, entry: dict[int, Logprob]) -> None:
+    def _decode(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         """Set each token's text alone (vLLM's decoded_token)."""
-        tok = self.tokenizer
         for tid, lp in entry.items():
-            lp.decoded_token = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(tid)])
+            lp.decoded_token = self._token_text(tid)
+        return entry
+
+    def _token_text(self, tid: int) -> str:
+        """A token's text alone, remembered (at most one string per vocabulary entry): a
+        prompt's logprobs decode its tokens and their top k, thousands per request."""
+        text = self._texts.get(tid)
+        if text is None:
+            tok = self.tokenizer
+            text = self._texts[tid] = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(tid)])
+        return text
 
     def _beam_output(self, req: Request) -> RequestOutput:
         """The kept hypotheses, best score first, once the search is over (nothing before:

@@ -9,7 +9,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ..kv import KVCacheManager
-from ..plan import ChunkPlan, SampleTarget, StepPlan, StepResult
+from ..plan import ChunkPlan, PromptScores, SampleTarget, StepPlan, StepResult
 from ..util import cdiv
 from .sequence import Request, Sequence, SeqStatus
 from .speculative import SpecPolicy, SpecStats
@@ -60,8 +60,11 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
                  spec_policy: SpecPolicy | None = None, max_model_len: int = 1 << 62,
-                 eos_token_ids: frozenset[int] = frozenset()) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), max_logprobs: int = 20) -> None:
         self.kv = kv
+        # Prompt logprobs are scored at this top k when the prefix cache keeps them beside
+        # its blocks (every later request must find its k there), else at each request's.
+        self.max_logprobs = max_logprobs
         self.eos_token_ids = eos_token_ids
         # Speculative decoding: a decode may carry the draft tokens the runtime proposed
         # after its last step, in lookahead slots.
@@ -91,6 +94,10 @@ class Scheduler:
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
+
+    def prompt_scores_for(self, k: int) -> PromptScores:
+        """Empty prompt scores for a request asking the top k, at the k it will be scored at."""
+        return PromptScores(self.max_logprobs if self.kv.enable_prefix_caching else k)
 
     def add(self, seq: Sequence) -> None:
         if seq.hashes is None:  # its block keys, computed once however long it waits
@@ -155,12 +162,12 @@ class Scheduler:
     def _allocate_unit(self, chunks: list[tuple[Sequence, int]]) -> list[tuple[int, int]] | None:
         """Slots for a running unit's chunks, or None with nothing changed. A sequence alone
         just asks (once per decode); a beam group counts its blocks first, all or none."""
-        if len(chunks) > 1 and sum(self.kv.blocks_needed(s.seq_id, s.num_computed_tokens + n)
+        if len(chunks) > 1 and sum(self.kv.blocks_needed(s.seq_id, max(s.num_computed_tokens + n, s.reread_until))
                                    for s, n in chunks) > self.kv.pool.num_available:
             return None
         copies: list[tuple[int, int]] = []
         for seq, n in chunks:
-            end = seq.num_computed_tokens + n
+            end = max(seq.num_computed_tokens + n, seq.reread_until)
             ahead = self._lookahead(seq, end)
             more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, lookahead=len(seq.draft) + ahead)
             if more is None:
@@ -210,21 +217,20 @@ class Scheduler:
             need_seats = len(group) + self._pending_forks(group[0])
             if seats + need_seats > self.max_num_seqs and self.running:
                 break
-            chunks = []   # (seq, prefix hit, cached tokens, tokens to compute now)
+            chunks = []   # (seq, prefix hit, first position computed, tokens to compute now)
             for j, seq in enumerate(group):
-                # Prompt logprobs need every prompt row computed: no prefix hit for them.
-                hit = [] if seq.request.prompt_logprobs is not None else \
-                    self.kv.lookup_prefix(seq.token_ids, seq.hashes)
-                cached = len(hit) * self.kv.block_size
+                hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
+                start = self._first_row(seq, hit)
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
-                chunks.append((seq, hit, cached, min(len(seq.token_ids) - cached, share,
-                                                     self.long_prefill_token_threshold)))
+                chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
+                                                    self.long_prefill_token_threshold)))
             long = sum(len(s.token_ids) - c > self.long_prefill_token_threshold for s, _, c, _ in chunks)
             if len(group) == 1 and long and long_prefills >= self.max_num_partial_prefills:
                 skipped.append(self.waiting.popleft())
                 continue
             if any(n <= 0 for *_, n in chunks) or len(group) > 1 and sum(
-                    self.kv.blocks_needed(s.seq_id, c + n, hit) for s, hit, c, n in chunks) > self.kv.pool.num_available:
+                    self.kv.blocks_needed(s.seq_id, self._kv_end(hit, c + n), hit)
+                    for s, hit, c, n in chunks) > self.kv.pool.num_available:
                 break
             admitted = self._admit_group(chunks, out)
             budget -= admitted
@@ -234,37 +240,62 @@ class Scheduler:
             seats += need_seats
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
 
+    def _first_row(self, seq: Sequence, hit: list[int]) -> int:
+        """Where a newly admitted sequence's computing starts: after its prefix hit, or for
+        prompt logprobs at the first token the cache keeps no logprobs for, less one (that
+        row scores it), however far the KV hit goes. Takes the kept ones into the request."""
+        cached = len(hit) * self.kv.block_size
+        scores = seq.request.prompt_scores
+        if scores is None or seq.index != 0:
+            return cached
+        kept = self.kv.cached_prompt_scores(seq.hashes, len(hit))
+        if kept and len(kept) * self.kv.block_size - 1 > len(scores):
+            joined = PromptScores(scores.k)
+            for entry in kept:
+                joined.extend(entry)
+            seq.request.prompt_scores = scores = joined
+        return min(cached, len(scores))
+
+    def _kv_end(self, hit: list[int], end: int) -> int:
+        """Slots a new sequence holds after its first chunk: at least its prefix hit."""
+        return max(end, len(hit) * self.kv.block_size)
+
     def _admit_group(self, chunks: list, out: SchedulerOutput) -> int:
-        """Allocate and start each (seq, hit, cached, n) at the head of the queue; the
+        """Allocate and start each (seq, hit, start, n) at the head of the queue; the
         tokens scheduled, or 0 if a sequence alone did not fit (a beam group's blocks were
         counted, and beams run under the paged policy, where counted blocks always fit).
         A group's members take their prefix hits before any takes fresh blocks: a fresh
         block may evict a cached-free one, which must not be a sibling's hit."""
         if len(chunks) > 1:
-            for seq, hit, cached, _ in chunks:
-                self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached, hit, seq.hashes)
+            for seq, hit, _, _ in chunks:
+                self.kv.allocate_slots(seq.seq_id, seq.token_ids, len(hit) * self.kv.block_size, hit, seq.hashes)
         scheduled = 0
-        for seq, hit, cached, n in chunks:
-            ahead = self._lookahead(seq, cached + n)
-            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, cached + n + ahead, hit, seq.hashes,
+        for seq, hit, start, n in chunks:
+            end = self._kv_end(hit, start + n)
+            ahead = self._lookahead(seq, end)
+            copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, hit, seq.hashes,
                                             lookahead=ahead)
             if copies is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
                 return 0  # reserve-max: free blocks, but no contiguous run
             self.waiting.popleft()
-            self._start(seq, cached)
+            self._start(seq, start, len(hit) * self.kv.block_size)
             out.copies.extend(copies)
             self._add_scheduled(out, seq, n)
             scheduled += n
         return scheduled
 
-    def _start(self, seq: Sequence, cached: int) -> None:
+    def _start(self, seq: Sequence, start: int, cached: int) -> None:
+        req = seq.request
         if seq.num_output_tokens == 0 and seq.index == 0:
-            seq.request.num_cached_tokens = cached
-        if seq.request.scheduled_time is None:
-            seq.request.scheduled_time = time.time()
-        seq.num_computed_tokens = cached
+            req.num_cached_tokens = cached
+            if req.prompt_scores is not None:
+                self.kv.count_prompt_scores(seq.num_prompt_tokens - 1, len(req.prompt_scores))
+        if req.scheduled_time is None:
+            req.scheduled_time = time.time()
+        seq.num_computed_tokens = start
+        seq.reread_until = cached if start < cached else 0
         seq.status = SeqStatus.RUNNING
         self.running.append(seq)
 
@@ -299,8 +330,11 @@ class Scheduler:
             propose = 0
             if self.spec_policy is not None and len(s.sample_for) == 1 and self._speculates(seq):
                 propose = self.spec_policy.num_speculative_tokens
+            slots = table.slots(s.start, end)
+            if seq.reread_until > s.start:  # their KV is a prefix hit's: read, never written over
+                slots[:seq.reread_until - s.start] = [-1] * (min(end, seq.reread_until) - s.start)
             chunks.append(ChunkPlan(
-                seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, table.slots(s.start, end),
+                seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, slots,
                 table.block_ids[:cdiv(end, B)],
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
                               t.request.beam.num_candidates if t.request.beam else 0, propose) for t in s.sample_for],
@@ -313,13 +347,26 @@ class Scheduler:
     def _plan_scores(chunk: ChunkPlan, seq: Sequence) -> None:
         """The prompt tokens this chunk's rows score, those not scored yet (a recompute after
         preemption scores nothing twice)."""
-        got = seq.request.prompt_logprobs
+        got = seq.request.prompt_scores
         if got is None or seq.index != 0:
             return
-        first, last = max(chunk.start, len(got) - 1), min(chunk.end, seq.num_prompt_tokens - 1)
+        first, last = max(chunk.start, len(got)), min(chunk.end, seq.num_prompt_tokens - 1)
         if first < last:
             chunk.score_start, chunk.score_ids = first, seq.token_ids[first + 1:last + 1]
-            chunk.score_top = seq.params.prompt_logprobs
+            chunk.score_top = got.k
+
+    def _add_prompt_scores(self, seq: Sequence, new: PromptScores) -> None:
+        """A step's prompt logprobs into the request; each full prompt block whose tokens
+        all have theirs now keeps them beside it (block b: tokens b*B .. b*B+B-1, held
+        from index b*B - 1, as token 0 has none)."""
+        req, B = seq.request, self.kv.block_size
+        req.prompt_scores.extend(new)
+        if not self.kv.enable_prefix_caching or req.prompt_scores.k != self.max_logprobs:
+            return
+        full = min(len(req.prompt_scores) + 1, seq.num_prompt_tokens) // B
+        for b in range(req.num_kept_score_blocks, full):
+            self.kv.keep_prompt_scores(seq.hashes, b, req.prompt_scores.slice(max(b * B - 1, 0), (b + 1) * B - 1))
+        req.num_kept_score_blocks = max(full, req.num_kept_score_blocks)
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:
@@ -358,6 +405,7 @@ class Scheduler:
             seq.draft = []
             seq.spec_tokens = []
             seq.num_computed_tokens = 0
+            seq.reread_until = 0
             seq.status = SeqStatus.WAITING
             self.num_preemptions += 1
             out.preempted.append(seq)
@@ -376,8 +424,8 @@ class Scheduler:
         self.computed_prompt_tokens += out.num_prefill_tokens
         for s in out.scheduled:
             seq = s.seq
-            if res.prompt_logprobs and seq.seq_id in res.prompt_logprobs and seq.request.prompt_logprobs is not None:
-                seq.request.prompt_logprobs.extend(res.prompt_logprobs[seq.seq_id])
+            if res.prompt_logprobs and seq.seq_id in res.prompt_logprobs and seq.request.prompt_scores is not None:
+                self._add_prompt_scores(seq, res.prompt_logprobs[seq.seq_id])
             if seq.status is not SeqStatus.RUNNING:
                 continue
             seq.spec_tokens = res.drafts.get(seq.seq_id, [])  # for its next step

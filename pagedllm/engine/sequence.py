@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
-from ..plan import PromptThenOutput
+from ..plan import PromptScores, PromptThenOutput
 from .beam import BeamGroup
 
 
@@ -26,6 +26,10 @@ class Sequence(PromptThenOutput):
     num_prompt_tokens: int
     seed: int
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Prompt logprobs from a prefix hit: positions below this hold cached KV, but rows from
+    # num_computed_tokens up to it are computed again (writing nothing) to score tokens
+    # whose logprobs the cache does not keep. 0 otherwise.
+    reread_until: int = 0
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -67,8 +71,11 @@ class Request:
     beam: BeamGroup | None = None
     beams: list[Sequence] = field(default_factory=list)
     candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
-    # SamplingParams.prompt_logprobs: one entry per prompt token scored so far ([None] first).
-    prompt_logprobs: list | None = None
+    # SamplingParams.prompt_logprobs: the prompt tokens scored so far, from token 1 on (token
+    # 0 has none), at the k kept beside cached blocks (the output processor cuts to the
+    # request's); and how many of its full blocks have had theirs kept.
+    prompt_scores: PromptScores | None = None
+    num_kept_score_blocks: int = 0
 
     @property
     def finished(self) -> bool:

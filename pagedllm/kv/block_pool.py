@@ -32,6 +32,10 @@ class BlockPool:
         # Ordered oldest-first: the front is evicted first (LRU), in O(1).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
+        # What callers keep beside a cached block (its prompt tokens' logprobs), under the
+        # same hash: set while the hash is cached, dropped when it is uncached, so an entry
+        # lives and dies with its block (and its salt) and there are at most num_blocks.
+        self.attached: dict[int, object] = {}
         self.num_cached_free = 0
         self.num_shared = 0   # blocks with ref > 1, counted as refs change (no scan to report it)
         self.num_evictions = 0
@@ -50,6 +54,9 @@ class BlockPool:
 
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash)
+
+    def attachment(self, block_hash: int) -> object | None:
+        return self.attached.get(block_hash)
 
     def is_available(self, block_id: int) -> bool:
         """In the free queue: free, or cached-free (a prefix hit may still revive it)."""
@@ -122,7 +129,16 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
+    def attach(self, block_hash: int, value: object) -> bool:
+        """Keep `value` beside the block cached under `block_hash`; True if kept (not when
+        the hash is not cached, nor when it already has one: the first computed stays)."""
+        if block_hash not in self.cached or block_hash in self.attached:
+            return False
+        self.attached[block_hash] = value
+        return True
+
     def _uncache(self, block: Block) -> None:
+        self.attached.pop(block.block_hash, None)
         del self.cached[block.block_hash]
         block.block_hash = None
         self.num_cached_free -= 1

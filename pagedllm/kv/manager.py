@@ -5,6 +5,7 @@ made here and returned as (src, dst) block pairs for the model runner to copy.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -37,10 +38,25 @@ class KVStats:
     forks: int
     evictions: int
     shared_blocks: int = 0    # blocks held by more than one table
+    # Prompt logprobs kept beside cached blocks: prompt tokens of prompt-logprob requests
+    # looked up (their first has none), those whose logprobs came from the cache, and the
+    # blocks that hold such an entry. Counted apart from the KV hits above.
+    prompt_logprob_queries: int = 0
+    prompt_logprob_hits: int = 0
+    prompt_logprob_blocks: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def prompt_logprob_hit_rate(self) -> float:
+        return self.prompt_logprob_hits / self.prompt_logprob_queries if self.prompt_logprob_queries else 0.0
+
+
+def _leading(get: Callable, keys: Sequence[int]) -> list:
+    """get(key) for the leading keys that have a value: a prefix stops at its first miss."""
+    return list(itertools.takewhile(lambda v: v is not None, map(get, keys)))
 
 
 class KVCacheManager:
@@ -72,6 +88,8 @@ class KVCacheManager:
         self.prefix_hits = 0
         self.cow_copies = 0
         self.forks = 0
+        self.prompt_logprob_queries = 0
+        self.prompt_logprob_hits = 0
 
     def watch(self, listener: Callable[[dict], None] | None) -> None:
         """Send every block-level change to `listener` (None: stop)."""
@@ -90,13 +108,28 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         keys = self._hashes(hashes).update(token_ids)
-        hits: list[int] = []
-        for key in keys[:(len(token_ids) - 1) // self.block_size]:
-            block_id = self.pool.lookup(key)
-            if block_id is None:
-                break
-            hits.append(block_id)
-        return hits
+        return _leading(self.pool.lookup, keys[:(len(token_ids) - 1) // self.block_size])
+
+    # -- prompt logprobs kept beside cached blocks ---------------------------
+    def cached_prompt_scores(self, hashes: BlockHashes, num_blocks: int) -> list:
+        """What is kept beside the first `num_blocks` blocks of a prefix hit, up to the first
+        block without it (a block computed without logits): block b's entry holds its own
+        tokens' prompt logprobs, b * B .. b * B + B - 1 (block 0 from token 1)."""
+        return _leading(self.pool.attachment, hashes.keys[:num_blocks])
+
+    def count_prompt_scores(self, queried: int, served: int) -> None:
+        """An admitted prompt-logprob request: prompt tokens it scores, those served from the cache."""
+        if not self.enable_prefix_caching:
+            return
+        self.prompt_logprob_queries += queried
+        self.prompt_logprob_hits += served
+
+    def keep_prompt_scores(self, hashes: BlockHashes, index: int, entry: object) -> bool:
+        """Keep a full block's prompt logprobs beside it while it stays cached (`index`: the
+        block's place in the sequence, whose key it is). False if it is not cached."""
+        if not self.enable_prefix_caching or index >= len(hashes.keys):
+            return False
+        return self.pool.attach(hashes.keys[index], entry)
 
     def _hashes(self, hashes: BlockHashes | None) -> BlockHashes:
         if hashes is None:
@@ -338,7 +371,8 @@ class KVCacheManager:
             blocks_without_sharing=without_sharing,
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
             cow_copies=self.cow_copies, forks=self.forks, evictions=pool.num_evictions,
-            shared_blocks=pool.num_shared)
+            shared_blocks=pool.num_shared, prompt_logprob_queries=self.prompt_logprob_queries,
+            prompt_logprob_hits=self.prompt_logprob_hits, prompt_logprob_blocks=len(pool.attached))
 
     def _walk_slots(self) -> tuple[int, int]:
         """(slots holding a token, a shared block once; blocks the tables would hold unshared)."""
@@ -378,3 +412,4 @@ class KVCacheManager:
         assert cached_free == self.pool.num_cached_free
         assert self.pool.num_shared == sum(r > 1 for r in refs), "shared-block count drifted"
         assert len(self.pool.cached) == sum(b.block_hash is not None for b in self.pool.blocks)
+        assert self.pool.attached.keys() <= self.pool.cached.keys(), "an entry outlived its block"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from array import array
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +17,7 @@ from ..distributed import TPGroup
 from ..kernels import load_ops
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
-from ..outputs import Logprob
-from ..plan import StepPlan, StepResult
+from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv
 from .build import build_model
 from .kv_cache import KVCache
@@ -266,9 +266,7 @@ class ModelRunner:
         if self.tp.distributed:
             self.tp.broadcast(step)
         logits, scores = self._forward(step)
-        out = StepResult()
-        for seq_id, n in scored:
-            out.prompt_logprobs[seq_id], scores = scores[:n], scores[n:]
+        out = StepResult(prompt_logprobs=self._split_scores(scores, scored))
         if logits is None:
             return out
         if checks:
@@ -292,9 +290,9 @@ class ModelRunner:
             self._forward(step)
 
     @staticmethod
-    def _inputs(plan: StepPlan) -> tuple[StepInputs, list, list[Verify], list[tuple[int, int]]]:
+    def _inputs(plan: StepPlan) -> tuple[StepInputs, list, list[Verify], list[tuple[int, int, int]]]:
         """The step's inputs; the rows that sample, as (logits row, [targets]); the drafts
-        to verify; and (seq id, prompt tokens scored) in the order of step.score_rows."""
+        to verify; and (seq id, prompt tokens scored, top k) in the order of step.score_rows."""
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
         order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
@@ -306,7 +304,7 @@ class ModelRunner:
         sample_rows: list = []
         checks: list[Verify] = []
         scores: tuple[list[int], list[int], list[int]] = ([], [], [])
-        scored: list[tuple[int, int]] = []
+        scored: list[tuple[int, int, int]] = []
         for c in order:
             base = len(ids)
             ids.extend(c.token_ids)
@@ -324,13 +322,13 @@ class ModelRunner:
                 scores[0].extend(range(first, first + len(c.score_ids)))
                 scores[1].extend(c.score_ids)
                 scores[2].extend([c.score_top] * len(c.score_ids))
-                scored.append((c.seq_id, len(c.score_ids)))
+                scored.append((c.seq_id, len(c.score_ids), c.score_top))
         nd = sum(1 for c in order if c.num_tokens == 1)
         step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
                           nd, logit_rows, plan.copies, *scores)
         return step, sample_rows, checks, scored
 
-    def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[dict[int, Logprob]]]:
+    def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The step's forward on this rank: logits of the rows that sample (the whole
         vocabulary on rank 0, None on the other ranks and when nothing samples), and the
         scored prompt tokens' logprobs."""
@@ -353,11 +351,13 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=hidden.device)])
         return self.tp.gather_vocab(logits), scores
 
-    def _score_prompt(self, hidden: torch.Tensor, step: StepInputs) -> list[dict[int, Logprob]]:
-        """Each scored row's next prompt token: its logprob and rank, then the top k (rank 0;
-        the other ranks take part in the gathers and return []). Rows go SCORE_ROWS at a
-        time: a whole prompt's float32 logits would take rows x vocab x 4 bytes at once."""
-        out: list[dict[int, Logprob]] = []
+    def _score_prompt(self, hidden: torch.Tensor, step: StepInputs) -> list[torch.Tensor]:
+        """Each scored row's next prompt token: [its logprob, its rank, the top-k ids, their
+        logprobs] for all rows (k: the step's largest), on the CPU (rank 0; the other ranks
+        take part in the gathers and return []). Rows go SCORE_ROWS at a time: a whole
+        prompt's float32 logits would take rows x vocab x 4 bytes at once."""
+        parts: list[list[torch.Tensor]] = []
+        k = max(step.score_top)
         for i in range(0, len(step.score_rows), SCORE_ROWS):
             rows = torch.tensor(step.score_rows[i:i + SCORE_ROWS], device=hidden.device)
             logits = self.tp.gather_vocab(self.model.compute_logits(hidden[rows]))
@@ -366,14 +366,22 @@ class ModelRunner:
             lp = torch.log_softmax(logits.float(), dim=-1)
             want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=lp.device)
             chosen = lp.gather(1, want[:, None])[:, 0]
-            ranks = ((lp > chosen[:, None]).sum(dim=-1) + 1).tolist()
-            tops = step.score_top[i:i + SCORE_ROWS]
-            top = torch.topk(lp, max(tops), dim=-1) if max(tops) else None
-            for j, (t, v, r) in enumerate(zip(want.tolist(), chosen.tolist(), ranks)):
-                entry = {t: Logprob(v, r)}
-                if top is not None:
-                    for rank, (tt, vv) in enumerate(zip(top.indices[j, :tops[j]].tolist(),
-                                                        top.values[j, :tops[j]].tolist()), 1):
-                        entry.setdefault(tt, Logprob(vv, rank))
-                out.append(entry)
+            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
+            top = torch.topk(lp, k, dim=-1)
+            parts.append([chosen, ranks, top.indices, top.values])
+        return [torch.cat(p).cpu() for p in zip(*parts)] if parts else []
+
+    @staticmethod
+    def _split_scores(scores: list[torch.Tensor], scored: list[tuple[int, int, int]]) -> dict[int, PromptScores]:
+        """The step's scored rows as each sequence's PromptScores, at its own k."""
+        if not scores:
+            return {}
+        chosen, ranks, ids, lps = scores
+        out, i = {}, 0
+        for seq_id, n, k in scored:
+            out[seq_id] = PromptScores(k, array("f", chosen[i:i + n].numpy().tobytes()),
+                                       array("i", ranks[i:i + n].to(torch.int32).numpy().tobytes()),
+                                       array("i", ids[i:i + n, :k].to(torch.int32).contiguous().numpy().tobytes()),
+                                       array("f", lps[i:i + n, :k].contiguous().numpy().tobytes()))
+            i += n
         return out

@@ -59,6 +59,13 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (g, "kv_cache_usage_perc", "KV-cache usage: fraction of blocks held by requests (1 = full).", s.kv.usage),
         (c, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s.kv.prefix_queries),
         (c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits),
+        # Ours: prompt logprobs kept beside cached blocks, counted apart from the KV hits above.
+        (c, "prompt_logprobs_cache_queries", "Prompt tokens of prompt-logprob requests whose logprobs were looked up "
+         "in the prefix cache.", s.kv.prompt_logprob_queries),
+        (c, "prompt_logprobs_cache_hits", "Prompt tokens whose logprobs came from the prefix cache, not recomputed.",
+         s.kv.prompt_logprob_hits),
+        (g, "prompt_logprobs_cache_blocks", "Cached KV blocks that keep their tokens' prompt logprobs beside them.",
+         s.kv.prompt_logprob_blocks),
         (c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.", s.preemptions),
         (c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens),
         (c, "generation_tokens", "Generated tokens.", s.generation_tokens),

@@ -73,6 +73,9 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert [self.store.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
         # a request waiting for room looks up again each step, with the same keys
         assert self.kv.lookup_prefix(toks, hashes) == hit
+        # what is kept beside the hit blocks (here: the history they were kept for) is theirs
+        kept = self.kv.cached_prompt_scores(hashes, len(hit))
+        assert kept == [(salt, tuple(toks[:(i + 1) * B])) for i in range(len(kept))], "kept scores of another history"
         return hit, hashes
 
     def _admit(self, toks: list[int], salt: str | None, chunks: list[int]) -> None:
@@ -167,6 +170,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         for d in (self.tokens, self.future, self.hashes, self.salt):
             del d[seq]
 
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data())
+    def keep_prompt_scores(self, data) -> None:
+        """What the scheduler keeps beside a sequence's full blocks once scored (here each
+        block's history, so a lookup can tell whose it serves)."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        toks = self.tokens[seq]
+        for b in range(len(toks) // B):
+            self.kv.keep_prompt_scores(self.hashes[seq], b, (self.salt[seq], tuple(toks[:(b + 1) * B])))
+
     @rule()
     def reset_cache(self) -> None:
         self.kv.reset_prefix_cache()
@@ -216,6 +229,14 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert len(last) % B == 0 and all(h == (salt, last[:len(last) - B + o + 1]) for o, h in enumerate(slots))
             assert slots[-1] not in seen, f"blocks {seen.get(slots[-1])} and {blk.block_id} cache one history"
             seen[slots[-1]] = blk.block_id
+
+    @invariant()
+    def kept_scores_live_and_die_with_their_block(self) -> None:
+        """An entry is kept only while its hash is cached, beside the block of its history."""
+        pool = self.kv.pool
+        for key, entry in pool.attached.items():
+            blk = pool.cached[key]
+            assert self.store.get(blk * B + B - 1) == entry, f"block {blk} keeps another history's scores"
 
     def teardown(self) -> None:
         for s in list(self.tokens):

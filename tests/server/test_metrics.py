@@ -22,7 +22,9 @@ VLLM_FAMILIES = {
     "request_generation_tokens": "histogram", "iteration_tokens_total": "histogram",
     "request_params_n": "histogram", "request_params_max_tokens": "histogram", "cache_config_info": "gauge",
 }
-OURS = {"kv_cache_cached_free_blocks": "gauge", "kv_cache_waste_perc": "gauge", "kv_cache_cow_copies": "counter"}
+OURS = {"kv_cache_cached_free_blocks": "gauge", "kv_cache_waste_perc": "gauge", "kv_cache_cow_copies": "counter",
+        "prompt_logprobs_cache_queries": "counter", "prompt_logprobs_cache_hits": "counter",
+        "prompt_logprobs_cache_blocks": "gauge"}
 
 
 def families(url: str) -> dict:

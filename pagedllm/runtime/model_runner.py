@@ -363,12 +363,14 @@ class ModelRunner:
             logits = self.tp.gather_vocab(self.model.compute_logits(hidden[rows]))
             if logits is None:
                 continue
-            lp = torch.log_softmax(logits.float(), dim=-1)
-            want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=lp.device)
-            chosen = lp.gather(1, want[:, None])[:, 0]
-            ranks = (lp > chosen[:, None]).sum(dim=-1) + 1
-            top = torch.topk(lp, k, dim=-1)
-            parts.append([chosen, ranks, top.indices, top.values])
+            # logprob = logit - logsumexp: no [rows, vocab] log_softmax is written, only read.
+            logits = logits.float()
+            lse = torch.logsumexp(logits, dim=-1, keepdim=True)
+            want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=logits.device)
+            raw = logits.gather(1, want[:, None])
+            ranks = (logits > raw).sum(dim=-1) + 1
+            top = torch.topk(logits, k, dim=-1)
+            parts.append([(raw - lse)[:, 0], ranks, top.indices, top.values - lse])
         return [torch.cat(p).cpu() for p in zip(*parts)] if parts else []
 
     @staticmethod

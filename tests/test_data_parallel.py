@@ -4,6 +4,7 @@ round-robin; a replica killed under load."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -34,7 +35,8 @@ def _client(url: str) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "prefix", name="dp2")
+    s = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "prefix", "--max-logprobs", "24",
+                     name="dp2")
     yield s
     stop_server(s)
 
@@ -61,6 +63,27 @@ def test_completions_and_chat_streaming_and_not(dp_server):
     # Validated in the server process by the engine's own rules: a 400 naming the limit.
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)
+
+
+def test_echo_logprobs_come_back_from_the_replicas(dp_server):
+    """Prompt logprobs cross the replica's pipe whole, streamed or not; --max-logprobs is the
+    front's limit too (24 here: past the request models' old fixed 20)."""
+    body = {"model": MODEL, "prompt": [[504, 3575, 282, 4649], [19556, 905]], "max_tokens": 0, "echo": True,
+            "logprobs": 24, "temperature": 0}
+    r = httpx.post(dp_server.url + "/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [4, 2]
+    for c in choices:
+        assert c["logprobs"]["top_logprobs"][0] is None and len(c["logprobs"]["top_logprobs"][1]) in (24, 25)
+    streamed = []
+    with httpx.stream("POST", dp_server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {") and (c := json.loads(line[6:])["choices"]) and c[0]["logprobs"]:
+                streamed.append((c[0]["index"], c[0]["logprobs"]["tokens"]))
+    assert sorted(streamed) == [(i, c["logprobs"]["tokens"]) for i, c in enumerate(choices)]
+    r = httpx.post(dp_server.url + "/v1/completions", json={**body, "logprobs": 25}, timeout=120)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
 def _replay(url: str) -> tuple[float, float]:

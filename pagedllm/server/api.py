@@ -150,10 +150,13 @@ def _openapi(app: FastAPI) -> dict:
 def _prepare_completion(state: ServerState, body: Any):
     req: CompletionRequest = state.parse(CompletionRequest, body)
     state.refuse_unsupported(CompletionRequest, body, COMPLETION_UNSUPPORTED)
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo: not supported together with logprobs (this server computes no prompt "
-                            "logprobs)", param="echo")
-    params = _params(req, req.max_tokens, req.logprobs)
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens: 0 returns nothing without echo (echo: true answers the prompt alone, "
+                            "with its logprobs); ask for at least 1", param="max_tokens")
+    _check_prompt_logprobs(req)
+    # The engine samples at least one token: a prompt-only answer drops it (ResponseBuilder).
+    max_tokens = 1 if req.prompt_only else req.max_tokens
+    params = _params(req, max_tokens, req.logprobs, req.engine_prompt_logprobs())
     prompts = req.prompts()
     ids = _token_ids(state, prompts, params, chat=False)
     # echo: each choice's text starts with its prompt's, as OpenAI's and vLLM's do.
@@ -164,6 +167,7 @@ def _prepare_completion(state: ServerState, body: Any):
 def _prepare_chat(state: ServerState, body: Any):
     req: ChatCompletionRequest = state.parse(ChatCompletionRequest, body)
     state.refuse_unsupported(ChatCompletionRequest, body, CHAT_UNSUPPORTED)
+    _check_prompt_logprobs(req)
     try:
         conv = req.conversation()
         prompt = state.tokenizer.apply_chat_template(conv, tokenize=False,
@@ -173,8 +177,14 @@ def _prepare_chat(state: ServerState, body: Any):
     except Exception as e:  # a template that rejects this conversation (e.g. role order)
         raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = _params(req, req.max_completion_tokens or req.max_tokens, logprobs)
+    params = _params(req, req.max_completion_tokens or req.max_tokens, logprobs, req.prompt_logprobs)
     return req, params, _token_ids(state, [prompt], params, chat=True)
+
+
+def _check_prompt_logprobs(req) -> None:
+    # vLLM's rule: the field is a whole-response one (the echoed prompt's logprobs do stream).
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs: not available with stream: true", param="prompt_logprobs")
 
 
 def _tokenize(state: ServerState, body: Any) -> dict:
@@ -194,9 +204,9 @@ def _detokenize(state: ServerState, body: Any) -> dict:
         raise APIError(400, str(e), param="tokens") from None
 
 
-def _params(req, max_tokens, logprobs):
+def _params(req, max_tokens, logprobs, prompt_logprobs=None):
     try:
-        return req.sampling_params(max_tokens, logprobs)
+        return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
@@ -210,6 +220,17 @@ def _token_ids(state: ServerState, prompts: list, params, chat: bool) -> list[li
         try:
             out.append(state.engine.validate(p, params, add_special_tokens=not chat))
         except ValueError as e:
+            message, param = _limit_field(str(e), chat)
             where = f"prompt {i}: " if len(prompts) > 1 else ""
-            raise APIError(400, where + str(e), param="messages" if chat else "prompt") from None
+            raise APIError(400, where + message, param=param or ("messages" if chat else "prompt")) from None
     return out
+
+
+def _limit_field(message: str, chat: bool) -> tuple[str, str | None]:
+    """The request field a top-k limit error is about (the engine names its SamplingParams
+    field; chat's per-token k is top_logprobs)."""
+    for name in ("prompt_logprobs", "logprobs"):
+        if message.startswith(name + ":"):
+            field = "top_logprobs" if chat and name == "logprobs" else name
+            return field + message[len(name):], field
+    return message, None

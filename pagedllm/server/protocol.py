@@ -60,26 +60,30 @@ class _Common(BaseModel):
             raise ValueError("stop must be up to 4 non-empty strings")
         return v
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams | BeamSearchParams:
+    # vLLM's: each prompt token's logprob and top k (the limit is the engine's --max-logprobs).
+    prompt_logprobs: int | None = Field(None, ge=0)
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
         if self.use_beam_search:
-            return self._beam_params(max_tokens, logprobs)
+            return self._beam_params(max_tokens, logprobs, prompt_logprobs)
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of: the best samples are known only at the end, so best_of > n cannot stream")
         return SamplingParams(n=self.n, best_of=self.best_of, temperature=self.temperature, top_p=self.top_p,
                               top_k=0 if self.top_k == -1 else self.top_k, seed=self.seed,
                               max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids or [],
-                              ignore_eos=self.ignore_eos, logprobs=logprobs,
+                              ignore_eos=self.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
                               logit_bias=self.logit_bias)
 
-
-    def _beam_params(self, max_tokens: int | None, logprobs: int | None) -> BeamSearchParams:
+    def _beam_params(self, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None) -> BeamSearchParams:
         """Settings that sampling reads but beams do not are refused, never ignored."""
         if "temperature" in self.model_fields_set and self.temperature != 0:
             raise ValueError("use_beam_search: beam search here is deterministic, temperature must be 0")
-        if logprobs is not None:
+        if logprobs is not None or prompt_logprobs is not None:
             raise ValueError("use_beam_search: logprobs are not returned for beams")
         for name in ("stop", "stop_token_ids", "logit_bias", "best_of", "seed"):
             if getattr(self, name):
@@ -94,8 +98,9 @@ class _Common(BaseModel):
 
 class CompletionRequest(_Common):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
-    logprobs: int | None = Field(None, ge=0, le=20)
+    # 0 with echo: the prompt alone, scored (OpenAI's, for log-likelihoods); run as 1 token, dropped.
+    max_tokens: int | None = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
     echo: bool = False
 
     @field_validator("prompt")
@@ -106,6 +111,17 @@ class CompletionRequest(_Common):
         if isinstance(v, list) and len(v) > 64 and isinstance(v[0], (str, list)):
             raise ValueError("at most 64 prompts per request")
         return v
+
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens 0 with echo: each choice is its prompt alone."""
+        return self.echo and self.max_tokens == 0
+
+    def engine_prompt_logprobs(self) -> int | None:
+        """The top k of prompt logprobs to compute: enough for vLLM's field and for the echoed
+        prompt's logprobs, each of which keeps its own k of them."""
+        ks = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(ks) if ks else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -140,7 +156,7 @@ class ChatCompletionRequest(_Common):
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
 
     def conversation(self) -> list[dict]:

@@ -14,9 +14,10 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
-from ..outputs import CompletionOutput, Logprob, RequestOutput
+from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
+from .logprobs import chat_logprobs, completion_logprobs, token_text, vllm_prompt_logprobs
 from .state import APIError, ServerState
 
 logger = logging.getLogger(__name__)
@@ -104,8 +105,11 @@ class ResponseBuilder:
     def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int, echo: list[str] | None = None) -> None:
         self.state, self.req, self.rid, self.chat, self.n = state, req, rid, chat, n
         self.echo = echo  # per prompt: the text each of its choices starts with
+        # max_tokens 0 with echo: the engine ran one token, which no part of the answer shows.
+        self.prompt_only = not chat and req.prompt_only
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
+        self.text_of = token_text(state.tokenizer)
 
     def _index(self, prompt_idx: int, c: CompletionOutput) -> int:
         return prompt_idx * self.n + c.index
@@ -113,8 +117,8 @@ class ResponseBuilder:
     def usage(self, finals: dict[int, RequestOutput]) -> dict:
         prompt = sum(len(o.prompt_token_ids) for o in finals.values())
         # A streamed request's last output holds its last tokens only: its metrics have the lengths.
-        completion = sum(sum(o.metrics.get("output_lens") or [len(c.token_ids) for c in o.outputs])
-                         for o in finals.values())
+        completion = 0 if self.prompt_only else sum(
+            sum(o.metrics.get("output_lens") or [len(c.token_ids) for c in o.outputs]) for o in finals.values())
         cached = sum(o.num_cached_tokens for o in finals.values())
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -127,29 +131,60 @@ class ResponseBuilder:
         choices = []
         for i in sorted(finals):
             for c in finals[i].outputs:
-                ch: dict[str, Any] = {"index": self._index(i, c), "finish_reason": c.finish_reason,
-                                      "stop_reason": c.stop_reason}
-                if self.chat:
-                    ch["message"] = {"role": "assistant", "content": c.text}
-                    ch["logprobs"] = self._chat_logprobs(c.logprobs) if c.logprobs is not None else None
-                else:
-                    ch["text"] = (self.echo[i] if self.echo else "") + c.text
-                    ch["logprobs"] = self._completion_logprobs(c.logprobs) if c.logprobs is not None else None
-                choices.append(ch)
+                ch = self._message(c) if self.chat else self._completion_choice(finals[i], i, c)
+                choices.append({"index": self._index(i, c), **ch})
         choices.sort(key=lambda ch: ch["index"])
-        return {"id": self.rid, "object": self.object, "created": self.created, "model": self.state.model_name,
+        resp = {"id": self.rid, "object": self.object, "created": self.created, "model": self.state.model_name,
                 "choices": choices, "usage": self.usage(finals)}
+        if self.chat and self.req.prompt_logprobs is not None and finals:  # vLLM's place: the response's
+            resp["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, self.req.prompt_logprobs)
+        return resp
+
+    def _message(self, c: CompletionOutput) -> dict:
+        lps = chat_logprobs(c.logprobs, self.req.top_logprobs or 0) if c.logprobs is not None else None
+        return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
+                "message": {"role": "assistant", "content": c.text}, "logprobs": lps}
+
+    def _completion_choice(self, out: RequestOutput, i: int, c: CompletionOutput) -> dict:
+        echo = self.echo[i] if self.echo else ""
+        ch: dict[str, Any] = {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+        if self.prompt_only:
+            ch.update(finish_reason="length", stop_reason=None, text=echo)
+        else:
+            ch["text"] = echo + c.text
+        ch["logprobs"] = None
+        if self.req.logprobs is not None:
+            # The echoed prompt's tokens first (vLLM's order), then the output's from where its text starts.
+            lps = self._echo_logprobs(out.prompt_token_ids, out.prompt_logprobs) if self.echo else None
+            if not self.prompt_only:
+                lps = _joined(lps, self._output_logprobs(c.logprobs, len(echo)))
+            ch["logprobs"] = lps
+        if self.req.prompt_logprobs is not None:
+            ch["prompt_logprobs"] = vllm_prompt_logprobs(out.prompt_logprobs, self.req.prompt_logprobs)
+        return ch
+
+    def _echo_logprobs(self, ids: list[int], entries: list | None) -> dict:
+        if entries is None or len(entries) != len(ids):  # the engine scores every prompt token before the first
+            raise RuntimeError(f"prompt logprobs for {len(entries or [])} of {len(ids)} prompt tokens")
+        return completion_logprobs(entries, self.req.logprobs, 0, ids, self.text_of)
+
+    def _output_logprobs(self, entries: list | None, offset: int) -> dict:
+        return completion_logprobs(entries or [], self.req.logprobs, offset)
 
     async def sse(self, merged) -> AsyncIterator[str]:
         """One chunk per new piece of each choice, as the engine's DELTA outputs give them:
         their text is already safe to send (no partial stop string, no broken character)."""
         opened: set[int] = set()
         finals: dict[int, RequestOutput] = {}
+        prompt_lps: dict[int, list] = {}  # per prompt: its logprob entries, which arrive in pieces
+        offsets: dict[int, int] = {}      # per choice: where its next token's text starts
         chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             async for i, out in until_closing(merged, self.state.closing):
                 if out.finished:
                     finals[i] = out
+                if out.prompt_logprobs:
+                    prompt_lps.setdefault(i, []).extend(out.prompt_logprobs)
                 for c in out.outputs:
                     idx = self._index(i, c)
                     done = c.finish_reason is not None
@@ -158,11 +193,16 @@ class ResponseBuilder:
                         if self.chat:  # OpenAI opens each choice with the assistant role
                             yield self._chunk(chunk_obj, idx, {"role": "assistant", "content": ""}, None, None)
                         elif self.echo:  # the prompt comes first, in a chunk of its own
-                            yield self._chunk(chunk_obj, idx, self.echo[i], None, None)
+                            yield self._echo_chunk(chunk_obj, idx, i, out, prompt_lps.get(i))
+                            offsets[idx] = len(self.echo[i])
+                    if self.prompt_only:  # the token run for it is nobody's answer
+                        if done:
+                            yield self._chunk(chunk_obj, idx, "", "length", None)
+                        continue
                     if not c.text and not done and not c.logprobs:
                         continue
-                    yield self._chunk(chunk_obj, idx, c.text, c.finish_reason if done else None, c.logprobs or None,
-                                      c.stop_reason if done else None)
+                    yield self._chunk(chunk_obj, idx, c.text, c.finish_reason if done else None,
+                                      self._delta_logprobs(c, idx, offsets), c.stop_reason if done else None)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 yield _sse({"id": self.rid, "object": chunk_obj, "created": self.created,
@@ -178,45 +218,37 @@ class ResponseBuilder:
             yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
             yield "data: [DONE]\n\n"
 
-    def _chunk(self, obj: str, idx: int, delta, finish, lps, stop_reason=None) -> str:
+    def _delta_logprobs(self, c: CompletionOutput, idx: int, offsets: dict[int, int]) -> dict | None:
+        """A chunk's logprobs; a completion's offsets go on from where the choice's text is."""
+        if not c.logprobs:
+            return None
+        if self.chat:
+            return chat_logprobs(c.logprobs, self.req.top_logprobs or 0)
+        lps = self._output_logprobs(c.logprobs, offsets.get(idx, 0))
+        offsets[idx] = offsets.get(idx, 0) + sum(map(len, lps["tokens"]))
+        return lps
+
+    def _echo_chunk(self, obj: str, idx: int, i: int, out: RequestOutput, entries: list | None) -> str:
+        lps = self._echo_logprobs(out.prompt_token_ids, entries) if self.req.logprobs is not None else None
+        return self._chunk(obj, idx, self.echo[i], None, lps)
+
+    def _chunk(self, obj: str, idx: int, delta, finish, lps: dict | None, stop_reason=None) -> str:
+        """lps: the logprobs object already in the endpoint's shape."""
         choice: dict[str, Any] = {"index": idx, "finish_reason": finish}
         if self.chat:
             choice["delta"] = delta if isinstance(delta, dict) else ({"content": delta} if delta else {})
-            choice["logprobs"] = self._chat_logprobs(lps) if lps else None
         else:
             choice["text"] = delta
-            choice["logprobs"] = self._completion_logprobs(lps) if lps else None
+        choice["logprobs"] = lps
         if finish is not None:
             choice["stop_reason"] = stop_reason
         return _sse({"id": self.rid, "object": obj, "created": self.created, "model": self.state.model_name,
                      "choices": [choice]})
 
-    def _top(self, lp: dict) -> list[tuple[int, Logprob]]:
-        """The k most likely of an output token's logprobs (the chosen one comes first and
-        may be outside them), by rank."""
-        k = (self.req.top_logprobs or 0) if self.chat else self.req.logprobs
-        return sorted(((i, v) for i, v in lp.items() if v.rank is not None and v.rank <= k), key=lambda e: e[1].rank)
 
-    def _chat_logprobs(self, lps) -> dict:
-        content = []
-        for lp in lps:
-            chosen = lp[next(iter(lp))]
-            tok = chosen.decoded_token  # decoded once, by the engine
-            content.append({"token": tok, "logprob": chosen.logprob, "bytes": list(tok.encode()),
-                            "top_logprobs": [{"token": (t := v.decoded_token), "logprob": v.logprob,
-                                              "bytes": list(t.encode())} for _, v in self._top(lp)]})
-        return {"content": content}
-
-    def _completion_logprobs(self, lps) -> dict:
-        chosen = [lp[next(iter(lp))] for lp in lps]
-        tokens = [c.decoded_token for c in chosen]
-        offsets, pos = [], 0
-        for t in tokens:
-            offsets.append(pos)
-            pos += len(t)
-        return {"tokens": tokens, "token_logprobs": [c.logprob for c in chosen],
-                "top_logprobs": [{v.decoded_token: v.logprob for _, v in self._top(lp)} for lp in lps],
-                "text_offset": offsets}
+def _joined(a: dict | None, b: dict) -> dict:
+    """Two completion logprobs objects, b's tokens after a's."""
+    return b if a is None else {key: a[key] + b[key] for key in a}
 
 
 def _sse(obj: dict) -> str:

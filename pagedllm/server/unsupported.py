@@ -39,7 +39,6 @@ _GUIDED: dict[str, Callable[[Any], bool]] = {
     "response_format": _text_format,
     "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
     "structured_outputs": _unset,
-    "prompt_logprobs": _unset,
     "logits_processors": _empty,
 }
 

@@ -119,11 +119,6 @@ def test_echo_prepends_the_prompt(client, tokenizer):
     assert by_ids.choices[0].text == tokenizer.decode(ids) + plain.choices[0].text
 
 
-def test_echo_with_logprobs_is_refused(server):
-    r = post(server, COMP, {"prompt": "Hi", "max_tokens": 1, "echo": True, "logprobs": 1})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
-
-
 # -- 5. /tokenize and /detokenize -------------------------------------------------------
 def test_tokenize_detokenize_round_trip(server, tokenizer):
     text = "Paged attention: blocks, tables, and a café ☕"

@@ -172,9 +172,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="lm-eval-mc-") as d:
         task = write_mc_task(Path(d), args.limit, args.num_shots, args.seed)
         head = (f"workload: {args.limit} generated questions (seed {args.seed}), 4 lettered answers each behind one "
-                f"{args.num_shots}-shot prefix: {4 * args.limit} loglikelihood requests through lm-eval "
-                f"local-completions, {args.num_concurrent} in flight, batch size 1; bf16, KV {args.kv_cache_memory}, "
-                f"max_model_len {args.max_model_len}")
+                f"{args.num_shots}-shot prefix: {4 * args.limit} loglikelihood requests, through lm-eval's "
+                f"local-completions to the servers ({args.num_concurrent} in flight, batch size 1), lm-eval hf at batch "
+                f"size {args.hf_batch_size}; bf16, KV {args.kv_cache_memory}, max_model_len {args.max_model_len}")
         print(head, flush=True)
         for engine in engines:
             load = os.getloadavg()[0]

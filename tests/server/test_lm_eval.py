@@ -73,6 +73,8 @@ def test_loglikelihood_tasks_match_hf(server, task_manager, model_paths, hf):
         assert a["arguments"] == b["arguments"]
         got, want = ([ll for ll, _ in s["filtered_resps"]] for s in (a, b))
         assert got == pytest.approx(want, abs=TOL), f"doc {a['doc_id']}"
+        # is_greedy: lm-eval compares each continuation token's logprob with the top of its top_logprobs
+        assert [g for _, g in a["filtered_resps"]] == [g for _, g in b["filtered_resps"]], f"doc {a['doc_id']}"
     for a, b in zip(samples(ours, PPL), samples(hf, PPL)):
         assert a["filtered_resps"] == pytest.approx(b["filtered_resps"], abs=TOL), f"doc {a['doc_id']}"
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):

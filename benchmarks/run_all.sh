@@ -93,6 +93,10 @@ python benchmarks/quantization.py --rounds 3 --out $R/quantization.json
 python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request_spec_quant.json
 python benchmarks/speculative_batched.py --out $R/speculative_batched.json
 
+# 17. lm-eval (local-completions, 8 in flight) on 240 multiple-choice questions behind one 5-shot prefix:
+#     pagedllm serve with and without prefix caching, vllm serve, lm-eval's hf model.
+python benchmarks/lm_eval_mc.py --setup-vllm --out $R/lm_eval_mc.json
+
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.
 pagedllm bench report $R/*.json --out-dir $R/report

@@ -144,6 +144,32 @@ def test_provenance_names_commit_torch_threads_and_cpu():
     assert isinstance(p["cpu_flags"], list)
 
 
+def test_lm_eval_mc_workload_shares_one_few_shot_prefix_and_plots(tmp_path, tok):
+    """benchmarks/lm_eval_mc.py's task: the same questions from the same seed, loaded by lm-eval from
+    the folder it is written to, every request behind one 5-shot prefix of MMLU-like length; a result
+    file of that benchmark gets its plot."""
+    import os.path
+
+    from lm_eval.tasks import TaskManager
+
+    from pagedllm.bench.harness import mc_questions, write_mc_task
+
+    assert mc_questions(6, 1) == mc_questions(6, 1) != mc_questions(6, 2)
+    name = write_mc_task(tmp_path / "task", 3, 5)
+    task = TaskManager(include_path=str(tmp_path / "task"), include_defaults=False).load([name])["tasks"][name]
+    task.build_all_requests()
+    contexts = [i.args[0] for i in task.instances]
+    assert len(contexts) == 12 and [i.args[1] for i in task.instances[:4]] == [" A", " B", " C", " D"]
+    assert 500 <= len(tok(os.path.commonprefix(contexts)).input_ids) <= 800
+    run = {"label": "pagedllm serve, prefix caching", "wall_s": 2.0, "computed_tokens": 900, "prompt_tokens_sent": 3000,
+           "metrics": {"acc": 0.25}}
+    save({"benchmark": "lm_eval_mc", "workload": "mc 3x4, 5-shot",
+          "results": [run, {**run, "label": "pagedllm serve, no prefix caching", "computed_tokens": 3000},
+                      {"engine": "vllm", "label": "vllm serve", "skipped": "no venv"}]}, str(tmp_path / "lm_eval_mc.json"))
+    written = write_report([str(tmp_path / "lm_eval_mc.json")], str(tmp_path / "out"))
+    assert (tmp_path / "out" / "lm_eval_mc.png") in written
+
+
 def test_decode_attention_bench_reports_its_floor():
     from pagedllm.bench.attention import bench_decode
 

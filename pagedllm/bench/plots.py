@@ -268,6 +268,26 @@ def plot_gateway_vs_dp(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_lm_eval_mc(fig, data: dict) -> None:
+    """lm-eval's multiple-choice run per engine: wall time, the prompt tokens it computed (the
+    dotted line: what lm-eval sent), accuracy."""
+    runs = [r for r in data["results"] if "wall_s" in r]
+    labels = [r["label"] for r in runs]
+    colours = ["#aec7e8" if "no prefix" in r["label"] else family_colour(r["label"]) for r in runs]
+    panels = (("wall time, s", "{:.0f}", lambda r: r["wall_s"]),
+              ("prompt tokens computed, thousands (dotted: sent)", "{:.0f}", lambda r: r["computed_tokens"] / 1000),
+              ("accuracy (acc)", "{:.3f}", lambda r: r["metrics"]["acc"]))
+    for i, (ax, (xlabel, fmt, get)) in enumerate(zip(fig.subplots(1, 3), panels)):
+        _bars(ax, labels, [get(r) for r in runs], colours, fmt)
+        ax.set_xlabel(xlabel)
+        if i == 1 and runs:
+            sent = runs[0]["prompt_tokens_sent"] / 1000
+            ax.axvline(sent, color="k", lw=0.8, ls=":")
+            ax.set_xlim(0, max(ax.get_xlim()[1], 1.05 * sent))
+        if i:
+            ax.set_yticks([])
+
+
 def plot_single_request(fig, data: dict) -> None:
     """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
     names = list(data["workloads"])
@@ -313,6 +333,8 @@ PLOTTERS: list[Plotter] = [
      plot_engine_layer, "The engine layer before and after (issue 24)", True),
     (lambda d: d.get("benchmark") == "gateway_vs_dp", plot_gateway_vs_dp,
      "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
+    (lambda d: d.get("benchmark") == "lm_eval_mc", plot_lm_eval_mc,
+     "lm-eval multiple choice through each engine (prefix caching on and off)", True),
     (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,
      "One request at a time, against llama.cpp", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -73,7 +73,7 @@ def run_engine(engine: str, model_dir: Path, task_dir: Path, task: str, args, vl
         spec = {"model": "hf", "batch_size": args.hf_batch_size, "task": task, "include_path": str(task_dir),
                 "model_args": {"pretrained": str(model_dir), "dtype": "bfloat16"}}
         r = evaluate(spec, args.timeout)
-        return {**r, "computed_tokens": r["forward_tokens"], "prefix_hit_rate": None,
+        return {**r, "computed_tokens": r["forward_tokens"], "prefix_hit_rate": None, "prompt_logprob_hit_rate": None,
                 "threads": r["client_threads"], "batch_size": args.hf_batch_size}
     if engine == "vllm":
         log = Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
@@ -92,6 +92,7 @@ def run_engine(engine: str, model_dir: Path, task_dir: Path, task: str, args, vl
     computed = c["computed"] if prefix == "pagedllm" else c["prompt"] - c["hits"]
     threads = threads_used(log_text) if prefix == "pagedllm" else re.findall(r"core ids=\[([0-9, ]*)\]", log_text)[:1]
     return {**r, "computed_tokens": computed, "prefix_hit_rate": c["hits"] / c["queries"] if c["queries"] else 0.0,
+            "prompt_logprob_hit_rate": c["logprob_hits"] / c["logprob_queries"] if c["logprob_queries"] else None,
             "threads": threads, "batch_size": 1}
 
 
@@ -115,14 +116,15 @@ def report(rows: list[dict], reference: str | None) -> tuple[list[str], dict]:
     ran = [r for r in rows if "wall_s" in r]
     vllm = next((r for r in ran if r["engine"] == "vllm"), None)
     lines = [f"{'engine':<38} {'wall s':>8} {'acc':>6} {'acc_norm':>8} {'tokens sent':>12} {'computed':>10}"
-             f" {'hit rate':>8} {'same answer':>11} {'max |dLL|':>9}"]
+             f" {'hit rate':>8} {'logprob hits':>12} {'same answer':>11} {'max |dLL|':>9}"]
     for r in rows:
         if "skipped" in r:
             lines.append(f"{r['label']:<38} skipped: {r['skipped']}")
             continue
         hit = "-" if r["prefix_hit_rate"] is None else f"{100 * r['prefix_hit_rate']:.1f}%"
+        lp_hit = "-" if r.get("prompt_logprob_hit_rate") is None else f"{100 * r['prompt_logprob_hit_rate']:.1f}%"
         lines.append(f"{r['label']:<38} {r['wall_s']:8.1f} {r['metrics']['acc']:6.3f} {r['metrics']['acc_norm']:8.3f}"
-                     f" {r['prompt_tokens_sent']:12d} {r['computed_tokens']:10.0f} {hit:>8}"
+                     f" {r['prompt_tokens_sent']:12d} {r['computed_tokens']:10.0f} {hit:>8} {lp_hit:>12}"
                      f" {100 * r['same_answer_as_reference']:10.1f}% {r['max_abs_loglikelihood_diff']:9.4f}")
     ratios = {}
     if vllm is not None:

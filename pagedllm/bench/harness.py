@@ -127,7 +127,10 @@ def server_counters(url: str, prefix: str) -> dict[str, float]:
 
     names = {f"{prefix}:prompt_tokens_total": "prompt", f"{prefix}:computed_prompt_tokens_total": "computed",
              f"{prefix}:prefix_cache_queries_total": "queries", f"{prefix}:prefix_cache_hits_total": "hits",
-             f"{prefix}:request_success_total": "requests"}
+             f"{prefix}:request_success_total": "requests",
+             # ours alone: prompt logprobs served from the prefix cache, counted apart from its KV hits
+             f"{prefix}:prompt_logprobs_cache_queries_total": "logprob_queries",
+             f"{prefix}:prompt_logprobs_cache_hits_total": "logprob_hits"}
     out = dict.fromkeys(names.values(), 0.0)
     for fam in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
         for s in fam.samples:

@@ -74,7 +74,7 @@ def test_sse_ends_with_a_503_event_and_done_when_closing():
     async def run():
         log: list[str] = []
         state = fake_state()
-        req = SimpleNamespace(stop=None, stream_options=None)
+        req = SimpleNamespace(stop=None, stream_options=None, prompt_only=False, logprobs=None, prompt_logprobs=None)
         resp = ResponseBuilder(state, req, "cmpl-1", chat=False, n=1)
 
         async def merged():

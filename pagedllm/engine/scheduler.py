@@ -56,6 +56,27 @@ def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) ->
     return max(block_size, max_num_batched_tokens // 4 // block_size * block_size)
 
 
+class _Scoring:
+    """The keys of the prompt blocks whose logprobs running sequences will keep once computed,
+    built on first use in a step's admission and grown as it admits."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        self._keys: set[int] | None = None
+
+    def keys(self) -> set[int]:
+        if self._keys is None:
+            self._keys = set()
+            for seq in self.sched.running:
+                self.started(seq)
+        return self._keys
+
+    def started(self, seq: Sequence) -> None:
+        if self._keys is not None and self.sched._keeps_scores(seq):
+            full = seq.num_prompt_tokens // self.sched.kv.block_size
+            self._keys.update(seq.hashes.keys[seq.request.num_kept_score_blocks:full])
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
@@ -211,7 +232,9 @@ class Scheduler:
         (no room to spare). Samples of n > 1 and a beam group's future beams count against
         max_num_seqs from admission."""
         seats = len(self.running) + sum(self._pending_forks(s) for s in self.running) if self.waiting else 0
-        skipped: list[Sequence] = []   # long prompts waiting for a partial-prefill slot
+        skipped: list[Sequence] = []   # long prompts waiting for a partial-prefill slot, and
+        # prompt-logprob requests waiting for logprobs a running request is computing
+        scoring = _Scoring(self)
         while self.waiting and budget > 0 and not out.preempted:
             group = self._group(self.waiting, 0)
             need_seats = len(group) + self._pending_forks(group[0])
@@ -220,10 +243,15 @@ class Scheduler:
             chunks = []   # (seq, prefix hit, first position computed, tokens to compute now)
             for j, seq in enumerate(group):
                 hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
-                start = self._first_row(seq, hit)
+                start = self._first_row(seq, hit, scoring if len(group) == 1 else None)
+                if start is None:
+                    break
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
                                                     self.long_prefill_token_threshold)))
+            if len(chunks) < len(group):  # its logprobs come from the cache next step, not computed twice now
+                skipped.append(self.waiting.popleft())
+                continue
             long = sum(len(s.token_ids) - c > self.long_prefill_token_threshold for s, _, c, _ in chunks)
             if len(group) == 1 and long and long_prefills >= self.max_num_partial_prefills:
                 skipped.append(self.waiting.popleft())
@@ -238,17 +266,22 @@ class Scheduler:
                 break
             long_prefills += long
             seats += need_seats
+            scoring.started(group[0])
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
 
-    def _first_row(self, seq: Sequence, hit: list[int]) -> int:
+    def _first_row(self, seq: Sequence, hit: list[int], scoring: _Scoring | None = None) -> int | None:
         """Where a newly admitted sequence's computing starts: after its prefix hit, or for
         prompt logprobs at the first token the cache keeps no logprobs for, less one (that
-        row scores it), however far the KV hit goes. Takes the kept ones into the request."""
+        row scores it), however far the KV hit goes. Takes the kept ones into the request.
+        None: wait, a running request is computing the logprobs of the first hit block that
+        has none (the choices of one question arrive together; one computes their context)."""
         cached = len(hit) * self.kv.block_size
         scores = seq.request.prompt_scores
         if scores is None or seq.index != 0:
             return cached
         kept = self.kv.cached_prompt_scores(seq.hashes, len(hit))
+        if scoring is not None and len(kept) < len(hit) and seq.hashes.keys[len(kept)] in scoring.keys():
+            return None
         if kept and len(kept) * self.kv.block_size - 1 > len(scores):
             joined = PromptScores(scores.k)
             for entry in kept:
@@ -355,13 +388,19 @@ class Scheduler:
             chunk.score_start, chunk.score_ids = first, seq.token_ids[first + 1:last + 1]
             chunk.score_top = got.k
 
+    def _keeps_scores(self, seq: Sequence) -> bool:
+        """Whether a sequence's prompt blocks get their logprobs kept as it computes them."""
+        scores = seq.request.prompt_scores
+        return self.kv.enable_prefix_caching and seq.index == 0 and scores is not None and \
+            scores.k == self.max_logprobs
+
     def _add_prompt_scores(self, seq: Sequence, new: PromptScores) -> None:
         """A step's prompt logprobs into the request; each full prompt block whose tokens
         all have theirs now keeps them beside it (block b: tokens b*B .. b*B+B-1, held
         from index b*B - 1, as token 0 has none)."""
         req, B = seq.request, self.kv.block_size
         req.prompt_scores.extend(new)
-        if not self.kv.enable_prefix_caching or req.prompt_scores.k != self.max_logprobs:
+        if not self._keeps_scores(seq):
             return
         full = min(len(req.prompt_scores) + 1, seq.num_prompt_tokens) // B
         for b in range(req.num_kept_score_blocks, full):

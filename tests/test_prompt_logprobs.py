@@ -206,3 +206,20 @@ def test_bad_prompt_logprobs_are_refused(chunky):
     with pytest.raises(ValueError, match=r"logprobs: 30 is more than .*max_logprobs 20"):
         chunky.generate(["Hello"], SamplingParams(logprobs=30), use_tqdm=False)
     assert chunky.engine.kv.pool.num_used == 0
+
+
+def test_requests_arriving_together_compute_a_shared_context_once(cached, uncached):
+    """Choices of one question arrive at once: the first computes the shared context and keeps
+    its logprobs; the others wait that step and take them from the cache (not computing it twice)."""
+    context = "Question: which blocks does a reader share with another? " + TEXT[:300] + " Answer:"
+    prompts = [context + c for c in (" A", " B", " C", " D")]
+    before = cached.engine.stats().computed_prompt_tokens
+    reqs = [cached.engine.add_request(None, p, SamplingParams(max_tokens=1, prompt_logprobs=1)) for p in prompts]
+    done = {}
+    while cached.engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in cached.engine.step() if o.finished})
+    computed = cached.engine.stats().computed_prompt_tokens - before
+    n = len(done[reqs[0].request_id].prompt_token_ids)
+    assert computed < n + 3 * 12, f"{computed} prompt rows computed for 4 prompts of {n} sharing all but the last"
+    for req, ref in zip(reqs, _run(uncached, prompts, 1)):
+        _same(done[req.request_id], ref)

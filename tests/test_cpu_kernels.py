@@ -168,6 +168,35 @@ def test_fused_elementwise_equal_torch(dtype, rows):
         ops.rope(q, k, torch.full((rows,), 4096), rope.cos, rope.sin)
 
 
+@pytest.mark.parametrize("k", [0, 1, 20])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_score_rows_equal_log_softmax(dtype, k):
+    """Prompt scoring: each row's token logprob and rank, and its top k, as log_softmax, a
+    count and topk give them; a row's answers the same alone as in a batch."""
+    ops, g = load_ops(), torch.Generator().manual_seed(3)
+    V = 4099  # not a multiple of 16: the tail lanes
+    x = (4 * torch.randn(37, V, generator=g)).to(dtype)
+    x[3] = 1.0  # a row of ties
+    want = torch.randint(0, V, (37,), generator=g)
+    lp, rank, ids, vals = ops.score_rows(x, want, k)
+    xf = x.float()
+    ref = torch.log_softmax(xf, dim=-1)
+    chosen = xf.gather(1, want[:, None])
+    torch.testing.assert_close(lp, ref.gather(1, want[:, None])[:, 0], atol=2e-5, rtol=0)
+    assert torch.equal(rank, (xf > chosen).sum(-1).int() + 1)
+    assert ids.shape == vals.shape == (37, k) and ids.dtype == rank.dtype == torch.int32
+    if k:
+        top = torch.topk(xf, k, dim=-1)
+        assert torch.equal(xf.gather(1, ids.long()), top.values)  # ties may pick other ids, never other values
+        torch.testing.assert_close(vals, top.values - torch.logsumexp(xf, -1, keepdim=True), atol=2e-5, rtol=0)
+        assert all(len(set(r)) == k for r in ids.tolist())
+        assert ids[3].tolist() == list(range(k))  # equal values: the lower index first
+    alone = ops.score_rows(x[5:6].contiguous(), want[5:6].contiguous(), k)
+    assert all(torch.equal(a[0], b[5]) for a, b in zip(alone, (lp, rank, ids, vals)))
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.score_rows(x, torch.full((37,), V), k)
+
+
 AVX2_CHECK = """
 import torch, sys
 sys.path.insert(0, {tests!r})
@@ -182,6 +211,11 @@ for dtype in (torch.float32, torch.bfloat16):
     x = torch.randn(5, 576).to(dtype); w = torch.ones(576).to(dtype); out = torch.empty_like(x)
     ops.rms_norm(out, x, w, 1e-5)
     torch.testing.assert_close(out.float(), torch.nn.functional.rms_norm(x.float(), (576,), eps=1e-5), atol=2e-2, rtol=2e-2)
+    logits = torch.randn(3, 1000).to(dtype); want = torch.tensor([1, 2, 999])
+    lp, rank, ids, vals = ops.score_rows(logits, want, 5)
+    ref = torch.log_softmax(logits.float(), -1)
+    torch.testing.assert_close(lp, ref.gather(1, want[:, None])[:, 0], atol=1e-4, rtol=0)
+    torch.testing.assert_close(vals, torch.topk(ref, 5).values, atol=1e-4, rtol=0)
 print("ok")
 """
 

@@ -1,4 +1,4 @@
-"""Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling, the
+"""Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling, prompt scoring, the
 batch-invariant matmul, the quantized-block matmuls) once, caches them, loads them as torch.ops.pagedllm_cpu.
 
 The library is compiled for this CPU (-march=native) by torch's extension builder (g++,
@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "quant_linear.cpp",
-           CSRC / "sampling.cpp", CSRC / "shm_allreduce.cpp"]
+           CSRC / "sampling.cpp", CSRC / "scoring.cpp", CSRC / "shm_allreduce.cpp"]
 
 
 def _arch_flags() -> list[str]:

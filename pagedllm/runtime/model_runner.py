@@ -363,10 +363,14 @@ class ModelRunner:
             logits = self.tp.gather_vocab(self.model.compute_logits(hidden[rows]))
             if logits is None:
                 continue
+            want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=logits.device)
+            kernels = self.model.ops.k
+            if kernels is not None and logits.device.type == "cpu":  # two passes a row, in place
+                parts.append(list(kernels.score_rows(logits.contiguous(), want, k)))
+                continue
             # logprob = logit - logsumexp: no [rows, vocab] log_softmax is written, only read.
             logits = logits.float()
             lse = torch.logsumexp(logits, dim=-1, keepdim=True)
-            want = torch.tensor(step.score_ids[i:i + SCORE_ROWS], device=logits.device)
             raw = logits.gather(1, want[:, None])
             ranks = (logits > raw).sum(dim=-1, dtype=torch.int32) + 1  # int32: half the int64 sum's time
             top = torch.topk(logits, k, dim=-1)

@@ -49,18 +49,14 @@ class PromptScores:
                             self.top_logprobs[start * k:end * k])
 
     def extend(self, other: PromptScores) -> None:
-        """Append `other`'s tokens; a larger k is cut to this one's (top k of top k' is top k)."""
-        if other.k < self.k:
+        """Append `other`'s tokens, scored at the same k (a request's, and what the cache
+        keeps, are all scored at the scheduler's one k)."""
+        if other.k != self.k:
             raise ValueError(f"prompt scores of top {other.k} cannot extend scores of top {self.k}")
         self.logprobs.extend(other.logprobs)
         self.ranks.extend(other.ranks)
-        if other.k == self.k:
-            self.top_ids.extend(other.top_ids)
-            self.top_logprobs.extend(other.top_logprobs)
-            return
-        for i in range(len(other)):
-            self.top_ids.extend(other.top_ids[i * other.k:i * other.k + self.k])
-            self.top_logprobs.extend(other.top_logprobs[i * other.k:i * other.k + self.k])
+        self.top_ids.extend(other.top_ids)
+        self.top_logprobs.extend(other.top_logprobs)
 
     def entry(self, i: int, token_id: int, k: int) -> dict[int, Logprob]:
         """vLLM's shape for token i: {the prompt token: its Logprob, then the top k (k <= self.k)}."""

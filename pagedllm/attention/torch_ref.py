@@ -16,6 +16,9 @@ class TorchMetadata(SplitMetadata):
     # Decode rows come sorted by context length; these (start, end, max context) groups
     # pad each group only to its own longest context.
     decode_groups: list[tuple[int, int, int]] = field(default_factory=list)
+    # The rows that write their K/V, when some do not (slot -1: padding, or a row re-read
+    # over a prefix hit's KV); None when all do. Found once a step, not in every layer.
+    write_rows: torch.Tensor | None = None
 
 
 def length_groups(lens: list[int], size: int) -> list[tuple[int, int, int]]:
@@ -25,11 +28,11 @@ def length_groups(lens: list[int], size: int) -> list[tuple[int, int, int]]:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+             slot_mapping: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Each row's K/V into its slot; `rows`: only these rows (the others have slot -1)."""
     nb, bs, kvh, d = k_cache.shape
-    if bool((slot_mapping < 0).any()):  # slot -1: nothing to write (padding, or a re-read cached row)
-        keep = slot_mapping >= 0
-        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    if rows is not None:
+        k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
     v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
 
@@ -52,12 +55,16 @@ class TorchPagedAttention(AttentionBackend):
 
     def build_metadata(self, layout: StepLayout, device) -> TorchMetadata:
         lens = layout.seq_lens[:layout.num_decodes]
-        return TorchMetadata.from_layout(layout, device, decode_groups=length_groups(lens, self.decode_group))
+        rows = None
+        if min(layout.slots, default=0) < 0:
+            rows = torch.tensor([i for i, s in enumerate(layout.slots) if s >= 0], dtype=torch.long, device=device)
+        return TorchMetadata.from_layout(layout, device, decode_groups=length_groups(lens, self.decode_group),
+                                         write_rows=rows)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float):
         # All new K/V of the step land in the pool before anyone reads it, so a request
         # that hit a prefix block filled in this same step reads it complete.
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.write_rows)
         out = torch.empty_like(q)
         for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
             if end > start:

@@ -161,7 +161,7 @@ class EngineCoreLoop:
     # -- steps -------------------------------------------------------------------
     def _step(self) -> None:
         engine = self.engine
-        before = engine.computed_prompt_tokens + engine.generation_tokens
+        before = engine.tokens_run
         try:
             up = engine.core_step()
             outputs = engine.process(up) if up is not None else []
@@ -171,7 +171,7 @@ class EngineCoreLoop:
             logger.exception("engine step failed; aborting the requests in flight")
             self.fail_all(f"internal error in the engine step: {type(e).__name__}: {e}")
             return
-        ran = engine.computed_prompt_tokens + engine.generation_tokens - before
+        ran = engine.tokens_run - before
         self.sink.stepped(outputs, engine.view, ran, self.adds_applied, list(up.touched) if up is not None else [])
 
     def fail_all(self, error: str) -> None:

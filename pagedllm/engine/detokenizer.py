@@ -16,6 +16,11 @@ from dataclasses import dataclass
 INCOMPLETE = "\ufffd"
 
 
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text alone (vLLM's decoded_token): what a logprob entry names."""
+    return tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(token_id)])
+
+
 @dataclass(slots=True)
 class DetokState:
     prefix: int = 0   # first output id of the context window (0 = first output token)

@@ -216,16 +216,9 @@ class LLMEngine:
         return self._view
 
     @property
-    def prompt_tokens(self) -> int:
-        return self.scheduler.prompt_tokens
-
-    @property
-    def computed_prompt_tokens(self) -> int:
-        return self.scheduler.computed_prompt_tokens
-
-    @property
-    def generation_tokens(self) -> int:
-        return self.scheduler.generation_tokens
+    def tokens_run(self) -> int:
+        """Prompt tokens computed and tokens generated so far (a step's work, by difference)."""
+        return self.scheduler.computed_prompt_tokens + self.scheduler.generation_tokens
 
     @property
     def steps(self) -> int:
@@ -249,8 +242,8 @@ class LLMEngine:
             preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
-            prompt_tokens=self.prompt_tokens, computed_prompt_tokens=self.computed_prompt_tokens,
-            generation_tokens=self.generation_tokens, steps=self.steps,
+            prompt_tokens=self.scheduler.prompt_tokens, computed_prompt_tokens=self.scheduler.computed_prompt_tokens,
+            generation_tokens=self.scheduler.generation_tokens, steps=self.steps,
             spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None)
 
 

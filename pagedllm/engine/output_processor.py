@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind
-from .detokenizer import INCOMPLETE, DetokState, detokenize, final_text
+from .detokenizer import INCOMPLETE, DetokState, detokenize, final_text, token_text
 from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
 
@@ -217,8 +217,7 @@ class OutputProcessor:
         prompt's logprobs decode its tokens and their top k, thousands per request."""
         text = self._texts.get(tid)
         if text is None:
-            tok = self.tokenizer
-            text = self._texts[tid] = tok.convert_tokens_to_string([tok.convert_ids_to_tokens(tid)])
+            text = self._texts[tid] = token_text(self.tokenizer, tid)
         return text
 
     def _beam_output(self, req: Request) -> RequestOutput:

@@ -73,8 +73,8 @@ class _Scoring:
 
     def started(self, seq: Sequence) -> None:
         if self._keys is not None and self.sched._keeps_scores(seq):
-            full = seq.num_prompt_tokens // self.sched.kv.block_size
-            self._keys.update(seq.hashes.keys[seq.request.num_kept_score_blocks:full])
+            B = self.sched.kv.block_size
+            self._keys.update(seq.hashes.keys[self.sched._scored_blocks(seq):seq.num_prompt_tokens // B])
 
 
 class Scheduler:
@@ -364,8 +364,9 @@ class Scheduler:
             if self.spec_policy is not None and len(s.sample_for) == 1 and self._speculates(seq):
                 propose = self.spec_policy.num_speculative_tokens
             slots = table.slots(s.start, end)
-            if seq.reread_until > s.start:  # their KV is a prefix hit's: read, never written over
-                slots[:seq.reread_until - s.start] = [-1] * (min(end, seq.reread_until) - s.start)
+            reread = min(end, seq.reread_until) - s.start
+            if reread > 0:  # their KV is a prefix hit's: read, never written over
+                slots[:reread] = [-1] * reread
             chunks.append(ChunkPlan(
                 seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, slots,
                 table.block_ids[:cdiv(end, B)],
@@ -398,14 +399,16 @@ class Scheduler:
         """A step's prompt logprobs into the request; each full prompt block whose tokens
         all have theirs now keeps them beside it (block b: tokens b*B .. b*B+B-1, held
         from index b*B - 1, as token 0 has none)."""
-        req, B = seq.request, self.kv.block_size
-        req.prompt_scores.extend(new)
-        if not self._keeps_scores(seq):
-            return
-        full = min(len(req.prompt_scores) + 1, seq.num_prompt_tokens) // B
-        for b in range(req.num_kept_score_blocks, full):
-            self.kv.keep_prompt_scores(seq.hashes, b, req.prompt_scores.slice(max(b * B - 1, 0), (b + 1) * B - 1))
-        req.num_kept_score_blocks = max(full, req.num_kept_score_blocks)
+        scores, B = seq.request.prompt_scores, self.kv.block_size
+        done = self._scored_blocks(seq)
+        scores.extend(new)
+        if self._keeps_scores(seq):
+            for b in range(done, self._scored_blocks(seq)):
+                self.kv.keep_prompt_scores(seq.hashes, b, scores.slice(max(b * B - 1, 0), (b + 1) * B - 1))
+
+    def _scored_blocks(self, seq: Sequence) -> int:
+        """Full prompt blocks whose every token has its logprob now (block b's from index b*B - 1)."""
+        return min(len(seq.request.prompt_scores) + 1, seq.num_prompt_tokens) // self.kv.block_size
 
     @staticmethod
     def _remaining(seq: Sequence) -> int:

@@ -73,9 +73,8 @@ class Request:
     candidates: dict[int, list[tuple[int, float]]] = field(default_factory=dict)
     # SamplingParams.prompt_logprobs: the prompt tokens scored so far, from token 1 on (token
     # 0 has none), at the k kept beside cached blocks (the output processor cuts to the
-    # request's); and how many of its full blocks have had theirs kept.
+    # request's).
     prompt_scores: PromptScores | None = None
-    num_kept_score_blocks: int = 0
 
     @property
     def finished(self) -> bool:

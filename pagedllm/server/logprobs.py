@@ -17,12 +17,6 @@ def _finite(x: float) -> float:
     return max(x, MIN_LOGPROB)
 
 
-def token_text(tokenizer) -> Callable[[int], str]:
-    """A token's text alone, as the engine decodes its logprob entries (their decoded_token),
-    for the first prompt token, which has no entry."""
-    return lambda tid: tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(tid)])
-
-
 def _kept(entry: Entry, k: int) -> list[tuple[int, Logprob]]:
     """The entry's own token and its top k: the engine may have scored more (the largest k of
     a request's views), never fewer."""

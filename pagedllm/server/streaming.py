@@ -3,6 +3,7 @@ OpenAI JSON response or a stream of SSE chunks, aborting everything if the clien
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -17,7 +18,8 @@ from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
-from .logprobs import chat_logprobs, completion_logprobs, token_text, vllm_prompt_logprobs
+from ..engine.detokenizer import token_text
+from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .state import APIError, ServerState
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ class ResponseBuilder:
         self.prompt_only = not chat and req.prompt_only
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
-        self.text_of = token_text(state.tokenizer)
+        self.text_of = functools.partial(token_text, state.tokenizer)
 
     def _index(self, prompt_idx: int, c: CompletionOutput) -> int:
         return prompt_idx * self.n + c.index

@@ -1,7 +1,7 @@
 """PagedLLM: an LLM inference engine built on PagedAttention."""
 from .config import EngineConfig
 from .outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, Logprob, RequestOutput
-from .sampling_params import BeamSearchParams, SamplingParams
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -14,5 +14,5 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "RequestOutput",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "BeamSearchParams", "StructuredOutputsParams", "RequestOutput",
            "CompletionOutput", "Logprob", "BeamSearchOutput", "BeamSearchSequence"]

@@ -21,6 +21,51 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+# The constraint kinds of StructuredOutputsParams, in the order a message lists them.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """vLLM's structured outputs: the output must match exactly one of a JSON schema (a
+    dict or its JSON text), a regex (the whole output), one of `choice`'s strings, an
+    EBNF/GBNF grammar (xgrammar's dialect, root rule `root`), or any JSON object.
+    Checked for shape here; the schema, regex or grammar itself when compiled."""
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    # vLLM's: JSON without free whitespace between tokens (", " and ": " only).
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        asked = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
+        if len(asked) != 1:
+            raise ValueError("structured_outputs must ask for exactly one of json, regex, choice, grammar or "
+                             f"json_object, got {', '.join(asked) if asked else 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or its JSON text), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of non-empty strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"structured_outputs.json_object must be true, got {self.json_object!r}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
+        if self.choice is not None:
+            self.choice = list(self.choice)
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -46,6 +91,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0   # > 1 discourages tokens of the prompt or the output (HF's rule)
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Constrained decoding: every output token keeps the output a prefix of a match.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -105,6 +152,8 @@ class SamplingParams:
             raise bad("stop", "a list of non-empty strings")
         if any(not _int(t) or not 0 <= t < 1 << 63 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of token ids >= 0")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams")
 
     @property
     def greedy(self) -> bool:

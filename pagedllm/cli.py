@@ -361,6 +361,15 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
                          "(default: %(default)g)")
     sv.add_argument("--limit-concurrency", type=_number(int, 1), default=None, metavar="N",
                     help="API requests (/v1/...) in flight beyond N get 503 at once (default: no limit)")
+    from .server.tool_parsers import TOOL_PARSERS  # a plain module: no server stack at parse time
+
+    sv.add_argument("--enable-auto-tool-choice", action="store_true",
+                    help='serve tool_choice "auto" (the default when a chat request has tools): the model '
+                         "writes free text, the --tool-call-parser reads its calls (vLLM's flag)")
+    sv.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
+                    help="what reads tool calls from the model's text under --enable-auto-tool-choice: "
+                         f"{', '.join(sorted(TOOL_PARSERS))} (hermes: <tool_call>{{\"name\": ..., "
+                         '"arguments": {...}}</tool_call>, for Hermes and Qwen models)')
     sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
                     help="serve the KV visualizer at /viz/ (with API keys, each key sees its own requests' text "
                          "and only anonymous block ownership of others')")

@@ -16,11 +16,17 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
+from ..engine.client import EngineDeadError
+from ..sampling_params import SamplingParams
+from .chat_template import render_chat
 from .info import model_info, server_info
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import APIError, ServerState
 from .streaming import serve
 from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+from .tool_output import ToolOutput
+from .tool_parsers import TOOL_PARSERS
+from .tools import tool_dicts
 from .unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED
 
 logger = logging.getLogger(__name__)
@@ -97,14 +103,16 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         key = state.authenticate(request)
         body = await state.read_json(request)
         req, params, prompts, echo = await state.off_loop(_prepare_completion, state, body)
+        await _check_structured(state, req, params)
         return await serve(state, request, req, "cmpl", prompts, params, key, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         key = state.authenticate(request)
         body = await state.read_json(request)
-        req, params, prompts = await state.off_loop(_prepare_chat, state, body)
-        return await serve(state, request, req, "chatcmpl", prompts, params, key, chat=True)
+        req, params, prompts, tools = await state.off_loop(_prepare_chat, state, body)
+        await _check_structured(state, req, params)
+        return await serve(state, request, req, "chatcmpl", prompts, params, key, chat=True, tools=tools)
 
 
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:
@@ -168,17 +176,53 @@ def _prepare_chat(state: ServerState, body: Any):
     req: ChatCompletionRequest = state.parse(ChatCompletionRequest, body)
     state.refuse_unsupported(ChatCompletionRequest, body, CHAT_UNSUPPORTED)
     _check_prompt_logprobs(req)
+    tools = _tool_output(state, req)
     try:
         conv = req.conversation()
-        prompt = state.tokenizer.apply_chat_template(conv, tokenize=False,
-                                                     add_generation_prompt=req.add_generation_prompt)
     except ValueError as e:
         raise APIError(400, f"messages: {e}", param="messages") from None
-    except Exception as e:  # a template that rejects this conversation (e.g. role order)
-        raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages") from None
+    try:
+        prompt = render_chat(state.tokenizer, conv, req.add_generation_prompt, tool_dicts(req.tools),
+                             req.chat_template_kwargs)
+    except ValueError as e:
+        raise _bad(e) from None
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = _params(req, req.max_completion_tokens or req.max_tokens, logprobs, req.prompt_logprobs)
-    return req, params, _token_ids(state, [prompt], params, chat=True)
+    if tools is not None and isinstance(params, SamplingParams) and tools.needs_special_tokens(state.tokenizer):
+        params.skip_special_tokens = False
+    return req, params, _token_ids(state, [prompt], params, chat=True), tools
+
+
+def _tool_output(state: ServerState, req: ChatCompletionRequest) -> ToolOutput | None:
+    """How the answer's text becomes tool calls, or None for plain text."""
+    try:
+        mode = req.tool_mode()
+    except ValueError as e:
+        raise _bad(e) from None
+    if mode == "none":
+        return None
+    parallel = req.parallel_tool_calls is not False
+    if mode != "auto":
+        return ToolOutput(mode, name=req.named_tool, parallel=parallel)
+    if state.tool_call_parser is None:
+        raise APIError(400, 'tool_choice: "auto" (the default when tools are given) needs the server started '
+                            "with --enable-auto-tool-choice and --tool-call-parser; or ask for \"required\", "
+                            "a named function, or \"none\"", param="tool_choice")
+    return ToolOutput("auto", parser=TOOL_PARSERS[state.tool_call_parser], parallel=parallel)
+
+
+async def _check_structured(state: ServerState, req, params) -> None:
+    """A constrained request's grammar is compiled (or found cached) before it is queued: a
+    bad schema, regex or grammar is a 400, streaming or not, and never reaches a step."""
+    if not isinstance(params, SamplingParams) or params.structured_outputs is None:
+        return
+    try:
+        await state.engine.check_structured(params.structured_outputs)
+    except ValueError as e:
+        field = req.constraint()[0]
+        raise APIError(400, f"{field}: {e}", param=field) from None
+    except EngineDeadError as e:
+        raise APIError(503, str(e), "service_unavailable") from None
 
 
 def _check_prompt_logprobs(req) -> None:
@@ -193,7 +237,7 @@ def _tokenize(state: ServerState, body: Any) -> dict:
     try:
         return tokenize(state.engine.info, state.tokenizer, req)
     except ValueError as e:
-        raise APIError(400, str(e), param="messages" if chat else "prompt") from None
+        raise _bad(e, "messages" if chat else "prompt") from None
 
 
 def _detokenize(state: ServerState, body: Any) -> dict:
@@ -208,7 +252,12 @@ def _params(req, max_tokens, logprobs, prompt_logprobs=None):
     try:
         return req.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except ValueError as e:
-        raise APIError(400, str(e)) from None
+        raise _bad(e) from None
+
+
+def _bad(e: ValueError, param: str | None = None) -> APIError:
+    """A 400 for a ValueError, naming the field a FieldError carries."""
+    return APIError(400, str(e), param=getattr(e, "param", param))
 
 
 def _token_ids(state: ServerState, prompts: list, params, chat: bool) -> list[list[int]]:

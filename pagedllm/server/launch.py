@@ -51,6 +51,8 @@ class ServerOptions:
     body_timeout: float
     limit_concurrency: int | None
     log_level: str
+    enable_auto_tool_choice: bool      # tool_choice "auto": the output read by tool_call_parser
+    tool_call_parser: str | None
 
 
 class Attachment(Protocol):
@@ -90,12 +92,17 @@ def serve(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
     code: 0 stopped, 1 the engine failed, 2 a bad setting."""
     keys = api_keys(opts.api_key)
     isolation = opts.prefix_cache_isolation or ("per-key" if keys else "none")
+    if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
+        print("error: --enable-auto-tool-choice needs --tool-call-parser (the parser that reads calls from "
+              "the model's text)", file=sys.stderr)
+        return 2
     try:
         async_engine, attached = _engines(cfg, opts, attach)
         name = opts.served_model_name or async_engine.info.model_name
         state = ServerState(async_engine, name, keys, isolation, opts.max_body_bytes,
                             admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
-                            body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix)
+                            body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
+                            tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

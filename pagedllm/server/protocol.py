@@ -1,18 +1,21 @@
 """OpenAI request shapes (pydantic), validated with field names and ranges in errors."""
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling_params import BeamSearchParams, SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from .structured import FieldError, StructuredRequest
+from .tools import ChatTool, NamedToolChoice, ToolChoice, tool_constraint, tool_mode
 
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
+class _Common(StructuredRequest):
     # Unknown fields are ignored, as OpenAI-compatible servers do; known ones are strict.
     model_config = ConfigDict(extra="ignore")
 
@@ -65,7 +68,10 @@ class _Common(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams | BeamSearchParams:
+        constraint = self.constraint()
         if self.use_beam_search:
+            if constraint is not None:
+                raise FieldError(constraint[0], "structured outputs are not supported with use_beam_search")
             return self._beam_params(max_tokens, logprobs, prompt_logprobs)
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of: the best samples are known only at the end, so best_of > n cannot stream")
@@ -76,7 +82,7 @@ class _Common(BaseModel):
                               presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                               repetition_penalty=self.repetition_penalty, min_p=self.min_p,
                               min_tokens=self.min_tokens, skip_special_tokens=self.skip_special_tokens,
-                              logit_bias=self.logit_bias)
+                              logit_bias=self.logit_bias, structured_outputs=constraint[1] if constraint else None)
 
     def _beam_params(self, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None) -> BeamSearchParams:
@@ -132,11 +138,27 @@ class CompletionRequest(_Common):
         return list(p)
 
 
+class MessageFunction(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: MessageFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None   # an assistant's earlier calls
+    tool_call_id: str | None = None                   # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -150,6 +172,31 @@ class ChatMessage(BaseModel):
             parts.append(part["text"])
         return "".join(parts)
 
+    def for_template(self) -> dict[str, Any]:
+        """The message as chat templates read it (HF's): a developer is a system message,
+        content is text (empty when null), and earlier calls' arguments are objects."""
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls is not None:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    """A call's arguments as an object for the template, or its text when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def conversation(messages: list[ChatMessage]) -> list[dict]:
+    return [m.for_template() for m in messages]
+
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -158,6 +205,26 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     add_generation_prompt: bool = True
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None   # None: true, as OpenAI's default
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
+
+    def tool_mode(self) -> str:
+        """"none", "auto", "required" or "named" (FieldError for a choice without its tools)."""
+        return tool_mode(self.tools, self.tool_choice)
+    @property
+    def named_tool(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
+
+    def constraints(self) -> list[tuple[str, StructuredOutputsParams]]:
+        """A forced tool call is a constraint too: one more kind that excludes the others."""
+        found = super().constraints()
+        mode = self.tool_mode()
+        if mode in ("required", "named") and self.tools:
+            params = tool_constraint(self.tools, mode, self.named_tool, self.parallel_tool_calls is not False)
+            found.append(("tool_choice", params))
+        return found

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.client import EngineClient
 from .metrics import ServerMetrics
 from .shared_read import SharedRead
+from .tool_parsers import TOOL_PARSERS
 from .unsupported import unsupported_field
 
 ISOLATION_MODES = ("none", "per-key")
@@ -42,14 +43,18 @@ class APIError(Exception):
 class ServerState:
     def __init__(self, engine: EngineClient, model_name: str, api_keys: list[str], isolation: str,
                  max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0,
-                 metrics_prefix: str = "pagedllm") -> None:
+                 metrics_prefix: str = "pagedllm", tool_call_parser: str | None = None) -> None:
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
+        if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
+                             f"got {tool_call_parser!r}")
         self.engine = engine
         self.model_name = model_name
         self.api_keys = [k.encode() for k in api_keys]
         self.admin_key = admin_key.encode() if admin_key else None
         self.isolation = isolation
+        self.tool_call_parser = tool_call_parser  # None: tool_choice "auto" is refused
         self.max_body_bytes = max_body_bytes
         self.body_timeout = body_timeout  # seconds the whole body may take to arrive: no trickling
         self.closing = asyncio.Event()  # set when the shutdown grace is over (server.http.GracefulShutdown)

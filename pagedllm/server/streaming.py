@@ -21,12 +21,13 @@ from .http import ServerClosing, until, until_closing
 from ..engine.detokenizer import token_text
 from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
 from .state import APIError, ServerState
+from .tool_output import ChoiceCalls, ToolOutput
 
 logger = logging.getLogger(__name__)
 
 
 async def serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
-                key: str | None, chat: bool, echo: list[str] | None = None):
+                key: str | None, chat: bool, echo: list[str] | None = None, tools: ToolOutput | None = None):
     engine = state.engine
     if isinstance(params, SamplingParams):  # a stream writes what is new; a response needs only the end
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -44,7 +45,7 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         for s in streams:
             await s.aclose()
         raise APIError(400, str(e)) from None
-    resp = ResponseBuilder(state, req, rid, chat, params.n, echo)
+    resp = ResponseBuilder(state, req, rid, chat, params.n, echo, tools)
     # A client that leaves (before its first token, too: a long prefill sends nothing)
     # aborts its requests and frees their blocks before the next step.
     merged = until(_merge(streams), _wait_disconnect(request), ClientGone)
@@ -106,9 +107,11 @@ async def _merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[t
 class ResponseBuilder:
     """Builds OpenAI responses and SSE chunks from engine outputs."""
 
-    def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int, echo: list[str] | None = None) -> None:
+    def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int, echo: list[str] | None = None,
+                 tools: ToolOutput | None = None) -> None:
         self.state, self.req, self.rid, self.chat, self.n = state, req, rid, chat, n
         self.echo = echo  # per prompt: the text each of its choices starts with
+        self.tools = tools  # chat: how a choice's text becomes tool calls (None: it is the content)
         # max_tokens 0 with echo: the engine ran one token, which no part of the answer shows.
         self.prompt_only = not chat and req.prompt_only
         self.created = int(time.time())
@@ -146,8 +149,10 @@ class ResponseBuilder:
 
     def _message(self, c: CompletionOutput) -> dict:
         lps = chat_logprobs(c.logprobs, self.req.top_logprobs or 0) if c.logprobs is not None else None
-        return {"finish_reason": c.finish_reason, "stop_reason": c.stop_reason,
-                "message": {"role": "assistant", "content": c.text}, "logprobs": lps}
+        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        if self.tools is not None:
+            message, finish = self.tools.message(c.text, finish)
+        return {"finish_reason": finish, "stop_reason": c.stop_reason, "message": message, "logprobs": lps}
 
     def _completion_choice(self, out: RequestOutput, i: int, c: CompletionOutput) -> dict:
         echo = self.echo[i] if self.echo else ""
@@ -182,6 +187,7 @@ class ResponseBuilder:
         finals: dict[int, RequestOutput] = {}
         prompt_lps: dict[int, list] = {}  # per prompt: its logprob entries, which arrive in pieces
         offsets: dict[int, int] = {}      # per choice: where its next token's text starts
+        calls: dict[int, ChoiceCalls] = {}  # per choice: its text read for tool calls
         chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
         try:
             async for i, out in until_closing(merged, self.state.closing):
@@ -203,10 +209,13 @@ class ResponseBuilder:
                         if done:
                             yield self._chunk(chunk_obj, idx, "", "length", None)
                         continue
-                    if not c.text and not done and not c.logprobs:
+                    delta, finish = c.text, c.finish_reason
+                    if self.tools is not None:
+                        delta, finish = self._tool_delta(calls, idx, c.text, finish)
+                    if not delta and not done and not c.logprobs:
                         continue
-                    yield self._chunk(chunk_obj, idx, c.text, c.finish_reason if done else None,
-                                      self._delta_logprobs(c, idx, offsets), c.stop_reason if done else None)
+                    yield self._chunk(chunk_obj, idx, delta, finish, self._delta_logprobs(c, idx, offsets),
+                                      c.stop_reason if done else None)
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 yield _sse({"id": self.rid, "object": chunk_obj, "created": self.created,
@@ -221,6 +230,24 @@ class ResponseBuilder:
             logger.warning("stream %s failed: %s", self.rid, e)
             yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
             yield "data: [DONE]\n\n"
+
+    def _tool_delta(self, calls: dict[int, ChoiceCalls], idx: int, text: str,
+                    finish: str | None) -> tuple[dict, str | None]:
+        """A chat delta of content and tool_calls; the choice's last one flushes its reader."""
+        tools = self.tools
+        assert tools is not None
+        if idx not in calls:
+            calls[idx] = tools.stream()
+        reader = calls[idx]
+        content, deltas = reader.feed(text)
+        if finish is not None:
+            rest, more = reader.end()
+            content, deltas = content + rest, deltas + more
+            finish = tools.finish_reason(reader.calls, finish)
+        delta: dict[str, Any] = {"content": content} if content else {}
+        if deltas:
+            delta["tool_calls"] = deltas
+        return delta, finish
 
     def _delta_logprobs(self, c: CompletionOutput, idx: int, offsets: dict[int, int]) -> dict | None:
         """A chunk's logprobs; a completion's offsets go on from where the choice's text is."""

@@ -11,7 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-from .protocol import ChatMessage
+from .chat_template import render_chat
+from .protocol import ChatMessage, conversation
+from .tools import ChatTool, tool_dicts
 
 if TYPE_CHECKING:
     from ..engine.client import EngineInfo
@@ -34,10 +36,8 @@ class TokenizeChatRequest(BaseModel):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the template holds the special tokens it wants
     return_token_strs: bool = False
-
-    def conversation(self) -> list[dict]:
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages]
-
+    tools: list[ChatTool] | None = None   # what the template shows the model, as a chat request's
+    chat_template_kwargs: dict[str, Any] | None = None
 
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -51,12 +51,11 @@ def tokenize(info: EngineInfo, tokenizer, req: TokenizeCompletionRequest | Token
     template rejects; a count above max_model_len is refused, as vLLM does."""
     if isinstance(req, TokenizeChatRequest):
         try:
-            text = tokenizer.apply_chat_template(req.conversation(), tokenize=False,
-                                                 add_generation_prompt=req.add_generation_prompt)
+            conv = conversation(req.messages)
         except ValueError as e:
             raise ValueError(f"messages: {e}") from None
-        except Exception as e:  # a template that rejects this conversation (e.g. role order)
-            raise ValueError(f"messages: the chat template rejected them: {e}") from None
+        text = render_chat(tokenizer, conv, req.add_generation_prompt, tool_dicts(req.tools),
+                           req.chat_template_kwargs)
     else:
         text = req.prompt
     limit = info.max_model_len

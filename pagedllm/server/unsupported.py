@@ -1,11 +1,11 @@
 """Request fields this server does not implement: a 400 naming the field, never silence.
 
-A client that asks for tools, a JSON schema or a suffix and gets plain text back has
-been misled, so those are refused. Fields that only describe the caller or the
-transport (`user`, `metadata`, `store`, `service_tier`, `parallel_tool_calls` without
-tools, `stream_options`) are still ignored, as OpenAI-compatible servers do. A refused
-field at its no-op value (null, `tool_choice: "none"`, `response_format: {"type": "text"}`)
-asks for nothing, and passes.
+A client that asks for logits processors, legacy functions or a suffix and gets plain
+text back has been misled, so those are refused. Fields that only describe the caller or
+the transport (`user`, `metadata`, `store`, `service_tier`, `stream_options`) are still
+ignored, as OpenAI-compatible servers do. A refused field at its no-op value (null,
+`function_call: "none"`, `modalities: ["text"]`) asks for nothing, and passes. Structured
+outputs and tools are served (pagedllm/server/structured.py, tools.py).
 """
 from __future__ import annotations
 
@@ -30,28 +30,16 @@ def _none_choice(v: Any) -> bool:
     return v is None or v == "none"
 
 
-def _text_format(v: Any) -> bool:
-    return v is None or v == {"type": "text"}
-
-
 # field -> "is this value a no-op?"; what each refers to is in the error message.
-_GUIDED: dict[str, Callable[[Any], bool]] = {
-    "response_format": _text_format,
-    "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset, "guided_grammar": _unset,
-    "structured_outputs": _unset,
-    "logits_processors": _empty,
-}
-
-COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {**_GUIDED, "suffix": _empty}
+COMPLETION_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {"logits_processors": _empty, "suffix": _empty}
 
 CHAT_UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    **_GUIDED,
-    "tools": _empty, "tool_choice": _none_choice,
+    "logits_processors": _empty,
     "functions": _empty, "function_call": _none_choice,
     "audio": _unset, "modalities": lambda v: v is None or v == ["text"],
     "prediction": _unset, "web_search_options": _unset,
     "echo": _false, "continue_final_message": _false,
-    "chat_template": _unset, "chat_template_kwargs": _empty,
+    "chat_template": _unset,
 }
 
 

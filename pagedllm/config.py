@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from .util import json_object
 
 # The names every layer validates against, owned here once (the KV manager, the runner,
 # the attention registry and the KV calculator read them; the CLI's choices come from them).
@@ -88,13 +89,7 @@ def parse_speculative_config(value: "str | dict | SpeculativeConfig | None") -> 
     Unknown keys are named, not ignored: a typo must not silently turn speculation off."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"speculative_config: not valid JSON ({e.msg} at character {e.pos}): {value!r}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, "speculative_config")
     known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
     unknown = sorted(set(value) - known)
     if unknown:
@@ -123,6 +118,9 @@ class EngineConfig:
     max_num_seqs: int = knob(256, "most sequences running at once", type=int)
     max_logprobs: int = knob(20, "most logprobs (top-k) a request may ask per token, output or prompt (vLLM's "
                              "flag); a prompt's are kept beside its cached KV blocks at this k", type=int)
+    grammar_compile_timeout: float = knob(10.0, "seconds one structured-outputs grammar may take to compile "
+                                          "(in a worker process, killed past it: the request fails with a 400)",
+                                          type=float)
     max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int)
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's "
                                      "max_position_embeddings)", type=int)
@@ -184,6 +182,8 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 1024:
             raise ValueError(f"max_logprobs must be an integer in [0, 1024], got {self.max_logprobs!r}")
+        if not isinstance(self.grammar_compile_timeout, (int, float)) or not 0 < self.grammar_compile_timeout <= 3600:
+            raise ValueError(f"grammar_compile_timeout must be in (0, 3600] seconds, got {self.grammar_compile_timeout!r}")
         if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

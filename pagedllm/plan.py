@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass, field
+from typing import Any
 
 from .outputs import Logprob
 from .sampling_params import SamplingParams
@@ -81,6 +82,8 @@ class SampleTarget(PromptThenOutput):
     # Speculative decoding: after sampling, propose up to this many draft tokens for the
     # sequence's next step (StepResult.drafts).
     num_spec: int = 0
+    # Structured outputs: the request's compiled grammar (structured.compiler.Grammar), or None.
+    grammar: Any = None
 
 
 @dataclass(slots=True, eq=False)

@@ -1,6 +1,7 @@
 """Small helpers every layer shares (no torch: the KV manager imports it)."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -25,3 +26,15 @@ def cache_root() -> Path:
     base = os.environ.get("PAGEDLLM_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pagedllm")
     return Path(base)
+
+
+def json_object(value, name: str) -> dict:
+    """A JSON object given as itself or as its text; ValueError naming `name` otherwise."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}: not valid JSON ({e.msg} at character {e.pos}): {value[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
+    return value

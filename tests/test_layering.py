@@ -17,7 +17,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "pagedllm"
 # package's own __init__). Packages of one layer may import each other, but never in a circle.
 LAYERS: list[tuple[str, ...]] = [
     ("pagedllm", "util", "config", "plan", "sampling_params", "outputs"),  # leaf data
-    ("kv",),                                           # the memory manager: plain Python, no torch
+    ("kv", "structured"),                              # the memory manager; grammar specs and compiling: no torch
     ("kernels", "distributed", "attention", "models"),  # compute: ops, collectives, the model
     ("loader",),                                       # files -> weights, configs, tokenizers
     ("runtime",),                                      # the model runner and its TP ranks

@@ -29,10 +29,11 @@ from ..loader import load_config, load_tokenizer, resolve_model_dir
 from ..models import ModelConfig
 from ..engine.stats import EngineStats
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..structured import GrammarCompiler, mark_checked
 from .replica import ReplicaInfo, replica_main, wait_ready
 from .router import MAX_RECORD_BLOCKS, ReplicaLoad, Router
-from .stats import ReplicaFigures, counters_only, sum_stats, zero_stats
+from .stats import ReplicaFigures, counters_only, grammar_total, sum_stats, zero_stats
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,8 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.info = _front_info(cfg, model_dir, model_cfg, tokenizer, infos)
+        self.grammars = GrammarCompiler(tokenizer, model_cfg.vocab_size, _eos_ids(model_cfg, tokenizer),
+                                        timeout=cfg.grammar_compile_timeout)
         # A record larger than a replica's pool would remember blocks the replica has reused.
         self.router = Router(n, cfg.router_policy, cfg.block_size,
                              record_blocks=min(MAX_RECORD_BLOCKS, min(i.num_blocks for i in infos)))
@@ -109,7 +112,10 @@ class DataParallelEngine:
     def stats(self) -> EngineStats:
         """The totals: counters of every replica that ever ran, gauges of the live ones."""
         with self._lock:
-            return sum_stats([self._retired] + [r.stats for r in self.replicas if r.stats is not None])
+            total = sum_stats([self._retired] + [r.stats for r in self.replicas if r.stats is not None])
+        front = self.grammars.snapshot()  # the lookups the front made (its checks)
+        total.grammar = grammar_total([total.grammar, replace(front, requests=0, compiles=0, compile_seconds=0.0)])
+        return total
 
     def replica_figures(self) -> list[ReplicaFigures]:
         """Each replica's state now, for the metrics and the status line."""
@@ -120,6 +126,12 @@ class DataParallelEngine:
     def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         """By the engines' own rules, here: the smallest replica's pool decides what can ever fit."""
         return self.info.rules.validate(prompt, params, add_special_tokens)
+
+    async def check_structured(self, so: StructuredOutputsParams) -> None:
+        """Compiled here to refuse a bad grammar with a 400 (the replica compiles its own,
+        off its engine thread; the front's figures count the lookups, the replicas' the requests)."""
+        await asyncio.wrap_future(self.grammars.submit(so))
+        mark_checked(so)
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:
         """The totals with every live replica's KV slot figures walked now: each is asked
@@ -167,6 +179,8 @@ class DataParallelEngine:
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:  # no restart starts after this
             self._stop.set()
+        if hasattr(self, "grammars"):
+            self.grammars.close()
         for r in self.replicas:
             if r.commands is not None:
                 _put(r.commands, ("stop",))
@@ -342,6 +356,14 @@ def _put(commands: mp.Queue, cmd: tuple) -> None:
         commands.put(cmd)
     except (ValueError, OSError):
         pass
+
+
+def _eos_ids(model_cfg: ModelConfig, tokenizer) -> set[int]:
+    """The tokens that end an output, as the replicas' engines take them."""
+    ids = set(model_cfg.eos_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
 
 
 def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,

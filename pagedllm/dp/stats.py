@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from ..engine.stats import EngineStats
 from ..engine.speculative import SpecStats
 from ..kv import KVStats
+from ..structured.compiler import GrammarStats
 
 KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "forks", "evictions", "prompt_logprob_queries",
                "prompt_logprob_hits")
@@ -28,7 +29,7 @@ def counters_only(s: EngineStats) -> EngineStats:
     """A dead replica's counters, its gauges zeroed: what its restart must not lose."""
     z = zero_stats(s.kv.block_size, s.bytes_per_token)
     kv = replace(z.kv, **{k: getattr(s.kv, k) for k in KV_COUNTERS})
-    return replace(z, kv=kv, spec=s.spec, **{k: getattr(s, k) for k in ENGINE_COUNTERS})
+    return replace(z, kv=kv, spec=s.spec, grammar=s.grammar, **{k: getattr(s, k) for k in ENGINE_COUNTERS})
 
 
 def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
@@ -51,7 +52,18 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts),
         peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),
         num_running=sum(p.num_running for p in parts), num_waiting=sum(p.num_waiting for p in parts),
-        spec=SpecStats.total([p.spec for p in parts]), **{k: sum(getattr(p, k) for p in parts) for k in ENGINE_COUNTERS})
+        spec=SpecStats.total([p.spec for p in parts]), grammar=grammar_total([p.grammar for p in parts]),
+        **{k: sum(getattr(p, k) for p in parts) for k in ENGINE_COUNTERS})
+
+
+def grammar_total(parts: Sequence[GrammarStats | None]) -> GrammarStats | None:
+    if all(p is None for p in parts):
+        return None
+    total = GrammarStats()
+    for p in parts:
+        if p is not None:
+            total.merge(p)
+    return total
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
 from ..outputs import RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
+from ..structured import mark_checked
 from .client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver  # noqa: F401
 from .core_loop import EngineCoreLoop, StepGate
 from .engine import LLMEngine
@@ -91,6 +92,10 @@ class AsyncLLMEngine:
     # -- the EngineClient interface (the event loop's side) ------------------------
     def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         return self.engine.validate(prompt, params, add_special_tokens)
+
+    async def check_structured(self, so: StructuredOutputsParams) -> None:
+        await asyncio.wrap_future(self.engine.grammars.submit(so))
+        mark_checked(so)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ..outputs import RequestOutput
-from ..sampling_params import BeamSearchParams, SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .validation import RequestRules
 
 if TYPE_CHECKING:
@@ -78,6 +78,10 @@ class EngineClient(Protocol):
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
                cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]: ...
+
+    async def check_structured(self, so: StructuredOutputsParams) -> None:
+        """Compile a constrained request's grammar (cached) before it is submitted; ValueError
+        naming what is wrong (the server's 400). Compiles off the event loop."""
 
     async def get_stats(self) -> EngineStats:
         """The figures now, KV slot figures included (a /metrics scrape)."""

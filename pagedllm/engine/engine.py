@@ -7,6 +7,7 @@ import logging
 import os
 import time
 import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
@@ -14,7 +15,8 @@ from ..kv import KVCacheManager
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import RequestOutput
-from ..sampling_params import BeamSearchParams, SamplingParams
+from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from ..structured import GrammarCompiler, checked, mark_checked
 from .beam import BeamGroup
 from .observer import EngineObserver
 from .output_processor import OutputProcessor
@@ -25,6 +27,7 @@ from .stats import EngineStats
 from .validation import RequestRules
 
 logger = logging.getLogger(__name__)
+GRAMMAR_POLL = 0.02  # seconds an engine with nothing else to run waits on a compile between polls
 
 
 class LLMEngine:
@@ -79,6 +82,11 @@ class LLMEngine:
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv.shape, cfg.max_logprobs)
         self.requests: dict[str, Request] = {}
+        # Structured outputs (thread-safe: the server checks grammars from its event loop).
+        # Nothing starts until the first constrained request: no import, no worker process.
+        self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids,
+                                        timeout=cfg.grammar_compile_timeout)
+        self._compiling: list[Request] = []   # waiting for their grammar
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0
         self.peak_waste = 0.0
@@ -95,9 +103,10 @@ class LLMEngine:
         self._view_step = 0
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers, if any (idempotent)."""
+        """Stop the tensor-parallel workers and the grammar compiler, if any (idempotent)."""
         if self._launcher is not None:
             self._launcher.close()
+        self.grammars.close()
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
@@ -118,7 +127,11 @@ class LLMEngine:
         else:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
+        compiling = self._grammar_of(params, beam)
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
+        if compiling is not None:
+            req.compiling = compiling
+            self._compiling.append(req)
         if params.prompt_logprobs is not None:
             req.prompt_scores = self.scheduler.prompt_scores_for(params.prompt_logprobs)
         base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
@@ -136,6 +149,41 @@ class LLMEngine:
             if o.active:
                 o.on_request(req)
         return req
+
+    def _grammar_of(self, params: SamplingParams, beam: BeamSearchParams | None) -> Future | None:
+        so = params.structured_outputs
+        if so is None:
+            return None
+        if beam is not None:  # pragma: no cover (BeamSearchParams carries no constraint)
+            raise ValueError("structured outputs are not supported with beam search")
+        self.grammars.count_request()
+        return self.grammars.submit(so, count=not checked(so))
+
+    def check_grammar(self, so: StructuredOutputsParams) -> None:
+        """Compile `so`'s grammar now (cached), blocking; ValueError naming what is wrong.
+        Safe from another thread: the compiler is."""
+        self.grammars.compile(so)
+        mark_checked(so)
+
+    def _settle_grammars(self) -> list[Request]:
+        """Requests whose grammar compile ended since the last step: ready to be admitted,
+        or failed (the schema, regex or grammar was refused; they end with its error)."""
+        failed, pending = [], []
+        for req in self._compiling:
+            fut = req.compiling
+            if req.finished:
+                continue
+            if not fut.done():
+                pending.append(req)
+                continue
+            req.compiling = None
+            try:
+                req.grammar = fut.result()
+            except Exception as e:
+                self.scheduler.fail(req, str(e))
+                failed.append(req)
+        self._compiling = pending
+        return failed
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
                  add_special_tokens: bool = True) -> list[int]:
@@ -173,8 +221,13 @@ class LLMEngine:
     def core_step(self) -> StepUpdate | None:
         """Schedule, execute, and let the scheduler apply the result (tokens, stops on ids
         and lengths, beams, drafts); None when nothing was scheduled. No text is made here."""
+        failed = self._settle_grammars() if self._compiling else []
         out = self.scheduler.schedule()
         if not out.scheduled:
+            if failed:
+                return StepUpdate(out, touched={r.request_id: r for r in failed})
+            if self._compiling:  # only compiles to wait for: not a busy loop beside them
+                wait([r.compiling for r in self._compiling], timeout=GRAMMAR_POLL, return_when=FIRST_COMPLETED)
             return None
         res = self.runner.execute(out.plan)
         if self.kv.pool.num_used > self.peak_used_blocks:
@@ -182,7 +235,9 @@ class LLMEngine:
             self.peak_waste = self.kv.stats().waste
         if self.step_log is not None:
             self.step_log.append(self._step_record(out))
-        return self.scheduler.update_from_output(out, res)
+        up = self.scheduler.update_from_output(out, res)
+        up.touched.update((r.request_id, r) for r in failed)
+        return up
 
     def process(self, up: StepUpdate) -> list[RequestOutput]:
         """The step's outputs (the output processor: stop strings, text, logprob texts); the
@@ -244,7 +299,8 @@ class LLMEngine:
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             prompt_tokens=self.scheduler.prompt_tokens, computed_prompt_tokens=self.scheduler.computed_prompt_tokens,
             generation_tokens=self.scheduler.generation_tokens, steps=self.steps,
-            spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None)
+            spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None,
+            grammar=self.grammars.snapshot())
 
 
 def _check_draft_tokenizer(tokenizer, draft_model: str) -> None:

@@ -41,10 +41,15 @@ class LLM:
         # Validate the whole batch before queueing any of it: a bad prompt fails fast
         # and leaves nothing half-submitted in the engine.
         values = []
+        grammars: set[int] = set()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 value, salt = _prompt_value(p), _prompt_salt(p, cache_salt)
                 token_ids = self.engine.validate(value, sp, add_special_tokens)
+                so = sp.structured_outputs
+                if so is not None and id(so) not in grammars:  # compiled (cached) before anything runs
+                    self.engine.check_grammar(so)
+                    grammars.add(id(so))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             values.append((value, salt, token_ids))

@@ -232,11 +232,15 @@ class Scheduler:
         (no room to spare). Samples of n > 1 and a beam group's future beams count against
         max_num_seqs from admission."""
         seats = len(self.running) + sum(self._pending_forks(s) for s in self.running) if self.waiting else 0
-        skipped: list[Sequence] = []   # long prompts waiting for a partial-prefill slot, and
-        # prompt-logprob requests waiting for logprobs a running request is computing
+        skipped: list[Sequence] = []   # long prompts waiting for a partial-prefill slot,
+        # prompt-logprob requests waiting for logprobs a running request is computing, and
+        # requests whose grammar is compiling
         scoring = _Scoring(self)
         while self.waiting and budget > 0 and not out.preempted:
             group = self._group(self.waiting, 0)
+            if group[0].request.compiling is not None:  # its grammar is not compiled yet
+                skipped.append(self.waiting.popleft())
+                continue
             need_seats = len(group) + self._pending_forks(group[0])
             if seats + need_seats > self.max_num_seqs and self.running:
                 break
@@ -371,7 +375,8 @@ class Scheduler:
                 seq.seq_id, s.start, seq.token_ids[s.start:end - len(draft)] + draft, slots,
                 table.block_ids[:cdiv(end, B)],
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
-                              t.request.beam.num_candidates if t.request.beam else 0, propose) for t in s.sample_for],
+                              t.request.beam.num_candidates if t.request.beam else 0, propose, t.request.grammar)
+                 for t in s.sample_for],
                 list(draft), table.block_ids[cdiv(end, B):cdiv(table.num_tokens, B)] if propose else []))
             self._plan_scores(chunks[-1], seq)
         finished, self.finished_seq_ids = self.finished_seq_ids, []

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
@@ -75,6 +76,10 @@ class Request:
     # 0 has none), at the k kept beside cached blocks (the output processor cuts to the
     # request's).
     prompt_scores: PromptScores | None = None
+    # Structured outputs: the grammar's compile (a Future of structured.compiler.Grammar)
+    # and, once it is done, the grammar. The request waits in the queue until then.
+    compiling: Any = None
+    grammar: Any = None
 
     @property
     def finished(self) -> bool:

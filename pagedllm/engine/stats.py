@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..kv import KVStats
+from ..structured.compiler import GrammarStats
 from .speculative import SpecStats
 
 
@@ -23,6 +24,7 @@ class EngineStats:
     generation_tokens: int
     steps: int
     spec: SpecStats | None = None   # speculative decoding's counts, when it is on
+    grammar: GrammarStats | None = None  # structured outputs' requests, compiles and cache hits
 
     @property
     def peak_kv_usage(self) -> float:
@@ -30,6 +32,8 @@ class EngineStats:
 
     def as_dict(self) -> dict:
         d = asdict(self)
+        if self.grammar is not None:
+            d["grammar"] = {n: getattr(self.grammar, n) for n in GrammarStats.__slots__}
         d["kv"]["hit_rate"] = self.kv.hit_rate
         d["peak_kv_usage"] = self.peak_kv_usage
         if self.spec is not None:

@@ -20,6 +20,7 @@ from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv
 from .build import build_model
+from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
 from .rejection import Verify, verify
 from .spec_decode import make_proposer
@@ -148,6 +149,8 @@ class ModelRunner:
         self.eos_token_ids = frozenset(model_cfg.eos_token_ids)
         # Each sampling sequence's RNG, seeded on first use, kept until it finishes.
         self.generators: dict[int, torch.Generator] = {}
+        # Structured outputs: each constrained sequence's grammar matcher (sampling is here).
+        self.grammars: GrammarMatchers | None = None
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
         self.backend = backend
@@ -260,6 +263,8 @@ class ModelRunner:
             self.threads.tick()
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
+            if self.grammars is not None:
+                self.grammars.drop(seq_id)
         if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
@@ -269,17 +274,53 @@ class ModelRunner:
         out = StepResult(prompt_logprobs=self._split_scores(scores, scored))
         if logits is None:
             return out
+        constrained = self._constrained(sample_rows, checks)
+        if constrained:
+            refused = self._grammars(logits).mask(logits, constrained)
+            if refused:  # those sequences fail alone: they sample nothing
+                sample_rows = [(i, [t for t in ts if t.seq_id not in refused]) for i, ts in sample_rows]
+                sample_rows = [(i, ts) for i, ts in sample_rows if ts]
+                checks = [c for c in checks if c.target.seq_id not in refused]
+            out.errors.update(refused)
         if checks:
-            out.accepted, out.tokens, out.errors = verify(logits, checks, self.eos_token_ids, self.generators)
+            out.accepted, out.tokens, errors = verify(logits, checks, self.eos_token_ids, self.generators)
+            out.errors.update(errors)
         if sample_rows:
             rows = logits if not checks else logits[torch.tensor([i for i, _ in sample_rows], device=logits.device)]
             tokens, out.logprobs, errors = sample(rows, [t for _, t in sample_rows], self.model.ops.k,
                                                   self.eos_token_ids, self.generators)
             out.tokens.update(tokens)
             out.errors.update(errors)
+        if constrained:
+            self._advance_grammars(constrained, out)
         if self.proposer is not None:
             out.drafts = self.proposer.propose(plan, out)
         return out
+
+    @staticmethod
+    def _constrained(sample_rows: list, checks: list[Verify]) -> list[GrammarRow]:
+        """The rows a grammar constrains: a row's first target speaks for the samples of n
+        that fork off it (they all start from the same output, none)."""
+        rows = [GrammarRow(i, ts[0], []) for i, ts in sample_rows if ts[0].grammar is not None]
+        rows += [GrammarRow(c.row, c.target, c.draft) for c in checks if c.target.grammar is not None]
+        return rows
+
+    def _grammars(self, logits: torch.Tensor) -> GrammarMatchers:
+        if self.grammars is None:
+            self.grammars = GrammarMatchers(logits.shape[-1], self.model.ops.k)
+        return self.grammars
+
+    def _advance_grammars(self, constrained: list[GrammarRow], out: StepResult) -> None:
+        """Each matcher takes the tokens its sequence keeps (accepted drafts, the new token);
+        the other samples of a row build theirs from their tokens next step."""
+        for r in constrained:
+            sid = r.target.seq_id
+            if sid in out.tokens and sid not in out.errors:
+                error = self.grammars.advance(r.target, out.accepted.get(sid, []) + [out.tokens[sid]])
+                if error is not None:
+                    out.errors[sid] = error
+                    out.tokens.pop(sid)
+                    out.accepted.pop(sid, None)
 
     @torch.inference_mode()
     def serve(self) -> None:

@@ -1,0 +1,224 @@
+"""Compiled grammars for structured outputs: compiled off the engine's thread, in a
+worker process with a deadline, and cached by their key.
+
+A request's grammar is a future: the engine queues the request at once, and the
+scheduler admits it when the future is done (a cache hit is done already). A compile
+that passes its deadline kills the worker (a new one starts for the next job), and fails
+only the requests waiting for that grammar; the failure is cached like a success, so a
+hostile schema sent again costs nothing.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from ..sampling_params import StructuredOutputsParams
+from .spec import GrammarSpec, grammar_spec
+from .frames import read_frame, write_frame
+
+logger = logging.getLogger(__name__)
+
+COMPILE_TIMEOUT = 10.0     # seconds one compile may take (the worker is killed past it)
+CACHE_ENTRIES = 128        # compiled grammars kept (each ~1 MB for a 49k vocabulary)
+WORKERS = 2                # compiles at once: one slow grammar does not hold up the next
+
+
+class GrammarError(ValueError):
+    """The schema, regex or grammar cannot be compiled (the client's error: a 400)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A compiled grammar as the runner's matchers use it (xgrammar's CompiledGrammar)."""
+    key: tuple
+    compiled: Any
+    compile_seconds: float
+
+
+@dataclass(slots=True)
+class GrammarStats:
+    """Counters since start (summed over data-parallel replicas by the front)."""
+    requests: int = 0          # structured-output requests
+    cache_queries: int = 0     # grammar lookups (one per request)
+    cache_hits: int = 0        # of them, compiled already (or being compiled)
+    compiles: int = 0          # compiles finished, good or bad
+    compile_seconds: float = 0.0
+    failures: int = 0          # compiles that failed (bad input, deadline)
+
+    def merge(self, other: GrammarStats) -> None:
+        for name in self.__slots__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+class _Worker:
+    """One compiling process, started on first use, killed at a deadline."""
+
+    def __init__(self, tokenizer_info: str) -> None:
+        self._info = tokenizer_info
+        self._proc: subprocess.Popen | None = None
+
+    def run(self, spec: GrammarSpec, timeout: float) -> tuple[str, float]:
+        proc = self._start()
+        try:
+            write_frame(proc.stdin, spec.key)
+            answer = self._read(proc, timeout)
+        except TimeoutError:  # first: it is an OSError too
+            self.close()
+            raise GrammarError(f"compiling the grammar took more than {timeout:g} s; simplify the schema, regex "
+                               "or grammar") from None
+        except (OSError, EOFError):
+            self.close()
+            raise GrammarError("the grammar compiler process died while compiling this request's grammar") from None
+        if answer[0] == "error":
+            raise GrammarError(f"structured_outputs.{_field(spec)}: {answer[1]}")
+        return answer[1], answer[2]
+
+    def _start(self) -> subprocess.Popen:
+        if self._proc is None or self._proc.poll() is not None:
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            self._proc = subprocess.Popen([sys.executable, "-m", "pagedllm.structured.worker"], stdin=subprocess.PIPE,
+                                          stdout=subprocess.PIPE, env=env, bufsize=0)
+            write_frame(self._proc.stdin, self._info)
+            self._read(self._proc, 120.0)  # ("ready",): imports and the tokenizer table
+        return self._proc
+
+    @staticmethod
+    def _read(proc: subprocess.Popen, timeout: float):
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError
+            ready, _, _ = select.select([proc.stdout], [], [], left)
+            if ready:
+                return read_frame(_Exact(proc.stdout))
+
+    def close(self) -> None:
+        if self._proc is not None:
+            self._proc.kill()
+            self._proc.wait()
+            self._proc = None
+
+
+class _Exact:
+    """read(n) that returns n bytes from an unbuffered pipe (or fewer only at its end)."""
+
+    def __init__(self, raw) -> None:
+        self._raw = raw
+
+    def read(self, n: int) -> bytes:
+        parts, left = [], n
+        while left:
+            chunk = self._raw.read(left)
+            if not chunk:
+                break
+            parts.append(chunk)
+            left -= len(chunk)
+        return b"".join(parts)
+
+
+def _field(spec: GrammarSpec) -> str:
+    return {"json_object": "json_object"}.get(spec.kind, spec.kind)
+
+
+class GrammarCompiler:
+    """Futures of compiled grammars by key, for the engine (thread-safe: the server's
+    event loop checks a request's grammar before submitting it, the engine looks it up)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: set[int] | frozenset[int],
+                 timeout: float = COMPILE_TIMEOUT, cache_entries: int = CACHE_ENTRIES, workers: int = WORKERS) -> None:
+        self._tokenizer, self._vocab_size, self._stops = tokenizer, vocab_size, sorted(stop_token_ids)
+        self.timeout = timeout
+        self._cache: OrderedDict[tuple, Future] = OrderedDict()
+        self._max_entries = cache_entries
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._idle: list[_Worker] = []
+        self._info = None   # xgrammar's TokenizerInfo, built on the first compile
+        self._info_lock = threading.Lock()
+        self.stats = GrammarStats()
+
+    def submit(self, so: StructuredOutputsParams, count: bool = True) -> Future:
+        """The grammar of `so`, compiled or being compiled. Raises ValueError at once for
+        what the checks of spec.grammar_spec refuse; a compile error fails the future.
+        `count`: the request's first lookup (a checked request's second is not counted)."""
+        spec = grammar_spec(so)
+        with self._lock:
+            self.stats.cache_queries += count
+            fut = self._cache.get(spec.key)
+            if fut is not None:
+                self.stats.cache_hits += count
+                self._cache.move_to_end(spec.key)
+                return fut
+            fut = self._pool.submit(self._compile, spec)
+            self._cache[spec.key] = fut
+            while len(self._cache) > self._max_entries:
+                oldest = next(iter(self._cache))
+                if not self._cache[oldest].done():
+                    break
+                del self._cache[oldest]
+            return fut
+
+    def compile(self, so: StructuredOutputsParams) -> Grammar:
+        """Blocking: the compiled grammar, or GrammarError/ValueError naming the problem."""
+        return self.submit(so).result()
+
+    def count_request(self) -> None:
+        with self._lock:
+            self.stats.requests += 1
+
+    def tokenizer_info(self):
+        with self._info_lock:
+            if self._info is None:
+                import xgrammar as xgr
+
+                self._info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self._vocab_size,
+                                                                stop_token_ids=self._stops)
+            return self._info
+
+    def _compile(self, spec: GrammarSpec) -> Grammar:
+        import xgrammar as xgr
+
+        info = self.tokenizer_info()
+        with self._lock:
+            worker = self._idle.pop() if self._idle else None
+        if worker is None:
+            worker = _Worker(info.serialize_json())
+        t0 = time.perf_counter()
+        try:
+            data, _ = worker.run(spec, self.timeout)
+            grammar = Grammar(spec.key, xgr.CompiledGrammar.deserialize_json(data, info), time.perf_counter() - t0)
+        except GrammarError:
+            self._count(time.perf_counter() - t0, failed=True)
+            raise
+        finally:
+            with self._lock:
+                self._idle.append(worker)
+        self._count(grammar.compile_seconds, failed=False)
+        return grammar
+
+    def _count(self, seconds: float, failed: bool) -> None:
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.compile_seconds += seconds
+            self.stats.failures += failed
+
+    def snapshot(self) -> GrammarStats:
+        with self._lock:
+            return GrammarStats(**{n: getattr(self.stats, n) for n in GrammarStats.__slots__})
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            for w in self._idle:
+                w.close()
+            self._idle.clear()

@@ -1,0 +1,75 @@
+"""The grammar-compiling process: `python -m pagedllm.structured.worker`.
+
+Compiling runs here, not in the engine's process, so that the one compile a hostile
+schema or grammar makes slow can be killed at its deadline: a thread could only be
+abandoned, and would go on burning a core the engine needs. Frames on stdin/stdout are
+an 8-byte length and a pickle: first the tokenizer's xgrammar TokenizerInfo (serialized),
+then (kind, text, any_whitespace) jobs, each answered ("ok", compiled grammar serialized,
+seconds) or ("error", message)."""
+from __future__ import annotations
+
+import sys
+import time
+
+from .frames import read_frame, write_frame
+
+# A compile may use this much memory beyond what the process holds after its imports.
+MEMORY_LIMIT = 4 << 30
+
+
+def compile_spec(compiler, kind: str, text: str, any_whitespace: bool):
+    """The xgrammar compile of one job (the kinds of spec.GrammarSpec)."""
+    if kind == "json":
+        return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
+    if kind == "json_object":  # any object: strict mode would forbid its properties
+        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
+    if kind == "regex":
+        return compiler.compile_regex(text)
+    if kind == "grammar":
+        return compiler.compile_grammar(text)
+    raise ValueError(f"unknown grammar kind {kind!r}")
+
+
+def error_message(e: BaseException) -> str:
+    """xgrammar's message without its C++ source location prefix."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "] " in text and text.startswith("["):
+        text = text.split("] ", 1)[1]
+    if ".cc:" in text.split(": ", 1)[0]:
+        text = text.split(": ", 1)[1]
+    return text
+
+
+def main() -> None:
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    sys.stdout = sys.stderr  # nothing else may write into the frames
+    import resource
+
+    import xgrammar as xgr
+
+    info = xgr.TokenizerInfo.deserialize_json(read_frame(inp))
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    try:  # the address space after the imports, plus what one compile may take
+        with open("/proc/self/statm") as f:
+            held = int(f.read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_LIMIT, held + MEMORY_LIMIT))
+    except (OSError, ValueError):
+        pass  # not Linux: the time limit still holds
+    write_frame(out, ("ready",))
+    while True:
+        try:
+            kind, text, ws = read_frame(inp)
+        except EOFError:
+            return
+        t0 = time.perf_counter()
+        try:
+            compiled = compile_spec(compiler, kind, text, ws)
+            write_frame(out, ("ok", compiled.serialize_json(), time.perf_counter() - t0))
+        except MemoryError:
+            write_frame(out, ("error", f"compiling needs more than {MEMORY_LIMIT >> 30} GiB of memory"))
+        except Exception as e:  # a bad schema, regex or grammar: the message goes to the client
+            write_frame(out, ("error", error_message(e)))
+
+
+if __name__ == "__main__":
+    main()

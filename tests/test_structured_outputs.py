@@ -1,0 +1,273 @@
+"""Structured outputs in the batched engine: every output matches its JSON schema, regex,
+choice or grammar, greedy and sampled; speculation, preemption and n = 2 change nothing;
+a bad constraint fails alone with a message naming it."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedllm import SamplingParams, StructuredOutputsParams
+from pagedllm.structured import grammar_spec
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 24}
+SCHEMAS: list[dict] = [
+    {"type": "object", "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+     "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": NAME, "address": {"type": "object", "properties": {
+        "street": NAME, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}, "required": ["street", "zip"]}},
+     "required": ["city", "address"]},
+    {"type": "object", "properties": {"scores": {"type": "array", "items": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 100},
+                                                 "minItems": 2, "maxItems": 4}}, "required": ["scores"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]},
+    {"type": "object", "properties": {"title": NAME, "subtitle": NAME, "pages": {"type": "integer", "minimum": 1,
+                                                                                "maximum": 999}},
+     "required": ["title"]},
+    {"$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9},
+                                                          "y": {"type": "integer", "minimum": -9, "maximum": 9}},
+                         "required": ["x", "y"]}},
+     "type": "object", "properties": {"start": {"$ref": "#/$defs/point"}, "end": {"$ref": "#/$defs/point"}},
+     "required": ["start", "end"]},
+    {"type": "object", "properties": {"email": {"type": "string", "format": "email"}},
+     "required": ["email"]},
+    {"type": "object", "properties": {"day": {"type": "string", "format": "date"}}, "required": ["day"]},
+    {"type": "object", "properties": {"when": {"type": "string", "pattern": "^20[0-9]{2}-[01][0-9]-[0-3][0-9]T[0-2][0-9]:[0-5][0-9]Z$"}}, "required": ["when"]},
+    {"type": "object", "properties": {"id": {"type": "string", "format": "uuid"}}, "required": ["id"]},
+    {"type": "object", "properties": {"price": {"type": "number", "minimum": 0.5, "maximum": 99.5}},
+     "required": ["price"]},
+    {"type": "object", "properties": {"level": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
+     "required": ["level"]},
+    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+     "required": ["code"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}}, "required": ["ok", "note"]},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"sku": NAME, "qty": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["sku", "qty"]}}}, "required": ["items"]},
+    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, NAME]}},
+     "required": ["value"]},
+    {"type": "object", "properties": {"version": {"const": "v1"}, "name": NAME}, "required": ["version", "name"]},
+    {"type": "object", "properties": {"nickname": {"type": ["string", "null"], "maxLength": 16}},
+     "required": ["nickname"]},
+    {"type": "object", "properties": {"pair": {"type": "array", "prefixItems": [NAME, {"type": "integer",
+                                                                                         "maximum": 99}],
+                                               "items": False}}, "required": ["pair"]},
+    {"type": "object", "properties": {"grid": {"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+     "required": ["grid"]},
+    {"type": "object", "properties": {"host": {"type": "string", "format": "ipv4"}}, "required": ["host"]},
+    {"type": "object", "properties": {"word": {"type": "string", "minLength": 3, "maxLength": 8}},
+     "required": ["word"]},
+    {"type": "object", "properties": {"counts": {"type": "object", "additionalProperties": {"type": "integer"},
+                                                 "maxProperties": 3}}, "required": ["counts"]},
+    {"type": "array", "items": {"enum": ["north", "south", "east", "west"]}, "minItems": 1, "maxItems": 3},
+]
+TOPICS = ["a person", "a city", "test scores", "a color", "a book", "a line segment", "a contact", "a holiday",
+          "a meeting", "a record id", "a product price", "a difficulty level", "a flight code", "a status flag",
+          "a shopping cart", "a value", "an API version", "a user", "a pair", "a small grid", "a server",
+          "a word", "word counts", "directions"]
+
+
+def _prompt(llm, topic: str) -> str:
+    return llm.apply_chat_template([{"role": "user", "content": f"Answer with JSON only: describe {topic}."}])
+
+
+def _valid(schema: dict, text: str) -> None:
+    value = json.loads(text)
+    checker = jsonschema.Draft202012Validator.FORMAT_CHECKER
+    jsonschema.Draft202012Validator(schema, format_checker=checker).validate(value)
+
+
+def _json_params(schema: dict, **kw) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 200, **kw}, structured_outputs=StructuredOutputsParams(json=schema))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    from pagedllm import LLM
+
+    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+def test_every_output_validates_against_its_schema(llm, sampled):
+    """24 schemas in one batch: nested objects, bounded arrays, enums, optional fields,
+    $ref/$defs, string formats and patterns, numbers with ranges, unions, tuples."""
+    assert len(SCHEMAS) >= 20
+    kw = dict(temperature=0.7, seed=7) if sampled else dict(temperature=0)
+    outs = llm.generate([_prompt(llm, t) for t in TOPICS], [_json_params(s, **kw) for s in SCHEMAS], use_tqdm=False)
+    for schema, out in zip(SCHEMAS, outs):
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        _valid(schema, c.text)
+    llm.engine.kv.check_integrity()
+
+
+def test_regex_choice_and_grammar(llm):
+    regex = r"[A-Z][a-z]{2,6} [0-9]{2}:[0-9]{2}"
+    choices = ["positive", "negative", "neutral"]
+    grammar = 'root ::= expr\nexpr ::= term (("+" | "-") term){0,3}\nterm ::= num | "(" expr ")"\nnum ::= [0-9]{1,3}'
+    prompts = [_prompt(llm, "a meeting time"), _prompt(llm, "the mood of 'I love it'"), _prompt(llm, "a sum")]
+    for sampled in (False, True):
+        kw = dict(temperature=1.0, seed=3) if sampled else dict(temperature=0)
+        params = [SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(regex=regex), **kw),
+                  SamplingParams(max_tokens=40, n=3, structured_outputs=StructuredOutputsParams(choice=choices), **kw),
+                  SamplingParams(max_tokens=40, structured_outputs=StructuredOutputsParams(grammar=grammar), **kw)]
+        time_out, mood, calc = llm.generate(prompts, params, use_tqdm=False)
+        assert re.fullmatch(regex, time_out.outputs[0].text), time_out.outputs[0].text
+        assert all(c.text in choices for c in mood.outputs), [c.text for c in mood.outputs]
+        expr = calc.outputs[0].text
+        assert calc.outputs[0].finish_reason == "stop" and re.fullmatch(r"[0-9()+\-]+", expr), expr
+        eval(compile(expr, "<grammar output>", "eval"), {"__builtins__": {}})  # it parses as arithmetic
+
+
+def test_unconstrained_rows_beside_constrained_ones_are_untouched(llm):
+    prompt = _prompt(llm, "a person")
+    plain = SamplingParams(temperature=0, max_tokens=24)
+    alone = llm.generate([prompt], plain, use_tqdm=False)[0].outputs[0].token_ids
+    mixed = llm.generate([prompt, prompt], [plain, _json_params(SCHEMAS[0], temperature=0)], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    _valid(SCHEMAS[0], mixed[1].outputs[0].text)
+
+
+def test_cut_by_max_tokens_mid_value_ends_with_length(llm):
+    out = llm.generate([_prompt(llm, "a shopping cart")], _json_params(SCHEMAS[14], temperature=0, max_tokens=6),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 6
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(out.text)
+
+
+def test_logprobs_and_stop_strings_with_a_constraint(llm):
+    out = llm.generate([_prompt(llm, "a person")], _json_params(SCHEMAS[0], temperature=0, logprobs=2, stop=["age"]),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.text.startswith("{") and "age" not in out.text
+    assert len(out.logprobs) == len(out.token_ids)
+    for token, entry in zip(out.token_ids, out.logprobs):
+        assert token in entry and entry[token].logprob > float("-inf")
+
+
+def test_n2_samples_each_follow_the_grammar_and_match_n1(llm):
+    prompt = _prompt(llm, "a product price")
+    one = llm.generate([prompt], _json_params(SCHEMAS[4], temperature=0.8, seed=11), use_tqdm=False)[0]
+    two = llm.generate([prompt], _json_params(SCHEMAS[4], temperature=0.8, seed=11, n=2), use_tqdm=False)[0]
+    assert two.outputs[0].token_ids == one.outputs[0].token_ids  # sample 0 draws from the same seed
+    for c in two.outputs:
+        _valid(SCHEMAS[4], c.text)
+
+
+def test_equal_with_ngram_speculation(llm):
+    from pagedllm import LLM
+
+    spec = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = [_prompt(llm, t) for t in TOPICS[:8]]
+    params = [_json_params(s, temperature=0) for s in SCHEMAS[:8]]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    s = spec.get_stats().spec
+    assert s.num_drafts > 0 and s.num_accepted_tokens > 0  # drafts were checked, some kept, some rolled back
+    assert s.num_accepted_tokens < s.num_draft_tokens
+    spec.engine.kv.check_integrity()
+
+
+def test_equal_under_preemption_batch_invariant():
+    """A pool too small for the batch: sequences are preempted and recomputed, their
+    matchers rebuilt from their tokens; batch-invariant fp32 makes the runs comparable."""
+    from pagedllm import LLM
+
+    llm = LLM(dtype="float32", batch_invariant=True, num_gpu_blocks_override=10, max_model_len=512,
+              max_num_batched_tokens=128)
+    prompts = [_prompt(llm, t) for t in TOPICS[:6]]
+    params = [_json_params(s, temperature=0, max_tokens=60) for s in SCHEMAS[:6]]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert llm.get_stats().preemptions == 0
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.get_stats().preemptions > 0
+    assert together == alone
+    llm.engine.kv.check_integrity()
+
+
+# -- bad input: a clear error, and nothing else is touched ------------------------------
+
+@pytest.mark.parametrize("so, message", [
+    (dict(json={"type": "strin"}), "invalid JSON schema"),
+    (dict(json={"type": "array", "uniqueItems": True}), "unsupported JSON-schema feature 'uniqueItems'"),
+    (dict(json={"type": "string", "format": "phone"}), "unsupported JSON-schema string format 'phone'"),
+    (dict(json={"enum": [str(i) for i in range(2000)]}), "more than 1024 enum values"),
+    (dict(json="{not json"), "not valid JSON"),
+    (dict(json={"type": "string", "pattern": "^a+$", "maxLength": 3}), "combination pattern + maxLength"),
+])
+def test_refused_before_compiling(so, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grammar_spec(StructuredOutputsParams(**so))
+
+
+def test_several_kinds_in_one_request_are_refused():
+    with pytest.raises(ValueError, match="exactly one of .* got json, regex"):
+        StructuredOutputsParams(json={"type": "object"}, regex="a+")
+    with pytest.raises(ValueError, match="got none"):
+        StructuredOutputsParams()
+
+
+@pytest.mark.parametrize("so, message", [
+    (dict(regex="(abc"), "structured_outputs.regex: .*parenthesis"),
+    (dict(grammar="root ::= foo"), "structured_outputs.grammar: .*foo"),
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}), "structured_outputs.json"),
+])
+def test_compile_errors_fail_only_their_request(llm, so, message):
+    """Offline, a bad grammar is refused before anything runs; queued beside good requests
+    (as the server queues them), it fails alone and its blocks are never taken."""
+    bad = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(**so))
+    with pytest.raises(ValueError, match=message):
+        llm.generate([_prompt(llm, "x")], bad, use_tqdm=False)
+    engine = llm.engine
+    good = [engine.add_request(None, _prompt(llm, t), _json_params(s, temperature=0))
+            for t, s in zip(TOPICS[:2], SCHEMAS[:2])]
+    failed = engine.add_request(None, _prompt(llm, "y"), SamplingParams(max_tokens=8, structured_outputs=
+                                                                        StructuredOutputsParams(**so)))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert re.search(message, outs[failed.request_id].error) and outs[failed.request_id].outputs[0].token_ids == []
+    for req, schema in zip(good, SCHEMAS[:2]):
+        assert outs[req.request_id].error is None
+        _valid(schema, outs[req.request_id].outputs[0].text)
+    engine.kv.check_integrity()
+    assert engine.kv.pool.num_used == 0
+
+
+def test_a_compile_past_its_deadline_is_killed_and_cached_as_failed(llm):
+    from pagedllm.structured import GrammarCompiler
+
+    engine = llm.engine
+    slow = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids, timeout=0.005)
+    try:
+        so = StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(1000)]})
+        with pytest.raises(ValueError, match="took more than 0.005 s"):
+            slow.compile(so)
+        with pytest.raises(ValueError, match="took more than"):  # cached: refused at once
+            slow.compile(StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(1000)]}))
+        stats = slow.snapshot()
+        assert stats.failures == 1 and stats.cache_hits == 1
+        slow.timeout = 60.0  # a new worker compiles the next job
+        slow.compile(StructuredOutputsParams(regex="[a-z]+"))
+    finally:
+        slow.close()
+
+
+def test_grammar_figures(llm):
+    before = llm.get_stats().grammar
+    prompt = _prompt(llm, "a color")
+    for _ in range(2):  # one lookup each: the second finds the first's grammar
+        llm.generate([prompt], SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(
+            choice=["cyan", "magenta"])), use_tqdm=False)
+    s = llm.get_stats().grammar
+    assert s.requests - before.requests == 2 and s.cache_queries - before.cache_queries == 2
+    assert s.cache_hits - before.cache_hits >= 1
+    assert s.requests > 0 and s.compiles > 0 and s.cache_hits > 0 and s.compile_seconds > 0
+    assert llm.get_stats().as_dict()["grammar"]["requests"] == s.requests

@@ -88,6 +88,18 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "spec_decode_num_draft_tokens", "Draft tokens proposed and verified.", s.spec.num_draft_tokens),
         (c, "spec_decode_num_accepted_tokens", "Draft tokens the target model accepted.", s.spec.num_accepted_tokens),
         (g, "spec_decode_acceptance_rate", "Accepted / proposed draft tokens so far.", s.spec.acceptance_rate),
+    ]) + ([] if s.grammar is None else [
+        # Ours: structured outputs (vLLM counts none of these).
+        (c, "structured_output_requests", "Requests with a JSON schema, regex, choice or grammar constraint.",
+         s.grammar.requests),
+        (c, "grammar_cache_queries", "Grammar lookups (one per constrained request).", s.grammar.cache_queries),
+        (c, "grammar_cache_hits", "Grammar lookups that found the grammar compiled or compiling.",
+         s.grammar.cache_hits),
+        (c, "grammar_compiles", "Grammars compiled (or refused by the compiler).", s.grammar.compiles),
+        (c, "grammar_compile_seconds", "Seconds spent compiling grammars (in the compiler process).",
+         s.grammar.compile_seconds),
+        (c, "grammar_compile_failures", "Grammars the compiler refused or that passed the compile deadline.",
+         s.grammar.failures),
     ])
 
 

@@ -220,6 +220,8 @@ async def _check_structured(state: ServerState, req, params) -> None:
         await state.engine.check_structured(params.structured_outputs)
     except ValueError as e:
         field = req.constraint()[0]
+        if field == "tool_choice":  # the forced call's schema is made of the tools' parameters
+            raise APIError(400, f"tools: their parameters cannot constrain a call ({e})", param="tools") from None
         raise APIError(400, f"{field}: {e}", param=field) from None
     except EngineDeadError as e:
         raise APIError(503, str(e), "service_unavailable") from None

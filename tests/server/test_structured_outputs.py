@@ -110,7 +110,7 @@ def test_auto_tool_choice_reads_hermes_calls(client):
     # The small model would rarely write a call by itself: a regex makes it write one, which
     # the hermes parser then reads out of the free text (auto plus a constraint, as vLLM allows).
     regex = r'Checking\.\n<tool_call>\{"name": "get_weather", "arguments": \{"city": "(Paris|Oslo)"\}\}</tool_call>'
-    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=40, temperature=0, extra_body={"guided_regex": regex})
+    kw = dict(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=80, temperature=0, extra_body={"guided_regex": regex})
     r = client.chat.completions.create(**kw)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
@@ -173,6 +173,16 @@ def test_a_bad_constraint_is_a_400_before_anything_streams(tool_server, field, v
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == field and err["message"].startswith(field) and err["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "f"}}])
+def test_a_tool_schema_that_cannot_constrain_is_a_400_naming_tools(tool_server, choice):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"ids": {"type": "array", "uniqueItems": True}}}}}]
+    r = post(tool_server, CHAT, {"messages": ASK, "max_tokens": 4, "tools": tools, "tool_choice": choice})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "uniqueItems" in err["message"]
 
 
 def test_beam_search_with_a_constraint_is_refused(tool_server):

@@ -178,11 +178,7 @@ def _prepare_chat(state: ServerState, body: Any):
     _check_prompt_logprobs(req)
     tools = _tool_output(state, req)
     try:
-        conv = req.conversation()
-    except ValueError as e:
-        raise APIError(400, f"messages: {e}", param="messages") from None
-    try:
-        prompt = render_chat(state.tokenizer, conv, req.add_generation_prompt, tool_dicts(req.tools),
+        prompt = render_chat(state.tokenizer, req.conversation(), req.add_generation_prompt, tool_dicts(req.tools),
                              req.chat_template_kwargs)
     except ValueError as e:
         raise _bad(e) from None

@@ -195,7 +195,10 @@ def _arguments(text: str) -> Any:
 
 
 def conversation(messages: list[ChatMessage]) -> list[dict]:
-    return [m.for_template() for m in messages]
+    try:
+        return [m.for_template() for m in messages]
+    except ValueError as e:
+        raise FieldError("messages", str(e)) from None
 
 
 class ChatCompletionRequest(_Common):
@@ -216,6 +219,7 @@ class ChatCompletionRequest(_Common):
     def tool_mode(self) -> str:
         """"none", "auto", "required" or "named" (FieldError for a choice without its tools)."""
         return tool_mode(self.tools, self.tool_choice)
+
     @property
     def named_tool(self) -> str | None:
         return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None

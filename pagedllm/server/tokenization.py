@@ -39,6 +39,7 @@ class TokenizeChatRequest(BaseModel):
     tools: list[ChatTool] | None = None   # what the template shows the model, as a chat request's
     chat_template_kwargs: dict[str, Any] | None = None
 
+
 class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -50,11 +51,7 @@ def tokenize(info: EngineInfo, tokenizer, req: TokenizeCompletionRequest | Token
     """ValueError (naming the field) for text that is empty, too long, or that the chat
     template rejects; a count above max_model_len is refused, as vLLM does."""
     if isinstance(req, TokenizeChatRequest):
-        try:
-            conv = conversation(req.messages)
-        except ValueError as e:
-            raise ValueError(f"messages: {e}") from None
-        text = render_chat(tokenizer, conv, req.add_generation_prompt, tool_dicts(req.tools),
+        text = render_chat(tokenizer, conversation(req.messages), req.add_generation_prompt, tool_dicts(req.tools),
                            req.chat_template_kwargs)
     else:
         text = req.prompt

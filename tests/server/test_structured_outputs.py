@@ -121,10 +121,10 @@ def test_auto_tool_choice_reads_hermes_calls(client):
 
 
 def test_tool_choice_none_and_tool_messages(client):
-    msgs = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "chatcmpl-tool-1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
-        {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "18 degrees, sunny"}]
+    call = {"id": "chatcmpl-tool-1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}
+    msgs = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                  {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "18 degrees, sunny"}]
     r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=4,
                                        temperature=0, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, StructuredOutputsParams
 from pagedllm.distributed import WorkerDiedError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -49,6 +49,9 @@ def scenario(llm: LLM) -> tuple[list[list[int]], dict]:
     pair = llm.generate([list(range(2000, 2021))], SamplingParams(n=2, temperature=0, max_tokens=12, ignore_eos=True),
                         use_tqdm=False)[0]
     outs += [c.token_ids for c in pair.outputs]
+    # Structured outputs: the matcher lives on rank 0, where sampling is.
+    regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,9}"))
+    outs += [o.outputs[0].token_ids for o in llm.generate([[5, 17, 300]], regex, use_tqdm=False)]
     burst = [list(range(3000 + 50 * i, 3030 + 50 * i)) for i in range(5)]
     long = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     outs += [o.outputs[0].token_ids for o in llm.generate(burst, long, use_tqdm=False)]

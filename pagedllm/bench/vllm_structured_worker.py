@@ -1,0 +1,64 @@
+"""Runs inside vLLM's own venv (it imports nothing of pagedllm): the structured-outputs
+benchmark's passes on vLLM's offline LLM, printed as JSON (see benchmarks/structured_outputs.py).
+
+    VENV/bin/python vllm_structured_worker.py spec.json
+spec: {"model": dir, "prompts": [[ids]], "batches": [1, 32, 96], "max_tokens": n, "schema": {...},
+       "max_model_len": n, "single_runs": k, "ttft_runs": k}
+"""
+import json
+import statistics
+import sys
+import time
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import StructuredOutputsParams
+
+    with open(sys.argv[1]) as f:
+        spec = json.load(f)
+    t0 = time.perf_counter()
+    llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], seed=0,
+              max_num_seqs=max(spec["batches"]))
+    startup = time.perf_counter() - t0
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+
+    def params(schema, max_tokens=spec["max_tokens"]):
+        so = StructuredOutputsParams(json=schema) if schema is not None else None
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_outputs=so)
+
+    llm.generate(prompts[:2], params(None, 4), use_tqdm=False)  # warm-up, as ours
+    llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
+                 use_tqdm=False)
+    passes = []
+    for batch in spec["batches"]:
+        for mode, schema in (("unconstrained", None), ("constrained", spec["schema"])):
+            runs = [[p] for p in prompts[:spec["single_runs"]]] if batch == 1 else [prompts[:batch]]
+            texts, n, t0 = [], 0, time.perf_counter()
+            for group in runs:
+                outs = llm.generate(group, params(schema), use_tqdm=False)
+                n += sum(len(o.outputs[0].token_ids) for o in outs)
+                texts += [o.outputs[0].text for o in outs]
+            dt = time.perf_counter() - t0
+            passes.append({"batch": batch, "mode": mode, "elapsed_s": dt, "output_tokens": n,
+                           "output_tok_s": n / dt, "texts": texts})
+    ttft = {}
+    for name, fresh in (("cold", True), ("cached", False)):
+        times = []
+        if not fresh:  # compiled once, untimed
+            llm.generate(prompts[:1], params(dict(spec["schema"], title="form"), 1), use_tqdm=False)
+        for i in range(spec["ttft_runs"]):
+            schema = dict(spec["schema"], title=f"form {i}" if fresh else "form")  # a new key when fresh
+            t0 = time.perf_counter()
+            llm.generate(prompts[:1], params(schema, 1), use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        ttft[name] = statistics.median(times)
+    import torch
+    print("PAGEDLLM_RESULT " + json.dumps({"startup_s": startup, "passes": passes, "ttft_s": ttft,
+                                           "torch": torch.__version__, "threads": torch.get_num_threads()}),
+          flush=True)
+
+
+if __name__ == "__main__":  # vLLM spawns workers that re-import this file
+    main()

@@ -46,7 +46,7 @@ class LLM:
             try:
                 value, salt = _prompt_value(p), _prompt_salt(p, cache_salt)
                 token_ids = self.engine.validate(value, sp, add_special_tokens)
-                so = sp.structured_outputs
+                so = getattr(sp, "structured_outputs", None)  # BeamSearchParams has none
                 if so is not None and id(so) not in grammars:  # compiled (cached) before anything runs
                     self.engine.check_grammar(so)
                     grammars.add(id(so))

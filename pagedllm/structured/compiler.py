@@ -9,6 +9,7 @@ hostile schema sent again costs nothing.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import select
@@ -130,6 +131,13 @@ def _field(spec: GrammarSpec) -> str:
     return {"json_object": "json_object"}.get(spec.kind, spec.kind)
 
 
+# Idle compiling processes by the digest of the tokenizer table they hold: the engines of
+# one process (tests, benchmarks, an offline script with several LLMs) share them. A worker
+# exits by itself when its parent does (its stdin closes).
+_IDLE: dict[str, list[_Worker]] = {}
+_IDLE_LOCK = threading.Lock()
+
+
 class GrammarCompiler:
     """Futures of compiled grammars by key, for the engine (thread-safe: the server's
     event loop checks a request's grammar before submitting it, the engine looks it up)."""
@@ -142,7 +150,6 @@ class GrammarCompiler:
         self._max_entries = cache_entries
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
-        self._idle: list[_Worker] = []
         self._info = None   # xgrammar's TokenizerInfo, built on the first compile
         self._info_lock = threading.Lock()
         self.stats = GrammarStats()
@@ -189,10 +196,13 @@ class GrammarCompiler:
         import xgrammar as xgr
 
         info = self.tokenizer_info()
-        with self._lock:
-            worker = self._idle.pop() if self._idle else None
+        table = info.serialize_json()
+        digest = hashlib.blake2b(table.encode(), digest_size=16).hexdigest()
+        with _IDLE_LOCK:
+            idle = _IDLE.setdefault(digest, [])
+            worker = idle.pop() if idle else None
         if worker is None:
-            worker = _Worker(info.serialize_json())
+            worker = _Worker(table)
         t0 = time.perf_counter()
         try:
             data, _ = worker.run(spec, self.timeout)
@@ -201,8 +211,8 @@ class GrammarCompiler:
             self._count(time.perf_counter() - t0, failed=True)
             raise
         finally:
-            with self._lock:
-                self._idle.append(worker)
+            with _IDLE_LOCK:
+                idle.append(worker)
         self._count(grammar.compile_seconds, failed=False)
         return grammar
 
@@ -217,8 +227,5 @@ class GrammarCompiler:
             return GrammarStats(**{n: getattr(self.stats, n) for n in GrammarStats.__slots__})
 
     def close(self) -> None:
+        """Stop compiling for this engine (the idle workers stay for the process's others)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-        with self._lock:
-            for w in self._idle:
-                w.close()
-            self._idle.clear()

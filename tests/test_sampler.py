@@ -50,6 +50,28 @@ def test_extreme_settings_pick_the_top_token(kernels, kw):
     assert frequencies(kernels, 200, **kw)[0] == 1.0
 
 
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=1.0, top_p=1e-6), dict(temperature=1.0, top_k=3),
+                                dict(temperature=0.7, top_k=3, top_p=0.5)])
+def test_infinite_and_nan_logits_do_not_crash(kernels, kw):
+    """A repetition penalty near 0 divides logits by it (+inf); a processor may leave NaN.
+    The +inf tokens share the top; a row with nothing finite still gives a token id."""
+    pos = torch.tensor([0.5, float("inf"), -1.0, float("nan"), float("inf"), 0.0, -float("inf"), 2.0]).repeat(50, 1)
+    out, _, _ = sample(pos, [[s] for s in seqs(50, **kw)], kernels)
+    assert set(out.values()) <= {1, 4}
+    dead = torch.tensor([float("nan")] * 4 + [-float("inf")] * 4)[None]
+    out, _, _ = sample(dead, [seqs(1, **kw)], kernels)
+    assert all(0 <= t < 8 for t in out.values())
+
+
+def test_repetition_penalty_at_its_floor_samples_a_token():
+    """The fuzzer's request that crashed the kernel: best_of, top_p and repetition_penalty at
+    the smallest doubles, through the logits processors."""
+    logits = torch.randn(5, 64)
+    out, _, errors = sample(logits, [[s] for s in seqs(5, temperature=1.0, top_p=5e-324, repetition_penalty=5e-324)],
+                            load_ops())
+    assert not errors and all(0 <= t < 64 for t in out.values())
+
+
 def test_same_seed_same_tokens_whatever_the_batch(kernels):
     logits = torch.randn(1, 1000)
     alone, _, _ = sample(logits, [seqs(1, first_id=7, temperature=0.9, top_p=0.9)], kernels)

@@ -110,8 +110,12 @@ def weights(row: torch.Tensor, p) -> torch.Tensor:
     """A row's unnormalised sampling probabilities [V] float32 under temperature, top-k
     and top-p (`p`: the SamplingParams)."""
     # Shift by the max before dividing: values stay <= 0 and finite (or -inf) however small
-    # the temperature; a temperature below float32's range acts as greedy.
-    x = (row.float() - row.float().max()) / max(float(p.temperature), 1e-30)
+    # the temperature; a temperature below float32's range acts as greedy. NaN logits are
+    # out; +inf ones (a repetition penalty near 0 divides by it) share the top, as the kernel's.
+    x = torch.nan_to_num(row.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    top = x.max()
+    x = torch.where(x == top, 0.0, float("-inf")) if top == float("inf") else x - top
+    x = x / max(float(p.temperature), 1e-30)
     if 0 < p.top_k < x.shape[-1]:
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
     w = x.exp()

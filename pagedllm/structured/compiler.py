@@ -80,7 +80,7 @@ class _Worker:
             self.close()
             raise GrammarError("the grammar compiler process died while compiling this request's grammar") from None
         if answer[0] == "error":
-            raise GrammarError(f"structured_outputs.{_field(spec)}: {answer[1]}")
+            raise GrammarError(f"structured_outputs.{spec.field or spec.kind}: {answer[1]}")
         return answer[1], answer[2]
 
     def _start(self) -> subprocess.Popen:
@@ -125,10 +125,6 @@ class _Exact:
             parts.append(chunk)
             left -= len(chunk)
         return b"".join(parts)
-
-
-def _field(spec: GrammarSpec) -> str:
-    return {"json_object": "json_object"}.get(spec.kind, spec.kind)
 
 
 # Idle compiling processes by the digest of the tokenizer table they hold: the engines of

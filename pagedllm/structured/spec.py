@@ -47,6 +47,7 @@ class GrammarSpec:
     kind: str
     text: str
     any_whitespace: bool = True
+    field: str = ""   # the request's field it came from (a choice compiles as a grammar)
 
     @property
     def key(self) -> tuple[str, str, bool]:
@@ -71,7 +72,7 @@ def grammar_spec(so: StructuredOutputsParams) -> GrammarSpec:
         # A grammar of string literals: no escaping rules of a regex dialect to get wrong.
         text = "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in so.choice)
         _check_size("choice", text)
-        return GrammarSpec("grammar", text)
+        return GrammarSpec("grammar", text, field="choice")
     text = getattr(so, kind)
     _check_size(kind, text)
     return GrammarSpec(kind, text)

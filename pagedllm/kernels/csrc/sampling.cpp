@@ -14,6 +14,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "vec.h"
@@ -51,7 +52,7 @@ constexpr float SPAN = 32.f;
 
 inline int bin_of(float v) {
   const float b = -v * (BINS / SPAN);
-  return b >= BINS - 1 ? BINS - 1 : int(b);  // -inf and very low scores: the last bucket
+  return b < BINS - 1 ? int(b) : BINS - 1;  // -inf, very low scores and NaN: the last bucket
 }
 
 // Indices of the tokens with s >= cut whose bucket is at most `last`, best first.
@@ -79,6 +80,12 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
   const float inv_t = 1.f / std::max(temp, 1e-30f);
   for (int64_t i = 0; i < body; i += L) storef(s.data() + i, (load16(x + i) - mx) * inv_t);
   for (int64_t i = body; i < V; ++i) s[i] = (float(x[i]) - mx) * inv_t;  // <= 0, the top token at 0
+  // Logits a processor pushed to +inf (a repetition penalty near 0 divides by it) give
+  // inf - inf = NaN: the +inf tokens share the top, the others are out. (A NaN logit
+  // beside a finite max stays NaN: no bucket, cut or race ever takes it.)
+  if (!std::isfinite(mx))
+    for (int64_t i = 0; i < V; ++i)
+      if (std::isnan(s[i])) s[i] = float(x[i]) == mx ? 0.f : NEG_INF;
   float cut = NEG_INF;  // tokens below it are out
   const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
   if (use_k || use_p) {
@@ -93,7 +100,7 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
       int last = 0;
       for (float c = 0.f; last < BINS && (c += count[last]) < float(top_k); ++last) {}
       best_first(s, V, NEG_INF, std::min(last, BINS - 1), idx);
-      cut = s[idx[top_k - 1]];
+      cut = int64_t(idx.size()) >= top_k ? s[idx[top_k - 1]] : NEG_INF;
     }
     if (use_p) {  // the nucleus: fewest best tokens holding top_p of the (top-k) mass
       float z = 0.f;
@@ -101,6 +108,7 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
       int last = 0;
       for (float acc = 0.f; last < BINS - 1 && (acc += mass[last]) < top_p * z; ++last) {}
       best_first(s, V, cut, last, idx);
+      if (idx.empty()) return 0;  // nothing finite to draw from (every logit -inf or NaN)
       double acc = 0;
       int64_t keep = int64_t(idx.size());
       for (size_t j = 0; j < idx.size(); ++j)

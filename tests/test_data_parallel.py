@@ -60,6 +60,12 @@ def test_completions_and_chat_streaming_and_not(dp_server):
     assert (info["dp_size"], info["max_running_requests"]) == (2, 2 * 256)
     assert info["max_total_num_tokens"] == listed["data"][0]["kv_cache_blocks"] * 16
     assert httpx.get(dp_server.url + "/model_info").json()["model_type"] == "llama"
+    # Structured outputs: the front compiles to check, the replica that runs it compiles its own.
+    pick = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
+                                     extra_body={"guided_choice": ["blue", "green"]})
+    assert pick.choices[0].text in ("blue", "green")
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, extra_body={"guided_regex": "(abc"})
     # Validated in the server process by the engine's own rules: a 400 naming the limit.
     with pytest.raises(openai.BadRequestError, match="max_model_len"):
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)

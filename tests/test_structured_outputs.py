@@ -163,8 +163,8 @@ def test_equal_with_ngram_speculation(llm):
 
     spec = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    prompts = [_prompt(llm, t) for t in TOPICS[:8]]
-    params = [_json_params(s, temperature=0) for s in SCHEMAS[:8]]
+    prompts = [_prompt(llm, t) for t in TOPICS[:6]]
+    params = [_json_params(s, temperature=0) for s in SCHEMAS[:6]]
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
@@ -225,8 +225,10 @@ def test_compile_errors_fail_only_their_request(llm, so, message):
     with pytest.raises(ValueError, match=message):
         llm.generate([_prompt(llm, "x")], bad, use_tqdm=False)
     engine = llm.engine
-    good = [engine.add_request(None, _prompt(llm, t), _json_params(s, temperature=0))
-            for t, s in zip(TOPICS[:2], SCHEMAS[:2])]
+    colors = StructuredOutputsParams(choice=["red", "green", "blue"])
+    good = [engine.add_request(None, _prompt(llm, t), SamplingParams(temperature=0, max_tokens=8,
+                                                                      structured_outputs=colors))
+            for t in TOPICS[:2]]
     failed = engine.add_request(None, _prompt(llm, "y"), SamplingParams(max_tokens=8, structured_outputs=
                                                                         StructuredOutputsParams(**so)))
     outs = {}
@@ -234,9 +236,8 @@ def test_compile_errors_fail_only_their_request(llm, so, message):
         for o in engine.step():
             outs[o.request_id] = o
     assert re.search(message, outs[failed.request_id].error) and outs[failed.request_id].outputs[0].token_ids == []
-    for req, schema in zip(good, SCHEMAS[:2]):
-        assert outs[req.request_id].error is None
-        _valid(schema, outs[req.request_id].outputs[0].text)
+    for req in good:
+        assert outs[req.request_id].error is None and outs[req.request_id].outputs[0].text in colors.choice
     engine.kv.check_integrity()
     assert engine.kv.pool.num_used == 0
 

@@ -9,6 +9,7 @@ and the compile of a 20,000-value enum (a hostile schema's cost).
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import time
@@ -50,7 +51,7 @@ def xgrammar_figures(tok) -> dict:
     one = _timed(lambda: walk([xgr.GrammarMatcher(grammar)])) / len(ids)
     batch = _timed(lambda: walk([xgr.GrammarMatcher(grammar) for _ in range(BATCH)])) / len(ids)
     huge = _timed(lambda: compiler.compile_json_schema(json.dumps(HUGE_ENUM)))
-    return {"version": xgr.__version__, "compile_s": compile_s, "fill_per_token_s": one,
+    return {"version": importlib.metadata.version("xgrammar"), "compile_s": compile_s, "fill_per_token_s": one,
             f"fill_{BATCH}_per_step_s": batch, "huge_enum_compile_s": huge}
 
 
@@ -78,7 +79,7 @@ def llguidance_figures(tok) -> dict:
     def huge():
         m = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(HUGE_ENUM)))
         lt.fill_next_token_bitmask(m, bitmask, 0)
-    return {"version": llguidance.get_version() if hasattr(llguidance, "get_version") else None,
+    return {"version": importlib.metadata.version("llguidance"),
             "compile_s": compile_s, "fill_per_token_s": one, f"fill_{BATCH}_per_step_s": batch,
             "huge_enum_compile_s": _timed(huge)}
 

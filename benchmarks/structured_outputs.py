@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import tempfile
 import time
@@ -60,6 +59,7 @@ def chat_prompts(n: int) -> list[list[int]]:
 
 def run_pagedllm(prompts: list[list[int]]) -> dict:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
+    from pagedllm.bench.vllm_structured_worker import run_passes, time_to_first_token
 
     t0 = time.perf_counter()
     llm = LLM(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(BATCHES))
@@ -75,34 +75,8 @@ def run_pagedllm(prompts: list[list[int]]) -> dict:
     llm.generate(asks[:2], params(None, 4), use_tqdm=False)
     llm.generate(asks[:1], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
                  use_tqdm=False)
-    passes = []
-    for batch in BATCHES:
-        runs = [[a] for a in asks[:SINGLE_RUNS]] if batch == 1 else [asks[:batch]]
-        timed = {"unconstrained": [], "constrained": []}
-        for _ in range(REPEATS):  # interleaved, so a slow spell of the machine hits both modes
-            for mode, schema in (("unconstrained", None), ("constrained", SCHEMA)):
-                texts, n, t0 = [], 0, time.perf_counter()
-                for group in runs:
-                    outs = llm.generate(group, params(schema), use_tqdm=False)
-                    n += sum(len(o.outputs[0].token_ids) for o in outs)
-                    texts += [o.outputs[0].text for o in outs]
-                timed[mode].append((time.perf_counter() - t0, n, texts))
-        for mode, reps in timed.items():
-            dt = statistics.median(r[0] for r in reps)
-            n, texts = reps[0][1], reps[0][2]  # greedy: every repeat writes the same tokens
-            passes.append({"batch": batch, "mode": mode, "elapsed_s": dt, "elapsed_all_s": [r[0] for r in reps],
-                           "output_tokens": n, "output_tok_s": n / dt, "texts": texts})
-    ttft = {}
-    for name, fresh in (("cold", True), ("cached", False)):
-        times = []
-        if not fresh:
-            llm.generate(asks[:1], params(dict(SCHEMA, title="form"), 1), use_tqdm=False)
-        for i in range(TTFT_RUNS):
-            schema = dict(SCHEMA, title=f"form {i}" if fresh else "form")
-            t0 = time.perf_counter()
-            llm.generate(asks[:1], params(schema, 1), use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-        ttft[name] = statistics.median(times)
+    passes = run_passes(llm, asks, params, SCHEMA, BATCHES, SINGLE_RUNS, REPEATS)
+    ttft = time_to_first_token(llm, asks[0], params, SCHEMA, TTFT_RUNS)
     import torch
     return {"startup_s": startup, "passes": passes, "ttft_s": ttft, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "runner": llm.engine.runner.describe(),

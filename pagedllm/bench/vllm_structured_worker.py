@@ -1,5 +1,7 @@
-"""Runs inside vLLM's own venv (it imports nothing of pagedllm): the structured-outputs
-benchmark's passes on vLLM's offline LLM, printed as JSON (see benchmarks/structured_outputs.py).
+"""The structured-outputs benchmark's passes (benchmarks/structured_outputs.py), for any
+engine with vLLM's offline interface: `run_passes` and `time_to_first_token` serve ours in
+its process and vLLM's here, in vLLM's own venv (this file imports nothing of pagedllm),
+where main() prints the results as JSON.
 
     VENV/bin/python vllm_structured_worker.py spec.json
 spec: {"model": dir, "prompts": [[ids]], "batches": [1, 32, 96], "max_tokens": n, "schema": {...},
@@ -9,6 +11,46 @@ import json
 import statistics
 import sys
 import time
+
+
+def run_passes(llm, prompts: list, params, schema: dict, batches: list[int], single_runs: int,
+               repeats: int) -> list[dict]:
+    """Output tok/s of each batch size, unconstrained and constrained (`params(schema)`), each
+    pass `repeats` times interleaved with the other mode (a slow spell of the machine hits
+    both), the median reported; batch 1 runs `single_runs` prompts one after another."""
+    passes = []
+    for batch in batches:
+        runs = [[p] for p in prompts[:single_runs]] if batch == 1 else [prompts[:batch]]
+        timed = {"unconstrained": [], "constrained": []}
+        for _ in range(repeats):
+            for mode, constraint in (("unconstrained", None), ("constrained", schema)):
+                texts, n, t0 = [], 0, time.perf_counter()
+                for group in runs:
+                    outs = llm.generate(group, params(constraint), use_tqdm=False)
+                    n += sum(len(o.outputs[0].token_ids) for o in outs)
+                    texts += [o.outputs[0].text for o in outs]
+                timed[mode].append((time.perf_counter() - t0, n, texts))
+        for mode, reps in timed.items():  # greedy: every repeat writes the same tokens
+            dt = statistics.median(r[0] for r in reps)
+            passes.append({"batch": batch, "mode": mode, "elapsed_s": dt, "elapsed_all_s": [r[0] for r in reps],
+                           "output_tokens": reps[0][1], "output_tok_s": reps[0][1] / dt, "texts": reps[0][2]})
+    return passes
+
+
+def time_to_first_token(llm, prompt, params, schema: dict, runs: int) -> dict[str, float]:
+    """Median seconds of a one-token request with a grammar never seen (a new title: a new
+    cache key) and with one compiled before."""
+    ttft = {}
+    for name, fresh in (("cold", True), ("cached", False)):
+        times = []
+        if not fresh:  # compiled once, untimed
+            llm.generate([prompt], params(dict(schema, title="form"), 1), use_tqdm=False)
+        for i in range(runs):
+            t0 = time.perf_counter()
+            llm.generate([prompt], params(dict(schema, title=f"form {i}" if fresh else "form"), 1), use_tqdm=False)
+            times.append(time.perf_counter() - t0)
+        ttft[name] = statistics.median(times)
+    return ttft
 
 
 def main() -> None:
@@ -31,33 +73,8 @@ def main() -> None:
     llm.generate(prompts[:2], params(None, 4), use_tqdm=False)  # warm-up, as ours
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
                  use_tqdm=False)
-    passes = []
-    for batch in spec["batches"]:
-        runs = [[p] for p in prompts[:spec["single_runs"]]] if batch == 1 else [prompts[:batch]]
-        timed = {"unconstrained": [], "constrained": []}
-        for _ in range(spec["repeats"]):  # interleaved, as ours
-            for mode, schema in (("unconstrained", None), ("constrained", spec["schema"])):
-                texts, n, t0 = [], 0, time.perf_counter()
-                for group in runs:
-                    outs = llm.generate(group, params(schema), use_tqdm=False)
-                    n += sum(len(o.outputs[0].token_ids) for o in outs)
-                    texts += [o.outputs[0].text for o in outs]
-                timed[mode].append((time.perf_counter() - t0, n, texts))
-        for mode, reps in timed.items():
-            dt = statistics.median(r[0] for r in reps)
-            passes.append({"batch": batch, "mode": mode, "elapsed_s": dt, "elapsed_all_s": [r[0] for r in reps],
-                           "output_tokens": reps[0][1], "output_tok_s": reps[0][1] / dt, "texts": reps[0][2]})
-    ttft = {}
-    for name, fresh in (("cold", True), ("cached", False)):
-        times = []
-        if not fresh:  # compiled once, untimed
-            llm.generate(prompts[:1], params(dict(spec["schema"], title="form"), 1), use_tqdm=False)
-        for i in range(spec["ttft_runs"]):
-            schema = dict(spec["schema"], title=f"form {i}" if fresh else "form")  # a new key when fresh
-            t0 = time.perf_counter()
-            llm.generate(prompts[:1], params(schema, 1), use_tqdm=False)
-            times.append(time.perf_counter() - t0)
-        ttft[name] = statistics.median(times)
+    passes = run_passes(llm, prompts, params, spec["schema"], spec["batches"], spec["single_runs"], spec["repeats"])
+    ttft = time_to_first_token(llm, prompts[0], params, spec["schema"], spec["ttft_runs"])
     import torch
     print("PAGEDLLM_RESULT " + json.dumps({"startup_s": startup, "passes": passes, "ttft_s": ttft,
                                            "torch": torch.__version__, "threads": torch.get_num_threads()}),

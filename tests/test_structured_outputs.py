@@ -85,10 +85,8 @@ def _json_params(schema: dict, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm():
-    from pagedllm import LLM
-
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024)
+def llm(llm_fp32):
+    return llm_fp32  # the session's fp32 engine: one model load less
 
 
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
@@ -161,7 +159,7 @@ def test_n2_samples_each_follow_the_grammar_and_match_n1(llm):
 def test_equal_with_ngram_speculation(llm):
     from pagedllm import LLM
 
-    spec = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=1024,
+    spec = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompts = [_prompt(llm, t) for t in TOPICS[:6]]
     params = [_json_params(s, temperature=0) for s in SCHEMAS[:6]]

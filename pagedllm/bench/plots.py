@@ -288,6 +288,38 @@ def plot_lm_eval_mc(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_structured_outputs(fig, data: dict) -> None:
+    """Structured outputs per batch size: each engine's output tok/s without and with the
+    schema (the paler bar: unconstrained)."""
+    runs = data["results"]
+    batches = sorted({r["batch"] for r in runs})
+    engines = list(dict.fromkeys(r["engine"] for r in runs))
+    for i, (ax, b) in enumerate(zip(fig.subplots(1, len(batches)), batches)):
+        rows = [(e, m) for e in engines for m in ("unconstrained", "constrained")]
+        value = {(r["engine"], r["mode"]): r["output_tok_s"] for r in runs if r["batch"] == b}
+        labels = [f"{e.replace(' 0.32.0', '')}, {'schema' if m == 'constrained' else 'plain'}" for e, m in rows]
+        colours = [family_colour(e) if m == "constrained" else "#d9d9d9" for e, m in rows]
+        _bars(ax, labels, [value[k] for k in rows], colours, "{:.0f}")
+        ax.set_xlabel(f"batch {b}: output tokens/s")
+        if i:
+            ax.set_yticks([])
+
+
+def plot_grammar_backends(fig, data: dict) -> None:
+    """xgrammar against llguidance on our tokenizer: the per-step mask fill of 32 rows, and
+    the compile of the benchmark's schema."""
+    names = list(data["results"])
+    fill = next(k for k in data["results"][names[0]] if k.startswith("fill_") and k.endswith("_per_step_s"))
+    panels = ((f"{fill.split('_')[1]} masks a step, ms", lambda r: r[fill] * 1e3),
+              ("compile the form schema, ms", lambda r: r["compile_s"] * 1e3))
+    colours = [OURS if n == "xgrammar" else OTHER_COLOUR for n in names]
+    for i, (ax, (xlabel, get)) in enumerate(zip(fig.subplots(1, 2), panels)):
+        _bars(ax, names, [get(data["results"][n]) for n in names], colours, "{:.2f}")
+        ax.set_xlabel(xlabel)
+        if i:
+            ax.set_yticks([])
+
+
 def plot_single_request(fig, data: dict) -> None:
     """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
     names = list(data["workloads"])
@@ -335,6 +367,10 @@ PLOTTERS: list[Plotter] = [
      "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
     (lambda d: d.get("benchmark") == "lm_eval_mc", plot_lm_eval_mc,
      "lm-eval multiple choice through each engine (prefix caching on and off)", True),
+    (lambda d: isinstance(d.get("results"), list) and d["results"] and "valid_share" in d["results"][0],
+     plot_structured_outputs, "Structured outputs: a JSON schema against plain decoding", True),
+    (lambda d: isinstance(d.get("results"), dict) and "xgrammar" in d["results"], plot_grammar_backends,
+     "Grammar libraries on our tokenizer", True),
     (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,
      "One request at a time, against llama.cpp", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -259,6 +259,15 @@ def test_a_compile_past_its_deadline_is_killed_and_cached_as_failed(llm):
         slow.close()
 
 
+def test_a_closed_engine_compiles_again(llm):
+    """close() (a test's, a server's shutdown) stops the compile threads; the session's
+    engine is shared, so a later constrained request must start them again."""
+    llm.engine.grammars.close()
+    out = llm.generate([_prompt(llm, "a color")], SamplingParams(max_tokens=8, structured_outputs=
+                       StructuredOutputsParams(choice=["teal", "plum"])), use_tqdm=False)[0].outputs[0]
+    assert out.text in ("teal", "plum")
+
+
 def test_grammar_figures(llm):
     before = llm.get_stats().grammar
     prompt = _prompt(llm, "a color")

@@ -145,7 +145,8 @@ class GrammarCompiler:
         self._cache: OrderedDict[tuple, Future] = OrderedDict()
         self._max_entries = cache_entries
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grammar")
+        self._workers = workers
+        self._pool: ThreadPoolExecutor | None = None   # started on the first compile
         self._info = None   # xgrammar's TokenizerInfo, built on the first compile
         self._info_lock = threading.Lock()
         self.stats = GrammarStats()
@@ -162,6 +163,8 @@ class GrammarCompiler:
                 self.stats.cache_hits += count
                 self._cache.move_to_end(spec.key)
                 return fut
+            if self._pool is None:  # closed (an engine's close()): a later request starts it again
+                self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="grammar")
             fut = self._pool.submit(self._compile, spec)
             self._cache[spec.key] = fut
             while len(self._cache) > self._max_entries:
@@ -223,5 +226,9 @@ class GrammarCompiler:
             return GrammarStats(**{n: getattr(self.stats, n) for n in GrammarStats.__slots__})
 
     def close(self) -> None:
-        """Stop compiling for this engine (the idle workers stay for the process's others)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Stop compiling for this engine (the idle workers stay for the process's others);
+        a request after it starts again."""
+        with self._lock:
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)

@@ -153,7 +153,7 @@ def test_attention_row_same_in_prefill_chunk_and_decode():
     kernels = load_ops()
     g = torch.Generator().manual_seed(0)
     h, kvh, d, bs, ctx = 9, 3, 64, 16, 750
-    k_shape, v_shape = CpuPagedAttention.cache_shapes(64, bs, kvh, d, torch.bfloat16)
+    k_shape, v_shape = CpuPagedAttention().cache_shapes(64, bs, kvh, d, torch.bfloat16)
     kc, vc = torch.zeros(k_shape, dtype=torch.bfloat16), torch.zeros(v_shape, dtype=torch.bfloat16)
     table = torch.randperm(64, generator=g)[:-(-ctx // bs)].to(torch.int32)
     slots = (table.long()[:, None] * bs + torch.arange(bs)).flatten()[:ctx]

@@ -5,11 +5,14 @@ from dataclasses import asdict, dataclass
 
 from ..config import DTYPE_ALIASES
 from ..config import DTYPE_BYTES as ENGINE_DTYPES
+from ..kv_dtype import KVDtype, canonical_kv_dtype, resolve_kv_dtype
 from ..models.config import ModelConfig
 from ..util import cdiv
 
-# The engine's dtypes and their aliases, plus the 8-bit KV formats other engines offer (for comparison).
-DTYPE_BYTES = {**ENGINE_DTYPES, **{a: ENGINE_DTYPES[c] for a, c in DTYPE_ALIASES.items()}, "fp8": 1, "int8": 1}
+# The engine's dtypes (weights, and KV unless kv_cache_dtype says otherwise) and their aliases.
+DTYPE_BYTES = {**ENGINE_DTYPES, **{a: ENGINE_DTYPES[c] for a, c in DTYPE_ALIASES.items()}}
+# Earlier spellings: --dtype fp8 / int8 meant 8-bit KV (bf16 weights).
+_KV_ONLY = {"fp8": "fp8_e4m3", "int8": "int8"}
 
 
 def param_count(cfg: ModelConfig) -> int:
@@ -23,6 +26,7 @@ def param_count(cfg: ModelConfig) -> int:
 
 @dataclass
 class KVCalc:
+    kv_cache_dtype: str
     bytes_per_token: int
     bytes_per_block: int
     blocks_per_seq: int
@@ -39,15 +43,21 @@ class KVCalc:
 
 def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batch: int = 1,
             block_size: int = 16, budget_bytes: int | None = None, max_model_len: int | None = None,
-            device_bytes: int | None = None, gpu_memory_utilization: float = 0.9) -> KVCalc:
+            device_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
+            kv_cache_dtype: str = "auto") -> KVCalc:
     """budget_bytes is the KV pool; or give device_bytes and the budget is
-    device * utilization - weights (vLLM's meaning, activations ignored)."""
+    device * utilization - weights (vLLM's meaning, activations ignored). kv_cache_dtype:
+    how K/V are stored (auto: as dtype), as the engine's flag."""
+    if dtype in _KV_ONLY and kv_cache_dtype == "auto":
+        dtype, kv_cache_dtype = "bfloat16", _KV_ONLY[dtype]
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
     if seq_len < 1 or batch < 1 or block_size < 1:
         raise ValueError("seq_len, batch and block_size must be >= 1")
     elt = DTYPE_BYTES[dtype]
-    bpt = cfg.kv_bytes_per_token(elt)
+    kv = resolve_kv_dtype(canonical_kv_dtype(kv_cache_dtype), DTYPE_ALIASES.get(dtype, dtype))
+    kv.check_head_dim(cfg.head_dim)
+    bpt = cfg.kv_bytes_per_token(kv)
     bpb = bpt * block_size
     weights = param_count(cfg) * elt
     if budget_bytes is None:
@@ -60,8 +70,8 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     num_blocks = budget_bytes // bpb
     per_seq = cdiv(seq_len, block_size)
     reserve = cdiv(max_model_len or cfg.max_position_embeddings, block_size)
-    return KVCalc(bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
-                  m_kv_bytes=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * seq_len * batch * elt,
+    return KVCalc(kv_cache_dtype=kv.name, bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
+                  m_kv_bytes=bpt * seq_len * batch,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,
                   reserve_max_seqs=num_blocks // reserve, weights_bytes=weights)
 
@@ -70,8 +80,9 @@ def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int,
                 max_model_len: int) -> str:
     gib = 2**30
     return "\n".join([
-        f"KV cache arithmetic for {name} ({dtype}, block size {block_size})",
-        f"  bytes per token (2*L*d_kv*bytes):   {c.bytes_per_token:,}",
+        f"KV cache arithmetic for {name} ({dtype}, KV {c.kv_cache_dtype}, block size {block_size})",
+        f"  bytes per token (2*L*d_kv*bytes):   {c.bytes_per_token:,}" + _scales_note(c.kv_cache_dtype),
+        f"  blocks per GiB:                     {2**30 // c.bytes_per_block:,}",
         f"  bytes per block:                    {c.bytes_per_block:,}",
         f"  M_KV for S={seq_len}, b={batch}:   {c.m_kv_bytes:,} bytes ({c.m_kv_bytes / gib:.3f} GiB)",
         f"  blocks per sequence ceil(S/B):      {c.blocks_per_seq}",
@@ -80,3 +91,9 @@ def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int,
         f"  sequences of {seq_len} tokens that fit: paged {c.paged_max_seqs:,}; "
         f"reserve-max (max_model_len {max_model_len}) {c.reserve_max_seqs:,}",
     ])
+
+
+def _scales_note(kv_cache_dtype: str) -> str:
+    from ..kv_dtype import KV_DTYPES, SCALE_BYTES
+    kv: KVDtype = KV_DTYPES[kv_cache_dtype]
+    return f" (bytes = {kv.bits}/8, + a {SCALE_BYTES}-byte scale per head)" if kv.quantized else ""

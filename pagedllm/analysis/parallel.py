@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 from ..models.config import ModelConfig
 from ..util import cdiv
+from ..config import canonical_dtype
+from ..kv_dtype import resolve_kv_dtype
 from .kv_calc import DTYPE_BYTES, kv_calc, param_count
 from .simulator import SimResult, simulate
 
@@ -128,7 +130,7 @@ def _replica(cfg: ModelConfig, tp: int, gpu_bytes: int, a: ParallelAssumptions) 
     elt = DTYPE_BYTES[a.dtype]
     weights = param_count(rank) * elt
     budget = int(gpu_bytes * a.gpu_memory_utilization) - weights - a.activation_reserve_bytes
-    bpt = rank.kv_bytes_per_token(elt)
+    bpt = rank.kv_bytes_per_token(resolve_kv_dtype("auto", canonical_dtype(a.dtype)))
     need = cdiv(a.max_model_len, a.block_size) * a.block_size * bpt
     out = {"weights_per_gpu": weights, "reserve_per_gpu": a.activation_reserve_bytes, "kv_budget_per_gpu": budget,
            "kv_bytes_per_token_rank": bpt, "kv_tokens_per_replica": 0, "kv_blocks_per_replica": 0,

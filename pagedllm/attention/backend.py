@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from ..kv_dtype import KV_DTYPES, KVDtype
+
 
 @dataclass
 class StepLayout:
@@ -66,17 +68,39 @@ class AttentionBackend(ABC):
     name: str
     # Whether decode steps can be captured as CUDA graphs (decode_graph_metadata works).
     supports_decode_graphs: bool = False
+    # The quantized KV kinds (kv_dtype names) this backend reads in place; and the pool's
+    # kind, once the runner has chosen one (None: K/V stored as the model computes them).
+    kv_dtypes: tuple[str, ...] = ()
+    kv: KVDtype | None = None
+
+    def use_kv_dtype(self, kv: KVDtype) -> None:
+        """Store K/V as `kv` from now on; ValueError if this backend cannot read it."""
+        if kv.quantized and kv.name not in self.kv_dtypes:
+            can = f"it reads {', '.join(self.kv_dtypes)}" if self.kv_dtypes else "it reads no quantized kind"
+            raise ValueError(f"attention backend {self.name} cannot read kv_cache_dtype {kv.name} ({can}); "
+                             "the cpu backend reads them all")
+        self.kv = kv if kv.quantized else None
+
+    def kv_dtype_of(self, dtype: torch.dtype) -> KVDtype:
+        """How a pool of this backend stores K/V computed in `dtype`."""
+        return self.kv or KV_DTYPES[str(dtype).removeprefix("torch.")]
+
+    def pool_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The pool tensors' element type: bytes when quantized."""
+        return torch.uint8 if self.kv is not None else dtype
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Raise ValueError if this backend cannot run a model with these heads."""
 
-    @staticmethod
-    def cache_shapes(num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+    def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Shapes of one layer's K and V pools; a block is always the first dimension."""
-        shape = (num_blocks, block_size, kv_heads, head_dim)
-        return shape, shape
+        """Shapes of one layer's K and V pools (of pool_dtype(dtype)); a block is always the
+        first dimension. Quantized: each token's head as its codes, then its scale bytes."""
+        if self.kv is None:
+            return (num_blocks, block_size, kv_heads, head_dim), (num_blocks, block_size, kv_heads, head_dim)
+        return ((num_blocks, block_size, kv_heads, self.kv.k_head_bytes(head_dim)),
+                (num_blocks, block_size, kv_heads, self.kv.v_head_bytes(head_dim)))
 
     @abstractmethod
     def build_metadata(self, layout: StepLayout, device: torch.device | str) -> Any:

@@ -6,6 +6,13 @@ K [KVH, D/P, block_size, P] and V [KVH, ceil(block_size/P), D, P]. A block's key
 one head are contiguous along each (pair of) dimensions, so the kernel scores 16 keys
 per vector instruction without transposing anything, and with bf16 on AVX512_BF16 one
 dot-product instruction does 32 multiply-adds of Q.K or P.V.
+
+Quantized pools (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2, int4) are uint8
+[num_blocks, KVH, B * (D * bits / 8 + 2)]: per block and head, K's codes in 32-bit lanes
+of one key (16 keys x 4 dims per 64-byte line), or V's codes a key per row, then a bf16
+scale per key (kernels/csrc/kv_quant.h). The kernel reads codes where they lie and
+decodes them in registers, 16 at a time; the scales multiply finished dot products (K)
+or the softmax weights (V).
 """
 from __future__ import annotations
 
@@ -34,6 +41,7 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 @register
 class CpuPagedAttention(AttentionBackend):
     name = "cpu"
+    kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
     def __init__(self) -> None:
         try:
@@ -51,8 +59,12 @@ class CpuPagedAttention(AttentionBackend):
             raise ValueError(f"attention backend cpu supports head_dim in {HEAD_DIMS}, not {head_dim}; "
                              "use --attention-backend torch")
 
-    @staticmethod
-    def cache_shapes(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        if self.kv is not None:
+            v_row = block_size * self.kv.v_head_bytes(head_dim)
+            if self.kv.name == "int8":  # V in pairs of keys: an odd block pads one key's codes
+                v_row += (block_size % 2) * head_dim
+            return (num_blocks, kv_heads, block_size * self.kv.k_head_bytes(head_dim)), (num_blocks, kv_heads, v_row)
         p = 2 if dtype.itemsize == 2 else 1
         return ((num_blocks, kv_heads, head_dim // p, block_size, p),
                 (num_blocks, kv_heads, cdiv(block_size, p), head_dim, p))
@@ -62,9 +74,10 @@ class CpuPagedAttention(AttentionBackend):
         return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
                            torch.tensor(layout.seq_lens, **i32), torch.tensor(layout.query_starts, **i32))
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float):
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0):
+        fmt = self.kv.fmt if self.kv is not None else 0
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale, self.split_k)
+                                 scale, self.split_k, fmt, window)
         return out

@@ -15,6 +15,7 @@ import time
 import torch
 
 from ..attention import StepLayout, get_backend
+from ..kv_dtype import resolve_kv_dtype
 from ..runtime.kv_cache import allocate_pool
 from ..util import cdiv
 
@@ -43,7 +44,9 @@ def _time(fn, reps: int) -> float:
 
 
 def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 16, dtype=torch.bfloat16,
-                 reps: int = 15, reference: bool = True) -> dict:
+                 reps: int = 15, reference: bool = True, kv_cache_dtype: str = "auto") -> dict:
+    """kv_cache_dtype: how the kernel's pool stores K/V (quantized kinds are filled by the
+    kernel's own writer, from normal values); the reference always reads dtype."""
     h, kvh, d = heads
     nblk = cdiv(context, block_size)
     pool = 2 * batch * nblk  # blocks scattered over twice the space, as in a busy pool
@@ -52,18 +55,29 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
     q = torch.randn(batch, h, d, generator=g).to(dtype)
     # Decodes that write nothing (slot -1): attention alone is timed.
     layout = StepLayout([-1] * batch, tables.tolist(), [context] * batch, list(range(batch + 1)), batch)
-    kv_bytes = 2 * batch * context * kvh * d * torch.finfo(dtype).bits // 8
-    out = {"batch": batch, "context": context, "heads": list(heads), "block_size": block_size,
-           "dtype": str(dtype).removeprefix("torch."), "kv_bytes": kv_bytes}
     cpu = get_backend("cpu")
+    cpu.use_kv_dtype(resolve_kv_dtype(kv_cache_dtype, str(dtype).removeprefix("torch.")))
+    kv = cpu.kv_dtype_of(dtype)
+    kv_bytes = batch * context * kvh * (kv.k_head_bytes(d) + kv.v_head_bytes(d))  # what the kernel reads
+    out = {"batch": batch, "context": context, "heads": list(heads), "block_size": block_size,
+           "dtype": str(dtype).removeprefix("torch."), "kv_cache_dtype": kv.name, "kv_bytes": kv_bytes}
     meta = cpu.build_metadata(layout, "cpu")
     # Pools as the engine allocates them (huge pages), then filled.
-    kc, vc = (allocate_pool(s, dtype, torch.device("cpu")).copy_(torch.randn(s, generator=g))
+    fmt = kv.fmt
+    kc, vc = (allocate_pool(s, cpu.pool_dtype(dtype), torch.device("cpu"))
               for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
+    if kv.quantized:
+        for i in range(0, pool * block_size, 8192):
+            n = min(8192, pool * block_size - i)
+            cpu.ops.write_kv(torch.randn(n, kvh, d, generator=g).to(dtype), torch.randn(n, kvh, d, generator=g).to(dtype),
+                             kc, vc, torch.arange(i, i + n), fmt)
+    else:
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc.copy_(torch.randn(vc.shape, generator=g))
     ops = cpu.ops
     res = torch.empty_like(q)
     out["kernel_s"] = _time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,
-                                                         meta.query_start_loc, d ** -0.5), reps)
+                                                         meta.query_start_loc, d ** -0.5, True, fmt), reps)
     kc = vc = None  # free the pools before the next ones
     if reference:
         ref = get_backend("torch")

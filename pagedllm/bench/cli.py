@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 
+from ..kv_dtype import CHOICES as KV_CACHE_DTYPES
 from .workloads import WORKLOADS, WorkloadOptions
 
 
@@ -145,7 +146,9 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
 
     k = sub.add_parser("kv-calc", help="KV memory arithmetic for a model")
     _model_source(k)
-    k.add_argument("--dtype", default="bfloat16", help="KV dtype")
+    k.add_argument("--dtype", default="bfloat16", help="weights dtype (and KV's, unless --kv-cache-dtype)")
+    k.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="how K/V are stored, as the engine's flag (auto: as --dtype)")
     k.add_argument("--seq-len", type=int, default=2048, help="tokens per sequence")
     k.add_argument("--batch", type=int, default=1, help="sequences")
     k.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
@@ -348,7 +351,7 @@ def _kv_calc(a) -> int:
     cfg, name = _model_cfg(a)
     c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
                 parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
-                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization)
+                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype)
     print(format_calc(name, c, a.seq_len, a.batch, a.block_size, a.dtype, a.max_model_len or cfg.max_position_embeddings))
     return 0
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..kv_dtype import KVDtype
+
 SUPPORTED = ("llama", "mistral", "qwen2")
 
 
@@ -51,9 +53,9 @@ class ModelConfig:
             qkv_bias=cfg.get("attention_bias", mt == "qwen2"), eos_token_ids=eos,
             sliding_window=window)
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        """2 (K and V) * L * d_kv * bytes: M_KV per token."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+    def kv_bytes_per_token(self, kv: KVDtype) -> int:
+        """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included."""
+        return kv.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
 
     def check_tensor_parallel(self, n: int) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows."""

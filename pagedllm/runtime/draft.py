@@ -34,14 +34,14 @@ class DraftRunner:
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype)
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len
-        self.bytes_per_token = self.cfg.kv_bytes_per_token(torch.finfo(dtype).bits // 8)
+        self.bytes_per_token = self.cfg.kv_bytes_per_token(backend.kv_dtype_of(dtype))
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.block_size = 0
         logger.info("draft model %s loaded (%d layers)", model_dir, self.cfg.num_layers)
 
     def allocate(self, num_blocks: int, block_size: int) -> None:
-        self.layers = allocate_layers(self.cfg, num_blocks, block_size, self.dtype, self.device,
-                                      self.backend.cache_shapes)
+        self.layers = allocate_layers(self.cfg, num_blocks, block_size, self.backend.pool_dtype(self.dtype),
+                                      self.device, self.backend.cache_shapes)
         self.block_size = block_size
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

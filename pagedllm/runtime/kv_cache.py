@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import TPGroup
 from ..models import ModelConfig
@@ -82,16 +83,16 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
-                 cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
-                 profile: Callable[[], int] | None = None, tp: TPGroup | None = None,
+                 backend: AttentionBackend, profile: Callable[[], int] | None = None, tp: TPGroup | None = None,
                  extra_bytes_per_token: int = 0) -> None:
         """model_cfg: this rank's slice under tensor parallelism (its KV heads). Every
         rank holds the same number of blocks (the fewest any can fit): rank 0's block
         tables index all the pools. extra_bytes_per_token: another pool of as many blocks
-        shares the budget (a draft model's KV)."""
+        shares the budget (a draft model's KV). The backend lays the blocks out and says
+        how K/V are stored (its kv dtype: as computed, or quantized)."""
         tp = tp or TPGroup()
-        elt = torch.finfo(dtype).bits // 8
-        self.bytes_per_token = model_cfg.kv_bytes_per_token(elt)
+        self.kv_dtype = backend.kv_dtype_of(dtype)
+        self.bytes_per_token = model_cfg.kv_bytes_per_token(self.kv_dtype)
         self.bytes_per_block = self.bytes_per_token * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
@@ -105,10 +106,12 @@ class KVCache:
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
         self.num_blocks = num_blocks
         self.block_size = cfg.block_size
-        self.layers = allocate_layers(model_cfg, num_blocks, cfg.block_size, dtype, device, cache_shapes)
+        self.layers = allocate_layers(model_cfg, num_blocks, cfg.block_size, backend.pool_dtype(dtype), device,
+                                      backend.cache_shapes)
         log = logger.info if tp.is_driver else logger.debug
-        log("KV cache: %d blocks x %d tokens, %d bytes/token (2*L*d_kv*bytes), %.2f GiB, max %d tokens%s",
-            num_blocks, cfg.block_size, self.bytes_per_token, num_blocks * self.bytes_per_block / 2**30,
+        log("KV cache: %d blocks x %d tokens, %s, %d bytes/token (2*L*d_kv*bytes%s), %.2f GiB, max %d tokens%s",
+            num_blocks, cfg.block_size, self.kv_dtype.name, self.bytes_per_token,
+            " + scales" if self.kv_dtype.quantized else "", num_blocks * self.bytes_per_block / 2**30,
             num_blocks * cfg.block_size, f" (per rank, {tp.size} ranks)" if tp.size > 1 else "")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -15,6 +15,7 @@ from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
 from ..distributed import TPGroup
 from ..kernels import load_ops
+from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
@@ -95,6 +96,18 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
         return get_backend("torch")
 
 
+def _use_kv_dtype(backend: AttentionBackend, name: str, dtype: torch.dtype, mc: ModelConfig) -> None:
+    """Tell the backend how its pools store K/V (--kv-cache-dtype); ValueError at start-up
+    for a kind it cannot read or this model's heads cannot pack."""
+    computed = str(dtype).removeprefix("torch.")
+    kv = resolve_kv_dtype(name, computed)
+    if not kv.quantized and kv.name != computed:
+        raise ValueError(f"kv_cache_dtype {kv.name} stores K/V unquantized, as the model computes them, but dtype "
+                         f"is {computed}: use --dtype {kv.name}, or a quantized kind (fp8, fp8_e5m2, int8, int4)")
+    kv.check_head_dim(mc.head_dim)
+    backend.use_kv_dtype(kv)
+
+
 @dataclass(slots=True)
 class StepInputs:
     """What every tensor-parallel rank needs to run a step's forward: rank 0 builds it
@@ -153,6 +166,7 @@ class ModelRunner:
         self.grammars: GrammarMatchers | None = None
         t0 = time.perf_counter()
         backend = _make_backend(cfg.attention_backend, self.device.type, model_cfg)
+        _use_kv_dtype(backend, cfg.kv_cache_dtype, self.dtype, model_cfg)
         self.backend = backend
         self.backend_name = backend.name
         self.batch_invariant = cfg.batch_invariant
@@ -204,7 +218,7 @@ class ModelRunner:
                 raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
             self.draft = DraftRunner(resolve_model_dir(spec.model), backend, kernels, self.device, self.dtype,
                                      max_model_len)
-        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend.cache_shapes,
+        self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend,
                                 profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp,
                                 extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0)
         if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
@@ -239,8 +253,9 @@ class ModelRunner:
         t = cfg.max_num_batched_tokens
         nblk = cdiv(t, cfg.block_size)
         k_shape, v_shape = self.backend.cache_shapes(nblk, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
-        tmp = [(torch.zeros(k_shape, dtype=self.dtype, device=self.device),
-                torch.zeros(v_shape, dtype=self.dtype, device=self.device)) for _ in range(mc.num_layers)]
+        pool = self.backend.pool_dtype(self.dtype)
+        tmp = [(torch.zeros(k_shape, dtype=pool, device=self.device),
+                torch.zeros(v_shape, dtype=pool, device=self.device)) for _ in range(mc.num_layers)]
         dev = self.device
         meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), dev)
         torch.cuda.synchronize(dev)

@@ -20,6 +20,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "kv_quant.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -65,13 +66,17 @@ struct Args {
   int block_size, group;
   float scale;  // softmax scale times log2(e): the kernel works in base 2
   float* part_acc; float* part_ml;  // split-K: [part][group][D] and [part][group][2]
+  int window;  // > 0: query at position p sees keys p - window + 1 .. p (sliding window)
+  // Quantized pools (kv_quant.h): bytes, with k_blk / k_head / v_blk / v_head in bytes;
+  // a (block, head) row's scales follow its code_bytes of codes.
+  const uint8_t* kq; const uint8_t* vq; int64_t code_bytes, v_code_bytes;
 };
 
 constexpr int QK_ROWS = 4;   // query rows sharing one pass over a K tile
 constexpr int CHUNK = 512;   // keys whose scores are computed before their softmax and P.V
 
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha;
+  std::vector<float> q, acc, s, m, l, alpha, qsum, qmul, qcorr, pmul, vsc;
   std::vector<uint32_t> qp, pp;    // bf16 pairs of q and of P (dot-product path)
   std::vector<uint16_t> kt, vt;    // a gathered tile, in the pool's own layout
   std::vector<int> last_key;
@@ -80,7 +85,11 @@ struct Scratch {
     if (q.size() < r * d) { q.resize(r * d); acc.resize(r * d); qp.resize(r * d / 2 + 1); }
     if (s.size() < r * CHUNK) { s.resize(r * CHUNK); pp.resize(r * CHUNK / 2); }
     if (kt.size() < size_t(d) * L * 2) { kt.resize(size_t(d) * L * 2); vt.resize(size_t(d) * L * 2); }
-    if (m.size() < r) { m.resize(r); l.resize(r); alpha.resize(r); last_key.resize(r); }
+    if (m.size() < r) {
+      m.resize(r); l.resize(r); alpha.resize(r); last_key.resize(r); qsum.resize(r * MAX_K_GROUPS);
+      qmul.resize(r); qcorr.resize(r); pmul.resize(r);
+    }
+    if (vsc.size() < size_t(CHUNK)) vsc.resize(CHUNK);
   }
 };
 
@@ -202,6 +211,108 @@ inline void pv_block(float* acc, const float* S, const uint32_t* pp, const float
     for (int c = 0; c < NC; ++c) storef(acc + r * D + c * L, o[r][c]);
 }
 
+// Quantized K: scores S[r][0..16) of R rows against 16 keys whose lanes start at kb, one
+// line of 64 bytes per PER_LANE dims (lane_row bytes apart); ks / km: the keys' scales
+// (and int4's mins) per group of dims. A scale is per key, that is per lane: it multiplies
+// a group's finished dot products once; a min adds min * (the row's sum of q over the group).
+template <Fmt F, int NC, int R>
+inline void qk_block_q(const float* qs, const float* qsum, float* S, const uint8_t* kb, int64_t lane_row,
+                       const vf* ks, const vf* km) {
+  constexpr int D = NC * L, E = PER_LANE<F>, G = K_GROUPS<F, D>, LG = D / E / G;  // lanes per group
+  vf out[R] = {};
+  for (int grp = 0; grp < G; ++grp) {
+    vf a0[R] = {}, a1[R] = {};
+    for (int g = grp * LG; g < (grp + 1) * LG; ++g) {
+      vu u;
+      std::memcpy(&u, kb + g * lane_row, sizeof u);
+      for (int i = 0; i < E; i += 2) {
+        const vf k0 = k_elem<F>(u, i), k1 = k_elem<F>(u, i + 1);
+        for (int r = 0; r < R; ++r) {
+          a0[r] += splat(qs[r * D + g * E + i]) * k0;
+          a1[r] += splat(qs[r * D + g * E + i + 1]) * k1;
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      out[r] += (a0[r] + a1[r]) * ks[grp];
+      if constexpr (K_ASYM<F>) out[r] += splat(qsum[r * G + grp]) * km[grp];
+    }
+  }
+  for (int r = 0; r < R; ++r) storef(S + r * CHUNK, out[r]);
+}
+
+// Quantized V: acc[r] = acc[r] * alpha[r] + sum over keys t in [t_lo, n) of P[r][t] V[t],
+// the key's scale folded into its weight. row(t) gives (codes of key t, its scale).
+template <Fmt F, int NC, int RB, typename ROW>
+inline void pv_block_q(float* acc, const float* S, const float* alpha, int t_lo, int n, ROW row) {
+  constexpr int D = NC * L;
+  vf o[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) o[r][c] = loadf(acc + r * D + c * L) * alpha[r];
+  for (int t = t_lo; t < n; ++t) {
+    const auto [codes, scale] = row(t);
+    vf vals[NC];
+    for (int c = 0; c < NC; ++c) vals[c] = v_chunk<F, NC>(codes, c);
+    for (int r = 0; r < RB; ++r) {
+      const vf p = splat(S[r * CHUNK + t] * scale);
+      for (int c = 0; c < NC; ++c) o[r][c] += p * vals[c];
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) storef(acc + r * D + c * L, o[r][c]);
+}
+
+inline float bf16_at(const uint8_t* p) {
+  c10::BFloat16 x;
+  std::memcpy(&x, p, sizeof x);
+  return float(x);
+}
+
+#if defined(__AVX512VNNI__)
+constexpr bool INT8_DOT = true;
+// int8 keys with AVX512_VNNI: the query row as int8 (q4: its D / 4 quads of codes) against
+// a 64-byte line of 16 keys x 4 dims (unsigned, offset by 128) per instruction; the offset
+// comes back out as 128 x the row's code sum (qcorr), its scale and the keys' after.
+template <int NC, int R>
+inline void qk_block_i8(const int32_t* q4, const float* qmul, const float* qcorr, float* S, const uint8_t* kb,
+                        int64_t lane_row, vf ks) {
+  constexpr int D = NC * L;
+  __m512i acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_si512();
+  for (int g = 0; g < D / 4; ++g) {
+    const __m512i kv = _mm512_loadu_si512(kb + g * lane_row);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbusd_epi32(acc[r], kv, _mm512_set1_epi32(q4[r * D / 4 + g]));
+  }
+  for (int r = 0; r < R; ++r)
+    storef(S + r * CHUNK, ((vf)_mm512_cvtepi32_ps(acc[r]) - qcorr[r]) * (ks * qmul[r]));
+}
+
+// int8 values with AVX512_VNNI: acc[r] = acc[r] * alpha[r] + pmul[r] * sum over key pairs
+// [i0, i1) of p16[r] . V, where p16 holds each row's weights (times the keys' scales) as
+// int16 pairs and pair(i) points at the pair row of keys 2i, 2i+1 (dims 2 bytes apart).
+template <int NC, int RB, typename PAIR_ROW>
+inline void pv_block_i8(float* acc, const uint32_t* p16, const float* pmul, const float* alpha, int i0, int i1,
+                        PAIR_ROW pair) {
+  constexpr int D = NC * L;
+  __m512i ai[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) ai[r][c] = _mm512_setzero_si512();
+  for (int i = i0; i < i1; ++i) {
+    const uint8_t* row = pair(i);
+    for (int c = 0; c < NC; ++c) {
+      const __m512i vw = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2 * L)));
+      for (int r = 0; r < RB; ++r)
+        ai[r][c] = _mm512_dpwssd_epi32(ai[r][c], vw, _mm512_set1_epi32(int32_t(p16[r * CHUNK / 2 + i])));
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c)
+      storef(acc + r * D + c * L, loadf(acc + r * D + c * L) * alpha[r] + (vf)_mm512_cvtepi32_ps(ai[r][c]) * pmul[r]);
+}
+#else
+constexpr bool INT8_DOT = false;
+#endif
+
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
 // tile: ask for its K lines while this one computes.
 template <typename T>
@@ -211,7 +322,7 @@ inline void prefetch_k(const Args<T>& a, const int32_t* table, int j, int h, int
   for (int r = 0; r < d / P; ++r) __builtin_prefetch(kp + int64_t(r) * B * P * sizeof(T));
 }
 
-template <typename T, int NC>
+template <typename T, int NC, Fmt F>
 void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   constexpr int D = NC * L, P = PAIR<T>;
   constexpr int PV_ROWS = NC <= 2 ? 8 : NC <= 4 ? 4 : NC <= 8 ? 2 : 1;  // accumulators that fit in registers
@@ -228,6 +339,9 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   uint32_t *qp = sc.qp.data(), *pp = sc.pp.data();
   T *kt = reinterpret_cast<T*>(sc.kt.data()), *vt = reinterpret_cast<T*>(sc.vt.data());
   int* last_key = sc.last_key.data();  // causal: row r sees keys <= last_key[r]
+  // Sliding window: row r sees keys > last_key[r] - window; no row of the item sees a key
+  // below `need`, whose block may already be freed (its table entry -1): never read it.
+  const int need = a.window > 0 ? std::max(0, first_pos + it.t0 - a.window + 1) : 0;
 
   for (int r = 0; r < std::max(qk_rows, pv_rows); ++r) {
     const bool live = r < rows;
@@ -237,9 +351,28 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       storef(qs + r * D + c * L, live ? load16(src + c * L) * a.scale : vf{});
       storef(acc + r * D + c * L, vf{});
     }
-    if constexpr (BF16_DOT<T>) {
+    if constexpr (BF16_DOT<T> && F == Fmt::plain) {
       if (live) std::memcpy(qp + r * D / 2, src, sizeof(T) * D);
       else std::memset(qp + r * D / 2, 0, sizeof(T) * D);
+    }
+    if constexpr (F != Fmt::plain) {
+      hadamard(qs + r * D, D);  // keys are stored rotated (kv_quant.h)
+      constexpr int G = K_GROUPS<F, D>;
+      for (int grp = 0; grp < G; ++grp) {  // for asymmetric keys' mins
+        float sum = 0.f;
+        for (int x = grp * D / G; x < (grp + 1) * D / G; ++x) sum += qs[r * D + x];
+        sc.qsum[r * G + grp] = sum;
+      }
+      if constexpr (F == Fmt::i8 && INT8_DOT) {  // the row as int8 codes, for the integer dot product
+        float qa = 0.f;
+        for (int x = 0; x < D; ++x) qa = std::max(qa, std::abs(qs[r * D + x]));
+        const float inv = qa > 0.f ? 127.f / qa : 0.f;
+        int8_t* qi = reinterpret_cast<int8_t*>(sc.qp.data()) + r * D;
+        int sum = 0;
+        for (int x = 0; x < D; ++x) sum += qi[x] = int8_t(std::nearbyint(qs[r * D + x] * inv));
+        sc.qmul[r] = qa / 127.f;
+        sc.qcorr[r] = 128.f * float(sum);
+      }
     }
     m[r] = NEG_INF;
     l[r] = 0.f;
@@ -253,7 +386,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     if (whole_tiles)
       return {a.k + int64_t(table[j0 / B]) * a.k_blk + it.kvh * a.k_head + (j0 % B) * P, k_row};
     std::memset(kt, 0, sizeof(T) * D * L);
-    for (int t = 0; t < n; ++t) {
+    for (int t = std::max(0, need - j0); t < n; ++t) {
       const int j = j0 + t;
       const T* ks = a.k + int64_t(table[j / B]) * a.k_blk + it.kvh * a.k_head + (j % B) * P;
       for (int d = 0; d < D; ++d) kt[(d / P) * L * P + t * P + d % P] = ks[(d / P) * k_row + d % P];
@@ -263,7 +396,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   auto v_tile = [&](int j0, int n) -> const T* {  // pair-rows D * P elements apart
     if (whole_tiles) return a.v + int64_t(table[j0 / B]) * a.v_blk + it.kvh * a.v_head + (j0 % B / P) * D * P;
     std::memset(vt, 0, sizeof(T) * D * L);
-    for (int t = 0; t < n; ++t) {
+    for (int t = std::max(0, need - j0); t < n; ++t) {
       const int j = j0 + t;
       const T* vs = a.v + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head + (j % B / P) * D * P + j % B % P;
       for (int d = 0; d < D; ++d) vt[(t / P) * D * P + d * P + t % P] = vs[d * P];
@@ -271,28 +404,94 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     return vt;
   };
 
-  // The last query row sees keys up to first_pos + t1 - 1.
+  // Quantized tiles: 16 keys' K lanes where they lie (or gathered into kt), and their
+  // scales (and mins) per group, as vectors over the 16 keys.
+  constexpr Fmt FQ = F == Fmt::plain ? Fmt::i8 : F;  // (plain instances never use these)
+  constexpr int E = PER_LANE<FQ>, KG = K_GROUPS<FQ, D>;
+  vf ks[KG], km[KG];
+  auto kq_tile = [&](int j0, int n) -> std::pair<const uint8_t*, int64_t> {
+    if (whole_tiles) {
+      const uint8_t* blk = a.kq + int64_t(table[j0 / B]) * a.k_blk + it.kvh * a.k_head;
+      const int pos = j0 % B;
+      const auto* sc16 = reinterpret_cast<const c10::BFloat16*>(blk + a.code_bytes) + pos;
+      for (int grp = 0; grp < KG; ++grp) {
+        ks[grp] = load16(sc16 + grp * B) * DECODE_MUL<FQ>;
+        if constexpr (K_ASYM<FQ>) km[grp] = load16(sc16 + (KG + grp) * B);
+      }
+      return {blk + pos * 4, int64_t(B) * 4};
+    }
+    uint8_t* k8 = reinterpret_cast<uint8_t*>(sc.kt.data());
+    std::memset(k8, 0, size_t(D / E) * 64);
+    float fs[KG][L] = {}, fm[KG][L] = {};
+    for (int t = std::max(0, need - j0); t < n; ++t) {
+      const int j = j0 + t;
+      const uint8_t* blk = a.kq + int64_t(table[j / B]) * a.k_blk + it.kvh * a.k_head;
+      for (int g = 0; g < D / E; ++g) std::memcpy(k8 + g * 64 + t * 4, blk + (int64_t(g) * B + j % B) * 4, 4);
+      for (int grp = 0; grp < KG; ++grp) {
+        fs[grp][t] = bf16_at(blk + a.code_bytes + (grp * B + j % B) * 2);
+        if constexpr (K_ASYM<FQ>) fm[grp][t] = bf16_at(blk + a.code_bytes + ((KG + grp) * B + j % B) * 2);
+      }
+    }
+    for (int grp = 0; grp < KG; ++grp) {
+      ks[grp] = loadf(fs[grp]) * DECODE_MUL<FQ>;
+      km[grp] = loadf(fm[grp]);
+    }
+    return {k8, 64};
+  };
+  const int64_t v_row = int64_t(D) * BITS<FQ> / 8;
+  auto vq_row = [&](int j) -> std::pair<const uint8_t*, float> {  // (int8: the key's byte in its pair row)
+    const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
+    const int pos = j % B;
+    const uint8_t* row = V_PAIRS<FQ> ? blk + (pos / 2) * 2 * D + pos % 2 : blk + pos * v_row;
+    return {row, bf16_at(blk + a.v_code_bytes + pos * 2) * DECODE_MUL<FQ>};
+  };
+
+  // The last query row sees keys up to first_pos + t1 - 1; the first, none below `need`
+  // (chunks start on a whole tile).
   const int hi = std::min(it.hi, first_pos + it.t1);
-  for (int c0 = it.lo; c0 < hi; c0 += CHUNK) {
+  for (int c0 = std::max(it.lo, need / L * L); c0 < hi; c0 += CHUNK) {
     const int cn = std::min(CHUNK, hi - c0);
     // 1. Scores of every row against the chunk's keys: tiles independent of each other.
     for (int t0 = 0; t0 < cn; t0 += L) {
-      const auto [kb, ks] = k_tile(c0 + t0, std::min(L, cn - t0));
-      if (whole_tiles && t0 + L < cn) prefetch_k(a, table, c0 + t0 + L, it.kvh, D);
-      for (int r = 0; r < qk_rows; r += QK_ROWS)
-        with_rows(std::min(QK_ROWS, rows - r), [&](auto R) {
-          qk_block<T, NC, R>(qs + r * D, qp + r * D / 2, a.scale, S + r * CHUNK + t0,
-                             [&](int j) { return kb + j * ks; });
-        });
+      if constexpr (F == Fmt::plain) {
+        const auto [kb, ks] = k_tile(c0 + t0, std::min(L, cn - t0));
+        if (whole_tiles && t0 + L < cn) prefetch_k(a, table, c0 + t0 + L, it.kvh, D);
+        for (int r = 0; r < qk_rows; r += QK_ROWS)
+          with_rows(std::min(QK_ROWS, rows - r), [&](auto R) {
+            qk_block<T, NC, R>(qs + r * D, qp + r * D / 2, a.scale, S + r * CHUNK + t0,
+                               [&](int j) { return kb + j * ks; });
+          });
+      } else {
+        const auto [kb, lane_row] = kq_tile(c0 + t0, std::min(L, cn - t0));
+        if (whole_tiles && t0 + L < cn) {
+          const uint8_t* nb = a.kq + int64_t(table[(c0 + t0 + L) / B]) * a.k_blk + it.kvh * a.k_head +
+                              (c0 + t0 + L) % B * 4;
+          for (int g = 0; g < D / E; ++g) __builtin_prefetch(nb + int64_t(g) * B * 4);
+        }
+        for (int r = 0; r < qk_rows; r += QK_ROWS)
+          with_rows(std::min(QK_ROWS, rows - r), [&](auto R) {
+#if defined(__AVX512VNNI__)
+            if constexpr (F == Fmt::i8) {
+              qk_block_i8<NC, R>(reinterpret_cast<const int32_t*>(sc.qp.data()) + r * D / 4, sc.qmul.data() + r,
+                                 sc.qcorr.data() + r, S + r * CHUNK + t0, kb, lane_row, ks[0]);
+              return;
+            }
+#endif
+            qk_block_q<F, NC, R>(qs + r * D, sc.qsum.data() + r * KG, S + r * CHUNK + t0, kb, lane_row, ks, km);
+          });
+      }
     }
     // 2. Softmax over the chunk, carried across chunks (m running max, alpha rescales acc).
     for (int r = 0; r < rows; ++r) {
       float* sr = S + r * CHUNK;
-      const int visible = std::min(cn, last_key[r] - c0 + 1);  // keys of the chunk this row sees
+      int visible = std::min(cn, last_key[r] - c0 + 1);  // keys of the chunk this row sees
+      // Window: keys of the chunk below this row's first one (first >= 0 only with a window).
+      const int first = a.window > 0 ? last_key[r] - a.window + 1 - c0 : 0;
+      if (first >= visible) visible = 0;
       vf mv = splat(m[r]);
       for (int t0 = 0; t0 < visible; t0 += L) {
         vf s = loadf(sr + t0);
-        s = IOTA + t0 < visible ? s : splat(NEG_INF);
+        s = IOTA + t0 < visible && IOTA + t0 >= first ? s : splat(NEG_INF);
         storef(sr + t0, s);
         mv = mv > s ? mv : s;
       }
@@ -315,8 +514,49 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       }
     }
     // 3. acc += P . V, row block by row block, over the chunk's tiles.
+    const int t_lo = std::max(0, need - c0);  // keys of the chunk below every row's window: not read
+    uint8_t* pair_tile = reinterpret_cast<uint8_t*>(sc.vt.data());
+    if constexpr (F == Fmt::i8 && INT8_DOT) {
+      // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
+      float* vs = sc.vsc.data();
+      for (int t = 0; t < cn; ++t) vs[t] = t < t_lo ? 0.f : vq_row(c0 + t).second;
+      for (int r = 0; r < pv_rows; ++r) {
+        const float* sr = S + r * CHUNK;
+        float mx = 0.f;
+        for (int t = t_lo; t < cn; ++t) mx = std::max(mx, sr[t] * vs[t]);
+        const float mul = mx > 0.f ? 32767.f / mx : 0.f;
+        int16_t* p16 = reinterpret_cast<int16_t*>(pp + r * CHUNK / 2);
+        for (int t = 0; t < (cn + 1) / 2 * 2; ++t)
+          p16[t] = t < cn ? int16_t(std::nearbyint(sr[t] * vs[t] * mul)) : int16_t(0);
+        sc.pmul[r] = mx / 32767.f;
+      }
+    }
     for (int r = 0; r < pv_rows; r += PV_ROWS) {
       auto pv = [&](auto R) {
+#if defined(__AVX512VNNI__)
+        if constexpr (F == Fmt::i8) {
+          pv_block_i8<NC, std::min<int>(R, PV_ROWS)>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r,
+                                                     t_lo / 2, (cn + 1) / 2, [&](int i) -> const uint8_t* {
+            const int j = c0 + 2 * i;  // keys j, j + 1: one pair row when blocks hold whole pairs
+            if (B % 2 == 0) {
+              const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
+              return blk + (j % B) / 2 * 2 * D;
+            }
+            for (int x = 0; x < 2; ++x) {  // odd blocks: the two keys' bytes side by side
+              const bool real = 2 * i + x < cn && 2 * i + x >= t_lo;
+              const uint8_t* src = real ? vq_row(j + x).first : nullptr;
+              for (int d = 0; d < D; ++d) pair_tile[d * 2 + x] = real ? src[d * 2] : 0;
+            }
+            return pair_tile;
+          });
+          return;
+        }
+#endif
+        if constexpr (F != Fmt::plain) {
+          pv_block_q<F, NC, std::min<int>(R, PV_ROWS)>(acc + r * D, S + r * CHUNK, alpha + r, t_lo, cn,
+                                                       [&](int t) { return vq_row(c0 + t); });
+          return;
+        }
         pv_block<T, NC, std::min<int>(R, PV_ROWS)>(acc + r * D, S + r * CHUNK, pp + r * CHUNK / 2, alpha + r, cn,
                                                    [&](int t0) {
           const T* vb = v_tile(c0 + t0, std::min(L, cn - t0));
@@ -330,7 +570,8 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   }
 
   for (int r = 0; r < rows; ++r) {
-    const float* ar = acc + r * D;
+    float* ar = acc + r * D;
+    if constexpr (F != Fmt::plain) hadamard(ar, D);  // rotated values back (linear: before split-K's merge too)
     if (it.part >= 0) {  // split-K: keep the unnormalised state for the merge
       float* pa = a.part_acc + (int64_t(it.part) * G + r) * D;
       std::memcpy(pa, ar, sizeof(float) * D);
@@ -374,14 +615,16 @@ struct Split { int32_t seq, kvh, p0, np; };
 // (sequence, KV head), or several key ranges when there are too few items to keep
 // every thread busy (one long sequence decoding alone).
 std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_seqs, int kv_heads, int group,
-                       int threads, bool split_k, std::vector<Split>& splits, int& num_parts) {
+                       int threads, bool split_k, int window, std::vector<Split>& splits, int& num_parts) {
+  // A window: a decode reads its last `window` keys, from a whole tile.
+  auto first_key = [&](int ctx) { return window > 0 ? std::max(0, ctx - window) / L * L : 0; };
   std::vector<Item> items;
   const int tile = std::max(1, MAX_ROWS / group);
   int64_t decode_keys = 0;
   int64_t n_items = 0;
   for (int s = 0; s < num_seqs; ++s) {
     const int q_len = q_start[s + 1] - q_start[s];
-    if (q_len == 1) decode_keys += ctx_lens[s];
+    if (q_len == 1) decode_keys += ctx_lens[s] - first_key(ctx_lens[s]);
     n_items += (q_len + tile - 1) / tile;
   }
   n_items *= kv_heads;
@@ -394,13 +637,14 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
     const int q_len = q_start[s + 1] - q_start[s];
     const int ctx = ctx_lens[s];
     if (q_len <= 0) continue;
-    if (q_len == 1 && ctx > part_len) {
-      const int np = int((ctx + part_len - 1) / part_len);
-      const int step = ((ctx + np - 1) / np + L - 1) / L * L;  // whole tiles: parts start on a tile
+    const int k0 = q_len == 1 ? first_key(ctx) : 0;
+    if (q_len == 1 && ctx - k0 > part_len) {
+      const int np = int((ctx - k0 + part_len - 1) / part_len);
+      const int step = ((ctx - k0 + np - 1) / np + L - 1) / L * L;  // whole tiles: parts start on a tile
       for (int h = 0; h < kv_heads; ++h) {
         splits.push_back({s, h, num_parts, np});
         for (int p = 0; p < np; ++p) {
-          const int lo = p * step, hi = std::min(ctx, lo + step);
+          const int lo = k0 + p * step, hi = std::min(ctx, lo + step);
           items.push_back({s, h, 0, 1, lo, hi, num_parts++, int64_t(hi - lo) * group});
         }
       }
@@ -408,7 +652,7 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
     }
     for (int t0 = 0; t0 < q_len; t0 += tile) {
       const int t1 = std::min(q_len, t0 + tile);
-      const int64_t keys = ctx - q_len + t1;
+      const int64_t keys = std::min<int64_t>(ctx - q_len + t1, window > 0 ? window + t1 - t0 : ctx);
       for (int h = 0; h < kv_heads; ++h)
         items.push_back({s, h, t0, t1, 0, ctx, -1, keys * (t1 - t0) * group + keys});
     }
@@ -418,9 +662,10 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
   return items;
 }
 
-template <typename T, int NC>
+template <typename T, int NC, Fmt F>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-         const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale, bool split_k) {
+         const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale, bool split_k,
+         int64_t block_size, int window) {
   const int num_seqs = int(ctx_lens.size(0));
   const int kv_heads = int(k_cache.size(1));
   const int group = int(q.size(1) / kv_heads);
@@ -428,16 +673,20 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   std::vector<Split> splits;
   int num_parts = 0;
   std::vector<Item> items = plan(ctx_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(), num_seqs, kv_heads,
-                                 group, threads, split_k, splits, num_parts);
+                                 group, threads, split_k, window, splits, num_parts);
   std::vector<float> part_acc(size_t(num_parts) * group * NC * L), part_ml(size_t(num_parts) * group * 2);
+  constexpr bool quant = F != Fmt::plain;
   Args<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1),
             out.data_ptr<T>(), out.stride(0), out.stride(1),
-            k_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1),
-            v_cache.data_ptr<T>(), v_cache.stride(0), v_cache.stride(1),
+            quant ? nullptr : k_cache.data_ptr<T>(), k_cache.stride(0), k_cache.stride(1),
+            quant ? nullptr : v_cache.data_ptr<T>(), v_cache.stride(0), v_cache.stride(1),
             tables.data_ptr<int32_t>(), tables.stride(0),
             ctx_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(),
-            int(k_cache.size(3)), group, float(scale) * LOG2E,
-            part_acc.data(), part_ml.data()};
+            int(block_size), group, float(scale) * LOG2E,
+            part_acc.data(), part_ml.data(), window,
+            quant ? k_cache.data_ptr<uint8_t>() : nullptr, quant ? v_cache.data_ptr<uint8_t>() : nullptr,
+            quant ? code_bytes(BITS<F>, block_size, NC * L) : 0,
+            quant ? v_code_bytes(int64_t(F), block_size, NC * L) : 0};
   // Rows past the last sequence pad the step to a bucketed size (slot -1, no sequence):
   // give them zeros rather than whatever the allocator left there.
   const int64_t used = q_start.data_ptr<int32_t>()[num_seqs];
@@ -446,7 +695,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int64_t n = int64_t(items.size());
   if (threads <= 1 || n <= 1) {
     Scratch sc;
-    for (const Item& it : items) run_item<T, NC>(it, a, sc);
+    for (const Item& it : items) run_item<T, NC, F>(it, a, sc);
     for (const Split& sp : splits) merge_parts<T, NC>(sp.seq, sp.kvh, sp.p0, sp.np, a);
     return;
   }
@@ -454,31 +703,58 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   {
     Scratch sc;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<T, NC>(items[i], a, sc);
+    for (int64_t i = 0; i < n; ++i) run_item<T, NC, F>(items[i], a, sc);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < int64_t(splits.size()); ++i)
       merge_parts<T, NC>(splits[i].seq, splits[i].kvh, splits[i].p0, splits[i].np, a);
   }
 }
 
-template <typename T>
-void dispatch_dim(int64_t d, const at::Tensor& out, const at::Tensor& q, const at::Tensor& k,
-                  const at::Tensor& v, const at::Tensor& t, const at::Tensor& c, const at::Tensor& s, double scale,
-                  bool split_k) {
+// The head dims the kernel is compiled for: f(integral_constant NC), NC = head_dim / 16.
+template <typename Fn>
+void with_dim(int64_t d, const char* op, Fn f) {
   switch (d) {
-    case 16: return run<T, 1>(out, q, k, v, t, c, s, scale, split_k);
-    case 32: return run<T, 2>(out, q, k, v, t, c, s, scale, split_k);
-    case 64: return run<T, 4>(out, q, k, v, t, c, s, scale, split_k);
-    case 80: return run<T, 5>(out, q, k, v, t, c, s, scale, split_k);
-    case 96: return run<T, 6>(out, q, k, v, t, c, s, scale, split_k);
-    case 128: return run<T, 8>(out, q, k, v, t, c, s, scale, split_k);
-    case 256: return run<T, 16>(out, q, k, v, t, c, s, scale, split_k);
+    case 16: return f(std::integral_constant<int, 1>{});
+    case 32: return f(std::integral_constant<int, 2>{});
+    case 64: return f(std::integral_constant<int, 4>{});
+    case 80: return f(std::integral_constant<int, 5>{});
+    case 96: return f(std::integral_constant<int, 6>{});
+    case 128: return f(std::integral_constant<int, 8>{});
+    case 256: return f(std::integral_constant<int, 16>{});
   }
-  TORCH_CHECK(false, "paged_attention: head_dim ", d, " is not supported (16, 32, 64, 80, 96, 128, 256 are)");
+  TORCH_CHECK(false, op, ": head_dim ", d, " is not supported (16, 32, 64, 80, 96, 128, 256 are)");
 }
 
-// Caches in the layout above: K [num_blocks, KVH, D / P, B, P], V [num_blocks, KVH, ceil(B / P), D, P].
-void check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d) {
+// The pool format the kernels are compiled for: f(integral_constant Fmt).
+template <typename Fn>
+void with_fmt(int64_t fmt, const char* op, Fn f) {
+  switch (Fmt(fmt)) {
+    case Fmt::plain: return f(std::integral_constant<Fmt, Fmt::plain>{});
+    case Fmt::i8: return f(std::integral_constant<Fmt, Fmt::i8>{});
+    case Fmt::e4m3: return f(std::integral_constant<Fmt, Fmt::e4m3>{});
+    case Fmt::e5m2: return f(std::integral_constant<Fmt, Fmt::e5m2>{});
+    case Fmt::i4: return f(std::integral_constant<Fmt, Fmt::i4>{});
+  }
+  TORCH_CHECK(false, op, ": kv format ", fmt, " is unknown (0 plain, 1 int8, 2 fp8_e4m3, 3 fp8_e5m2, 4 int4)");
+}
+
+int bits_of(int64_t fmt) { return Fmt(fmt) == Fmt::i4 ? 4 : 8; }
+
+// The caches' block size. Plain caches, in the layout above: K [num_blocks, KVH, D / P, B, P],
+// V [num_blocks, KVH, ceil(B / P), D, P]. Quantized: uint8 K and V [num_blocks, KVH, row]
+// with row = B * (D * bits / 8 + 2) (kv_quant.h).
+int64_t check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d, int64_t fmt) {
+  if (fmt != 0) {
+    const int bits = bits_of(fmt);
+    const int64_t per_key = k_row_bytes(fmt, 1, d), B = k.dim() == 3 ? k.size(2) / per_key : 0;
+    TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.is_contiguous() && v.is_contiguous() &&
+                    k.scalar_type() == at::kByte && v.scalar_type() == at::kByte && k.size(0) == v.size(0) &&
+                    k.size(1) == v.size(1) && B > 0 && v.size(2) == v_row_bytes(fmt, B, d) &&
+                    k.size(2) == k_row_bytes(fmt, B, d) && (bits == 8 ? d % 4 == 0 : d % 32 == 0),
+                "cpu attention: quantized caches must be contiguous uint8 K [num_blocks, KVH, block_size * "
+                "(head_dim * bits / 8 + scale bytes)] and V alike (int4: head_dim a multiple of 32)");
+    return B;
+  }
   const int64_t P = k.element_size() == 2 ? 2 : 1;
   TORCH_CHECK(k.dim() == 5 && v.dim() == 5 && k.is_contiguous() && v.is_contiguous() &&
                   k.scalar_type() == v.scalar_type() && k.size(0) == v.size(0) && k.size(1) == v.size(1) &&
@@ -486,48 +762,66 @@ void check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d) {
                   v.size(4) == P,
               "cpu attention: caches must be contiguous K [num_blocks, KVH, D/P, B, P] and "
               "V [num_blocks, KVH, ceil(B/P), D, P] (P = 2 for 16-bit types, 1 for fp32)");
+  return k.size(3);
 }
 
 // out/q [T, H, D]; caches as check_caches says; tables int32 [S, W]; ctx_lens int32 [S] (keys of each sequence after this step's
 // tokens); q_start int32 [S + 1] (rows of each sequence's queries). split_k false: no
 // decode is split across threads, so every row's result is independent of the batch.
+// kv_fmt: the caches' format (kv_quant.h). window > 0: sliding-window attention; table
+// entries of blocks wholly below every query's window are not read (they may be -1).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale,
-                     bool split_k) {
+                     bool split_k, int64_t kv_fmt, int64_t window) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D] alike");
-  check_caches(k_cache, v_cache, q.size(2));
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == out.scalar_type(),
-              "paged_attention: q, out and caches must share a dtype");
+  const int64_t B = check_caches(k_cache, v_cache, q.size(2), kv_fmt);
+  TORCH_CHECK((kv_fmt != 0 || q.scalar_type() == k_cache.scalar_type()) && q.scalar_type() == out.scalar_type(),
+              "paged_attention: q, out and (unquantized) caches must share a dtype");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "paged_attention: query heads must be a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "paged_attention: q and out must be contiguous in D");
+  TORCH_CHECK(window >= 0 && window < (int64_t(1) << 30), "paged_attention: window must be >= 0");
   TORCH_CHECK(tables.scalar_type() == at::kInt && ctx_lens.scalar_type() == at::kInt &&
                   q_start.scalar_type() == at::kInt && tables.dim() == 2 && tables.stride(1) == 1 &&
                   ctx_lens.is_contiguous() && q_start.is_contiguous(),
               "paged_attention: tables, ctx_lens and q_start must be contiguous int32");
   TORCH_CHECK(q_start.size(0) == ctx_lens.size(0) + 1 && tables.size(0) >= ctx_lens.size(0),
               "paged_attention: q_start must have one more entry than ctx_lens, tables a row per sequence");
-  // Tables come from the KV manager, but a bad one would read outside the pool: check.
+  // Tables come from the KV manager, but a bad one would read outside the pool: check
+  // every block a query can see.
   const int32_t* cl = ctx_lens.data_ptr<int32_t>();
   const int32_t* qs = q_start.data_ptr<int32_t>();
-  const int64_t B = k_cache.size(3), W = tables.size(1), nb = k_cache.size(0);
+  const int64_t W = tables.size(1), nb = k_cache.size(0);
   TORCH_CHECK(qs[0] == 0 && qs[ctx_lens.size(0)] <= q.size(0), "paged_attention: q_start out of range");
   for (int64_t s = 0; s < ctx_lens.size(0); ++s) {
     const int64_t q_len = qs[s + 1] - qs[s];
     TORCH_CHECK(q_len >= 0 && q_len <= cl[s] && cl[s] <= W * B, "paged_attention: sequence ", s, " has ", q_len,
                 " queries and ", cl[s], " keys for a table of ", W, " blocks of ", B);
     const int32_t* row = tables.data_ptr<int32_t>() + s * tables.stride(0);
-    for (int64_t j = 0; j < (cl[s] + B - 1) / B; ++j)
+    const int64_t need = window > 0 ? std::max<int64_t>(0, cl[s] - q_len - window + 1) : 0;
+    for (int64_t j = need / B; j < (cl[s] + B - 1) / B; ++j)
       TORCH_CHECK(row[j] >= 0 && row[j] < nb, "paged_attention: block ", row[j], " is outside the pool of ", nb);
   }
   const int64_t d = q.size(2);
-  switch (q.scalar_type()) {
-    case at::kFloat: return dispatch_dim<float>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
-    case at::kBFloat16:
-      return dispatch_dim<c10::BFloat16>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
-    case at::kHalf:
-      return dispatch_dim<c10::Half>(d, out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k);
-    default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported");
-  }
+  with_dim(d, "paged_attention", [&](auto nc) {
+    with_fmt(kv_fmt, "paged_attention", [&](auto f) {
+      constexpr int NC = decltype(nc)::value;
+      constexpr Fmt F = decltype(f)::value;
+      switch (q.scalar_type()) {
+        case at::kFloat:
+          return run<float, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B, int(window));
+        case at::kBFloat16:
+          return run<c10::BFloat16, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
+                                           int(window));
+        case at::kHalf:
+          if constexpr (F == Fmt::plain)
+            return run<c10::Half, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
+                                         int(window));
+          [[fallthrough]];
+        default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported",
+                             kv_fmt ? " with a quantized KV cache (float32 and bfloat16 are)" : "");
+      }
+    });
+  });
 }
 
 template <typename T>
@@ -538,9 +832,6 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   const int64_t* sl = slots.data_ptr<int64_t>();
   const T *ks = k.data_ptr<T>(), *vs = v.data_ptr<T>();
   T *kc = k_cache.data_ptr<T>(), *vc = v_cache.data_ptr<T>();
-  const int64_t num_slots = k_cache.size(0) * B;
-  for (int64_t i = 0; i < n; ++i)
-    TORCH_CHECK(sl[i] < num_slots, "write_kv: slot ", sl[i], " is outside the pool of ", num_slots);
   at::parallel_for(0, n, 64, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
       const int64_t slot = sl[i];
@@ -560,23 +851,118 @@ void write_kv_impl(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k
   });
 }
 
-// New tokens' K/V into their slots (slot -1: skip). k/v [T, KVH, D].
+// One token's head (d values) -> its bf16 scale and codes, quantized with that scale.
+// One token's head (d values) -> rotated (kv_quant.h), its bf16 scale, and its codes.
+template <Fmt F, typename T>
+float quantize_row(const T* x, int64_t d, float* tmp, uint8_t* codes, bool is_key) {
+  for (int64_t j = 0; j < d; ++j) tmp[j] = float(x[j]);
+  hadamard(tmp, int(d));
+  float amax = 0.f;
+  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::abs(tmp[j]));
+  const float scale = amax > 0.f && std::isfinite(amax) ? round_up_bf16(amax / QMAX<F>) : 0.f;
+  const float inv = scale > 0.f ? 1.f / scale : 0.f;
+  for (int64_t j = 0; j < d; ++j) codes[j] = encode<F>(tmp[j], inv, is_key);
+  return scale;
+}
+
+// One key's head -> rotated, a bf16 scale and min per 32 dims (into the row's extras:
+// scales [G][B], then mins [G][B]) and asymmetric int4 codes.
+template <typename T>
+void quantize_key_asym4(const T* x, int64_t d, int64_t B, int64_t pos, float* tmp, uint8_t* codes, uint8_t* extras) {
+  for (int64_t j = 0; j < d; ++j) tmp[j] = float(x[j]);
+  hadamard(tmp, int(d));
+  const int64_t G = d / 32;
+  for (int64_t grp = 0; grp < G; ++grp) {
+    const float* y = tmp + grp * 32;
+    float lo = y[0], hi = y[0];
+    for (int j = 1; j < 32; ++j) { lo = std::min(lo, y[j]); hi = std::max(hi, y[j]); }
+    const c10::BFloat16 mn(std::isfinite(lo) ? lo : 0.f);
+    const float range = std::isfinite(hi - lo) ? hi - float(mn) : 0.f;
+    const c10::BFloat16 sc(range > 0.f ? round_up_bf16(range / 15.f) : 0.f);
+    const float inv = float(sc) > 0.f ? 1.f / float(sc) : 0.f;
+    for (int j = 0; j < 32; ++j) codes[grp * 32 + j] = encode_asym4(y[j], float(mn), inv);
+    std::memcpy(extras + (grp * B + pos) * 2, &sc, 2);
+    std::memcpy(extras + ((G + grp) * B + pos) * 2, &mn, 2);
+  }
+}
+
+// Quantize each new token's K and V heads into their slots (kv_quant.h's layout).
+template <Fmt F, typename T>
+void write_kv_quant(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& slots, int64_t B) {
+  constexpr int E = PER_LANE<F>, bits = BITS<F>;
+  const int64_t n = k.size(0), kvh = k.size(1), d = k.size(2), cb = code_bytes(bits, B, d);
+  const int64_t vcb = v_code_bytes(int64_t(F), B, d);
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  uint8_t *kc = k_cache.data_ptr<uint8_t>(), *vc = v_cache.data_ptr<uint8_t>();
+  at::parallel_for(0, n, 16, [&](int64_t b, int64_t e) {
+    std::vector<uint8_t> codes(d);
+    std::vector<float> tmp(d);
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t slot = sl[i];
+      if (slot < 0) continue;  // padding row
+      const int64_t blk = slot / B, pos = slot % B;
+      for (int64_t h = 0; h < kvh; ++h) {
+        uint8_t* kr = kc + k_cache.stride(0) * blk + k_cache.stride(1) * h;
+        const T* kx = k.data_ptr<T>() + i * k.stride(0) + h * k.stride(1);
+        if constexpr (K_ASYM<F>) quantize_key_asym4(kx, d, B, pos, tmp.data(), codes.data(), kr + cb);
+        else {
+          const c10::BFloat16 ks(quantize_row<F>(kx, d, tmp.data(), codes.data(), true));
+          std::memcpy(kr + cb + pos * 2, &ks, 2);
+        }
+        for (int64_t g = 0; g < d / E; ++g) {  // lane g of key pos: dims gE..gE+E-1
+          uint32_t lane = 0;
+          for (int x = 0; x < E; ++x) lane |= uint32_t(codes[g * E + x]) << (bits * x);
+          std::memcpy(kr + (g * B + pos) * 4, &lane, 4);
+        }
+        uint8_t* vr = vc + v_cache.stride(0) * blk + v_cache.stride(1) * h;
+        const c10::BFloat16 vsc(
+            quantize_row<F>(v.data_ptr<T>() + i * v.stride(0) + h * v.stride(1), d, tmp.data(), codes.data(), false));
+        if constexpr (V_PAIRS<F>) {  // pair row pos / 2, the key's byte of each dim's pair
+          uint8_t* row = vr + (pos / 2) * d * 2 + pos % 2;
+          for (int64_t x = 0; x < d; ++x) row[x * 2] = codes[x];
+        } else if constexpr (bits == 8) {
+          std::memcpy(vr + pos * d, codes.data(), d);
+        } else {
+          uint8_t* row = vr + pos * d / 2;
+          for (int64_t x = 0; x < d / 2; ++x) row[x] = uint8_t(codes[x] | (codes[x + d / 2] << 4));
+        }
+        std::memcpy(vr + vcb + pos * 2, &vsc, 2);
+      }
+    }
+  });
+}
+
+// New tokens' K/V into their slots (slot -1: skip). k/v [T, KVH, D]; kv_fmt as paged_attention's.
 void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slots) {
-  check_caches(k_cache, v_cache, k.size(2));
+              const at::Tensor& slots, int64_t kv_fmt) {
+  const int64_t B = check_caches(k_cache, v_cache, k.size(2), kv_fmt);
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.stride(2) == 1 &&
-                  v.stride(2) == 1 && k.scalar_type() == k_cache.scalar_type() &&
-                  v.scalar_type() == k_cache.scalar_type(),
-              "write_kv: k and v must be [T, KVH, D] in the caches' dtype");
+                  v.stride(2) == 1 && k.scalar_type() == v.scalar_type() &&
+                  (kv_fmt != 0 || k.scalar_type() == k_cache.scalar_type()),
+              "write_kv: k and v must be [T, KVH, D] alike, in the caches' dtype unless quantized");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == k.size(0) &&
                   slots.is_contiguous(),
               "write_kv: slots must be int64 [T]");
-  switch (k.scalar_type()) {
-    case at::kFloat: return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
-    case at::kBFloat16: return write_kv_impl<c10::BFloat16>(k, v, k_cache, v_cache, slots);
-    case at::kHalf: return write_kv_impl<c10::Half>(k, v, k_cache, v_cache, slots);
-    default: TORCH_CHECK(false, "write_kv: dtype ", k.scalar_type(), " is not supported");
-  }
+  const int64_t num_slots = k_cache.size(0) * B;
+  const int64_t* sl = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < k.size(0); ++i)
+    TORCH_CHECK(sl[i] < num_slots, "write_kv: slot ", sl[i], " is outside the pool of ", num_slots);
+  with_fmt(kv_fmt, "write_kv", [&](auto f) {
+    constexpr Fmt F = decltype(f)::value;
+    switch (k.scalar_type()) {
+      case at::kFloat:
+        if constexpr (F == Fmt::plain) return write_kv_impl<float>(k, v, k_cache, v_cache, slots);
+        else return write_kv_quant<F, float>(k, v, k_cache, v_cache, slots, B);
+      case at::kBFloat16:
+        if constexpr (F == Fmt::plain) return write_kv_impl<c10::BFloat16>(k, v, k_cache, v_cache, slots);
+        else return write_kv_quant<F, c10::BFloat16>(k, v, k_cache, v_cache, slots, B);
+      case at::kHalf:
+        if constexpr (F == Fmt::plain) return write_kv_impl<c10::Half>(k, v, k_cache, v_cache, slots);
+        else return write_kv_quant<F, c10::Half>(k, v, k_cache, v_cache, slots, B);
+      default: TORCH_CHECK(false, "write_kv: dtype ", k.scalar_type(), " is not supported");
+    }
+  });
 }
 
 }  // namespace
@@ -584,8 +970,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True) -> ()");
-  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots) -> ()");
+        "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True, int kv_fmt=0, int window=0) -> ()");
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int kv_fmt=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

@@ -1,0 +1,161 @@
+// Quantized KV blocks: codes and one scale per token and head, inside the block.
+//
+// A quantized pool is uint8 [num_blocks, KVH, bytes per block and head]; each (block, head)
+// row holds its codes, then one bf16 scale per key (K's row, then V's row, alike):
+//   K codes [D / E, B, 4]: a 32-bit lane per key holding E = 32 / bits consecutive dims,
+//     so a 64-byte line is 16 keys x E dims: one vector of 16 keys per dim, no transpose.
+//   V codes [B, D * bits / 8]: a key's values contiguous along d (int4: byte i holds dim i
+//     in its low nibble and dim i + D/2 in its high one, so 16 bytes give two vectors of
+//     16 consecutive dims). int8: [ceil(B / 2), D, 2], signed, two keys' values of a dim
+//     side by side (as the bf16 pool's pairs): one widening load and one 16-bit integer
+//     dot-product instruction (AVX512_VNNI) then do 32 multiply-adds of P.V.
+// Scales per token (not per block): a new token is quantized once into its slot and never
+// touches its neighbours, so a shared or cached block is never rewritten. The scale is
+// bf16, rounded up so that amax / scale never exceeds the code range; the grid is the
+// stored scale, so its rounding costs range, not accuracy.
+// Rotated first: each head is multiplied by a normalized Hadamard matrix (over blocks of
+// the largest power of two dividing D) before it is quantized, and the query with it, so
+// Q.K is unchanged; the output is rotated back (P.(V H)) H = P.V. The rotation spreads a
+// few large dims (keys have outlier channels) over all of them, so one scale per token
+// fits every dim: it halves fp8's error on SmolLM2 and makes int4 usable at all.
+// Codes: int8 q + 128 and V's int4 q + 8 (offset binary, symmetric q in [-127, 127] /
+// [-7, 7]); fp8 e4m3 (OCP "fn": max 448) and e5m2 as their bits. int4 keys are asymmetric
+// per 32 dims: code c in [0, 15], value c * scale + min, a bf16 scale and min per group
+// (keys keep an offset that one symmetric scale per token wastes half of 16 levels on:
+// measured on SmolLM2, perplexity +9 % symmetric per token, +2.6 % this way).
+// After the codes, per (block, head) row: K's scales [G][B] (G groups per key, 1 but for
+// int4's D / 32), then int4's mins [G][B]; V's scales [B].
+#pragma once
+
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+
+#include "vec.h"
+
+namespace pagedllm {
+
+enum class Fmt : int { plain = 0, i8 = 1, e4m3 = 2, e5m2 = 3, i4 = 4 };
+
+template <Fmt F>
+constexpr int BITS = F == Fmt::i4 ? 4 : 8;
+template <Fmt F>
+constexpr int PER_LANE = 32 / BITS<F>;  // dims of one key in a K lane
+template <Fmt F>
+constexpr float QMAX = F == Fmt::i8 ? 127.f : F == Fmt::i4 ? 7.f : F == Fmt::e4m3 ? 448.f : 57344.f;
+template <Fmt F>
+constexpr bool K_ASYM = F == Fmt::i4;
+template <Fmt F>
+constexpr bool V_PAIRS = F == Fmt::i8;
+template <Fmt F, int D>
+constexpr int K_GROUPS = F == Fmt::i4 && D >= 32 ? D / 32 : 1;  // (int4 needs D % 32 == 0)
+constexpr int MAX_K_GROUPS = 8;  // head_dim 256 at int4
+// fp8 decodes through fp16 bits: e4m3's exponent lands 8 below its value (folded into the scale).
+template <Fmt F>
+constexpr float DECODE_MUL = F == Fmt::e4m3 ? 256.f : 1.f;
+
+typedef uint8_t vb __attribute__((vector_size(16)));
+
+// Low 16 bits of each lane as fp16 -> fp32 (exact, subnormals included).
+inline vf half_bits(vu h) {
+  const vh n = __builtin_convertvector(h, vh);
+  vhf f;
+  std::memcpy(&f, &n, sizeof f);
+  return __builtin_convertvector(f, vf);
+}
+
+// 16 codes (one per lane, in its low byte / nibble) -> values / DECODE_MUL.
+template <Fmt F>
+inline vf decode(vu b) {
+  if constexpr (F == Fmt::i8) return __builtin_convertvector((vi)b - 128, vf);
+  else if constexpr (F == Fmt::i4) return __builtin_convertvector((vi)b - 8, vf);
+  else if constexpr (F == Fmt::e5m2) return half_bits(b << 8);  // e5m2 is fp16's top byte
+  else return half_bits(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
+}
+
+// Element i of each K lane (16 keys, one dim); int4 keys: the raw code (asymmetric).
+template <Fmt F>
+inline vf k_elem(vu u, int i) {
+  constexpr unsigned mask = (1u << BITS<F>) - 1;
+  if constexpr (K_ASYM<F>) return __builtin_convertvector((vi)((u >> (BITS<F> * i)) & mask), vf);
+  else return decode<F>((u >> (BITS<F> * i)) & mask);
+}
+
+typedef uint8_t vb32 __attribute__((vector_size(32)));
+typedef int8_t vsb __attribute__((vector_size(16)));
+
+// Dims 16c..16c+15 of one key's V row (NC vectors of 16 dims in all); int8: `row` points
+// at the key's byte in its pair row (dims 2 bytes apart).
+template <Fmt F, int NC>
+inline vf v_chunk(const uint8_t* row, int c) {
+  if constexpr (V_PAIRS<F>) {
+    vsb x;
+    for (int i = 0; i < L; ++i) x[i] = int8_t(row[(c * L + i) * 2]);
+    return __builtin_convertvector(x, vf);
+  } else if constexpr (F == Fmt::i4) {
+    const int half = NC / 2;
+    vb x;
+    std::memcpy(&x, row + (c % half) * L, sizeof x);
+    const vu u = __builtin_convertvector(x, vu);
+    return decode<F>(c < half ? (u & 0xFu) : (u >> 4));
+  } else {
+    vb x;
+    std::memcpy(&x, row + c * L, sizeof x);
+    return decode<F>(__builtin_convertvector(x, vu));
+  }
+}
+
+inline float round_up_bf16(float x) {  // the nearest bf16 at or above x (x >= 0)
+  const float r = float(c10::BFloat16(x * (1.f + 1.f / 128)));
+  return r;
+}
+
+// An asymmetric int4 code: (x - min) / scale rounded, in [0, 15].
+inline uint8_t encode_asym4(float x, float lo, float inv) {
+  return uint8_t(std::min(15.f, std::max(0.f, std::nearbyint((x - lo) * inv))));
+}
+
+// One value -> its code (scaled by inv = 1 / scale, clamped to the code range).
+template <Fmt F>
+inline uint8_t encode(float x, float inv, bool is_key = true) {
+  const float y = std::min(QMAX<F>, std::max(-QMAX<F>, x * inv));
+  if constexpr (V_PAIRS<F>) {
+    if (!is_key) return uint8_t(int8_t(std::nearbyint(y)));  // V: signed, for the widening load
+  }
+  if constexpr (F == Fmt::i8) return uint8_t(int(std::nearbyint(y)) + 128);
+  else if constexpr (F == Fmt::i4) return uint8_t(int(std::nearbyint(y)) + 8);
+  else if constexpr (F == Fmt::e4m3) return c10::Float8_e4m3fn(y).x;
+  else return c10::Float8_e5m2(y).x;
+}
+
+// The Hadamard block for head_dim d: its largest power-of-two divisor (64 -> 64, 96 -> 32).
+inline int hadamard_block(int d) { return d & -d; }
+
+// x <- x H in place: the normalized Walsh-Hadamard transform of each block of n values
+// (H is symmetric and orthogonal: applying it twice gives x back).
+inline void hadamard(float* x, int d) {
+  const int n = hadamard_block(d);
+  for (int b = 0; b < d; b += n)
+    for (int h = 1; h < n; h <<= 1)
+      for (int i = b; i < b + n; i += 2 * h)
+        for (int j = i; j < i + h; ++j) {
+          const float u = x[j], w = x[j + h];
+          x[j] = u + w;
+          x[j + h] = u - w;
+        }
+  const float s = 1.f / std::sqrt(float(n));
+  for (int j = 0; j < d; ++j) x[j] *= s;
+}
+
+// Bytes of one (block, head) row of codes, and of the whole row with its scales.
+inline int64_t code_bytes(int bits, int64_t block_size, int64_t d) { return block_size * d * bits / 8; }
+inline int64_t k_row_bytes(int64_t fmt, int64_t block_size, int64_t d) {
+  return Fmt(fmt) == Fmt::i4 ? block_size * (d / 2 + 4 * (d / 32)) : block_size * (d + 2);
+}
+inline int64_t v_code_bytes(int64_t fmt, int64_t block_size, int64_t d) {
+  return Fmt(fmt) == Fmt::i4 ? block_size * d / 2 : Fmt(fmt) == Fmt::i8 ? (block_size + 1) / 2 * 2 * d : block_size * d;
+}
+inline int64_t v_row_bytes(int64_t fmt, int64_t block_size, int64_t d) {
+  return v_code_bytes(fmt, block_size, d) + 2 * block_size;
+}
+
+}  // namespace pagedllm

@@ -73,12 +73,18 @@ def engine_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
     return {a.dest: a.default for a in parser._actions}
 
 
+def _quantized(kv_cache_dtype: str) -> bool:
+    from .kv_dtype import KV_DTYPES
+    return KV_DTYPES[kv_cache_dtype].quantized
+
+
 def kv_report(stats) -> str:
     s, kv = stats, stats.kv
     return "\n".join([
         "KV cache report",
-        f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, {s.bytes_per_token} bytes/token "
-        f"(2*L*d_kv*bytes), {kv.num_blocks * kv.block_size * s.bytes_per_token / 2**20:.0f} MiB",
+        f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, KV {s.kv_cache_dtype}, {s.bytes_per_token} "
+        f"bytes/token (2*L*d_kv*bytes{', scales included' if _quantized(s.kv_cache_dtype) else ''}), "
+        f"{s.blocks_per_gib} blocks per GiB, {kv.num_blocks * kv.block_size * s.bytes_per_token / 2**20:.0f} MiB",
         f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",

@@ -27,7 +27,7 @@ def zero_stats(block_size: int, bytes_per_token: int = 0) -> EngineStats:
 
 def counters_only(s: EngineStats) -> EngineStats:
     """A dead replica's counters, its gauges zeroed: what its restart must not lose."""
-    z = zero_stats(s.kv.block_size, s.bytes_per_token)
+    z = replace(zero_stats(s.kv.block_size, s.bytes_per_token), kv_cache_dtype=s.kv_cache_dtype)
     kv = replace(z.kv, **{k: getattr(s.kv, k) for k in KV_COUNTERS})
     return replace(z, kv=kv, spec=s.spec, grammar=s.grammar, **{k: getattr(s, k) for k in ENGINE_COUNTERS})
 
@@ -49,7 +49,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         blocks_without_sharing=sum(k.blocks_without_sharing for k in kvs) if walked else None,
         **{k: sum(getattr(x, k) for x in kvs) for k in KV_COUNTERS + ("shared_blocks", "prompt_logprob_blocks")})
     return EngineStats(
-        kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts),
+        kv=kv, bytes_per_token=max(p.bytes_per_token for p in parts), kv_cache_dtype=parts[0].kv_cache_dtype,
         peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),
         num_running=sum(p.num_running for p in parts), num_waiting=sum(p.num_waiting for p in parts),
         spec=SpecStats.total([p.spec for p in parts]), grammar=grammar_total([p.grammar for p in parts]),

@@ -293,6 +293,7 @@ class LLMEngine:
         block table (used slots, eta), so it costs O(batch)."""
         return EngineStats(
             kv=self.kv.stats(walk), bytes_per_token=self.runner.kv_cache.bytes_per_token * self.runner.tp.size,
+            kv_cache_dtype=self.runner.kv_cache.kv_dtype.name,
             peak_used_blocks=self.peak_used_blocks, peak_waste=self.peak_waste,
             preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),

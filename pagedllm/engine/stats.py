@@ -25,10 +25,17 @@ class EngineStats:
     steps: int
     spec: SpecStats | None = None   # speculative decoding's counts, when it is on
     grammar: GrammarStats | None = None  # structured outputs' requests, compiles and cache hits
+    kv_cache_dtype: str = "bfloat16"     # how the pool stores K/V (kv_dtype.py's names)
 
     @property
     def peak_kv_usage(self) -> float:
         return self.peak_used_blocks / self.kv.num_blocks
+
+    @property
+    def blocks_per_gib(self) -> int:
+        """KV blocks a GiB of pool holds at this dtype and block size."""
+        per_block = self.bytes_per_token * self.kv.block_size
+        return 2**30 // per_block if per_block else 0
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -36,6 +43,7 @@ class EngineStats:
             d["grammar"] = {n: getattr(self.grammar, n) for n in GrammarStats.__slots__}
         d["kv"]["hit_rate"] = self.kv.hit_rate
         d["peak_kv_usage"] = self.peak_kv_usage
+        d["blocks_per_gib"] = self.blocks_per_gib
         if self.spec is not None:
             d["spec"].update(acceptance_rate=self.spec.acceptance_rate,
                              mean_accepted_length=self.spec.mean_accepted_length)

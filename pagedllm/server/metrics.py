@@ -81,7 +81,9 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
          s.computed_prompt_tokens),
         (c, "engine_steps", "Engine steps (forward passes) run.", s.steps),
         (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
-        (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes).", s.bytes_per_token),
+        (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes, scales included "
+         "when quantized).", s.bytes_per_token),
+        (g, "kv_cache_blocks_per_gib", "KV blocks one GiB of pool holds at its dtype and block size.", s.blocks_per_gib),
     ] + ([] if s.spec is None else [
         # vLLM's speculative-decoding counters, and the acceptance rate they give.
         (c, "spec_decode_num_drafts", "Draft runs verified (a decode that carried draft tokens).", s.spec.num_drafts),
@@ -113,12 +115,17 @@ class EngineCollector(Collector):
         self.prefix = prefix
 
     def collect(self):
-        for kind, name, doc, value in engine_rows(self.stats()):
+        s = self.stats()
+        for kind, name, doc, value in engine_rows(s):
             if value is None:  # a slot figure of a view that did not walk the tables
                 continue
             f = kind(f"{self.prefix}:{name}", doc, labels=["model_name"])
             f.add_metric(self.labels, value)
             yield f
+        f = GaugeMetricFamily(f"{self.prefix}:kv_cache_dtype_info", "How the KV pool stores K/V (--kv-cache-dtype), "
+                              "as a label; the value is 1.", labels=["model_name", "kv_cache_dtype"])
+        f.add_metric([*self.labels, s.kv_cache_dtype], 1.0)
+        yield f
 
 
 class ReplicaCollector(Collector):

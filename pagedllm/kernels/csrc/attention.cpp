@@ -516,21 +516,37 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     // 3. acc += P . V, row block by row block, over the chunk's tiles.
     const int t_lo = std::max(0, need - c0);  // keys of the chunk below every row's window: not read
     uint8_t* pair_tile = reinterpret_cast<uint8_t*>(sc.vt.data());
-    if constexpr (F == Fmt::i8 && INT8_DOT) {
+#if defined(__AVX512VNNI__)
+    if constexpr (F == Fmt::i8) {
       // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
-      float* vs = sc.vsc.data();
-      for (int t = 0; t < cn; ++t) vs[t] = t < t_lo ? 0.f : vq_row(c0 + t).second;
+      float* vs = sc.vsc.data();  // V's scales of the chunk's keys, 0 past it and below the window
+      for (int t0 = 0; t0 < cn; t0 += L) {
+        if (whole_tiles && t0 >= t_lo) {  // 16 keys of one block: their scales side by side
+          const uint8_t* blk = a.vq + int64_t(table[(c0 + t0) / B]) * a.v_blk + it.kvh * a.v_head;
+          const vf x = load16(reinterpret_cast<const c10::BFloat16*>(blk + a.v_code_bytes) + (c0 + t0) % B);
+          storef(vs + t0, IOTA + t0 < cn ? x : vf{});
+        } else {
+          for (int t = t0; t < t0 + L; ++t) vs[t] = t < t_lo || t >= cn ? 0.f : vq_row(c0 + t).second;
+        }
+      }
       for (int r = 0; r < pv_rows; ++r) {
         const float* sr = S + r * CHUNK;
-        float mx = 0.f;
-        for (int t = t_lo; t < cn; ++t) mx = std::max(mx, sr[t] * vs[t]);
-        const float mul = mx > 0.f ? 32767.f / mx : 0.f;
+        vf mv{};
+        for (int t0 = 0; t0 < cn; t0 += L) {  // S past cn / below t_lo meet a zero scale
+          const vf p = loadf(sr + t0) * loadf(vs + t0);
+          mv = mv > p ? mv : p;
+        }
+        const float mx = hmax(mv);
+        const vf mul = splat(mx > 0.f ? 32767.f / mx : 0.f);
         int16_t* p16 = reinterpret_cast<int16_t*>(pp + r * CHUNK / 2);
-        for (int t = 0; t < (cn + 1) / 2 * 2; ++t)
-          p16[t] = t < cn ? int16_t(std::nearbyint(sr[t] * vs[t] * mul)) : int16_t(0);
+        for (int t0 = 0; t0 < cn; t0 += L) {
+          const __m512i w = _mm512_cvtps_epi32((__m512)(loadf(sr + t0) * loadf(vs + t0) * mul));  // nearest
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(p16 + t0), _mm512_cvtsepi32_epi16(w));
+        }
         sc.pmul[r] = mx / 32767.f;
       }
     }
+#endif
     for (int r = 0; r < pv_rows; r += PV_ROWS) {
       auto pv = [&](auto R) {
 #if defined(__AVX512VNNI__)

@@ -1,4 +1,5 @@
-"""The library example (readers sharing a system prompt, one branching off), run on the real KV cache manager (block size 4, 12 blocks)."""
+"""Worked examples on the real KV cache manager (block size 4, 12 blocks): the library
+(readers sharing a system prompt, one branching off), and a sliding window releasing blocks."""
 from __future__ import annotations
 
 from typing import Iterator
@@ -43,6 +44,46 @@ def library_steps(kv: KVCacheManager, tokens: dict[int, list[int]],
     yield "C branches off A after 9 tokens: A's third block is now shared", {}
     extend(C, [401])                                             # ...and writes: copy-on-write
     yield "C writes into the shared block: copy-on-write", {C: [401]}
+
+
+WINDOW = 8  # the sliding-window example: every query sees its last 8 keys
+WINDOW_A, WINDOW_B = 0, 1
+WINDOW_NAMES = {WINDOW_A: "A", WINDOW_B: "B"}
+
+
+def window_word(t: int) -> str:
+    return f" w{t}"
+
+
+def window_kv() -> KVCacheManager:
+    return KVCacheManager(num_blocks=12, block_size=4, enable_prefix_caching=True, sliding_window=WINDOW)
+
+
+def window_steps(kv: KVCacheManager, tokens: dict[int, list[int]]) -> Iterator[tuple[str, dict[int, list[int]]]]:
+    """Under a window of 8 keys, A decodes past its window and releases its oldest blocks (they
+    stay cached-free); B arrives with A's first 20 tokens and hits only the two blocks its own
+    window reads. Yields what happened and the tokens each sequence gained."""
+    def extend(seq: int, new: list[int]) -> None:
+        tokens[seq] += new
+        kv.allocate_slots(seq, tokens[seq], len(tokens[seq]))
+
+    tokens[WINDOW_A] = list(range(1, 13))
+    kv.allocate_slots(WINDOW_A, tokens[WINDOW_A], 12)
+    yield "A's 12-token prompt fills 3 blocks", {WINDOW_A: list(tokens[WINDOW_A])}
+    for t in range(13, 23):
+        extend(WINDOW_A, [t])
+        yield f"A writes token {t}: its query sees tokens {max(1, t - WINDOW + 1)}..{t}", {WINDOW_A: [t]}
+    prompt = tokens[WINDOW_A][:20] + [99]
+    hit = kv.lookup_prefix(prompt)
+    tokens[WINDOW_B] = list(prompt)
+    kv.allocate_slots(WINDOW_B, prompt, len(prompt), hit)
+    yield f"B shares A's first 20 tokens: a hit of {len(hit)} blocks, of which it takes the 2 its window reads", \
+        {WINDOW_B: list(prompt)}
+    kv.free(WINDOW_A)
+    yield "A finishes: its blocks go back, B's shared ones stay", {}
+    for t in (100, 101, 102, 103):
+        extend(WINDOW_B, [t])
+        yield f"B writes token {t}", {WINDOW_B: [t]}
 
 
 def run_library_demo(print_fn=print) -> dict:

@@ -10,7 +10,7 @@ then skips the launch. Each cubin is then read with the bundled cuobjdump:
   - decode/prefill dots run on tensor cores (HMMA/HGMMA) for bf16/fp16;
   - K/V tiles are read with 128-bit loads (cp.async) where head_dim allows;
   - serving does not recompile: a decode sweep over batch sizes 1..256 and contexts
-    1..32k compiles each kernel only once per partition size.
+    1..32k compiles each kernel only once per partition size, and sliding windows add none.
 
 What it cannot tell: speed. That needs the GPU (scripts/gpu_check.sh).
 
@@ -171,13 +171,13 @@ def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> TritonM
                              decode_context_lens=None, decode_max_context=0, prefills=seqs)
 
 
-def run_backend(model: tuple, dtype: torch.dtype, meta: TritonMetadata) -> None:
+def run_backend(model: tuple, dtype: torch.dtype, meta: TritonMetadata, window: int = 0) -> None:
     _, h, kvh, d, block = model
     t = meta.slot_mapping.numel()
     q = torch.zeros((t, h, d), dtype=dtype)
     k = torch.zeros((t, kvh, d), dtype=dtype)
     kc = torch.zeros((16, block, kvh, d), dtype=dtype)  # never touched: nothing launches
-    TritonPagedAttention().forward(q, k, k.clone(), kc, kc.clone(), meta, d ** -0.5)
+    TritonPagedAttention().forward(q, k, k.clone(), kc, kc.clone(), meta, d ** -0.5, window=window)
 
 
 def check_model(comp: Compiler, model: tuple, arch: int, dt: str) -> None:
@@ -203,6 +203,10 @@ def recompiles(comp: Compiler, model: tuple, arch: int) -> list[str]:
         parts.add(max(tk.PARTITION, triton.next_power_of_2(triton.cdiv(ctx, tk.MAX_PARTS))))
     for chunks in [((1, 1),), ((7, 7), (300, 900)), ((2048, 2048),), ((16, 4000), (5, 5), (33, 65), (64, 64))]:
         run_backend(model, torch.bfloat16, prefill_meta(block, chunks))
+    # A sliding window is an argument like the lengths: windowed layers compile nothing more.
+    for window in (1, 4096):
+        run_backend(model, torch.bfloat16, decode_meta(64, cdiv(2048, block), 2048, graph=False), window)
+        run_backend(model, torch.bfloat16, prefill_meta(block, ((7, 7), (300, 900))), window)
     got = {k: len(v) for k, v in comp.keys_by_kernel.items()}
     want = {"_reshape_and_cache": 1, "_decode_partition": len(parts), "_decode_reduce": len(parts), "_prefill": 1}
     return [f"{k}: {got.get(k, 0)} compiled variants over the sweep, expected {n}"

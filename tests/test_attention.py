@@ -9,24 +9,29 @@ from pagedllm.attention import StepLayout, get_backend
 H, KVH, D = 6, 2, 16
 
 
-def reference(q, k, v, scale):
-    """Causal attention of the last q.shape[0] positions over contiguous k/v, GQA by repeat."""
+def reference(q, k, v, scale, window: int = 0):
+    """Causal attention of the last q.shape[0] positions over contiguous k/v, GQA by repeat;
+    with a window W, query p sees only keys p - W < j <= p."""
     ql, ctx = q.shape[0], k.shape[0]
     k = k.repeat_interleave(H // KVH, dim=1)
     v = v.repeat_interleave(H // KVH, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     qpos = torch.arange(ctx - ql, ctx)[:, None]
-    scores = scores.masked_fill(torch.arange(ctx)[None, :] > qpos, float("-inf"))
+    j = torch.arange(ctx)[None, :]
+    hide = (j > qpos) | (j <= qpos - window) if window else j > qpos
+    scores = scores.masked_fill(hide, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group", [None, 2])
-def test_paged_equals_contiguous(block_size, dtype, group):
-    g = torch.Generator().manual_seed(block_size)
-    # (cached prefix, new tokens): decodes, a fresh prefill, prefills over a cached prefix.
-    seqs = [(40, 1), (7, 1), (0, 1), (0, 23), (33, 9), (64, 64), (5, 2)]
+# (cached prefix, new tokens): decodes, a fresh prefill, prefills over a cached prefix.
+SEQS = [(40, 1), (7, 1), (0, 1), (0, 23), (33, 9), (64, 64), (5, 2)]
+
+
+def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed: int = 0):
+    """The step of `seqs` through `backend`, against the reference. Under a window each
+    table's entries below its first query's window are -1 (released), and the blocks they
+    held are overwritten with huge values: read once, they would swamp the result."""
+    g = torch.Generator().manual_seed(block_size + seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
     k_cache = torch.randn(num_blocks, block_size, KVH, D, generator=g).to(dtype)  # stale data
     v_cache = torch.randn(num_blocks, block_size, KVH, D, generator=g).to(dtype)
@@ -35,12 +40,16 @@ def test_paged_equals_contiguous(block_size, dtype, group):
     for cached, new in seqs:
         n = cached + new
         table = [free.pop() for _ in range(-(-n // block_size))]
-        tables.append(table)
         full_k.append(torch.randn(n, KVH, D, generator=g).to(dtype))
         full_v.append(torch.randn(n, KVH, D, generator=g).to(dtype))
         for j in range(cached):  # the prefix's KV is already in the pool
             k_cache[table[j // block_size], j % block_size] = full_k[-1][j]
             v_cache[table[j // block_size], j % block_size] = full_v[-1][j]
+        released = max(0, cached - window + 1) // block_size if window else 0
+        for i in range(released):
+            k_cache[table[i]], v_cache[table[i]] = 1e4, 1e4
+            table[i] = -1
+        tables.append(table)
     # Decodes first, shortest context first (the runner's order).
     order = sorted(range(len(seqs)), key=lambda i: (seqs[i][1] != 1, sum(seqs[i])))
     qs, ks, vs, slots, lens, starts = [], [], [], [], [], [0]
@@ -54,14 +63,35 @@ def test_paged_equals_contiguous(block_size, dtype, group):
         lens.append(n)
         starts.append(starts[-1] + new)
     layout = StepLayout(slots, [tables[i] for i in order], lens, starts, sum(1 for i in order if seqs[i][1] == 1))
-    backend = get_backend("torch")
-    backend.decode_group = group or len(seqs)  # None: all decodes in one group
     q = torch.cat(qs)
+    kw = {"window": window} if window else {}
     out = backend.forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, backend.build_metadata(layout, "cpu"),
-                          D ** -0.5)
+                          D ** -0.5, **kw)
     row = 0
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, qi in zip(order, qs):
-        want = reference(qi.float(), full_k[i].float(), full_v[i].float(), D ** -0.5)
+        want = reference(qi.float(), full_k[i].float(), full_v[i].float(), D ** -0.5, window)
         torch.testing.assert_close(out[row:row + len(qi)].float(), want, atol=tol, rtol=tol)
         row += len(qi)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [None, 2])
+def test_paged_equals_contiguous(block_size, dtype, group):
+    backend = get_backend("torch")
+    backend.decode_group = group or len(SEQS)  # None: all decodes in one group
+    run_paged(backend, block_size, dtype)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("window", [1, 6, 32, 200])
+def test_sliding_window_reads_only_its_keys(window_backend, block_size, window):
+    """A windowed layer: each query sees its last W keys; released (-1) entries below the
+    window of a sequence's first query are never read. A window wider than every context
+    is full attention."""
+    backend = get_backend(window_backend)
+    if window_backend == "torch":
+        backend.decode_group = 2  # groups of mixed contexts: rows whose windows start in different blocks
+    seqs = SEQS + [(100, 1), (37, 1), (70, 30)]
+    run_paged(backend, block_size, torch.float32, window, seqs, seed=window)

@@ -65,19 +65,33 @@ def build_layout(block_size: int, tables: list[list[int]], decode_lens: list[int
     return StepLayout(slots, used, lens, starts, nd), starts[-1]
 
 
-def run_both(seed: int, block_size: int, shape, decode_lens, prefill, dtype=torch.float32, atol=2e-4):
+def release_below_window(layout: StepLayout, k_cache, v_cache, block_size: int, window: int, firsts: list[int]) -> None:
+    """What the KV manager does under a sliding window: each table's entries wholly below
+    its first query's window become -1, and their blocks are overwritten with huge values
+    (read once, they would swamp the result)."""
+    for table, first in zip(layout.block_tables, firsts):
+        for i in range(max(0, first - window + 1) // block_size):
+            k_cache[table[i]], v_cache[table[i]] = 1e4, 1e4
+            table[i] = -1
+
+
+def run_both(seed: int, block_size: int, shape, decode_lens, prefill, dtype=torch.float32, atol=2e-4, window=0):
     h, kvh, d = shape
     rng = random.Random(seed)
     k_cache, v_cache, tables = make_batch(rng, block_size, kvh, d, decode_lens, prefill, dtype)
     layout, t = build_layout(block_size, tables, decode_lens, prefill)
+    if window:
+        release_below_window(layout, k_cache, v_cache, block_size, window,
+                             [n - 1 for n in decode_lens] + [c for c, _ in prefill])
     ref_backend, triton = TorchPagedAttention(), TritonPagedAttention()
     g = torch.Generator().manual_seed(seed)
     q = torch.randn((t, h, d), generator=g).to(DEV, dtype)
     k = torch.randn((t, kvh, d), generator=g).to(DEV, dtype)
     v = torch.randn((t, kvh, d), generator=g).to(DEV, dtype)
     kc2, vc2 = k_cache.clone(), v_cache.clone()
-    ref = ref_backend.forward(q, k, v, k_cache, v_cache, ref_backend.build_metadata(layout, DEV), d ** -0.5)
-    out = triton.forward(q, k, v, kc2, vc2, triton.build_metadata(layout, DEV), d ** -0.5)
+    ref = ref_backend.forward(q, k, v, k_cache, v_cache, ref_backend.build_metadata(layout, DEV), d ** -0.5,
+                              window=window)
+    out = triton.forward(q, k, v, kc2, vc2, triton.build_metadata(layout, DEV), d ** -0.5, window=window)
     assert torch.equal(kc2, k_cache) and torch.equal(vc2, v_cache), "reshape_and_cache wrote different slots"
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=atol)
 
@@ -125,6 +139,15 @@ def test_empty_batch_and_padding_rows():
     big = tk.paged_decode(q, k_cache, v_cache, torch.tensor([[0], [0]], device=DEV),
                           torch.tensor([6, 0], device=DEV), 0.1, max_context=131072)
     torch.testing.assert_close(big, out)
+
+
+@pytest.mark.parametrize("window", [1, 20, 70])
+def test_sliding_window_skips_released_blocks(window):
+    """A windowed layer: decodes (one split into partitions wholly below the window) and
+    prefill chunks whose tiles start inside and below the window; the -1 entries the
+    window released are never read."""
+    decode = [1, 17, 60, tk.PARTITION + 40] if not BIG else [1, 17, 600, 3 * tk.PARTITION + 40]
+    run_both(7, 16, SHAPES[2], decode, [(0, 37), (45, 20), (70, 1), (3, 50)], window=window)
 
 
 def test_bf16():

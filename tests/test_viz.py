@@ -120,11 +120,16 @@ def test_scenarios_show_what_they_promise():
     assert any(ev["type"] == "free" for m in beam[:-1] if m.get("kind") == "step" for ev in m["kv"]), \
         "a beam that is not chosen is freed before the search ends"
     assert any(m.get("preempted") for m in traces["preemption"]["messages"])
+    # A sequence past its window releases blocks; a later one's hit skips those its window never reads.
+    window = [ev for m in traces["sliding-window"]["messages"] for ev in m.get("kv", [])]
+    assert sum(ev["type"] == "slide" for ev in window) >= 3
+    assert any(ev["type"] == "hit" and ev["blocks"][:3] == [-1] * 3 for ev in window)
 
 
-def test_library_trace_is_reproducible():
-    fresh = json.loads(json.dumps(record("library")["messages"]))
-    assert fresh == json.loads(trace_path("library").read_text())["messages"]
+@pytest.mark.parametrize("name", ["library", "sliding-window"])
+def test_kv_only_traces_are_reproducible(name):
+    fresh = json.loads(json.dumps(record(name)["messages"]))
+    assert fresh == json.loads(trace_path(name).read_text())["messages"]
 
 
 def test_step_controller_gates_steps():

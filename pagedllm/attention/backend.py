@@ -1,6 +1,7 @@
 """The attention-backend interface: attention whose K/V live in paged pools."""
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -16,7 +17,8 @@ class StepLayout:
     row order, decodes (single-token queries, shortest context first) before prefills."""
     slots: list[int]                 # per query row: where its K/V goes (-1: nowhere; a padding row,
                                      # or a row whose KV a prefix hit already holds)
-    block_tables: list[list[int]]    # per sequence: its physical blocks, up to its last token
+    block_tables: list[list[int]]    # per sequence: its physical blocks, up to its last token; -1
+                                     # (RELEASED) for blocks below the sliding window of all its queries
     seq_lens: list[int]              # per sequence: keys it attends to, this step's included
     query_starts: list[int]          # first query row of each sequence, then the row count
     num_decodes: int
@@ -114,9 +116,21 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float,
+                window: int = 0) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches per cache_shapes.
-        Writes k/v into their slots, then attends through the block tables. Returns [T, H, D]."""
+        Writes k/v into their slots, then attends through the block tables. Returns [T, H, D].
+
+        window: the layer's sliding window W (0: full attention). A query at absolute
+        position p sees keys j with p - W < j <= p (HF's `kv_idx > q_idx - sliding_window`).
+        Table entries below the window of a sequence's first query may be -1: they must
+        never be dereferenced (a block the KV manager released)."""
+
+    @classmethod
+    def supports_window(cls) -> bool:
+        """Whether this backend's forward takes a sliding window (a backend written before
+        windows existed takes none, and would attend to every key)."""
+        return "window" in inspect.signature(cls.forward).parameters
 
 
 # The factory registry: each backend module registers its class at import, or the

@@ -61,7 +61,7 @@ class TorchPagedAttention(AttentionBackend):
         return TorchMetadata.from_layout(layout, device, decode_groups=length_groups(lens, self.decode_group),
                                          write_rows=rows)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int = 0):
         # All new K/V of the step land in the pool before anyone reads it, so a request
         # that hit a prefix block filled in this same step reads it complete.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.write_rows)
@@ -70,38 +70,62 @@ class TorchPagedAttention(AttentionBackend):
             if end > start:
                 out[start:end] = self._decode(q[start:end], k_cache, v_cache,
                                               meta.decode_block_tables[start:end],
-                                              meta.decode_context_lens[start:end], max_ctx, scale)
+                                              meta.decode_context_lens[start:end], max_ctx, scale, window)
         for p in meta.prefills:
             out[p.q_start:p.q_start + p.q_len] = self._prefill(
-                q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale)
+                q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale, window)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float) -> torch.Tensor:
+    def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0) -> torch.Tensor:
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
-        keys = gather_blocks(k_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)
-        vals = gather_blocks(v_cache, tables).view(n, nblk * bs, kvh, d).transpose(1, 2)
-        pos = torch.arange(nblk * bs, device=q.device)
-        mask = (pos[None, :] < context_lens[:, None]).view(n, 1, 1, -1)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask,
+        ctx = context_lens[:, None]
+        if 0 < window < max_ctx:
+            # Each row reads only the blocks of its window: keys ctx - W .. ctx - 1, at most
+            # cdiv(W - 1, B) + 1 blocks from the one holding ctx - W. Entries before it may
+            # be -1 (released) and are never read; past the table they are masked.
+            span = min(nblk, cdiv(window - 1, bs) + 1)
+            first = (context_lens.long() - window).clamp(min=0) // bs
+            idx = first[:, None] + torch.arange(span, device=q.device)
+            tables = tables.gather(1, idx.clamp(max=nblk - 1)).clamp(min=0)
+            pos = (idx[:, :, None] * bs + torch.arange(bs, device=q.device)).view(n, -1)
+            mask = (pos < ctx) & (pos >= ctx - window)
+        else:
+            span = nblk
+            pos = torch.arange(nblk * bs, device=q.device)[None, :]
+            mask = pos < ctx
+        keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+        vals = gather_blocks(v_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask.view(n, 1, 1, -1),
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float) -> torch.Tensor:
+    def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0) -> torch.Tensor:
         bs, kvh, d = k_cache.shape[1:]
         ql = q.shape[0]
-        keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx].transpose(0, 1)
-        vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx].transpose(0, 1)
-        if ctx == ql:
+        # Keys from the block holding the first query's oldest visible key (position
+        # ctx - ql - W + 1): the blocks before it may be -1 (released).
+        lo = max(0, ctx - ql - window + 1) // bs * bs if window else 0
+        if lo:
+            table = table[lo // bs:]
+        if window:
+            table = table.clamp(min=0)
+        keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+        vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+        if ctx == ql and not window:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True,
                                                scale=scale, enable_gqa=True)
         else:
-            # Query i sits at absolute position ctx - ql + i and sees keys up to it.
-            qpos = torch.arange(ctx - ql, ctx, device=q.device)
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos[:, None]
+            # Query i sits at absolute position ctx - ql + i and sees keys up to it (and,
+            # windowed, none W or more before it).
+            qpos = torch.arange(ctx - ql, ctx, device=q.device)[:, None]
+            kpos = torch.arange(lo, ctx, device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window:
+                mask &= kpos > qpos - window
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask,
                                                scale=scale, enable_gqa=True)
         return o.transpose(0, 1)

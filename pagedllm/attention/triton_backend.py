@@ -43,7 +43,7 @@ class TritonPagedAttention(AttentionBackend):
         return TritonMetadata(slot_mapping=slots, num_decodes=slots.shape[0], decode_block_tables=block_tables,
                               decode_context_lens=context_lens, decode_max_context=max_context, prefills=[])
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, window: int = 0):
         kern = self.k
         kern.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
         q = q.contiguous()
@@ -51,11 +51,11 @@ class TritonPagedAttention(AttentionBackend):
         n = meta.num_decodes
         if n:
             kern.paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                              scale, meta.decode_max_context, out=out[:n])
+                              scale, meta.decode_max_context, out=out[:n], window=window)
         if meta.prefills:
             t = meta.prefill_tensors or self.prefill_tensors(meta, q.device)
             kern.paged_prefill(q, k_cache, v_cache, out, t["tables"], t["q_starts"], t["q_lens"],
-                               t["ctx_lens"], t["tiles"], scale)
+                               t["ctx_lens"], t["tiles"], scale, window)
         return out
 
     def prefill_tensors(self, meta: SplitMetadata, device) -> dict:

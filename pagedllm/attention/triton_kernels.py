@@ -7,6 +7,10 @@ through the block tables (no gather copy).
   paged_prefill      query chunks of variable length over a cached prefix plus themselves,
                      causal by absolute position
 
+Both take a sliding window W (0: full attention): a query at p sees keys p - W < j <= p, and
+tiles wholly below the window are skipped, so a table's entries there (-1: blocks the KV
+manager released) are never read.
+
 Cache layout: [num_blocks, block_size, kv_heads, head_dim], contiguous; token j of a
 sequence lives at slot table[j // B] * B + j % B. GQA: query head h reads kv head h // (H / KVH).
 
@@ -44,6 +48,12 @@ MAX_PARTS = 32
 DECODE_TILE = 64
 PREFILL_M = 32
 PREFILL_N = 64
+# What the kernels take for "no window": wider than any context, and ctx - it still fits int32.
+NO_WINDOW = 1 << 30
+
+
+def _window_arg(window: int) -> int:
+    return window if window > 0 else NO_WINDOW
 
 
 def _p2(n: int, lo: int = 16) -> int:
@@ -114,9 +124,9 @@ def _attend_tile(q, k_cache, v_cache, table_row, pos, pmask, visible, kvh, d, dm
 
 # Arguments that change from step to step are not specialized on (Triton would otherwise
 # compile a variant for each of "== 1", "% 16 == 0", "other": a stall mid-serving).
-@triton.jit(do_not_specialize=["stride_tab", "max_parts"])
+@triton.jit(do_not_specialize=["stride_tab", "max_parts", "window"])
 def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, acc_out, scale,
-                      stride_tab, max_parts,
+                      stride_tab, max_parts, window,
                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                       B: tl.constexpr, QG: tl.constexpr, BQ: tl.constexpr,
                       PART: tl.constexpr, TILE: tl.constexpr, IEEE: tl.constexpr):
@@ -126,6 +136,7 @@ def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, a
     ctx = tl.load(ctx_lens + s)
     start = part * PART
     end = tl.minimum(start + PART, ctx)
+    lo = tl.maximum(start, ctx - window)  # the row's oldest visible key: tiles below it are skipped
     g = tl.arange(0, BQ)
     gmask = g < QG
     qh = kvh * QG + g
@@ -135,9 +146,9 @@ def _decode_partition(q_ptr, k_cache, v_cache, tables, ctx_lens, m_out, l_out, a
     m = tl.full([BQ], float("-inf"), tl.float32)
     l = tl.zeros([BQ], tl.float32)  # noqa: E741
     acc = tl.zeros([BQ, BD], tl.float32)
-    for t0 in range(start, end, TILE):
+    for t0 in range(start + (lo - start) // TILE * TILE, end, TILE):
         pos = t0 + tl.arange(0, TILE)
-        pmask = pos < end
+        pmask = (pos < end) & (pos >= lo)
         m, l, acc = _attend_tile(q, k_cache, v_cache, tables + s * stride_tab, pos, pmask,  # noqa: E741
                                  pmask[None, :], kvh, d, dmask, m, l, acc, scale, B, KVH, D, IEEE)
     base = (s * H + qh) * max_parts + part
@@ -170,8 +181,9 @@ def _decode_reduce(out_ptr, ctx_lens, m_out, l_out, acc_out, max_parts,
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  context_lens: torch.Tensor, scale: float, max_context: int, out: torch.Tensor | None = None,
-                 partition: int = PARTITION, tile: int | None = None, **launch) -> torch.Tensor:
-    """q [S, H, D]; block_tables [S, max_blocks] (int); context_lens [S] (0 = padding row).
+                 partition: int = PARTITION, tile: int | None = None, window: int = 0, **launch) -> torch.Tensor:
+    """q [S, H, D]; block_tables [S, max_blocks] (int); context_lens [S] (0 = padding row);
+    window: the sliding window (0: full attention).
     `max_context` bounds every context_lens entry: it fixes the partition count, so a
     CUDA graph captured with max_model_len serves any length. `partition`, `tile` and
     `launch` (num_warps, num_stages) are for tuning sweeps (scripts/gpu_check.py)."""
@@ -192,7 +204,7 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     tile = tile or (DECODE_TILE // 2 if ieee else DECODE_TILE)
     _decode_partition[(s, kvh, parts)](
         q, k_cache, v_cache, block_tables, context_lens, m_out, l_out, acc_out, scale,
-        block_tables.stride(0), parts, H=h, KVH=kvh, D=d, BD=bd, B=bs, QG=qg, BQ=_p2(qg),
+        block_tables.stride(0), parts, _window_arg(window), H=h, KVH=kvh, D=d, BD=bd, B=bs, QG=qg, BQ=_p2(qg),
         PART=part_size, TILE=tile, IEEE=ieee, **launch)
     # BP fixed at MAX_PARTS (parts never exceed it): one compiled reduce for every length.
     _decode_reduce[(s, h)](out, context_lens, m_out, l_out, acc_out, parts, H=h, D=d, BD=bd,
@@ -200,9 +212,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     return out
 
 
-@triton.jit(do_not_specialize=["stride_tab"])
+@triton.jit(do_not_specialize=["stride_tab", "window"])
 def _prefill(q_ptr, k_cache, v_cache, out_ptr, tables, stride_tab, tile_seq, tile_row,
-             q_starts, q_lens, ctx_lens, scale,
+             q_starts, q_lens, ctx_lens, scale, window,
              H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, BD: tl.constexpr, B: tl.constexpr,
              QG: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr):
     tile = tl.program_id(0)
@@ -224,10 +236,12 @@ def _prefill(q_ptr, k_cache, v_cache, out_ptr, tables, stride_tab, tile_seq, til
     l = tl.zeros([BM], tl.float32)  # noqa: E741
     acc = tl.zeros([BM, BD], tl.float32)
     hi = tl.minimum(ctx, ctx - ql + r0 + BM)  # the tile's last query sees keys < hi
-    for n0 in range(0, hi, BN):
+    lo = tl.maximum(ctx - ql + r0 - window + 1, 0)  # and its first none before lo: tiles below are skipped
+    for n0 in range(lo // BN * BN, hi, BN):
         pos = n0 + tl.arange(0, BN)
-        pmask = pos < hi
-        visible = pmask[None, :] & (pos[None, :] <= qpos[:, None])  # causal by absolute position
+        pmask = (pos < hi) & (pos >= lo)
+        # causal by absolute position, and within each query's window
+        visible = pmask[None, :] & (pos[None, :] <= qpos[:, None]) & (pos[None, :] > qpos[:, None] - window)
         m, l, acc = _attend_tile(q, k_cache, v_cache, tables + sq * stride_tab, pos, pmask, visible,  # noqa: E741
                                  kvh, d, dmask, m, l, acc, scale, B, KVH, D, IEEE)
     o = acc / tl.where(l > 0, l, 1.0)[:, None]
@@ -248,9 +262,11 @@ def prefill_tiles(q_lens: list[int], device: torch.device) -> tuple[torch.Tensor
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                   block_tables: torch.Tensor, q_starts: torch.Tensor, q_lens: torch.Tensor,
-                  ctx_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor], scale: float) -> None:
+                  ctx_lens: torch.Tensor, tiles: tuple[torch.Tensor, torch.Tensor], scale: float,
+                  window: int = 0) -> None:
     """Rows q[q_starts[i] : q_starts[i] + q_lens[i]] of sequence i sit at absolute positions
-    ctx_lens[i] - q_lens[i] ...; each attends to keys 0..its position through block_tables[i]."""
+    ctx_lens[i] - q_lens[i] ...; each attends to keys 0..its position through block_tables[i]
+    (only the last `window` of them, if window > 0)."""
     n_tiles = tiles[0].numel()
     if n_tiles == 0:
         return
@@ -258,6 +274,6 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     _, bs, kvh, _ = k_cache.shape
     ieee = q.dtype == torch.float32
     _prefill[(n_tiles, h)](q, k_cache, v_cache, out, block_tables, block_tables.stride(0), tiles[0], tiles[1],
-                           q_starts, q_lens, ctx_lens, scale, H=h, KVH=kvh, D=d, BD=_p2(d), B=bs,
+                           q_starts, q_lens, ctx_lens, scale, _window_arg(window), H=h, KVH=kvh, D=d, BD=_p2(d), B=bs,
                            QG=h // kvh, BM=PREFILL_M, BN=PREFILL_N // 2 if ieee else PREFILL_N, IEEE=ieee,
                            num_warps=8 if ieee else 4)  # fp32: smaller key tiles, more warps, no register spills

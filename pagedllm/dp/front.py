@@ -371,7 +371,8 @@ def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,
     """What the server reads of the engines, from the started replicas': their limits, and
     the request rules over the smallest pool (as large as the one a request may land in)."""
     info = infos[0]
-    shape = PoolShape.of(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, info.max_model_len)
+    shape = PoolShape.of(min(i.num_blocks for i in infos), info.block_size, cfg.allocation, info.max_model_len,
+                         info.window_blocks)
     rules = RequestRules(tokenizer, model_cfg.vocab_size, info.max_model_len, cfg.max_num_seqs, shape,
                          cfg.max_logprobs, info.chars_per_token)
     tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)

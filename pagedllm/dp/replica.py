@@ -38,6 +38,7 @@ class ReplicaInfo:
     block_size: int
     enable_prefix_caching: bool
     stats: EngineStats           # the empty engine's, so the totals are whole from the start
+    window_blocks: int = 0       # under a sliding window, the most blocks one sequence holds (PoolShape)
 
 
 def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connection, log_level: str) -> None:
@@ -59,7 +60,8 @@ def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connec
         return
     s = engine.stats()
     conn.send(("ready", ReplicaInfo(os.getpid(), engine.model_name, engine.max_model_len, engine.rules.chars_per_token,
-                                    s.kv.num_blocks, s.kv.block_size, engine.kv.enable_prefix_caching, s)))
+                                    s.kv.num_blocks, s.kv.block_size, engine.kv.enable_prefix_caching, s,
+                                    engine.kv.shape.window_blocks)))
     ReplicaSink(engine, commands, conn).run()
 
 

@@ -15,7 +15,7 @@ from ..kv import KVStats
 from ..structured.compiler import GrammarStats
 
 KV_COUNTERS = ("prefix_queries", "prefix_hits", "cow_copies", "forks", "evictions", "prompt_logprob_queries",
-               "prompt_logprob_hits")
+               "prompt_logprob_hits", "window_released")
 ENGINE_COUNTERS = ("preemptions", "prompt_tokens", "computed_prompt_tokens", "generation_tokens", "steps")
 
 

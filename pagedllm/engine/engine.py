@@ -42,13 +42,13 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(self.tokenizer_dir)
         if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
             _check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
-        # Sliding-window attention equals full attention up to the window, and full
-        # attention is what we compute, so a windowed model is capped at its window.
-        limit = min(self.model_cfg.max_position_embeddings, self.model_cfg.sliding_window or 1 << 62)
+        # A windowed model's layers attend within their windows (the attention backends
+        # mask by each layer's own), so its limit is its positions', not its window's.
+        limit = self.model_cfg.max_position_embeddings
         self.max_model_len = cfg.max_model_len or limit
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
-                             "(max_position_embeddings, or its sliding window)")
+                             "(max_position_embeddings)")
         self._launcher = None
         tp = None
         # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
@@ -67,9 +67,15 @@ class LLMEngine:
             if self._launcher is not None:
                 self._launcher.close(graceful=False)
             raise
-        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
-                                 cfg.enable_prefix_caching, cfg.allocation, self.max_model_len)
         spec = cfg.speculative_config
+        window = self._release_window()
+        # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
+        lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
+        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
+                                 cfg.enable_prefix_caching, cfg.allocation, self.max_model_len,
+                                 sliding_window=window, max_step_tokens=cfg.max_num_batched_tokens + lookahead)
+        if self.kv.sliding_window:
+            logger.info("sliding window of %d tokens: each sequence releases the KV blocks below it", window)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -101,6 +107,20 @@ class LLMEngine:
         # The figures after the latest step, built when first read (an offline run reads none).
         self._view: EngineStats = self.stats()
         self._view_step = 0
+
+    def _release_window(self) -> int:
+        """The window by which sequences release their old blocks: every layer that reads
+        the pool (the target's, a draft model's: one block table serves both) must be
+        windowed, else none are released and that is said once."""
+        readers = [self.model_cfg] + ([self.runner.draft.cfg] if self.runner.draft is not None else [])
+        if not any(c.sliding_window for c in readers):
+            return 0
+        windows = [c.kv_window for c in readers]
+        if 0 in windows:
+            logger.info("sliding-window layers mask their own windows, but a sequence keeps all its KV blocks: "
+                        "a full-attention layer%s reads every key", " (of the draft model)" if windows[0] else "")
+            return 0
+        return max(windows)
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler, if any (idempotent)."""

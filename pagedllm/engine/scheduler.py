@@ -190,7 +190,8 @@ class Scheduler:
         for seq, n in chunks:
             end = max(seq.num_computed_tokens + n, seq.reread_until)
             ahead = self._lookahead(seq, end)
-            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, lookahead=len(seq.draft) + ahead)
+            more = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, lookahead=len(seq.draft) + ahead,
+                                          first_query=seq.num_computed_tokens)
             if more is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
@@ -250,6 +251,11 @@ class Scheduler:
                 start = self._first_row(seq, hit, scoring if len(group) == 1 else None)
                 if start is None:
                     break
+                if start < len(hit) * self.kv.block_size and self.kv.sliding_window:
+                    # Rows re-read over a hit need the keys of their own windows, which a
+                    # window hit may lack: under a sliding window they are recomputed.
+                    hit = self.kv.shorten_hit(hit, start // self.kv.block_size)
+                    start = len(hit) * self.kv.block_size
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
                                                     self.long_prefill_token_threshold)))
@@ -304,14 +310,15 @@ class Scheduler:
         A group's members take their prefix hits before any takes fresh blocks: a fresh
         block may evict a cached-free one, which must not be a sibling's hit."""
         if len(chunks) > 1:
-            for seq, hit, _, _ in chunks:
-                self.kv.allocate_slots(seq.seq_id, seq.token_ids, len(hit) * self.kv.block_size, hit, seq.hashes)
+            for seq, hit, start, _ in chunks:
+                self.kv.allocate_slots(seq.seq_id, seq.token_ids, len(hit) * self.kv.block_size, hit, seq.hashes,
+                                       first_query=start)
         scheduled = 0
         for seq, hit, start, n in chunks:
             end = self._kv_end(hit, start + n)
             ahead = self._lookahead(seq, end)
             copies = self.kv.allocate_slots(seq.seq_id, seq.token_ids, end + ahead, hit, seq.hashes,
-                                            lookahead=ahead)
+                                            lookahead=ahead, first_query=start)
             if copies is None:
                 if len(chunks) > 1:
                     raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")

@@ -2,6 +2,13 @@
 
 It speaks in block ids and slot numbers only. Copy-on-write and fork decisions are
 made here and returned as (src, dst) block pairs for the model runner to copy.
+
+Sliding window (vLLM v1's SlidingWindowManager, in one table): when every layer of the
+model sees only the last W keys (a query at position p reads keys j with p - W < j <= p),
+a block that lies wholly below the window of every query a sequence will still run is
+released as the sequence moves on. Its table entry becomes RELEASED (-1), so the table
+keeps its logical numbering; the block goes back to the free queue with its hash, still
+hittable until evicted.
 """
 from __future__ import annotations
 
@@ -10,11 +17,11 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .block_pool import BlockPool
-from .block_table import BlockTable
+from .block_table import RELEASED, BlockTable
 from ..config import ALLOCATION_POLICIES
 from ..util import cdiv
 from .hashing import BlockHashes
-from .pool_shape import PoolShape
+from .pool_shape import PoolShape, window_blocks
 
 POLICIES = ALLOCATION_POLICIES
 
@@ -44,6 +51,8 @@ class KVStats:
     prompt_logprob_queries: int = 0
     prompt_logprob_hits: int = 0
     prompt_logprob_blocks: int = 0
+    # Sliding window: blocks released from tables because no later query reads them.
+    window_released: int = 0
 
     @property
     def hit_rate(self) -> float:
@@ -61,9 +70,16 @@ def _leading(get: Callable, keys: Sequence[int]) -> list:
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
-                 policy: str = "paged", max_model_len: int | None = None) -> None:
+                 policy: str = "paged", max_model_len: int | None = None, sliding_window: int = 0,
+                 max_step_tokens: int = 0) -> None:
+        """sliding_window: W, the keys every query sees (0: all of them); blocks below the
+        window are released under the paged policy (reserve-max keeps its reservation).
+        max_step_tokens: the most tokens one sequence gets slots for in a step (its chunk
+        and lookahead), which bounds what it holds under the window (PoolShape)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {sliding_window}")
         if policy not in POLICIES:
             raise ValueError(f"allocation policy must be one of {POLICIES}, got {policy!r}")
         if policy == "reserve-max":
@@ -74,7 +90,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.policy = policy
         self.enable_prefix_caching = enable_prefix_caching
-        self.shape = PoolShape.of(num_blocks, block_size, policy, max_model_len)
+        self.sliding_window = sliding_window if policy == "paged" else 0
+        bound = window_blocks(sliding_window, block_size, max_step_tokens) if sliding_window and max_step_tokens else 0
+        self.shape = PoolShape.of(num_blocks, block_size, policy, max_model_len, bound)
         self.reserve_blocks = self.shape.reserve_blocks
         if policy == "reserve-max" and self.reserve_blocks > num_blocks:
             raise ValueError(f"reserve-max needs {self.reserve_blocks} blocks per sequence "
@@ -90,6 +108,7 @@ class KVCacheManager:
         self.forks = 0
         self.prompt_logprob_queries = 0
         self.prompt_logprob_hits = 0
+        self.window_released = 0
 
     def watch(self, listener: Callable[[dict], None] | None) -> None:
         """Send every block-level change to `listener` (None: stop)."""
@@ -107,8 +126,35 @@ class KVCacheManager:
         own keys (computed once, kept across lookups); None hashes unsalted, afresh."""
         if not self.enable_prefix_caching:
             return []
-        keys = self._hashes(hashes).update(token_ids)
-        return _leading(self.pool.lookup, keys[:(len(token_ids) - 1) // self.block_size])
+        keys = self._hashes(hashes).update(token_ids)[:(len(token_ids) - 1) // self.block_size]
+        if not self.sliding_window:
+            return _leading(self.pool.lookup, keys)
+        found = [self.pool.lookup(k) for k in keys]
+        return self.shorten_hit([RELEASED if b is None else b for b in found], len(found))
+
+    def shorten_hit(self, blocks: Sequence[int], num_blocks: int) -> list[int]:
+        """The longest prefix hit of at most num_blocks blocks among `blocks` (cached ones,
+        RELEASED where missing). Without a window, a hit is a run of leading blocks. With
+        one, a hit of k blocks needs only the blocks its queries (from k * B on) read:
+        first_window_block(k * B) .. k - 1; the ones before may be missing (vLLM's
+        SlidingWindowManager rule). Keys chain every token before a block, so what is
+        found is exact either way."""
+        if not self.sliding_window:
+            return list(itertools.takewhile(lambda b: b != RELEASED, blocks[:num_blocks]))
+        last_missing, best = -1, 0
+        for k in range(1, min(num_blocks, len(blocks)) + 1):
+            if blocks[k - 1] == RELEASED:
+                last_missing = k - 1
+            elif last_missing < self.first_window_block(k * self.block_size):
+                best = k
+        return list(blocks[:best])
+
+    def first_window_block(self, first_query: int) -> int:
+        """The first logical block that a query at `first_query` or later can read: the
+        blocks before it hold only keys j <= first_query - W (0 without a window)."""
+        if not self.sliding_window:
+            return 0
+        return max(0, first_query - self.sliding_window + 1) // self.block_size
 
     # -- prompt logprobs kept beside cached blocks ---------------------------
     def cached_prompt_scores(self, hashes: BlockHashes, num_blocks: int) -> list:
@@ -141,7 +187,7 @@ class KVCacheManager:
     # -- allocation ----------------------------------------------------------
     def allocate_slots(self, seq_id: int, token_ids: Sequence[int], num_tokens: int,
                        cached_blocks: Sequence[int] = (), hashes: BlockHashes | None = None,
-                       lookahead: int = 0) -> list[tuple[int, int]] | None:
+                       lookahead: int = 0, first_query: int | None = None) -> list[tuple[int, int]] | None:
         """Give sequence `seq_id` slots for its first `num_tokens` tokens.
 
         A sequence not yet known starts from `cached_blocks` (a prefix hit) and keeps
@@ -150,18 +196,26 @@ class KVCacheManager:
         next proposal into), beyond `token_ids`; their slots are lookahead slots, kept or
         taken back by rollback() once verified, never cached. Returns the
         copy-on-write pairs the runner must copy before writing, or None if the pool
-        cannot fit it now, in which case nothing has changed.
+        cannot fit it now, in which case nothing has changed but the window's release.
+
+        `first_query`: the first position whose query runs now (default: the first new
+        slot); no later query runs before it, even after a rollback. Under a sliding
+        window the blocks no query from there on reads are released first, fitting or not.
         """
         table = self.tables.get(seq_id)
         start = len(cached_blocks) * self.block_size if table is None else table.num_tokens
         if num_tokens < start:
             raise ValueError(f"num_tokens {num_tokens} < tokens already held {start}")
+        first_query = start if first_query is None else first_query
+        if not 0 <= first_query <= start:  # the tokens from the first new slot on are computed now
+            raise ValueError(f"first_query {first_query} outside [0, {start}]")
         if table is None:
-            table = self._admit(seq_id, token_ids, num_tokens, cached_blocks, self._hashes(hashes))
+            table = self._admit(seq_id, token_ids, num_tokens, cached_blocks, self._hashes(hashes), first_query)
             if table is None:
                 return None
             copies: list[tuple[int, int]] = []
         else:
+            self._slide(seq_id, table, first_query)  # first: what it releases may serve the growth
             copies = self._grow(seq_id, table, num_tokens)
             if copies is None:
                 return None
@@ -185,11 +239,13 @@ class KVCacheManager:
             raise ValueError(f"rollback to {num_tokens} tokens outside [0, {table.num_tokens}]")
         if len(token_ids) < num_tokens:
             raise ValueError(f"rollback: {len(token_ids)} token ids for {num_tokens} kept tokens")
+        if table.num_released > self.first_window_block(num_tokens):
+            raise ValueError(f"rollback to {num_tokens} tokens: the sliding window released keys its next query reads")
         held = min(table.num_tokens, num_tokens + max(0, lookahead))
         rejected = table.num_tokens - held
         freed: list[int] = []
         if self.policy == "paged":  # reserve-max keeps its whole reservation
-            keep = cdiv(held, self.block_size)
+            keep = cdiv(held, self.block_size)  # > num_released: the check above
             freed = table.block_ids[keep:][::-1]
             del table.block_ids[keep:]
             self.pool.release(freed)
@@ -201,9 +257,11 @@ class KVCacheManager:
         return freed
 
     def _admit(self, seq_id: int, token_ids: Sequence[int], num_tokens: int, cached_blocks: Sequence[int],
-               hashes: BlockHashes) -> BlockTable | None:
+               hashes: BlockHashes, first_query: int) -> BlockTable | None:
         """A new sequence's table: its prefix hit plus fresh blocks (paged), or a whole
-        max_model_len reservation (reserve-max). None, changing nothing, if it does not fit."""
+        max_model_len reservation (reserve-max). None, changing nothing, if it does not fit.
+        Under a sliding window the hit's blocks below the window of `first_query` are not
+        taken (RELEASED entries); those it reads must be there."""
         B = self.block_size
         if self.policy == "reserve-max":
             run = self.pool.allocate_run(self.reserve_blocks)
@@ -212,16 +270,22 @@ class KVCacheManager:
             table = BlockTable(B, run, hashes=hashes)
             self._emit({"type": "alloc", "seq": seq_id, "blocks": list(run)})
         else:
-            if self.blocks_needed(seq_id, num_tokens, cached_blocks) > self.pool.num_available:
+            skip = min(self.first_window_block(first_query), len(cached_blocks))
+            taken = list(cached_blocks[skip:])
+            if RELEASED in taken:
+                raise ValueError(f"prefix hit: block {skip + taken.index(RELEASED)} is missing but the window of "
+                                 f"the query at {first_query} reads it")
+            if self._fresh_blocks(num_tokens, len(cached_blocks)) + self._revived(taken) > self.pool.num_available:
                 return None
-            for b in cached_blocks:
+            for b in taken:
                 self.pool.touch(b)
             hit = len(cached_blocks) * B
-            table = BlockTable(B, list(cached_blocks), hit, hashes, num_cached_blocks=len(cached_blocks))
+            table = BlockTable(B, [RELEASED] * skip + taken, hit, hashes, num_cached_blocks=len(cached_blocks),
+                               num_released=skip)
             if self.enable_prefix_caching:
                 self.prefix_queries += len(token_ids)
                 self.prefix_hits += hit
-            self._emit({"type": "hit", "seq": seq_id, "blocks": list(cached_blocks), "tokens": hit,
+            self._emit({"type": "hit", "seq": seq_id, "blocks": list(table.block_ids), "tokens": hit,
                         "queried": len(token_ids)})
             self._append(seq_id, table, max(0, cdiv(num_tokens, B) - len(cached_blocks)))
         self.tables[seq_id] = table
@@ -250,9 +314,15 @@ class KVCacheManager:
             return self._new_blocks(table, num_tokens) + self._must_copy(table, num_tokens)
         if self.policy == "reserve-max":
             return self.reserve_blocks
-        # Cached-free hits leave the free queue when touched, so they cost capacity too.
-        revived = sum(1 for b in cached_blocks if self.pool.is_available(b))
-        return max(0, cdiv(num_tokens, self.block_size) - len(cached_blocks)) + revived
+        return self._fresh_blocks(num_tokens, len(cached_blocks)) + self._revived(cached_blocks)
+
+    def _fresh_blocks(self, num_tokens: int, num_hit: int) -> int:
+        return max(0, cdiv(num_tokens, self.block_size) - num_hit)
+
+    def _revived(self, blocks: Sequence[int]) -> int:
+        """Cached-free hits leave the free queue when touched, so they cost capacity too
+        (a hit's RELEASED entries cost nothing)."""
+        return sum(1 for b in blocks if b != RELEASED and self.pool.is_available(b))
 
     def _must_copy(self, table: BlockTable, num_tokens: int) -> bool:
         """A block is written in place only if this sequence alone holds it and it is not
@@ -293,9 +363,27 @@ class KVCacheManager:
             return
         keys = table.hashes.update(token_ids)
         for i in range(table.num_cached_blocks, full):
-            if self.pool.cache(table.block_ids[i], keys[i]):
-                self._emit({"type": "cache", "block": table.block_ids[i]})
+            b = table.block_ids[i]
+            # A block the window released before its tokens were verified here: not this table's to register.
+            if b != RELEASED and self.pool.cache(b, keys[i]):
+                self._emit({"type": "cache", "block": b})
         table.num_cached_blocks = full
+
+    def _slide(self, seq_id: int, table: BlockTable, first_query: int) -> None:
+        """Release the blocks no query from `first_query` on reads (the sliding window):
+        their entries become RELEASED; each keeps its hash in the free queue."""
+        end = min(self.first_window_block(first_query), table.num_tokens // self.block_size)
+        start = table.num_released
+        if end <= start:
+            return
+        gone = table.block_ids[start:end]
+        table.block_ids[start:end] = [RELEASED] * len(gone)
+        table.num_released = end
+        # Oldest first, so evicted first: a later hit under the window needs the blocks just
+        # before where it ends, not a prefix's head (free() releases tail first, as without one).
+        self.pool.release(gone)
+        self.window_released += len(gone)
+        self._emit({"type": "slide", "seq": seq_id, "index": start, "blocks": gone})
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None,
              hashes: BlockHashes | None = None) -> list[tuple[int, int]] | None:
@@ -309,10 +397,13 @@ class KVCacheManager:
         n = parent.num_tokens if num_tokens is None else num_tokens
         if not 0 <= n <= parent.num_tokens:
             raise ValueError(f"fork length {n} outside [0, {parent.num_tokens}]")
+        if parent.num_released > self.first_window_block(n):
+            raise ValueError(f"fork at {n} tokens: the sliding window released keys the child's next query reads")
         B = self.block_size
         k = cdiv(n, B)
         child = BlockTable(B, num_tokens=n, hashes=hashes if hashes is not None else parent.hashes.prefix(n),
-                           num_cached_blocks=min(parent.num_cached_blocks, n // B))
+                           num_cached_blocks=min(parent.num_cached_blocks, n // B),
+                           num_released=min(parent.num_released, k))
         copies: list[tuple[int, int]] = []
         if self.policy == "reserve-max":
             run = self.pool.allocate_run(self.reserve_blocks)
@@ -322,7 +413,7 @@ class KVCacheManager:
             copies = list(zip(parent.block_ids[:k], run[:k]))
         else:
             child.block_ids = parent.block_ids[:k]
-            for b in child.block_ids:
+            for b in child.held:
                 self.pool.touch(b)
         self.tables[child_id] = child
         self.forks += 1
@@ -334,7 +425,7 @@ class KVCacheManager:
         """Return a sequence's blocks, tail first (its tail is the least likely reused)."""
         table = self.tables.pop(seq_id, None)
         if table is not None:
-            tail_first = table.block_ids[::-1]
+            tail_first = table.held[::-1]
             self.pool.release(tail_first)
             if self.listener is not None:
                 self.listener({"type": "free", "seq": seq_id, "blocks": tail_first})
@@ -372,7 +463,8 @@ class KVCacheManager:
             prefix_queries=self.prefix_queries, prefix_hits=self.prefix_hits,
             cow_copies=self.cow_copies, forks=self.forks, evictions=pool.num_evictions,
             shared_blocks=pool.num_shared, prompt_logprob_queries=self.prompt_logprob_queries,
-            prompt_logprob_hits=self.prompt_logprob_hits, prompt_logprob_blocks=len(pool.attached))
+            prompt_logprob_hits=self.prompt_logprob_hits, prompt_logprob_blocks=len(pool.attached),
+            window_released=self.window_released)
 
     def _walk_slots(self) -> tuple[int, int]:
         """(slots holding a token, a shared block once; blocks the tables would hold unshared)."""
@@ -380,12 +472,12 @@ class KVCacheManager:
         fill: dict[int, int] = {}
         without_sharing = 0
         for t in self.tables.values():
-            without_sharing += t.num_used_blocks
+            without_sharing += t.num_held_used_blocks
             full = t.num_tokens // B
             # A table's leading blocks are full: B, the most any holder can fill, so they are
             # set without comparing (in C; a table is mostly full blocks). Its last few compare.
-            fill.update(dict.fromkeys(t.block_ids[:full], B))
-            for i in range(full, len(t.block_ids)):
+            fill.update(dict.fromkeys(t.block_ids[t.num_released:full], B))
+            for i in range(max(full, t.num_released), len(t.block_ids)):
                 b, f = t.block_ids[i], max(0, t.num_tokens - i * B)
                 if f > fill.get(b, -1):
                     fill[b] = f
@@ -397,7 +489,9 @@ class KVCacheManager:
         partition the pool; the hash map points at the blocks that carry the hashes."""
         refs = [0] * self.pool.num_blocks
         for t in self.tables.values():
-            for b in t.block_ids:
+            assert all(b == RELEASED for b in t.block_ids[:t.num_released]), "released entries must lead the table"
+            for b in t.held:
+                assert 0 <= b < self.pool.num_blocks, f"table entry {b} after the released ones"
                 refs[b] += 1
             assert t.num_used_blocks <= len(t.block_ids), "table shorter than its tokens"
         cached_free = 0

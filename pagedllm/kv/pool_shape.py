@@ -7,18 +7,37 @@ from dataclasses import dataclass
 from ..util import cdiv
 
 
+def window_blocks(window: int, block_size: int, step_tokens: int) -> int:
+    """The most blocks one sequence holds at once when every query sees only the last
+    `window` keys and a step gives it slots for at most `step_tokens` tokens: a chunk of
+    queries [s, e) reads keys from s - window + 1, so the held range is window - 1 + the
+    step's tokens long, one block more where it does not start on a block boundary."""
+    return cdiv(window - 1 + step_tokens, block_size) + 1
+
+
 @dataclass(frozen=True, slots=True)
 class PoolShape:
     num_blocks: int
     block_size: int
     policy: str = "paged"
     reserve_blocks: int = 0   # reserve-max: blocks each sequence reserves (max_model_len's)
+    # Sliding window (paged): the most blocks one sequence holds at once (window_blocks());
+    # 0: a sequence holds a block for each of its tokens' blocks.
+    window_blocks: int = 0
 
     @classmethod
-    def of(cls, num_blocks: int, block_size: int, policy: str, max_model_len: int | None) -> PoolShape:
-        return cls(num_blocks, block_size, policy, cdiv(max_model_len, block_size) if max_model_len else 0)
+    def of(cls, num_blocks: int, block_size: int, policy: str, max_model_len: int | None,
+           window_blocks: int = 0) -> PoolShape:
+        return cls(num_blocks, block_size, policy, cdiv(max_model_len, block_size) if max_model_len else 0,
+                   window_blocks if policy == "paged" else 0)
+
+    def blocks_per_seq(self, num_tokens: int) -> int:
+        """The most blocks one sequence of num_tokens tokens holds at once, unshared."""
+        if self.policy == "reserve-max":
+            return self.reserve_blocks
+        need = cdiv(num_tokens, self.block_size)
+        return min(need, self.window_blocks) if self.window_blocks else need
 
     def can_ever_fit(self, num_tokens: int, num_seqs: int = 1) -> bool:
         """Whether num_seqs sequences of num_tokens each fit the empty pool, unshared."""
-        need = self.reserve_blocks if self.policy == "reserve-max" else cdiv(num_tokens, self.block_size)
-        return need * num_seqs <= self.num_blocks
+        return self.blocks_per_seq(num_tokens) * num_seqs <= self.num_blocks

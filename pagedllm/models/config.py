@@ -26,7 +26,10 @@ class ModelConfig:
     tie_word_embeddings: bool
     qkv_bias: bool
     eos_token_ids: tuple[int, ...] = field(default=())
-    sliding_window: int | None = None  # attention window, where the model uses one
+    sliding_window: int | None = None  # the widest layer's attention window, where the model uses one
+    # Each layer's window W (a query at p sees keys p - W < j <= p), 0 for full attention;
+    # empty: every layer full.
+    layer_windows: tuple[int, ...] = field(default=())
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -40,7 +43,7 @@ class ModelConfig:
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        window = cfg.get("sliding_window") if cfg.get("use_sliding_window", mt == "mistral") else None
+        windows = layer_windows(cfg, mt)
         return cls(
             model_type=mt, hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
@@ -51,7 +54,19 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             qkv_bias=cfg.get("attention_bias", mt == "qwen2"), eos_token_ids=eos,
-            sliding_window=window)
+            sliding_window=max(windows, default=0) or None, layer_windows=windows if any(windows) else ())
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s attention window (0: full attention)."""
+        return self.layer_windows[layer] if self.layer_windows else 0
+
+    @property
+    def kv_window(self) -> int:
+        """The window by which a sequence's old blocks can be released: the widest one when
+        every layer is windowed, 0 when any layer attends to every key (it needs them all)."""
+        if not self.layer_windows or 0 in self.layer_windows:
+            return 0
+        return max(self.layer_windows)
 
     def kv_bytes_per_token(self, kv: KVDtype) -> int:
         """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included."""
@@ -74,3 +89,31 @@ class ModelConfig:
         self.check_tensor_parallel(n)
         return replace(self, num_heads=self.num_heads // n, num_kv_heads=self.num_kv_heads // n,
                        intermediate_size=self.intermediate_size // n, vocab_size=self.vocab_size // n)
+
+
+LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
+
+
+def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
+    """Each layer's window from an HF config, as transformers reads it: Mistral windows
+    every layer by `sliding_window` (its config has no per-layer pattern); Qwen2 windows the
+    layers `layer_types` marks "sliding_attention" (transformers 5), or else those from
+    `max_window_layers` on, and only when `use_sliding_window` is set. 0: full attention."""
+    n = cfg["num_hidden_layers"]
+    window = cfg.get("sliding_window") or 0
+    if not cfg.get("use_sliding_window", model_type == "mistral") or not window:
+        return (0,) * n
+    if window < 1:
+        raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
+    if model_type == "mistral":
+        return (window,) * n
+    types = cfg.get("layer_types")
+    if types is None:
+        first = cfg.get("max_window_layers", n)
+        return tuple(window if i >= first else 0 for i in range(n))
+    unknown = sorted(set(types) - LAYER_TYPES.keys())
+    if unknown:
+        raise ValueError(f"layer_types: {unknown} not supported; each layer must be one of {sorted(LAYER_TYPES)}")
+    if len(types) != n:
+        raise ValueError(f"layer_types has {len(types)} entries for {n} layers (num_hidden_layers)")
+    return tuple(window if LAYER_TYPES[t] else 0 for t in types)

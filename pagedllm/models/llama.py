@@ -93,20 +93,24 @@ class Ops:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0) -> None:
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
         self.scale = self.d ** -0.5
+        # Only a windowed layer says so: full attention is every backend's default, so one
+        # written before windows existed still runs full-attention models.
+        self.window_kw = {"window": window} if window else {}
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
         qkv = ops.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k = rotate(q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
-        o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale)
+        o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
+                                 **self.window_kw)
         return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
 
 
@@ -121,10 +125,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -168,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
         # cost a second of start-up on the meta device (it imports torch._dynamo).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:

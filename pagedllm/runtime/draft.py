@@ -17,6 +17,7 @@ import torch
 
 from ..attention import AttentionBackend, StepLayout
 from ..distributed import TPGroup
+from ..kv.block_table import RELEASED
 from ..loader import load_config
 from ..models import ModelConfig
 from .build import build_model
@@ -31,6 +32,9 @@ class DraftRunner:
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.cfg = ModelConfig.from_hf(load_config(model_dir))
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self.cfg.sliding_window and not backend.supports_window():
+            raise ValueError(f"attention backend {backend.name} has no sliding-window attention, which the draft "
+                             f"model's layers use (sliding_window {self.cfg.sliding_window})")
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype)
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len
@@ -60,7 +64,8 @@ class DraftRunner:
             table = w.chunk.block_ids + w.chunk.lookahead_block_ids
             n = min(w.k, len(table) * B - last, self.max_model_len - last)
             if n > 0:
-                runs.append((w.chunk.seq_id, table, n, w.state.tokens, list(range(min(w.state.valid, last), last + 1))))
+                runs.append((w.chunk.seq_id, table, n, w.state.tokens,
+                             list(range(self._catch_up_from(table, w.state.valid, last), last + 1))))
         if not runs:
             return {}
         drafts: dict[int, list[int]] = {sid: [] for sid, *_ in runs}
@@ -74,6 +79,16 @@ class DraftRunner:
             if not runs:
                 break
         return drafts
+
+    def _catch_up_from(self, table: list[int], valid: int, last: int) -> int:
+        """The first position to recompute the draft's KV from: where it stops being right,
+        but never a query whose window reads a block the target's sliding window released
+        (RELEASED entries lead the table; the engine releases blocks only when the draft is
+        windowed too). The stale draft KV this skips only lowers acceptance."""
+        released = next((i for i, b in enumerate(table) if b != RELEASED), len(table))
+        if not released:
+            return min(valid, last)
+        return min(max(valid, released * self.block_size + self.cfg.kv_window - 1), last)
 
     def _step(self, queries: list[tuple[list[int], list[int], list[int]]]) -> list[int]:
         """One draft forward: each (block table, token ids, their positions) a query, single

@@ -81,6 +81,8 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
          s.computed_prompt_tokens),
         (c, "engine_steps", "Engine steps (forward passes) run.", s.steps),
         (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
+        (c, "kv_cache_window_released_blocks", "Blocks sequences released below their sliding window "
+         "(no later query reads them; they stay cached until evicted).", s.kv.window_released),
         (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes, scales included "
          "when quantized).", s.bytes_per_token),
         (g, "kv_cache_blocks_per_gib", "KV blocks one GiB of pool holds at its dtype and block size.", s.blocks_per_gib),

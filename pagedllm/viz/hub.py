@@ -189,6 +189,7 @@ class VizHub:
         eng = self.engine
         return {"num_blocks": eng.kv.pool.num_blocks, "block_size": eng.kv.block_size,
                 "policy": eng.kv.policy, "prefix_caching": eng.kv.enable_prefix_caching,
+                "sliding_window": eng.kv.sliding_window,
                 "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
                 "model": eng.model_name}
 
@@ -235,4 +236,5 @@ def kv_figures(st: KVStats, reserve_max_blocks: int, preemptions: int = 0) -> di
             "cached_free": st.cached_free_blocks, "free": st.free_blocks, "usage": round(st.usage, 4),
             "hit_rate": round(st.hit_rate, 4), "waste": round(st.waste, 4),
             "without_sharing": st.blocks_without_sharing, "reserve_max": reserve_max_blocks,
-            "cow": st.cow_copies, "forks": st.forks, "evictions": st.evictions, "preemptions": preemptions}
+            "cow": st.cow_copies, "forks": st.forks, "evictions": st.evictions, "preemptions": preemptions,
+            "window_released": st.window_released}

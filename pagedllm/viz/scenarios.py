@@ -1,9 +1,10 @@
 """Built-in scenarios for the visualizer, and recording them as replayable traces.
 
 `library` is the PagedAttention worked example on the KV manager alone (block size 4, 12 blocks,
-no model). The others run the real engine on the default model with a small pool so that
-every block is visible: a shared-system-prompt chat, parallel sampling n=4, and a
-preemption under a tight KV budget.
+no model), and `sliding-window` the same pool under a window of 8 keys. The others run the
+real engine on the default model with a small pool so that every block is visible: a
+shared-system-prompt chat, parallel sampling n=4, beam search, and a preemption under a
+tight KV budget.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..demo import NAMES, SYSTEM, WORDS, library_kv, library_steps
+from ..demo import NAMES, WINDOW_NAMES, WORDS, library_kv, library_steps, window_kv, window_steps, window_word
 from ..util import cdiv
 from .hub import kv_figures
 from .state import kv_picture
@@ -54,6 +55,10 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("library", "The library example",
              "A system prompt, readers A and B sharing it, C branching off A and writing: copy-on-write. "
              "11 blocks without sharing, 5 with paging and sharing. Block size 4, 12 blocks, KV manager only."),
+    Scenario("sliding-window", "A sliding window releases blocks",
+             "Every query sees its last 8 keys: as A decodes, each block wholly below its window goes back to "
+             "the pool (its table entry released, the block still cached). B shares A's first 20 tokens and "
+             "takes only the 2 blocks its window reads. Block size 4, 12 blocks, KV manager only."),
     Scenario("chat", "Chat with a shared system prompt",
              "Six chats arrive one after another, all with the same system prompt: from the second on, "
              "its blocks are prefix hits (ref count > 1) and only the question is prefilled.",
@@ -88,7 +93,8 @@ def trace_path(name: str) -> Path:
 def record(name: str, engine_overrides: dict | None = None) -> dict:
     """Run a scenario and return its trace: {version, scenario, title, description, messages}."""
     sc = SCENARIOS[name]
-    messages = library_messages() if name == "library" else _engine_messages(sc, engine_overrides or {})
+    kv_only = {"library": library_messages, "sliding-window": window_messages}
+    messages = kv_only[name]() if name in kv_only else _engine_messages(sc, engine_overrides or {})
     return {"version": TRACE_VERSION, "scenario": sc.name, "title": sc.title,
             "description": sc.description, "messages": messages}
 
@@ -129,33 +135,55 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
 def library_messages() -> list[dict]:
     """The library example as a trace: one message per KV manager operation."""
     kv = library_kv()
-    events: list[dict] = []
-    kv.watch(events.append)
     tokens: dict[int, list[int]] = {}
     copies: list[tuple[int, int]] = []
-    max_len = 16  # what a reader would reserve up front in the traditional scheme
+    return kv_messages(kv, library_steps(kv, tokens, copies), tokens, NAMES, WORDS.__getitem__, max_len=16)
+
+
+def window_messages() -> list[dict]:
+    """The sliding-window example as a trace."""
+    kv = window_kv()
+    tokens: dict[int, list[int]] = {}
+    return kv_messages(kv, window_steps(kv, tokens), tokens, WINDOW_NAMES, window_word, max_len=32)
+
+
+def kv_messages(kv, steps, tokens: dict[int, list[int]], names: dict[int, str], word, max_len: int) -> list[dict]:
+    """A KV-manager-only example as a trace: a snapshot, then one step message per
+    operation of `steps` (label, tokens gained), and a request message for each sequence
+    as it first takes blocks (a forked reader names its parent). `max_len`: what a
+    sequence would reserve up front in the traditional scheme."""
+    events: list[dict] = []
+    kv.watch(events.append)
     reserve = lambda: len(kv.tables) * cdiv(max_len, kv.block_size)  # noqa: E731
     msgs = [{"kind": "snapshot", "t": 0, "step": 0,
              "config": {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size, "policy": kv.policy,
-                        "prefix_caching": True, "max_num_seqs": 4, "max_model_len": max_len,
-                        "model": "none (KV manager only)"},
+                        "prefix_caching": True, "sliding_window": kv.sliding_window, "max_num_seqs": 4,
+                        "max_model_len": max_len, "model": "none (KV manager only)"},
              **kv_picture(kv), "seqs": {}, "requests": {},
              "running": [], "waiting": [], "figures": kv_figures(kv.stats(), 0)}]
-    msgs.append({"kind": "request", "t": 0, "req": NAMES[0], "label": NAMES[0], "seqs": [0], "n": 1, "max_tokens": 8,
-                 "prompt": [WORDS[t] for t in SYSTEM]})
-    for step, (label, new) in enumerate(library_steps(kv, tokens, copies), 1):
-        for ev in events:  # the forked readers become requests of their own on the page
+    announced: set[int] = set()
+    for step, (label, new) in enumerate(steps, 1):
+        for ev in events:  # each sequence becomes a request on the page when it first holds blocks
+            seq = ev.get("seq")
+            if ev["type"] not in ("hit", "alloc", "fork") or seq in announced:
+                continue
+            announced.add(seq)
+            req = {"kind": "request", "t": step, "req": names[seq], "label": names[seq], "seqs": [seq], "n": 1}
             if ev["type"] == "fork":
-                msgs.append({"kind": "request", "t": step, "req": NAMES[ev["seq"]], "label": NAMES[ev["seq"]],
-                             "seqs": [ev["seq"]], "n": 1,
-                             "max_tokens": max_len - ev["tokens"], "prompt": [], "forked_from": ev["parent"]})
+                req.update(max_tokens=max_len - ev["tokens"], prompt=[], forked_from=ev["parent"])
+            else:
+                req.update(max_tokens=max_len - len(new.get(seq, [])), prompt=[word(t) for t in new.get(seq, [])])
+            msgs.append(req)
+        prompts = {ev["seq"] for ev in events if ev["type"] in ("hit", "alloc") and ev["seq"] in new}
         msgs.append({"kind": "step", "t": step, "step": step, "label": label, "kv": list(events),
                      "batch": [[s, len(tokens[s]) - len(t), len(t)] for s, t in new.items()],
                      "prefill_tokens": sum(len(t) for t in new.values() if len(t) > 1),
                      "decode_tokens": sum(1 for t in new.values() if len(t) == 1), "preempted": [],
-                     "tokens": {s: [WORDS[x] for x in t] for s, t in new.items() if s != 0},
-                     "finished": {}, "running": sorted(kv.tables), "waiting": [],
-                     "figures": kv_figures(kv.stats(), reserve())})
+                     # a new sequence's prompt came with its request; only generated tokens follow
+                     "tokens": {s: [word(x) for x in t] for s, t in new.items()
+                                if not (s in prompts and len(t) == len(tokens[s]))},
+                     "finished": {ev["seq"]: "stop" for ev in events if ev["type"] == "free"},
+                     "running": sorted(kv.tables), "waiting": [], "figures": kv_figures(kv.stats(), reserve())})
         events.clear()
     return msgs
 

@@ -3,7 +3,8 @@
 The page runs the same logic in JavaScript; this copy lets the tests check that the
 event stream carries everything: replaying it must give the manager's own state.
 
-Events (dicts, as KVCacheManager emits them):
+Events (dicts, as KVCacheManager emits them). A table entry -1 (RELEASED) is a block the
+sliding window released, or a prefix hit never took: it holds no reference.
   hit    seq, blocks, tokens   a new sequence starts from cached blocks (each ref +1)
   alloc  seq, blocks           fresh blocks appended to the sequence's table (ref 1)
   cow    seq, index, src, dst  copy-on-write: table[index] src -> dst (src ref -1)
@@ -11,12 +12,20 @@ Events (dicts, as KVCacheManager emits them):
   cache  block                 a full block is registered in the prefix cache
   fork   parent, seq, blocks, tokens, shared   the child's table (shared: each ref +1)
   free   seq, blocks           the sequence's blocks, each ref -1 (tail first)
+  slide  seq, index, blocks    sliding window: table[index ..] (these blocks) become -1, each ref -1
   evict  block                 a cached-free block is handed out: its cache entry goes
   reset_cache                  every cached-free block forgets its hash
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from ..kv.block_table import RELEASED
+
+
+def held(blocks: list[int]) -> list[int]:
+    """The entries of a table that hold a block."""
+    return [b for b in blocks if b != RELEASED]
 
 
 def kv_picture(kv) -> dict:
@@ -58,7 +67,7 @@ class KVReplay:
     def apply(self, ev: dict) -> None:
         kind = ev["type"]
         if kind == "hit":
-            for b in ev["blocks"]:
+            for b in held(ev["blocks"]):
                 self.refs[b] += 1
             self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
         elif kind == "alloc":
@@ -81,13 +90,19 @@ class KVReplay:
         elif kind == "cache":
             self.hashed.add(ev["block"])
         elif kind == "fork":
-            for b in ev["blocks"]:
+            for b in held(ev["blocks"]):
                 self.refs[b] = self.refs[b] + 1 if ev["shared"] else 1
             self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
         elif kind == "free":
             for b in ev["blocks"]:
                 self.refs[b] -= 1
             del self.tables[ev["seq"]]
+        elif kind == "slide":
+            t = self.tables[ev["seq"]]
+            for i, b in enumerate(ev["blocks"], ev["index"]):
+                assert t.blocks[i] == b, f"slide of block {b}, but entry {i} holds {t.blocks[i]}"
+                self.refs[b] -= 1
+                t.blocks[i] = RELEASED
         elif kind == "evict":
             self.hashed.discard(ev["block"])
         elif kind == "reset_cache":

@@ -125,3 +125,113 @@ def test_slots_of_a_range_equal_slot_by_slot():
             lo = rng.randint(0, 50 * b)
             hi = rng.randint(lo, 50 * b)
             assert t.slots(lo, hi) == [t.block_ids[j // b] * b + j % b for j in range(lo, hi)]
+
+
+# -- sliding window ------------------------------------------------------------
+def _windowed(num_blocks: int = 16, window: int = 6, **kw) -> KVCacheManager:
+    return KVCacheManager(num_blocks, 4, sliding_window=window, **kw)
+
+
+def test_window_releases_blocks_no_later_query_reads():
+    """Window 6, blocks of 4: the query at p reads keys p-5..p, so once the first query of a
+    step is at 9, block 0 (keys 0..3) is released; its entry becomes -1, the numbering stays."""
+    from pagedllm.kv.block_table import RELEASED
+
+    kv = _windowed()
+    toks = list(range(12))
+    kv.allocate_slots(0, toks, 8)
+    t = kv.block_table(0)
+    kv.allocate_slots(0, toks, 9)                     # the query at 8 reads keys 3..8
+    assert t.num_released == 0
+    kv.allocate_slots(0, toks, 10)                    # the query at 9 reads keys 4..9
+    assert t.block_ids[0] == RELEASED and t.num_released == 1
+    assert t.slots(9, 10) == [t.block_ids[2] * 4 + 1]  # pid = table[j // B] still
+    with pytest.raises(IndexError, match="sliding window"):
+        t.slot(2)
+    st = kv.stats()
+    assert st.window_released == 1 and st.used_blocks == 2 and st.cached_free_blocks == 1  # it keeps its hash
+    assert st.blocks_without_sharing == 2
+    kv.check_integrity()
+    kv.free(0)
+    assert kv.pool.num_available == 16 and kv.stats().window_released == 1
+
+
+def test_window_releases_relative_to_the_first_query_of_the_step():
+    """A chunk of queries [s, e) reads keys from s - W + 1: a step releases relative to its
+    first query (also before it grows: the released blocks serve its growth), and a query
+    re-run after a rollback still finds its keys."""
+    kv = _windowed(num_blocks=6)
+    toks = list(range(40))
+    kv.allocate_slots(0, toks, 16)
+    assert kv.allocate_slots(0, toks, 28, first_query=12) == []   # keys from 7: block 0 goes, 3 come
+    t = kv.block_table(0)
+    assert t.num_released == 1 and len(t.held) == 6 == kv.pool.num_used
+    kv.allocate_slots(0, toks, 29, first_query=28)                # keys from 23: blocks 0..4 gone
+    assert t.num_released == 5
+    with pytest.raises(ValueError, match="first_query"):
+        kv.allocate_slots(0, toks, 30, first_query=30)            # past the tokens already held
+    with pytest.raises(ValueError, match="sliding window"):
+        kv.rollback(0, 20, toks)                                  # its next query would read keys 15..20
+    assert len(kv.rollback(0, 28, toks)) == 1                     # the draft at 28 rejected: fine
+
+
+def test_fork_refuses_a_child_whose_window_was_released():
+    kv = _windowed()
+    toks = list(range(20))
+    kv.allocate_slots(0, toks, 19)
+    kv.allocate_slots(0, toks, 20)                                # the query at 19: blocks 0..2 released
+    t = kv.block_table(0)
+    assert t.num_released == 3
+    with pytest.raises(ValueError, match="fork at 12"):
+        kv.fork(0, 1, 12)                                         # its query at 12 reads keys 7..12
+    assert kv.fork(0, 1, 17) == []                                # reads 12..17: held
+    child = kv.block_table(1)
+    assert child.block_ids[:3] == t.block_ids[:3] and child.num_released == 3
+    assert kv.stats().shared_blocks == 2
+    kv.check_integrity()
+
+
+def test_window_hit_needs_only_the_blocks_its_queries_read():
+    """A cached prefix whose first blocks were evicted is still a hit where the window makes
+    it exact: the new sequence's queries (from the hit's end on) read none of them."""
+    from pagedllm.kv.block_table import RELEASED
+
+    kv = _windowed(num_blocks=8)
+    toks = list(range(100, 124))                                  # 6 blocks
+    for n in range(1, 25):                                        # decoded one by one: blocks 0..3 released
+        kv.allocate_slots(0, toks, n)
+    kv.free(0)                                                    # the free queue: 6, 7, then 0..3, then 5, 4
+    kv.allocate_slots(1, list(range(16)), 16)                     # takes 6, 7 and evicts 0, 1
+    query = toks + [7]
+    hit = kv.lookup_prefix(query)
+    assert hit[:2] == [RELEASED, RELEASED] and RELEASED not in hit[2:] and len(hit) == 6
+    kv.allocate_slots(2, query, 25, hit)                          # its query at 24 reads keys 19..24
+    t = kv.block_table(2)
+    assert t.num_released == 4 and t.held[:2] == hit[4:]          # blocks 2, 3 are not even taken
+    assert kv.stats().prefix_hits == 24
+    kv.check_integrity()
+
+
+def test_window_hit_rule():
+    """A hit of k blocks needs blocks (k*B - W + 1) // B .. k - 1 (vLLM's SlidingWindowManager
+    rule); missing one of those, the hit is shorter or none, never wrong. Without a window
+    a hit is a run of leading blocks."""
+    R = -1
+    kv = _windowed(window=6)                                      # B = 4
+    assert kv.shorten_hit([R, R, 2, 3, R, 5], 6) == [R, R, 2, 3]  # 24 needs 4, 5; 20 needs 3, 4; 16 needs 2, 3
+    assert kv.shorten_hit([R, R, 2, 3, 4, 5], 6) == [R, R, 2, 3, 4, 5]
+    assert kv.shorten_hit([R, R, 2, 3, 4, 5], 3) == []            # 12 needs 1, 2; 8 needs 0, 1; 4 needs 0
+    assert kv.shorten_hit([0, R, 2, R], 4) == [0]                # 12 needs 1, 2; 8 needs 0, 1
+    assert kv.shorten_hit([0, R, 2, 3], 4) == [0, R, 2, 3]        # 16 needs 2, 3
+    assert _windowed(window=1).shorten_hit([R, R, R, 3], 4) == [R, R, R, 3]  # a window of 1 reads only itself
+    assert KVCacheManager(16, 4).shorten_hit([0, 1, R, 3], 4) == [0, 1]
+    assert KVCacheManager(16, 4).shorten_hit([0, 1, 2, 3], 3) == [0, 1, 2]
+
+
+def test_window_bounds_what_can_ever_fit():
+    """Under a window a sequence holds its window's blocks, not its length's: a request
+    longer than the pool fits."""
+    kv = _windowed(num_blocks=8, window=16, max_step_tokens=8)
+    assert kv.shape.window_blocks == 7 and kv.can_ever_fit(1000)
+    assert not KVCacheManager(8, 4).can_ever_fit(1000)
+    assert KVCacheManager(8, 4, policy="reserve-max", max_model_len=32, sliding_window=16).sliding_window == 0

@@ -6,7 +6,10 @@ A shadow "KV store" keys what each physical slot holds by the token's whole hist
 sequence's salt and every token id up to and including it. A block is interchangeable only
 with one of the same history, so a prefix hit that serves a block with the right tokens but
 another parent, or another tenant's salt, fails here; so does copy-on-write that lets one
-sequence's write leak into another's view."""
+sequence's write leak into another's view.
+
+The same machine runs under a sliding window (WindowedKVManagerMachine): blocks below the
+window of every later query go back to the pool, their entries -1 (RELEASED)."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
@@ -14,7 +17,9 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
+from pagedllm.kv.block_table import RELEASED
 from pagedllm.kv.hashing import BlockHashes
+from pagedllm.util import cdiv
 from pagedllm.viz.state import KVReplay, kv_picture
 
 B = 4
@@ -40,9 +45,11 @@ def assert_replay_matches(kv: KVCacheManager, replay: KVReplay) -> None:
 
 
 class KVManagerMachine(RuleBasedStateMachine):
+    WINDOW = 0
+
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True)
+        self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True, sliding_window=self.WINDOW)
         self.replay = watched(self.kv)
         self.tokens: dict[int, list[int]] = {}       # seq -> tokens it holds KV for
         self.future: dict[int, list[int]] = {}       # seq -> prompt tokens it has not reached yet
@@ -68,7 +75,11 @@ class KVManagerMachine(RuleBasedStateMachine):
         hashes = self.kv.new_hashes(salt)
         hit = self.kv.lookup_prefix(toks, hashes)
         assert len(hit) * B <= len(toks) - 1, "a hit must leave the last token to compute"
+        first = self.kv.first_window_block(len(hit) * B)
+        assert RELEASED not in hit[first:], "a hit lacks a block its window reads"
         for i, b in enumerate(hit):  # a hit block holds exactly this prefix, under this salt
+            if b == RELEASED:
+                continue
             want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
             assert [self.store.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
         # a request waiting for room looks up again each step, with the same keys
@@ -93,6 +104,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.tokens[seq], self.future[seq] = toks[:ends[0]], toks[ends[0]:]
         self.hashes[seq], self.salt[seq] = hashes, salt
         self._write(seq, start, copies)
+        self._check_step(seq, ends[0] - start)
         for end in ends[1:]:
             if not self._grow(seq, end - len(self.tokens[seq])):
                 return  # out of room mid-prompt: it holds what it got, the rest stays in `future`
@@ -108,7 +120,15 @@ class KVManagerMachine(RuleBasedStateMachine):
             return False
         self.tokens[seq], self.future[seq] = new, fut[count:]
         self._write(seq, held, copies)
+        self._check_step(seq, count)
         return True
+
+    def _check_step(self, seq: int, count: int) -> None:
+        """Right after a step gave it slots for `count` tokens, a windowed sequence holds at
+        most the blocks of its window and those tokens."""
+        if self.WINDOW:
+            t = self.kv.block_table(seq)
+            assert len(t.held) <= cdiv(self.WINDOW - 1 + count, B) + 1, (t.block_ids, count)
 
     @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=6), salt=SALTS)
     def add_sequence(self, stem: int, extra: list[int], salt: str | None) -> None:
@@ -122,6 +142,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         self._admit(STEMS[stem] + extra, salt, chunks)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), extra=st.lists(st.integers(0, 3), min_size=1, max_size=3),
+          chunks=st.lists(st.integers(1, 17), max_size=3))
+    def add_continuation(self, data, extra: list[int], chunks: list[int]) -> None:
+        """A later turn of a conversation: a sequence's whole history and more, under its
+        salt. Under a window its early blocks may be released and evicted by now, so the hit
+        may lack blocks no query of the new sequence reads."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        self._admit(self.tokens[seq] + extra, self.salt[seq], chunks)
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data(), tok=st.integers(0, 9), count=st.integers(1, 5))
     def append(self, data, tok: int, count: int) -> None:
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
@@ -133,7 +163,11 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        n = data.draw(st.integers(1, len(self.tokens[parent])))
+        released = self.kv.block_table(parent).num_released  # a child must find the keys its window reads
+        lo = released * B + self.WINDOW - 1 if released else 1
+        if lo > len(self.tokens[parent]):
+            return
+        n = data.draw(st.integers(lo, len(self.tokens[parent])))
         child = self.next_id
         self.next_id += 1
         assert self.kv.fork(parent, child, n) == []
@@ -188,7 +222,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def refcounts_and_partition(self) -> None:
         self.kv.check_integrity()
         pool = self.kv.pool
-        used = {b for s in self.tokens for b in self.kv.block_table(s).block_ids}
+        used = {b for s in self.tokens for b in self.kv.block_table(s).held}
         free = set(pool.free_queue)
         assert not used & free, "a block in use is also in the free queue"
         assert len(used) + len(free) == NUM_BLOCKS
@@ -212,8 +246,21 @@ class KVManagerMachine(RuleBasedStateMachine):
         a shared block ever leaked into another sequence's view."""
         for s, toks in self.tokens.items():
             t = self.kv.block_table(s)
-            assert [self.store.get(t.slot(j)) for j in range(len(toks))] == \
-                [self._history(s, j) for j in range(len(toks))]
+            lo = t.num_released * B  # below it: released, read by no later query
+            assert [self.store.get(t.slot(j)) for j in range(lo, len(toks))] == \
+                [self._history(s, j) for j in range(lo, len(toks))]
+
+    @invariant()
+    def window_releases_only_what_no_query_reads(self) -> None:
+        """-1 entries lead each table, and only below the window of its next query (at its
+        length): every key that query reads is held. Without a window there are none."""
+        for s, toks in self.tokens.items():
+            t = self.kv.block_table(s)
+            assert t.block_ids[:t.num_released] == [RELEASED] * t.num_released
+            assert RELEASED not in t.held
+            assert t.num_released <= self.kv.first_window_block(len(toks))
+            if not self.WINDOW:
+                assert t.num_released == 0
 
     @invariant()
     def cached_blocks_hold_their_history(self) -> None:
@@ -248,6 +295,23 @@ class KVManagerMachine(RuleBasedStateMachine):
 
 KVManagerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 TestKVManager = KVManagerMachine.TestCase
+
+
+class WindowedKVManagerMachine(KVManagerMachine):
+    """Every query sees its last WINDOW keys: sequences release the blocks below it as they
+    grow, and prefix hits may lack blocks no query of theirs reads."""
+    WINDOW = 6
+
+    @invariant()
+    def window_bounds_what_a_sequence_holds(self) -> None:
+        """Between steps a sequence holds at most its window's blocks and one step's tokens'
+        (here at most 17: a prompt's first chunk past its hit)."""
+        for s in self.tokens:
+            assert len(self.kv.block_table(s).held) <= cdiv(self.WINDOW - 1 + 17, B) + 1
+
+
+WindowedKVManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestWindowedKVManager = WindowedKVManagerMachine.TestCase
 
 
 class ReserveMaxMachine(RuleBasedStateMachine):

@@ -23,6 +23,7 @@ VLLM_FAMILIES = {
     "request_params_n": "histogram", "request_params_max_tokens": "histogram", "cache_config_info": "gauge",
 }
 OURS = {"kv_cache_cached_free_blocks": "gauge", "kv_cache_waste_perc": "gauge", "kv_cache_cow_copies": "counter",
+        "kv_cache_window_released_blocks": "counter",
         "prompt_logprobs_cache_queries": "counter", "prompt_logprobs_cache_hits": "counter",
         "prompt_logprobs_cache_blocks": "gauge"}
 

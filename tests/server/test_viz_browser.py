@@ -188,3 +188,44 @@ def test_beam_trace_replays_with_forked_beams():
         assert "·" in page.locator("#log li[data-type=fork]").first.text_content(), "a forked beam gets a label"
         assert not errors_js, errors_js
         browser.close()
+
+
+def test_sliding_window_trace_shows_released_entries():
+    """The sliding-window scenario in the page: a table's entries the window released show
+    as one cell, apart from the blocks it holds; each release is logged, and counted."""
+    import json
+
+    from pagedllm.viz.routes import PAGE
+    from pagedllm.viz.scenarios import trace_path
+
+    from pagedllm.viz.state import KVReplay
+
+    trace = json.loads(trace_path("sliding-window").read_text())
+    replay = KVReplay.from_picture(trace["messages"][0])
+    for ev in (ev for m in trace["messages"] for ev in m.get("kv", [])):
+        replay.apply(ev)
+    slides = sum(ev["type"] == "slide" for m in trace["messages"] for ev in m.get("kv", []))
+    last = trace["messages"][-1]
+    (table,) = [t.blocks for t in replay.tables.values()]
+    gone = table.count(-1)
+    assert gone >= 3
+    sync_playwright = _browser()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors_js: list[str] = []
+        page.on("pageerror", lambda e: errors_js.append(str(e)))
+        page.goto(PAGE.as_uri() + "?speed=6")
+        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
+        page.set_input_files("#trace-file", str(trace_path("sliding-window")))
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        released = page.locator("#tables .tcell.released")
+        assert released.count() == 1 and released.first.get_attribute("data-released") == str(gone)
+        assert page.locator("#tables .tcell:not(.released)").count() == len(table) - gone
+        assert _text(page, "#fig-used") == len(table) - gone
+        assert page.locator("#log li[data-type=slide]").count() == slides
+        assert page.is_visible("#fig-window-box") and _text(page, "#fig-window") == last["figures"]["window_released"]
+        page.screenshot(path=str(ARTIFACTS / "viz_sliding_window.png"), full_page=True)
+        assert not errors_js, errors_js
+        browser.close()

@@ -45,19 +45,26 @@ function log(type, text) {
   S.log.push({ type, text, step: S.step });
   if (S.log.length > MAX_LOG) S.log.shift();
 }
-function ids(blocks) { return blocks.map((b) => `P${b}`).join(" "); }
+// A table entry of -1 (RELEASED): a block the sliding window released, or a prefix hit never took.
+const RELEASED = -1;
+function held(blocks) { return blocks.filter((b) => b !== RELEASED); }
+function ids(blocks) { return held(blocks).map((b) => `P${b}`).join(" "); }
+function numReleased(t) { let n = 0; while (n < t.blocks.length && t.blocks[n] === RELEASED) n += 1; return n; }
 
 function applyKV(ev) {
   const t = S.tables.get(ev.seq);
   switch (ev.type) {
-    case "hit":
-      ev.blocks.forEach((b) => { S.refs[b] += 1; });
+    case "hit": {
+      const got = held(ev.blocks), skipped = ev.blocks.length - got.length;
+      got.forEach((b) => { S.refs[b] += 1; });
       S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       if (ev.blocks.length) {
-        log("hit", `${seqLabel(ev.seq)} prefix hit: shares ${ev.blocks.length} cached blocks ${ids(ev.blocks)} (${ev.tokens} of ${ev.queried} prompt tokens skip prefill)`);
-        flash(ev.blocks, "hit");
+        log("hit", `${seqLabel(ev.seq)} prefix hit: shares ${got.length} cached blocks ${ids(got)}` +
+            `${skipped ? ` (${skipped} below its sliding window not needed)` : ""} (${ev.tokens} of ${ev.queried} prompt tokens skip prefill)`);
+        flash(got, "hit");
       }
       break;
+    }
     case "alloc":
       ev.blocks.forEach((b) => { S.refs[b] = 1; S.blockText.delete(b); });
       if (t) t.blocks.push(...ev.blocks); else S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: 0 });
@@ -92,7 +99,7 @@ function applyKV(ev) {
       break;
     }
     case "fork": {
-      ev.blocks.forEach((b) => { S.refs[b] = ev.shared ? S.refs[b] + 1 : 1; });
+      held(ev.blocks).forEach((b) => { S.refs[b] = ev.shared ? S.refs[b] + 1 : 1; });
       S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       const parent = S.seqs.get(ev.parent), child = S.seqs.get(ev.seq);
       if (parent && child) { child.tokens = parent.tokens.slice(0, ev.tokens); child.status = "running"; }
@@ -102,9 +109,14 @@ function applyKV(ev) {
         S.labels.set(ev.seq, { label: `${r ? r.label : "beam"}·${ev.seq}`, color: r ? r.color : "#999" });
       }
       log("fork", `${seqLabel(ev.parent)} → ${seqLabel(ev.seq)}: fork at ${ev.tokens} tokens, ${ev.shared ? "shares" : "copies"} ${ids(ev.blocks)}`);
-      flash(ev.blocks, "fork");
+      flash(held(ev.blocks), "fork");
       break;
     }
+    case "slide":  // sliding window: blocks no later query of the sequence reads go back to the pool
+      ev.blocks.forEach((b, i) => { S.refs[b] -= 1; t.blocks[ev.index + i] = RELEASED; });
+      log("slide", `${seqLabel(ev.seq)} sliding window releases ${ids(ev.blocks)} (L${ev.index}${ev.blocks.length > 1 ? `–L${ev.index + ev.blocks.length - 1}` : ""}: below every later query's window)`);
+      flash(ev.blocks, "slide");
+      break;
     case "free":
       ev.blocks.forEach((b) => { S.refs[b] -= 1; });
       S.tables.delete(ev.seq);
@@ -204,7 +216,11 @@ function redraw() { if (!dirty) { dirty = true; requestAnimationFrame(draw); } }
 
 function owners() {
   const own = new Map();  // block -> [[seq, logical index], ...]
-  for (const [sid, t] of S.tables) t.blocks.forEach((b, i) => { if (!own.has(b)) own.set(b, []); own.get(b).push([sid, i]); });
+  for (const [sid, t] of S.tables) t.blocks.forEach((b, i) => {
+    if (b === RELEASED) return;
+    if (!own.has(b)) own.set(b, []);
+    own.get(b).push([sid, i]);
+  });
   return own;
 }
 
@@ -233,6 +249,8 @@ function draw() {
   $("fig-waste").textContent = pct(f.waste || 0);
   $("fig-events").textContent = `${f.cow || 0} · ${f.forks || 0} · ${f.evictions || 0} · ${f.preemptions || 0}`;
   $("fig-spec-box").hidden = f.spec_drafted === undefined;
+  $("fig-window-box").hidden = !S.config.sliding_window;
+  $("fig-window").textContent = f.window_released || 0;
   if (f.spec_drafted !== undefined)
     $("fig-spec").textContent = `${f.spec_accepted}/${f.spec_drafted} (${pct(f.spec_drafted ? f.spec_accepted / f.spec_drafted : 0)})`;
   $("fig-without").textContent = f.without_sharing ?? 0; $("fig-reserve").textContent = f.reserve_max ?? 0;
@@ -272,8 +290,12 @@ function draw() {
   // Block tables, one row per sequence holding blocks.
   const rows = [];
   for (const sid of [...S.tables.keys()].sort((a, b) => a - b)) {
-    const t = S.tables.get(sid), s = S.seqs.get(sid);
+    const t = S.tables.get(sid), s = S.seqs.get(sid), r = numReleased(t);
+    // The leading entries the sliding window released, as one cell (a long sequence has thousands).
+    const gone = r ? `<div class="tcell released" data-seq="${sid}" data-released="${r}" title="L0–L${r - 1}: released by the sliding window (no later query reads them)">` +
+                     `<span>L0${r > 1 ? `–L${r - 1}` : ""} released</span></div>` : "";
     const tc = t.blocks.map((b, i) => {
+      if (b === RELEASED) return "";
       const k = blockFill(sid, i);
       const a = blockAhead(sid, i);
       return `<div class="tcell${S.refs[b] > 1 ? " shared" : ""}" data-block="${b}" data-seq="${sid}" title="L${i} → P${b}${a ? `, ${a} lookahead slots` : ""}">` +
@@ -282,7 +304,7 @@ function draw() {
              `<span>L${i}→P${b}${k < B ? ` ${k}/${B}` : ""}</span></div>`;
     });
     rows.push(`<div class="trow" data-seq="${sid}"><span class="label"><i class="sw" style="background:${seqColor(sid)}"></i>` +
-              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok${t.lookahead ? ` (${t.lookahead} lookahead)` : ""}</span>${tc.join("")}</div>`);
+              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok${t.lookahead ? ` (${t.lookahead} lookahead)` : ""}</span>${gone}${tc.join("")}</div>`);
   }
   $("tables").innerHTML = rows.join("") || "<small>no sequence holds blocks</small>";
 
@@ -327,12 +349,14 @@ function drawTimeline() {
 function showInfo() {
   const c = S.config;
   $("pool-info").textContent = `${c.num_blocks} blocks × ${c.block_size} tokens · ${c.policy}` +
-    `${c.prefix_caching ? " · prefix caching" : ""} · model ${c.model}`;
+    `${c.prefix_caching ? " · prefix caching" : ""}${c.sliding_window ? ` · sliding window ${c.sliding_window}` : ""} · model ${c.model}`;
   $("legend").innerHTML = [
     ["#4e79a7", "owned: colour and label = request (height = how full)"],
     ["#fff; border:2px dashed #111", "shared (ref > 1, read-only) ×ref"],
     ["repeating-linear-gradient(45deg,#e9e9ee 0 3px,#fff 3px 6px)", "cached-free (reusable prefix)"],
-    ["#fff", "free"]].map(([bg, t]) => `<span><i class="sw" style="background:${bg}"></i>${t}</span>`).join("");
+    ["#fff", "free"]].concat(c.sliding_window ? [["repeating-linear-gradient(90deg,#ccc 0 2px,#fff 2px 5px)",
+      `table entry released by the sliding window (${c.sliding_window} tokens)`]] : [])
+    .map(([bg, t]) => `<span><i class="sw" style="background:${bg}"></i>${t}</span>`).join("");
 }
 
 const pct = (x) => `${(100 * x).toFixed(1)}%`;
@@ -358,7 +382,8 @@ function tipFor(el) {
   if (el.dataset.seq !== undefined) {
     const sid = Number(el.dataset.seq), s = S.seqs.get(sid), t = S.tables.get(sid);
     if (!s) return `s${sid}`;
-    const table = t ? t.blocks.map((b, i) => `L${i}→P${b}`).join(" ") : "(no blocks)";
+    const r = t ? numReleased(t) : 0;
+    const table = t ? (r ? `L0${r > 1 ? `–L${r - 1}` : ""} released ` : "") + t.blocks.slice(r).map((b, i) => `L${i + r}→P${b}`).join(" ") : "(no blocks)";
     return `${seqLabel(sid)} · ${s.status} · ${s.tokens.length} tokens\ntable: ${table}\ntext: ${show(s.tokens.join("").slice(-1200))}`;
   }
   return null;
@@ -373,7 +398,7 @@ document.addEventListener("mouseover", (e) => {
   if (el.dataset.block !== undefined) document.querySelectorAll(`[data-block="${el.dataset.block}"]`).forEach((x) => x.classList.add("hl"));
   if (el.dataset.seq !== undefined) {
     const t = S.tables.get(Number(el.dataset.seq));
-    (t ? t.blocks : []).forEach((b) => document.querySelectorAll(`#pool [data-block="${b}"]`).forEach((x) => x.classList.add("hl")));
+    (t ? held(t.blocks) : []).forEach((b) => document.querySelectorAll(`#pool [data-block="${b}"]`).forEach((x) => x.classList.add("hl")));
   }
 });
 document.addEventListener("mousemove", (e) => {

@@ -141,14 +141,6 @@ def llm_fp32():
 
 @pytest.fixture(params=["torch", "cpu"])
 def window_backend(request) -> str:
-    """The attention backends that take a sliding window. The compiled CPU kernel's is its own
-    engineer's part: until its forward takes `window`, its case is an expected failure (not a
-    skip, which CI counts as a failure), and runs as any other once it does."""
-    import inspect
-
-    from pagedllm.attention.cpu_backend import CpuPagedAttention
-
-    if request.param == "cpu" and "window" not in inspect.signature(CpuPagedAttention.forward).parameters:
-        request.applymarker(pytest.mark.xfail(raises=(TypeError, ValueError), strict=True,
-                                              reason="the cpu backend takes no sliding window yet"))
+    """The attention backends that take a sliding window: the torch reference and the
+    compiled CPU kernel."""
     return request.param

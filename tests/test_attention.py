@@ -27,14 +27,23 @@ def reference(q, k, v, scale, window: int = 0):
 SEQS = [(40, 1), (7, 1), (0, 1), (0, 23), (33, 9), (64, 64), (5, 2)]
 
 
+def write_prefix(backend, k, v, k_cache, v_cache, slots) -> None:
+    if backend.name == "cpu":
+        backend.ops.write_kv(k, v, k_cache, v_cache, slots)
+    else:
+        from pagedllm.attention.torch_ref import write_kv
+        write_kv(k, v, k_cache, v_cache, slots)
+
+
 def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed: int = 0):
     """The step of `seqs` through `backend`, against the reference. Under a window each
     table's entries below its first query's window are -1 (released), and the blocks they
     held are overwritten with huge values: read once, they would swamp the result."""
     g = torch.Generator().manual_seed(block_size + seed)
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
-    k_cache = torch.randn(num_blocks, block_size, KVH, D, generator=g).to(dtype)  # stale data
-    v_cache = torch.randn(num_blocks, block_size, KVH, D, generator=g).to(dtype)
+    k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, KVH, D, dtype)  # each backend's own layout
+    k_cache = torch.randn(k_shape, generator=g).to(dtype)  # stale data
+    v_cache = torch.randn(v_shape, generator=g).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
     full_k, full_v, tables = [], [], []
     for cached, new in seqs:
@@ -42,9 +51,9 @@ def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed:
         table = [free.pop() for _ in range(-(-n // block_size))]
         full_k.append(torch.randn(n, KVH, D, generator=g).to(dtype))
         full_v.append(torch.randn(n, KVH, D, generator=g).to(dtype))
-        for j in range(cached):  # the prefix's KV is already in the pool
-            k_cache[table[j // block_size], j % block_size] = full_k[-1][j]
-            v_cache[table[j // block_size], j % block_size] = full_v[-1][j]
+        if cached:  # the prefix's KV is already in the pool, written by the backend's own writer
+            pre = torch.tensor([table[j // block_size] * block_size + j % block_size for j in range(cached)])
+            write_prefix(backend, full_k[-1][:cached], full_v[-1][:cached], k_cache, v_cache, pre)
         released = max(0, cached - window + 1) // block_size if window else 0
         for i in range(released):
             k_cache[table[i]], v_cache[table[i]] = 1e4, 1e4

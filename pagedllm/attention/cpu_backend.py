@@ -62,8 +62,8 @@ class CpuPagedAttention(AttentionBackend):
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
         if self.kv is not None:
             v_row = block_size * self.kv.v_head_bytes(head_dim)
-            if self.kv.name == "int8":  # V in pairs of keys: an odd block pads one key's codes
-                v_row += (block_size % 2) * head_dim
+            if self.kv.name in ("int8", "int4"):  # V in pairs of keys: an odd block pads one key's codes
+                v_row += (block_size % 2) * head_dim * self.kv.bits // 8
             return (num_blocks, kv_heads, block_size * self.kv.k_head_bytes(head_dim)), (num_blocks, kv_heads, v_row)
         p = 2 if dtype.itemsize == 2 else 1
         return ((num_blocks, kv_heads, head_dim // p, block_size, p),

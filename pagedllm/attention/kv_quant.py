@@ -145,9 +145,11 @@ def cpu_pool_values(k_cache: torch.Tensor, v_cache: torch.Tensor, kv: KVDtype, b
     else:  # nibble x of lane g = dim g*8 + x: byte x//2, low nibble for even x
         nib = torch.stack([lanes & 0xF, lanes >> 4], dim=-1)  # [.., g, key, byte, 2]
         kc = nib.permute(0, 1, 3, 2, 4, 5).reshape(nb, kvh, B, D)
-    if kv.name == "int8":  # [ceil(B/2), D, 2] pairs of keys, signed
-        vc = v_cache[:, :, :vcb].reshape(nb, kvh, -1, D, 2).transpose(3, 4).reshape(nb, kvh, -1, D)[:, :, :B]
-        vc = (vc.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # as offset codes
+    if kv.name in ("int8", "int4"):  # [ceil(B/2), D * bits / 8, 2] pairs of keys (int8 signed)
+        row = D * kv.bits // 8
+        vc = v_cache[:, :, :vcb].reshape(nb, kvh, -1, row, 2).transpose(3, 4).reshape(nb, kvh, -1, row)[:, :, :B]
+        if kv.bits == 8:
+            vc = (vc.view(torch.int8).to(torch.int16) + 128).to(torch.uint8)  # as offset codes
     else:
         vc = v_cache[:, :, :cb].reshape(nb, kvh, B, D * kv.bits // 8)
     if kv.bits == 4:

@@ -14,6 +14,8 @@ from .vllm_baseline import run_vllm_offline, vllm_python
 logger = logging.getLogger(__name__)
 
 PARTS = ("pagedllm", "variants", "vllm", "hf", "hf-batch", "llama.cpp")
+# The KV dtypes vLLM's --kv-cache-dtype shares with ours (it has no int8 or int4).
+VLLM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[int], llama_batch: int,
@@ -55,10 +57,13 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
         if "vllm" not in skip and why:
             add({"engine": "vllm-cpu", "skipped": why})
             skip = skip | {"vllm"}
+        elif "vllm" not in skip and engine_kwargs.get("kv_cache_dtype", "auto") not in VLLM_KV_DTYPES:
+            add({"engine": "vllm-cpu", "skipped": f"vLLM has no kv_cache_dtype {engine_kwargs['kv_cache_dtype']}"})
         elif "vllm" not in skip:
             try:
                 for r in run_vllm_offline(reqs, model_dir, python, _kv_bytes(engine_kwargs),
-                                          engine_kwargs.get("max_model_len") or 2048, dtype):
+                                          engine_kwargs.get("max_model_len") or 2048, dtype,
+                                          kv_cache_dtype=engine_kwargs.get("kv_cache_dtype", "auto")):
                     add(r)
             except Exception as e:
                 logger.exception("vLLM failed")

@@ -320,6 +320,31 @@ def plot_grammar_backends(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_kv_dtypes(fig, data: dict) -> None:
+    """KV dtypes (benchmarks/kv_dtypes.py), a panel each where measured: concurrency under
+    one budget, decode attention at batch 64, and throughput per ShareGPT shape."""
+    panels = []
+    if data.get("concurrency"):
+        rows = data["concurrency"]
+        panels.append(([f"{r['policy']} {r['kv_cache_dtype']} {r['kv_cache_memory']}" for r in rows],
+                       [r["max_concurrent_seqs"] for r in rows],
+                       [family_colour(r["policy"]) for r in rows], "max concurrent sequences", "{:.0f}"))
+    if data.get("attention"):
+        rows = [r for r in data["attention"] if r["batch"] == 64]
+        panels.append(([f"{r['kv_cache_dtype']} 64x{r['context']}" for r in rows], [r["kernel_s"] * 1e3 for r in rows],
+                       [OURS if r["kv_cache_dtype"] == "bfloat16" else OTHER_COLOUR for r in rows],
+                       "decode attention, ms (one layer)", "{:.2f}"))
+    if data.get("throughput"):
+        rows = [r for r in data["throughput"] if r["engine"] == "pagedllm" or r.get("pass") == "warm"]
+        panels.append(([f"{r['shape'].split('_')[1]}: {r['engine'].split(' ')[0]} {r['kv_cache_dtype']}" for r in rows],
+                       [r["output_tok_s"] for r in rows], [family_colour(r["engine"]) for r in rows],
+                       "output tokens/s (warm)", "{:.0f}"))
+    fig.set_size_inches(6 * len(panels), 0.3 * max(len(p[0]) for p in panels) + 1.5)
+    for ax, (labels, values, colours, xlabel, fmt) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        _bars(ax, labels, values, colours, fmt)
+        ax.set_xlabel(xlabel)
+
+
 def plot_single_request(fig, data: dict) -> None:
     """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
     names = list(data["workloads"])
@@ -373,6 +398,8 @@ PLOTTERS: list[Plotter] = [
      "Grammar libraries on our tokenizer", True),
     (lambda d: isinstance(d.get("runs"), list) and isinstance(d.get("workloads"), dict), plot_single_request,
      "One request at a time, against llama.cpp", True),
+    (lambda d: d.get("benchmark") == "kv_dtypes", plot_kv_dtypes, "KV cache dtypes: budget, attention, throughput",
+     True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,

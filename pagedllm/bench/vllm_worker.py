@@ -19,7 +19,8 @@ def main() -> None:
         spec = json.load(f)
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
-              seed=0, enable_prefix_caching=spec.get("enable_prefix_caching", True))
+              seed=0, enable_prefix_caching=spec.get("enable_prefix_caching", True),
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]

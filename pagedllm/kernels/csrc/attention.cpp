@@ -78,11 +78,12 @@ constexpr int CHUNK = 512;   // keys whose scores are computed before their soft
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha, qsum, qmul, qcorr, pmul, vsc;
   std::vector<uint32_t> qp, pp;    // bf16 pairs of q and of P (dot-product path)
+  std::vector<uint32_t> qlo;       // int4 keys: the query's int8 residual codes
   std::vector<uint16_t> kt, vt;    // a gathered tile, in the pool's own layout
   std::vector<int> last_key;
   void fit(int rows, int d) {
     const size_t r = size_t(rows + QK_ROWS);  // room to pad to whole row blocks
-    if (q.size() < r * d) { q.resize(r * d); acc.resize(r * d); qp.resize(r * d / 2 + 1); }
+    if (q.size() < r * d) { q.resize(r * d); acc.resize(r * d); qp.resize(r * d / 2 + 1); qlo.resize(r * d / 4 + 1); }
     if (s.size() < r * CHUNK) { s.resize(r * CHUNK); pp.resize(r * CHUNK / 2); }
     if (kt.size() < size_t(d) * L * 2) { kt.resize(size_t(d) * L * 2); vt.resize(size_t(d) * L * 2); }
     if (m.size() < r) {
@@ -309,6 +310,64 @@ inline void pv_block_i8(float* acc, const uint32_t* p16, const float* pmul, cons
     for (int c = 0; c < NC; ++c)
       storef(acc + r * D + c * L, loadf(acc + r * D + c * L) * alpha[r] + (vf)_mm512_cvtepi32_ps(ai[r][c]) * pmul[r]);
 }
+
+// int4 keys with AVX512_VNNI: a lane's low nibbles are 4 even dims of 8, its high ones the 4
+// odd (q4 holds the row's int8 codes in that order: even quad, odd quad per lane); codes
+// are unsigned, so no offset: per group of 32 dims, scale x dot + min x the row's q sum.
+template <int NC, int R>
+inline void qk_block_i4(const int32_t* q4, const int32_t* q4lo, const float* qmul, const float* qsum, float* S,
+                        const uint8_t* kb, int64_t lane_row, const vf* ks, const vf* km) {
+  constexpr int D = NC * L, G = D / 32;
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  vf out[R] = {};
+  for (int grp = 0; grp < G; ++grp) {
+    __m512i acc[R], res[R];  // the query's codes' dot, and its residual codes'
+    for (int r = 0; r < R; ++r) acc[r] = res[r] = _mm512_setzero_si512();
+    for (int g = grp * 4; g < grp * 4 + 4; ++g) {
+      const __m512i u = _mm512_loadu_si512(kb + g * lane_row);
+      const __m512i lo = _mm512_and_si512(u, nib), hi = _mm512_and_si512(_mm512_srli_epi16(u, 4), nib);
+      for (int r = 0; r < R; ++r) {
+        acc[r] = _mm512_dpbusd_epi32(acc[r], lo, _mm512_set1_epi32(q4[r * D / 4 + 2 * g]));
+        acc[r] = _mm512_dpbusd_epi32(acc[r], hi, _mm512_set1_epi32(q4[r * D / 4 + 2 * g + 1]));
+        res[r] = _mm512_dpbusd_epi32(res[r], lo, _mm512_set1_epi32(q4lo[r * D / 4 + 2 * g]));
+        res[r] = _mm512_dpbusd_epi32(res[r], hi, _mm512_set1_epi32(q4lo[r * D / 4 + 2 * g + 1]));
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const vf dot = (vf)_mm512_cvtepi32_ps(acc[r]) + (vf)_mm512_cvtepi32_ps(res[r]) * (1.f / 254);
+      out[r] += dot * (ks[grp] * qmul[r]) + splat(qsum[r * G + grp]) * km[grp];
+    }
+  }
+  for (int r = 0; r < R; ++r) storef(S + r * CHUNK, out[r]);
+}
+
+// int4 values with AVX512_VNNI: pv_block_i8's, but a pair row's 32 bytes hold two keys' dims
+// c..c+15 (low nibbles) and c + D/2.. (high), offset by 8.
+template <int NC, int RB, typename PAIR_ROW>
+inline void pv_block_i4(float* acc, const uint32_t* p16, const float* pmul, const float* alpha, int i0, int i1,
+                        PAIR_ROW pair) {
+  constexpr int D = NC * L, H = NC / 2;
+  const __m512i nib = _mm512_set1_epi16(0x0F), eight = _mm512_set1_epi16(8);
+  __m512i ai[RB][NC];
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c) ai[r][c] = _mm512_setzero_si512();
+  for (int i = i0; i < i1; ++i) {
+    const uint8_t* row = pair(i);
+    for (int c = 0; c < H; ++c) {
+      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2 * L)));
+      const __m512i lo = _mm512_sub_epi16(_mm512_and_si512(w, nib), eight);
+      const __m512i hi = _mm512_sub_epi16(_mm512_srli_epi16(w, 4), eight);
+      for (int r = 0; r < RB; ++r) {
+        const __m512i p = _mm512_set1_epi32(int32_t(p16[r * CHUNK / 2 + i]));
+        ai[r][c] = _mm512_dpwssd_epi32(ai[r][c], lo, p);
+        ai[r][c + H] = _mm512_dpwssd_epi32(ai[r][c + H], hi, p);
+      }
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int c = 0; c < NC; ++c)
+      storef(acc + r * D + c * L, loadf(acc + r * D + c * L) * alpha[r] + (vf)_mm512_cvtepi32_ps(ai[r][c]) * pmul[r]);
+}
 #else
 constexpr bool INT8_DOT = false;
 #endif
@@ -363,15 +422,28 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
         for (int x = grp * D / G; x < (grp + 1) * D / G; ++x) sum += qs[r * D + x];
         sc.qsum[r * G + grp] = sum;
       }
-      if constexpr (F == Fmt::i8 && INT8_DOT) {  // the row as int8 codes, for the integer dot product
+      if constexpr ((F == Fmt::i8 || F == Fmt::i4) && INT8_DOT) {  // the row as int8, for integer dot products
         float qa = 0.f;
         for (int x = 0; x < D; ++x) qa = std::max(qa, std::abs(qs[r * D + x]));
         const float inv = qa > 0.f ? 127.f / qa : 0.f;
         int8_t* qi = reinterpret_cast<int8_t*>(sc.qp.data()) + r * D;
+        int8_t* ql = reinterpret_cast<int8_t*>(sc.qlo.data()) + r * D;
         int sum = 0;
-        for (int x = 0; x < D; ++x) sum += qi[x] = int8_t(std::nearbyint(qs[r * D + x] * inv));
+        float group_sum[K_GROUPS<F, D>] = {};
+        for (int x = 0; x < D; ++x) {
+          // int4 keys' lanes give 4 even dims of 8 (low nibbles), then the 4 odd ones.
+          const int at = F == Fmt::i4 ? x / 8 * 8 + (x % 2) * 4 + x % 8 / 2 : x;
+          const float y = qs[r * D + x] * inv;
+          sum += qi[at] = int8_t(std::nearbyint(y));
+          // int4 keys' error is larger than int8's; a second int8 code for what the first
+          // left (in 1/254 steps) keeps the query's own rounding well below it.
+          if constexpr (F == Fmt::i4) ql[at] = int8_t(std::nearbyint((y - qi[at]) * 254.f));
+          group_sum[x * G / D] += F == Fmt::i4 ? qi[at] + ql[at] / 254.f : 0.f;
+        }
         sc.qmul[r] = qa / 127.f;
         sc.qcorr[r] = 128.f * float(sum);
+        if constexpr (K_ASYM<F>)  // the mins meet the same (rounded) query as the codes
+          for (int grp = 0; grp < G; ++grp) sc.qsum[r * G + grp] = sc.qmul[r] * group_sum[grp];
       }
     }
     m[r] = NEG_INF;
@@ -442,7 +514,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   auto vq_row = [&](int j) -> std::pair<const uint8_t*, float> {  // (int8: the key's byte in its pair row)
     const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
     const int pos = j % B;
-    const uint8_t* row = V_PAIRS<FQ> ? blk + (pos / 2) * 2 * D + pos % 2 : blk + pos * v_row;
+    const uint8_t* row = V_PAIRS<FQ> ? blk + (pos / 2) * 2 * v_row + pos % 2 : blk + pos * v_row;
     return {row, bf16_at(blk + a.v_code_bytes + pos * 2) * DECODE_MUL<FQ>};
   };
 
@@ -474,6 +546,12 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
             if constexpr (F == Fmt::i8) {
               qk_block_i8<NC, R>(reinterpret_cast<const int32_t*>(sc.qp.data()) + r * D / 4, sc.qmul.data() + r,
                                  sc.qcorr.data() + r, S + r * CHUNK + t0, kb, lane_row, ks[0]);
+              return;
+            }
+            if constexpr (F == Fmt::i4) {
+              qk_block_i4<NC, R>(reinterpret_cast<const int32_t*>(sc.qp.data()) + r * D / 4,
+                                 reinterpret_cast<const int32_t*>(sc.qlo.data()) + r * D / 4, sc.qmul.data() + r,
+                                 sc.qsum.data() + r * KG, S + r * CHUNK + t0, kb, lane_row, ks, km);
               return;
             }
 #endif
@@ -517,7 +595,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     const int t_lo = std::max(0, need - c0);  // keys of the chunk below every row's window: not read
     uint8_t* pair_tile = reinterpret_cast<uint8_t*>(sc.vt.data());
 #if defined(__AVX512VNNI__)
-    if constexpr (F == Fmt::i8) {
+    if constexpr (F == Fmt::i8 || F == Fmt::i4) {
       // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
       float* vs = sc.vsc.data();  // V's scales of the chunk's keys, 0 past it and below the window
       for (int t0 = 0; t0 < cn; t0 += L) {
@@ -550,21 +628,27 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     for (int r = 0; r < pv_rows; r += PV_ROWS) {
       auto pv = [&](auto R) {
 #if defined(__AVX512VNNI__)
-        if constexpr (F == Fmt::i8) {
-          pv_block_i8<NC, std::min<int>(R, PV_ROWS)>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r,
-                                                     t_lo / 2, (cn + 1) / 2, [&](int i) -> const uint8_t* {
+        if constexpr (F == Fmt::i8 || F == Fmt::i4) {
+          auto pair = [&](int i) -> const uint8_t* {
             const int j = c0 + 2 * i;  // keys j, j + 1: one pair row when blocks hold whole pairs
             if (B % 2 == 0) {
               const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
-              return blk + (j % B) / 2 * 2 * D;
+              return blk + (j % B) / 2 * 2 * v_row;
             }
             for (int x = 0; x < 2; ++x) {  // odd blocks: the two keys' bytes side by side
               const bool real = 2 * i + x < cn && 2 * i + x >= t_lo;
               const uint8_t* src = real ? vq_row(j + x).first : nullptr;
-              for (int d = 0; d < D; ++d) pair_tile[d * 2 + x] = real ? src[d * 2] : 0;
+              for (int b = 0; b < v_row; ++b) pair_tile[b * 2 + x] = real ? src[b * 2] : (F == Fmt::i4 ? 0x88 : 0);
             }
             return pair_tile;
-          });
+          };
+          constexpr int RB = std::min<int>(decltype(R)::value, PV_ROWS);
+          if constexpr (F == Fmt::i8)
+            pv_block_i8<NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2, (cn + 1) / 2,
+                                pair);
+          else
+            pv_block_i4<NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2, (cn + 1) / 2,
+                                pair);
           return;
         }
 #endif
@@ -934,14 +1018,14 @@ void write_kv_quant(const at::Tensor& k, const at::Tensor& v, const at::Tensor& 
         uint8_t* vr = vc + v_cache.stride(0) * blk + v_cache.stride(1) * h;
         const c10::BFloat16 vsc(
             quantize_row<F>(v.data_ptr<T>() + i * v.stride(0) + h * v.stride(1), d, tmp.data(), codes.data(), false));
-        if constexpr (V_PAIRS<F>) {  // pair row pos / 2, the key's byte of each dim's pair
+        if constexpr (F == Fmt::i8) {  // pair row pos / 2, the key's byte of each dim's pair
           uint8_t* row = vr + (pos / 2) * d * 2 + pos % 2;
           for (int64_t x = 0; x < d; ++x) row[x * 2] = codes[x];
-        } else if constexpr (bits == 8) {
-          std::memcpy(vr + pos * d, codes.data(), d);
+        } else if constexpr (F == Fmt::i4) {  // likewise, a byte holding dims x and x + D/2
+          uint8_t* row = vr + (pos / 2) * d + pos % 2;
+          for (int64_t x = 0; x < d / 2; ++x) row[x * 2] = uint8_t(codes[x] | (codes[x + d / 2] << 4));
         } else {
-          uint8_t* row = vr + pos * d / 2;
-          for (int64_t x = 0; x < d / 2; ++x) row[x] = uint8_t(codes[x] | (codes[x + d / 2] << 4));
+          std::memcpy(vr + pos * d, codes.data(), d);
         }
         std::memcpy(vr + vcb + pos * 2, &vsc, 2);
       }

@@ -6,9 +6,10 @@
 //     so a 64-byte line is 16 keys x E dims: one vector of 16 keys per dim, no transpose.
 //   V codes [B, D * bits / 8]: a key's values contiguous along d (int4: byte i holds dim i
 //     in its low nibble and dim i + D/2 in its high one, so 16 bytes give two vectors of
-//     16 consecutive dims). int8: [ceil(B / 2), D, 2], signed, two keys' values of a dim
-//     side by side (as the bf16 pool's pairs): one widening load and one 16-bit integer
-//     dot-product instruction (AVX512_VNNI) then do 32 multiply-adds of P.V.
+//     16 consecutive dims). int8 and int4: in pairs of keys, [ceil(B / 2), D * bits / 8, 2]
+//     (int8 signed), two keys' bytes side by side (as the bf16 pool's pairs): one widening
+//     load and one 16-bit integer dot-product instruction (AVX512_VNNI) then do 32
+//     multiply-adds of P.V (int4: 64, its two nibbles after a mask and a shift).
 // Scales per token (not per block): a new token is quantized once into its slot and never
 // touches its neighbours, so a shared or cached block is never rewritten. The scale is
 // bf16, rounded up so that amax / scale never exceeds the code range; the grid is the
@@ -45,7 +46,7 @@ constexpr float QMAX = F == Fmt::i8 ? 127.f : F == Fmt::i4 ? 7.f : F == Fmt::e4m
 template <Fmt F>
 constexpr bool K_ASYM = F == Fmt::i4;
 template <Fmt F>
-constexpr bool V_PAIRS = F == Fmt::i8;
+constexpr bool V_PAIRS = F == Fmt::i8 || F == Fmt::i4;
 template <Fmt F, int D>
 constexpr int K_GROUPS = F == Fmt::i4 && D >= 32 ? D / 32 : 1;  // (int4 needs D % 32 == 0)
 constexpr int MAX_K_GROUPS = 8;  // head_dim 256 at int4
@@ -83,15 +84,21 @@ inline vf k_elem(vu u, int i) {
 typedef uint8_t vb32 __attribute__((vector_size(32)));
 typedef int8_t vsb __attribute__((vector_size(16)));
 
-// Dims 16c..16c+15 of one key's V row (NC vectors of 16 dims in all); int8: `row` points
-// at the key's byte in its pair row (dims 2 bytes apart).
+// Dims 16c..16c+15 of one key's V row (NC vectors of 16 dims in all); int8 and int4: `row`
+// points at the key's byte in its pair row (bytes 2 apart).
 template <Fmt F, int NC>
 inline vf v_chunk(const uint8_t* row, int c) {
-  if constexpr (V_PAIRS<F>) {
+  if constexpr (F == Fmt::i8) {
     vsb x;
     for (int i = 0; i < L; ++i) x[i] = int8_t(row[(c * L + i) * 2]);
     return __builtin_convertvector(x, vf);
   } else if constexpr (F == Fmt::i4) {
+    const int half = NC / 2;
+    vb x;
+    for (int i = 0; i < L; ++i) x[i] = row[((c % half) * L + i) * 2];
+    const vu u = __builtin_convertvector(x, vu);
+    return decode<F>(c < half ? (u & 0xFu) : (u >> 4));
+  } else if constexpr (false) {
     const int half = NC / 2;
     vb x;
     std::memcpy(&x, row + (c % half) * L, sizeof x);
@@ -118,7 +125,7 @@ inline uint8_t encode_asym4(float x, float lo, float inv) {
 template <Fmt F>
 inline uint8_t encode(float x, float inv, bool is_key = true) {
   const float y = std::min(QMAX<F>, std::max(-QMAX<F>, x * inv));
-  if constexpr (V_PAIRS<F>) {
+  if constexpr (F == Fmt::i8) {
     if (!is_key) return uint8_t(int8_t(std::nearbyint(y)));  // V: signed, for the widening load
   }
   if constexpr (F == Fmt::i8) return uint8_t(int(std::nearbyint(y)) + 128);
@@ -152,7 +159,8 @@ inline int64_t k_row_bytes(int64_t fmt, int64_t block_size, int64_t d) {
   return Fmt(fmt) == Fmt::i4 ? block_size * (d / 2 + 4 * (d / 32)) : block_size * (d + 2);
 }
 inline int64_t v_code_bytes(int64_t fmt, int64_t block_size, int64_t d) {
-  return Fmt(fmt) == Fmt::i4 ? block_size * d / 2 : Fmt(fmt) == Fmt::i8 ? (block_size + 1) / 2 * 2 * d : block_size * d;
+  return Fmt(fmt) == Fmt::i4 ? (block_size + 1) / 2 * d : Fmt(fmt) == Fmt::i8 ? (block_size + 1) / 2 * 2 * d
+                                                                              : block_size * d;
 }
 inline int64_t v_row_bytes(int64_t fmt, int64_t block_size, int64_t d) {
   return v_code_bytes(fmt, block_size, d) + 2 * block_size;

@@ -288,29 +288,6 @@ inline void qk_block_i8(const int32_t* q4, const float* qmul, const float* qcorr
     storef(S + r * CHUNK, ((vf)_mm512_cvtepi32_ps(acc[r]) - qcorr[r]) * (ks * qmul[r]));
 }
 
-// int8 values with AVX512_VNNI: acc[r] = acc[r] * alpha[r] + pmul[r] * sum over key pairs
-// [i0, i1) of p16[r] . V, where p16 holds each row's weights (times the keys' scales) as
-// int16 pairs and pair(i) points at the pair row of keys 2i, 2i+1 (dims 2 bytes apart).
-template <int NC, int RB, typename PAIR_ROW>
-inline void pv_block_i8(float* acc, const uint32_t* p16, const float* pmul, const float* alpha, int i0, int i1,
-                        PAIR_ROW pair) {
-  constexpr int D = NC * L;
-  __m512i ai[RB][NC];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) ai[r][c] = _mm512_setzero_si512();
-  for (int i = i0; i < i1; ++i) {
-    const uint8_t* row = pair(i);
-    for (int c = 0; c < NC; ++c) {
-      const __m512i vw = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2 * L)));
-      for (int r = 0; r < RB; ++r)
-        ai[r][c] = _mm512_dpwssd_epi32(ai[r][c], vw, _mm512_set1_epi32(int32_t(p16[r * CHUNK / 2 + i])));
-    }
-  }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c)
-      storef(acc + r * D + c * L, loadf(acc + r * D + c * L) * alpha[r] + (vf)_mm512_cvtepi32_ps(ai[r][c]) * pmul[r]);
-}
-
 // int4 keys with AVX512_VNNI: a lane's low nibbles are 4 even dims of 8, its high ones the 4
 // odd (q4 holds the row's int8 codes in that order: even quad, odd quad per lane); codes
 // are unsigned, so no offset: per group of 32 dims, scale x dot + min x the row's q sum.
@@ -341,12 +318,15 @@ inline void qk_block_i4(const int32_t* q4, const int32_t* q4lo, const float* qmu
   for (int r = 0; r < R; ++r) storef(S + r * CHUNK, out[r]);
 }
 
-// int4 values with AVX512_VNNI: pv_block_i8's, but a pair row's 32 bytes hold two keys' dims
-// c..c+15 (low nibbles) and c + D/2.. (high), offset by 8.
-template <int NC, int RB, typename PAIR_ROW>
-inline void pv_block_i4(float* acc, const uint32_t* p16, const float* pmul, const float* alpha, int i0, int i1,
-                        PAIR_ROW pair) {
-  constexpr int D = NC * L, H = NC / 2;
+// int8 and int4 values with AVX512_VNNI: acc[r] = acc[r] * alpha[r] + pmul[r] * sum over key
+// pairs [i0, i1) of p16[r] . V, where p16 holds each row's weights (times the keys' scales)
+// as int16 pairs and pair(i) points at the pair row of keys 2i, 2i+1 (their bytes side by
+// side). int8: 32 bytes give two keys' dims c..c+15; int4: also dims c + D/2.. (the high
+// nibbles), offset by 8.
+template <Fmt F, int NC, int RB, typename PAIR_ROW>
+inline void pv_block_int(float* acc, const uint32_t* p16, const float* pmul, const float* alpha, int i0, int i1,
+                         PAIR_ROW pair) {
+  constexpr int D = NC * L, H = F == Fmt::i4 ? NC / 2 : NC;  // 32-byte loads per pair row
   const __m512i nib = _mm512_set1_epi16(0x0F), eight = _mm512_set1_epi16(8);
   __m512i ai[RB][NC];
   for (int r = 0; r < RB; ++r)
@@ -354,13 +334,19 @@ inline void pv_block_i4(float* acc, const uint32_t* p16, const float* pmul, cons
   for (int i = i0; i < i1; ++i) {
     const uint8_t* row = pair(i);
     for (int c = 0; c < H; ++c) {
-      const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2 * L)));
-      const __m512i lo = _mm512_sub_epi16(_mm512_and_si512(w, nib), eight);
-      const __m512i hi = _mm512_sub_epi16(_mm512_srli_epi16(w, 4), eight);
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c * 2 * L));
+      __m512i v0, v1;  // words of dims c.. (and int4's c + D/2..) of the two keys
+      if constexpr (F == Fmt::i4) {
+        const __m512i w = _mm512_cvtepu8_epi16(bytes);
+        v0 = _mm512_sub_epi16(_mm512_and_si512(w, nib), eight);
+        v1 = _mm512_sub_epi16(_mm512_srli_epi16(w, 4), eight);
+      } else {
+        v0 = v1 = _mm512_cvtepi8_epi16(bytes);
+      }
       for (int r = 0; r < RB; ++r) {
         const __m512i p = _mm512_set1_epi32(int32_t(p16[r * CHUNK / 2 + i]));
-        ai[r][c] = _mm512_dpwssd_epi32(ai[r][c], lo, p);
-        ai[r][c + H] = _mm512_dpwssd_epi32(ai[r][c + H], hi, p);
+        ai[r][c] = _mm512_dpwssd_epi32(ai[r][c], v0, p);
+        if constexpr (F == Fmt::i4) ai[r][c + H] = _mm512_dpwssd_epi32(ai[r][c + H], v1, p);
       }
     }
   }
@@ -643,12 +629,8 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
             return pair_tile;
           };
           constexpr int RB = std::min<int>(decltype(R)::value, PV_ROWS);
-          if constexpr (F == Fmt::i8)
-            pv_block_i8<NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2, (cn + 1) / 2,
-                                pair);
-          else
-            pv_block_i4<NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2, (cn + 1) / 2,
-                                pair);
+          pv_block_int<F, NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2,
+                                  (cn + 1) / 2, pair);
           return;
         }
 #endif

@@ -5,16 +5,18 @@ dtypes and specializations a GPU run makes), but a stand-in Triton driver names 
 GPU and a compile hook builds each kernel with Triton's compiler and the ptxas it bundles,
 then skips the launch. Each cubin is then read with the bundled cuobjdump:
 
-  - it compiles (bf16/fp16 with tensor cores, fp32 in IEEE mode) for sm_80 and sm_90;
+  - it compiles (bf16/fp16 with tensor cores, fp32 in IEEE mode, bf16 queries over fp8
+    KV: e4m3 and e5m2) for sm_80 and sm_90;
   - no register spills (beyond a stray word) and shared memory within the GPU's limit;
   - decode/prefill dots run on tensor cores (HMMA/HGMMA) for bf16/fp16;
-  - K/V tiles are read with 128-bit loads (cp.async) where head_dim allows;
+  - K/V tiles are read with 128-bit loads (cp.async) where head_dim allows (not fp8's rows:
+    D codes then a 2-byte scale, so a row starts 2-byte aligned);
   - serving does not recompile: a decode sweep over batch sizes 1..256 and contexts
     1..32k compiles each kernel only once per partition size, and sliding windows add none.
 
 What it cannot tell: speed. That needs the GPU (scripts/gpu_check.sh).
 
-    python scripts/triton_compile_check.py [--quick] [--arch 80,90] [--dtype bf16,fp16,fp32] [--json FILE]
+    python scripts/triton_compile_check.py [--quick] [--arch 80,90] [--dtype bf16,fp16,fp32,e4m3,e5m2] [--json FILE]
 """
 from __future__ import annotations
 
@@ -43,11 +45,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pagedllm.attention import PrefillSeq  # noqa: E402
 from pagedllm.attention import triton_kernels as tk  # noqa: E402
 from pagedllm.attention.triton_backend import TritonMetadata, TritonPagedAttention  # noqa: E402
+from pagedllm.kv_dtype import KV_DTYPES  # noqa: E402
 from pagedllm.util import cdiv  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 SHARED_LIMIT = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}  # bytes per block (opt-in max)
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+          "e4m3": torch.bfloat16, "e5m2": torch.bfloat16}  # the last two: bf16 queries over fp8 KV pools
+KV_KINDS = {"e4m3": "fp8_e4m3", "e5m2": "fp8_e5m2"}
 # (name, query heads, kv heads, head dim, block size)
 MODELS = [("smollm2-135m", 9, 3, 64, 16), ("llama3-8b", 32, 8, 128, 16), ("qwen2-7b", 28, 4, 128, 32),
           ("llama2-7b-mha", 32, 32, 128, 16), ("head-dim-96", 32, 32, 96, 16)]
@@ -147,7 +152,8 @@ def judge(rec: Compiled) -> None:
         if rec.dtype == "fp32" and tensor_cores:
             rec.problems.append("tensor cores (TF32) used where IEEE fp32 was asked for")
         d = rec.constants.get("D", 0)
-        if d and d == rec.constants.get("BD") and not (rec.sass.get("LDGSTS.128") or rec.sass.get("LDG.128")):
+        if d and d == rec.constants.get("BD") and not rec.constants.get("FP8") \
+                and not (rec.sass.get("LDGSTS.128") or rec.sass.get("LDG.128")):
             rec.problems.append("K/V not read with 128-bit loads")
 
 
@@ -171,53 +177,66 @@ def prefill_meta(block: int, chunks: tuple = ((40, 104), (100, 100))) -> TritonM
                              decode_context_lens=None, decode_max_context=0, prefills=seqs)
 
 
-def run_backend(model: tuple, dtype: torch.dtype, meta: TritonMetadata, window: int = 0) -> None:
+def run_backend(model: tuple, dtype: torch.dtype, meta: TritonMetadata, window: int = 0, kv: str | None = None) -> None:
+    """One forward through the backend; kv: its pools' fp8 kind (uint8 rows, as the runner
+    allocates them)."""
     _, h, kvh, d, block = model
     t = meta.slot_mapping.numel()
+    backend = TritonPagedAttention()
+    if kv:
+        backend.use_kv_dtype(KV_DTYPES[kv])
     q = torch.zeros((t, h, d), dtype=dtype)
     k = torch.zeros((t, kvh, d), dtype=dtype)
-    kc = torch.zeros((16, block, kvh, d), dtype=dtype)  # never touched: nothing launches
-    TritonPagedAttention().forward(q, k, k.clone(), kc, kc.clone(), meta, d ** -0.5, window=window)
+    k_shape, v_shape = backend.cache_shapes(16, block, kvh, d, dtype)
+    pool = backend.pool_dtype(dtype)
+    kc, vc = torch.zeros(k_shape, dtype=pool), torch.zeros(v_shape, dtype=pool)  # never touched: nothing launches
+    backend.forward(q, k, k.clone(), kc, vc, meta, d ** -0.5, window=window)
 
 
 def check_model(comp: Compiler, model: tuple, arch: int, dt: str) -> None:
     comp.context = (model[0], arch, dt)
-    dtype = DTYPES[dt]
+    dtype, kv = DTYPES[dt], KV_KINDS.get(dt)
     block = model[4]
-    run_backend(model, dtype, prefill_meta(block))
-    run_backend(model, dtype, decode_meta(8, 4, 60, graph=False))
-    run_backend(model, dtype, decode_meta(8, GRAPH_BOUND // block, GRAPH_BOUND, graph=True))
+    run_backend(model, dtype, prefill_meta(block), kv=kv)
+    run_backend(model, dtype, decode_meta(8, 4, 60, graph=False), kv=kv)
+    run_backend(model, dtype, decode_meta(8, GRAPH_BOUND // block, GRAPH_BOUND, graph=True), kv=kv)
 
 
 def recompiles(comp: Compiler, model: tuple, arch: int) -> list[str]:
     """Steps as serving produces them: decodes of batch 1..256 over contexts 1..32k (tables
     as wide as the longest), prefill chunks of any length over any cached prefix. Each
-    decode kernel may compile once per partition size, the others once."""
-    comp.context = (model[0], arch, "bf16")
+    decode kernel may compile once per partition size, the others once. fp8 KV (e4m3) is
+    one more variant of each (the reduce is shared: its inputs are fp32 partials)."""
     comp.keys_by_kernel.clear()
     block = model[4]
     parts = set()
-    for s, ctx in [(1, 1), (3, 17), (16, 512), (17, 513), (64, 2048), (100, 2100), (255, 4095), (256, 8000),
-                   (2, 16384), (5, 16385), (7, 32768)]:
-        run_backend(model, torch.bfloat16, decode_meta(s, cdiv(ctx, block), ctx, graph=False))
-        parts.add(max(tk.PARTITION, triton.next_power_of_2(triton.cdiv(ctx, tk.MAX_PARTS))))
-    for chunks in [((1, 1),), ((7, 7), (300, 900)), ((2048, 2048),), ((16, 4000), (5, 5), (33, 65), (64, 64))]:
-        run_backend(model, torch.bfloat16, prefill_meta(block, chunks))
-    # A sliding window is an argument like the lengths: windowed layers compile nothing more.
-    for window in (1, 4096):
-        run_backend(model, torch.bfloat16, decode_meta(64, cdiv(2048, block), 2048, graph=False), window)
-        run_backend(model, torch.bfloat16, prefill_meta(block, ((7, 7), (300, 900))), window)
+    for dt in ("bf16", "e4m3"):
+        comp.context = (model[0], arch, dt)
+        kv = KV_KINDS.get(dt)
+        for s, ctx in [(1, 1), (3, 17), (16, 512), (17, 513), (64, 2048), (100, 2100), (255, 4095), (256, 8000),
+                       (2, 16384), (5, 16385), (7, 32768)]:
+            run_backend(model, torch.bfloat16, decode_meta(s, cdiv(ctx, block), ctx, graph=False), kv=kv)
+            parts.add(max(tk.PARTITION, triton.next_power_of_2(triton.cdiv(ctx, tk.MAX_PARTS))))
+        for chunks in [((1, 1),), ((7, 7), (300, 900)), ((2048, 2048),), ((16, 4000), (5, 5), (33, 65), (64, 64))]:
+            run_backend(model, torch.bfloat16, prefill_meta(block, chunks), kv=kv)
+        # A sliding window is an argument like the lengths: windowed layers compile nothing more.
+        for window in (1, 4096):
+            run_backend(model, torch.bfloat16, decode_meta(64, cdiv(2048, block), 2048, graph=False), window, kv)
+            run_backend(model, torch.bfloat16, prefill_meta(block, ((7, 7), (300, 900))), window, kv)
     got = {k: len(v) for k, v in comp.keys_by_kernel.items()}
-    want = {"_reshape_and_cache": 1, "_decode_partition": len(parts), "_decode_reduce": len(parts), "_prefill": 1}
+    want = {"_reshape_and_cache": 2, "_decode_partition": 2 * len(parts), "_decode_reduce": len(parts),
+            "_prefill": 2}
     return [f"{k}: {got.get(k, 0)} compiled variants over the sweep, expected {n}"
             for k, n in want.items() if got.get(k, 0) != n]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="two models, bf16 on sm_80/sm_90 and fp32 on sm_90")
+    ap.add_argument("--quick", action="store_true",
+                    help="two models in bf16 on sm_80/sm_90, one also over fp8 e4m3 KV; fp32 on sm_90")
     ap.add_argument("--arch", default="80,90", help="compute capabilities, e.g. 80,90")
-    ap.add_argument("--dtype", default="bf16,fp16,fp32")
+    ap.add_argument("--dtype", default="bf16,fp16,fp32,e4m3,e5m2",
+                    help="query dtypes; e4m3, e5m2: bf16 queries over fp8 KV")
     ap.add_argument("--json", default=None, help="write every compiled kernel's figures here")
     args = ap.parse_args()
     if not (BIN / "ptxas").exists():
@@ -228,7 +247,7 @@ def main() -> int:
     models = QUICK if args.quick else MODELS
     plan = {a: [(m, d) for m in models for d in dtypes] for a in archs}  # per arch: (model, dtype)
     if args.quick:
-        plan = {a: [(m, "bf16") for m in models] for a in archs}
+        plan = {a: [(m, "bf16") for m in models] + [(models[-1], "e4m3")] for a in archs}
         plan[archs[-1]].append((models[-1], "fp32"))
     comp = Compiler()
     knobs.runtime.jit_cache_hook = comp

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from pagedllm.attention import StepLayout, get_backend
+from pagedllm.attention.kv_quant import dequantize, quantize
+from pagedllm.kv_dtype import KV_DTYPES
 
 H, KVH, D = 6, 2, 16
 
@@ -32,31 +34,39 @@ def write_prefix(backend, k, v, k_cache, v_cache, slots) -> None:
         backend.ops.write_kv(k, v, k_cache, v_cache, slots)
     else:
         from pagedllm.attention.torch_ref import write_kv
-        write_kv(k, v, k_cache, v_cache, slots)
+        write_kv(k, v, k_cache, v_cache, slots, kv=backend.kv)
 
 
-def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed: int = 0):
+def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed: int = 0, head_dim: int = D):
     """The step of `seqs` through `backend`, against the reference. Under a window each
     table's entries below its first query's window are -1 (released), and the blocks they
-    held are overwritten with huge values: read once, they would swamp the result."""
+    held are overwritten with huge values: read once, they would swamp the result.
+    A backend storing a quantized kind (backend.kv) is held to attention over the values
+    its rows dequantize to; its stale bytes are random (NaN codes and scales among them),
+    and its released blocks all 0xff (NaN in fp8, and in a bf16 scale)."""
     g = torch.Generator().manual_seed(block_size + seed)
+    kv = backend.kv
     num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
-    k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, KVH, D, dtype)  # each backend's own layout
-    k_cache = torch.randn(k_shape, generator=g).to(dtype)  # stale data
-    v_cache = torch.randn(v_shape, generator=g).to(dtype)
+    k_shape, v_shape = backend.cache_shapes(num_blocks, block_size, KVH, head_dim, dtype)  # each backend's own layout
+    if kv is None:
+        k_cache = torch.randn(k_shape, generator=g).to(dtype)  # stale data
+        v_cache = torch.randn(v_shape, generator=g).to(dtype)
+    else:
+        k_cache = torch.randint(0, 256, k_shape, generator=g, dtype=torch.uint8)
+        v_cache = torch.randint(0, 256, v_shape, generator=g, dtype=torch.uint8)
     free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
     full_k, full_v, tables = [], [], []
     for cached, new in seqs:
         n = cached + new
         table = [free.pop() for _ in range(-(-n // block_size))]
-        full_k.append(torch.randn(n, KVH, D, generator=g).to(dtype))
-        full_v.append(torch.randn(n, KVH, D, generator=g).to(dtype))
+        full_k.append(torch.randn(n, KVH, head_dim, generator=g).to(dtype))
+        full_v.append(torch.randn(n, KVH, head_dim, generator=g).to(dtype))
         if cached:  # the prefix's KV is already in the pool, written by the backend's own writer
             pre = torch.tensor([table[j // block_size] * block_size + j % block_size for j in range(cached)])
             write_prefix(backend, full_k[-1][:cached], full_v[-1][:cached], k_cache, v_cache, pre)
         released = max(0, cached - window + 1) // block_size if window else 0
         for i in range(released):
-            k_cache[table[i]], v_cache[table[i]] = 1e4, 1e4
+            k_cache[table[i]], v_cache[table[i]] = (1e4, 1e4) if kv is None else (255, 255)
             table[i] = -1
         tables.append(table)
     # Decodes first, shortest context first (the runner's order).
@@ -65,7 +75,7 @@ def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed:
     for i in order:
         cached, new = seqs[i]
         n = cached + new
-        qs.append(torch.randn(new, H, D, generator=g).to(dtype))
+        qs.append(torch.randn(new, H, head_dim, generator=g).to(dtype))
         ks.append(full_k[i][cached:])
         vs.append(full_v[i][cached:])
         slots += [tables[i][j // block_size] * block_size + j % block_size for j in range(cached, n)]
@@ -75,11 +85,14 @@ def run_paged(backend, block_size: int, dtype, window: int = 0, seqs=SEQS, seed:
     q = torch.cat(qs)
     kw = {"window": window} if window else {}
     out = backend.forward(q, torch.cat(ks), torch.cat(vs), k_cache, v_cache, backend.build_metadata(layout, "cpu"),
-                          D ** -0.5, **kw)
+                          head_dim ** -0.5, **kw)
     row = 0
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for i, qi in zip(order, qs):
-        want = reference(qi.float(), full_k[i].float(), full_v[i].float(), D ** -0.5, window)
+        k, v = full_k[i].float(), full_v[i].float()
+        if kv is not None:  # what the pool holds
+            k, v = dequantize(quantize(k, kv, key=True), kv, key=True), dequantize(quantize(v, kv), kv)
+        want = reference(qi.float(), k, v, head_dim ** -0.5, window)
         torch.testing.assert_close(out[row:row + len(qi)].float(), want, atol=tol, rtol=tol)
         row += len(qi)
 
@@ -104,3 +117,18 @@ def test_sliding_window_reads_only_its_keys(window_backend, block_size, window):
         backend.decode_group = 2  # groups of mixed contexts: rows whose windows start in different blocks
     seqs = SEQS + [(100, 1), (37, 1), (70, 30)]
     run_paged(backend, block_size, torch.float32, window, seqs, seed=window)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "fp8_e5m2", "int4"])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_torch_backend_on_quantized_pools(kind, block_size):
+    """--kv-cache-dtype on the torch backend: each new token quantized into its slot,
+    blocks dequantized when read. Decodes and prefills over cached prefixes, GQA, in fp32
+    and bf16, full and windowed: attention over the values the pool holds, exactly (the
+    dequantized values are the reference's own); stale and released bytes never leak in."""
+    backend = get_backend("torch")
+    backend.decode_group = 2  # groups of mixed contexts: padding past a row's context is stale bytes
+    backend.use_kv_dtype(KV_DTYPES[kind])
+    dtype = torch.float32 if block_size == 1 else torch.bfloat16
+    run_paged(backend, block_size, dtype, head_dim=32)  # int4's keys: a scale and a min per 32 dims
+    run_paged(backend, block_size, dtype, window=6, seqs=SEQS + [(100, 1), (70, 30)], seed=1, head_dim=32)

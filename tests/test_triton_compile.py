@@ -1,7 +1,7 @@
 """The Triton kernels compiled for real NVIDIA targets (sm_80, sm_90) on this GPU-less
 machine, through the engine's attention backend: they must compile with no register
-spills, use tensor cores for bf16, read K/V with 128-bit loads, and not recompile as batch
-sizes and context lengths change (scripts/triton_compile_check.py does the work)."""
+spills, use tensor cores for bf16 (over fp8 KV too), read K/V with 128-bit loads, and not
+recompile as batch sizes and context lengths change (scripts/triton_compile_check.py does the work)."""
 from __future__ import annotations
 
 import importlib.util
@@ -31,3 +31,8 @@ def test_kernels_compile_for_sm80_and_sm90(triton_compile_check):
     assert {r["arch"] for r in decode} == {80, 90}
     assert all(r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0 for r in decode)
     assert {r["kernel"] for r in recs} == {"_reshape_and_cache", "_decode_partition", "_decode_reduce", "_prefill"}
+    # fp8 KV (bf16 queries over e4m3 rows): its own variants, on tensor cores, on both targets
+    fp8 = [r for r in recs if r["kernel"] in ("_decode_partition", "_prefill") and r["constants"].get("FP8")]
+    assert {(r["kernel"], r["arch"]) for r in fp8} == {(k, a) for k in ("_decode_partition", "_prefill")
+                                                      for a in (80, 90)}
+    assert all(r["sass"].get("HMMA", 0) + r["sass"].get("HGMMA", 0) > 0 for r in fp8)

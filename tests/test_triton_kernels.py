@@ -12,13 +12,17 @@ import pytest
 import torch
 
 from pagedllm.attention import StepLayout, triton_available
+from pagedllm.attention.kv_quant import FP8, quantize
 from pagedllm.attention.torch_ref import TorchPagedAttention
+from pagedllm.kv_dtype import KV_DTYPES
 
 if triton_available() is not None:
     pytest.skip(f"Triton kernels not tested: {triton_available()}", allow_module_level=True)
 
 from pagedllm.attention import triton_kernels as tk  # noqa: E402
 from pagedllm.attention.triton_backend import TritonPagedAttention  # noqa: E402
+
+tl = tk.tl  # triton.language, imported once the interpreter is set (triton_kernels sets it)
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
@@ -29,9 +33,10 @@ MAX_CTX = 3000 if BIG else 90
 
 
 def make_batch(rng: random.Random, block_size: int, kvh: int, d: int, decode_lens: list[int],
-               prefill: list[tuple[int, int]], dtype=torch.float32):
+               prefill: list[tuple[int, int]], dtype=torch.float32, kv: str | None = None):
     """A random pool and block tables for decodes (context lengths) and prefills
-    (cached prefix length, new query tokens); physical blocks shuffled across sequences."""
+    (cached prefix length, new query tokens); physical blocks shuffled across sequences.
+    kv: a quantized kind: the pool holds random values' quantized rows (keys 3x larger)."""
     need = [-(-n // block_size) for n in decode_lens] + [-(-(c + q) // block_size) for c, q in prefill]
     num_blocks = sum(need) + 3
     ids = list(range(num_blocks))
@@ -43,6 +48,8 @@ def make_batch(rng: random.Random, block_size: int, kvh: int, d: int, decode_len
     g = torch.Generator().manual_seed(rng.randrange(1 << 30))
     k_cache = torch.randn((num_blocks, block_size, kvh, d), generator=g).to(DEV, dtype)
     v_cache = torch.randn((num_blocks, block_size, kvh, d), generator=g).to(DEV, dtype)
+    if kv:
+        k_cache, v_cache = quantize(k_cache * 3, KV_DTYPES[kv], key=True), quantize(v_cache, KV_DTYPES[kv])
     return k_cache, v_cache, tables
 
 
@@ -71,19 +78,25 @@ def release_below_window(layout: StepLayout, k_cache, v_cache, block_size: int, 
     (read once, they would swamp the result)."""
     for table, first in zip(layout.block_tables, firsts):
         for i in range(max(0, first - window + 1) // block_size):
-            k_cache[table[i]], v_cache[table[i]] = 1e4, 1e4
+            k_cache[table[i]], v_cache[table[i]] = (255, 255) if k_cache.dtype == torch.uint8 else (1e4, 1e4)
             table[i] = -1
 
 
-def run_both(seed: int, block_size: int, shape, decode_lens, prefill, dtype=torch.float32, atol=2e-4, window=0):
+def run_both(seed: int, block_size: int, shape, decode_lens, prefill, dtype=torch.float32, atol=2e-4, window=0,
+             kv: str | None = None):
+    """The Triton backend's step against the torch reference's, on copies of one pool
+    (kv: both storing that quantized kind)."""
     h, kvh, d = shape
     rng = random.Random(seed)
-    k_cache, v_cache, tables = make_batch(rng, block_size, kvh, d, decode_lens, prefill, dtype)
+    k_cache, v_cache, tables = make_batch(rng, block_size, kvh, d, decode_lens, prefill, dtype, kv)
     layout, t = build_layout(block_size, tables, decode_lens, prefill)
     if window:
         release_below_window(layout, k_cache, v_cache, block_size, window,
                              [n - 1 for n in decode_lens] + [c for c, _ in prefill])
     ref_backend, triton = TorchPagedAttention(), TritonPagedAttention()
+    if kv:
+        ref_backend.use_kv_dtype(KV_DTYPES[kv])
+        triton.use_kv_dtype(KV_DTYPES[kv])
     g = torch.Generator().manual_seed(seed)
     q = torch.randn((t, h, d), generator=g).to(DEV, dtype)
     k = torch.randn((t, kvh, d), generator=g).to(DEV, dtype)
@@ -159,6 +172,42 @@ def test_bf16():
         run_both(6, 16, SHAPES[0], [MAX_CTX, 40, 17, 1], [(20, 45)], dtype=torch.bfloat16, atol=2e-2)
 
 
+@tk.triton.jit
+def _widen_fp8(codes_ptr, out_ptr, FP8: tl.constexpr):
+    c = tl.load(codes_ptr + tl.arange(0, 256))
+    tl.store(out_ptr + tl.arange(0, 256), tk._fp8_as_fp16(c, FP8).to(tl.float32) * tk._fp8_unit(FP8))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # e5m2's NaN x 1, in numpy
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_codes_widen_exactly(kind):
+    """Every fp8 code, widened by the kernels' bit moves (sm_80 has no e4m3 type), is the
+    value torch gives it: subnormals and signed zeros included (e4m3's NaN code aside: the
+    quantizer clamps to the finite range; e5m2's inf and NaN come through as fp16's)."""
+    codes = torch.arange(256, dtype=torch.uint8, device=DEV)
+    got = torch.empty(256, device=DEV)
+    _widen_fp8[(1,)](codes, got, FP8=tk.FP8_KINDS[kind])
+    want = codes.view(FP8[kind]).float()
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite]) and torch.equal(got[finite].signbit(), want[finite].signbit())
+    assert (~finite).sum() == (2 if kind == "fp8_e4m3" else 8)
+    if kind == "fp8_e5m2":
+        assert torch.equal(got[~finite].isinf(), want[~finite].isinf()) and got[~finite].isnan().sum() == 6
+
+
+@pytest.mark.parametrize("kind", ["fp8_e4m3", "fp8_e5m2"])
+def test_fp8_kv_read_in_place(kind):
+    """fp8 pools (torch layout: codes, then the bf16 scale) read in place: decodes and
+    prefills over cached prefixes, GQA 3:1 at a head dim that is not a power of two (the
+    row's scale sits past D, inside the padded tile), a window with released blocks (0xff:
+    NaN if read), bf16 (e4m3) and fp16 (e5m2) queries; the pools written byte for byte as
+    the torch backend's."""
+    run_both(8, 16, SHAPES[0], [5, 40, 1], [(16, 9), (0, 33)], kv=kind)
+    run_both(9, 16, SHAPES[2], [1, 17, 60], [(45, 20), (3, 50)], window=20, kv=kind)
+    half = torch.bfloat16 if kind == "fp8_e4m3" else torch.float16
+    run_both(10, 16, SHAPES[0], [MAX_CTX, 17], [(20, 45)], dtype=half, atol=2e-2, kv=kind)
+
+
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory, model_dir):
     """A 2-layer random Llama with the default model's tokenizer: the interpreter runs the
@@ -207,6 +256,29 @@ def test_engine_greedy_output_same_as_torch_backend(tiny_model):
         assert llm.get_stats().kv.cow_copies >= 1 and llm.get_stats().kv.prefix_hits > 0
     assert [t for t, _ in outs["triton"]] == [t for t, _ in outs["torch"]]
     for (_, a), (_, b) in zip(outs["triton"], outs["torch"]):  # logprobs show errors argmax hides
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
+
+
+def test_engine_on_fp8_kv_same_as_torch_backend(tiny_model):
+    """--kv-cache-dtype fp8 through the whole engine on both backends: uint8 pools of the
+    torch layout, a prefix hit and copy-on-write over their bytes, the rotated query and
+    output. Both quantize each new row alike, so greedy tokens and logprobs agree."""
+    from pagedllm import LLM, SamplingParams
+
+    system = "You are a helpful assistant who answers questions about geography in one short sentence. "
+    outs = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+                  attention_backend=backend, device=DEV, kv_cache_dtype="fp8")
+        assert llm.engine.runner.backend.kv.name == "fp8_e4m3"
+        run = [llm.generate(system + p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, n=n,
+                                                       seed=3), use_tqdm=False)[0]
+               for p, n in (("The capital of France is", 1), ("The longest river is", 2))]  # a hit, then a fork
+        outs[backend] = [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                         for o in run for c in o.outputs]
+        assert llm.get_stats().kv.prefix_hits > 0 and llm.get_stats().kv.cow_copies >= 1
+    assert [t for t, _ in outs["triton"]] == [t for t, _ in outs["torch"]]
+    for (_, a), (_, b) in zip(outs["triton"], outs["torch"]):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 

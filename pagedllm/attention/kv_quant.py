@@ -14,6 +14,8 @@ per token fits them all (H is its own inverse; the kernel rotates q, and its out
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..kv_dtype import SCALE_BYTES, KVDtype
@@ -31,9 +33,16 @@ def hadamard(d: int) -> torch.Tensor:
     return torch.block_diag(*[h / n ** 0.5] * (d // n))
 
 
+@functools.lru_cache(maxsize=None)
+def hadamard_on(d: int, device: torch.device) -> torch.Tensor:
+    """hadamard(d) in fp32 on `device`, made once: every layer of every step rotates, and
+    a host-to-device copy inside a captured CUDA graph would fail. Read-only."""
+    return hadamard(d).to(device)
+
+
 def rotate(x: torch.Tensor) -> torch.Tensor:
     """x H over the last dim, in fp32 (H H = I: rotates back too)."""
-    return x.float() @ hadamard(x.shape[-1]).to(x.device)
+    return x.float() @ hadamard_on(x.shape[-1], x.device)
 
 
 def scales(x: torch.Tensor, kv: KVDtype) -> torch.Tensor:

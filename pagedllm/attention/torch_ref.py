@@ -1,5 +1,9 @@
 """Reference paged attention in plain torch: gathers K/V through block tables and
-runs scaled_dot_product_attention. Runs anywhere torch runs."""
+runs scaled_dot_product_attention. Runs anywhere torch runs.
+
+Quantized pools (--kv-cache-dtype int8/fp8/int4) hold kv_quant's rows (codes, then bf16
+scales) in the base class's layout: each new token is quantized into its slot, and the
+gathered blocks are dequantized to the query's dtype before the same SDPA."""
 from __future__ import annotations
 
 import torch
@@ -7,7 +11,9 @@ import torch.nn.functional as F
 
 from dataclasses import dataclass, field
 
+from ..kv_dtype import KVDtype
 from ..util import cdiv
+from . import kv_quant
 from .backend import AttentionBackend, SplitMetadata, StepLayout, register
 
 
@@ -28,13 +34,16 @@ def length_groups(lens: list[int], size: int) -> list[tuple[int, int, int]]:
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Each row's K/V into its slot; `rows`: only these rows (the others have slot -1)."""
-    nb, bs, kvh, d = k_cache.shape
+             slot_mapping: torch.Tensor, rows: torch.Tensor | None = None, kv: KVDtype | None = None) -> None:
+    """Each row's K/V into its slot; `rows`: only these rows (the others have slot -1).
+    kv: the pools' quantized kind (each row quantized alone into its slot), None: plain."""
     if rows is not None:
         k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
-    k_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, k)
-    v_cache.view(nb * bs, kvh, d).index_copy_(0, slot_mapping, v)
+    if kv is not None:
+        k, v = kv_quant.quantize(k, kv, key=True), kv_quant.quantize(v, kv)
+    for new, cache in ((k, k_cache), (v, v_cache)):  # K's and V's rows differ in size (int4)
+        nb, bs, kvh, row = cache.shape
+        cache.view(nb * bs, kvh, row).index_copy_(0, slot_mapping, new)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -43,9 +52,20 @@ def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     return cache.view(cache.shape[0], -1).index_select(0, block_ids.reshape(-1))
 
 
+def _dequantized(cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, kv: KVDtype, dtype: torch.dtype,
+                 key: bool) -> torch.Tensor:
+    """Decode rows' blocks of a quantized pool as values [n, positions, KVH, D]. Rows the
+    mask hides (past a context, in a padding block) are zeroed as bytes first: stale bytes
+    can decode to NaN or inf (fp8 0x7f, a bf16 scale 0xffff), and SDPA's masked weight 0
+    times NaN is NaN; zero codes and zero scales decode to 0 in every kind."""
+    rows = gather_blocks(cache, tables).view(mask.shape[0], -1, *cache.shape[2:])  # a copy: zeroed in place
+    return kv_quant.dequantize(rows.mul_(mask[:, :, None, None]), kv, dtype, key)
+
+
 @register
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
+    kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
     def __init__(self, decode_group: int = 24) -> None:
         # Decodes attend in groups this size: padding each group only to its own longest
@@ -64,21 +84,23 @@ class TorchPagedAttention(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int = 0):
         # All new K/V of the step land in the pool before anyone reads it, so a request
         # that hit a prefix block filled in this same step reads it complete.
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.write_rows)
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.write_rows, self.kv)
         out = torch.empty_like(q)
         for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
             if end > start:
                 out[start:end] = self._decode(q[start:end], k_cache, v_cache,
                                               meta.decode_block_tables[start:end],
-                                              meta.decode_context_lens[start:end], max_ctx, scale, window)
+                                              meta.decode_context_lens[start:end], max_ctx, scale, window, self.kv)
         for p in meta.prefills:
             out[p.q_start:p.q_start + p.q_len] = self._prefill(
-                q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale, window)
+                q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale, window,
+                self.kv)
         return out
 
     @staticmethod
-    def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0) -> torch.Tensor:
-        n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0,
+                kv: KVDtype | None = None) -> torch.Tensor:
+        n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
         nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
         ctx = context_lens[:, None]
@@ -96,15 +118,20 @@ class TorchPagedAttention(AttentionBackend):
             span = nblk
             pos = torch.arange(nblk * bs, device=q.device)[None, :]
             mask = pos < ctx
-        keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
-        vals = gather_blocks(v_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+        if kv is None:
+            keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+            vals = gather_blocks(v_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+        else:
+            keys, vals = (_dequantized(cache, tables, mask, kv, q.dtype, key).transpose(1, 2)
+                          for cache, key in ((k_cache, True), (v_cache, False)))
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask.view(n, 1, 1, -1),
                                            scale=scale, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
-    def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0) -> torch.Tensor:
-        bs, kvh, d = k_cache.shape[1:]
+    def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0,
+                 kv: KVDtype | None = None) -> torch.Tensor:
+        bs, kvh, d = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         ql = q.shape[0]
         # Keys from the block holding the first query's oldest visible key (position
         # ctx - ql - W + 1): the blocks before it may be -1 (released).
@@ -113,8 +140,13 @@ class TorchPagedAttention(AttentionBackend):
             table = table[lo // bs:]
         if window:
             table = table.clamp(min=0)
-        keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
-        vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+        if kv is None:
+            keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+            vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+        else:  # keys lo .. ctx - 1 were all written: no stale row is dequantized
+            rows = [gather_blocks(c, table).view(-1, *c.shape[2:])[:ctx - lo] for c in (k_cache, v_cache)]
+            keys = kv_quant.dequantize(rows[0], kv, q.dtype, key=True).transpose(0, 1)
+            vals = kv_quant.dequantize(rows[1], kv, q.dtype).transpose(0, 1)
         if ctx == ql and not window:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True,
                                                scale=scale, enable_gqa=True)

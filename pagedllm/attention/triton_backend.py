@@ -1,5 +1,9 @@
 """The CUDA attention backend: Triton kernels that read K/V in place through the block
-tables (see triton_kernels). Chosen automatically on CUDA when Triton imports."""
+tables (see triton_kernels). Chosen automatically on CUDA when Triton imports.
+
+fp8 KV (--kv-cache-dtype fp8 / fp8_e5m2) is read in place too: new rows are quantized as
+kv_quant does (rotated by the Hadamard matrix H), so the query is rotated before the
+kernels and their output rotated back after (H H = I)."""
 from __future__ import annotations
 
 import torch
@@ -7,6 +11,7 @@ import torch
 from dataclasses import dataclass
 
 from .backend import AttentionBackend, SplitMetadata, StepLayout, register, register_unavailable
+from .kv_quant import rotate
 
 
 @dataclass
@@ -28,6 +33,7 @@ def triton_available() -> str | None:
 class TritonPagedAttention(AttentionBackend):
     name = "triton"
     supports_decode_graphs = True
+    kv_dtypes = ("fp8_e4m3", "fp8_e5m2")
 
     def __init__(self) -> None:
         from . import triton_kernels  # imported here: it sets TRITON_INTERPRET on CPU machines
@@ -44,19 +50,19 @@ class TritonPagedAttention(AttentionBackend):
                               decode_context_lens=context_lens, decode_max_context=max_context, prefills=[])
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonMetadata, scale: float, window: int = 0):
-        kern = self.k
-        kern.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        q = q.contiguous()
+        kern, kv = self.k, self.kv
+        kern.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, kv)
+        q = q.contiguous() if kv is None else rotate(q).to(q.dtype)  # q H . k H = q . k
         out = torch.empty_like(q)
         n = meta.num_decodes
         if n:
             kern.paged_decode(q[:n], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens,
-                              scale, meta.decode_max_context, out=out[:n], window=window)
+                              scale, meta.decode_max_context, out=out[:n], window=window, kv=kv)
         if meta.prefills:
             t = meta.prefill_tensors or self.prefill_tensors(meta, q.device)
             kern.paged_prefill(q, k_cache, v_cache, out, t["tables"], t["q_starts"], t["q_lens"],
-                               t["ctx_lens"], t["tiles"], scale, window)
-        return out
+                               t["ctx_lens"], t["tiles"], scale, window, kv)
+        return out if kv is None else rotate(out).to(q.dtype)  # sum p v H, rotated back
 
     def prefill_tensors(self, meta: SplitMetadata, device) -> dict:
         """The step's prefill descriptors as device tensors, built once per step."""

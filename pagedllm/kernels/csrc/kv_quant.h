@@ -28,9 +28,6 @@
 // int4's D / 32), then int4's mins [G][B]; V's scales [B].
 #pragma once
 
-#include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Float8_e5m2.h>
-
 #include "vec.h"
 
 namespace pagedllm {
@@ -116,24 +113,6 @@ inline float round_up_bf16(float x) {  // the nearest bf16 at or above x (x >= 0
   return r;
 }
 
-// An asymmetric int4 code: (x - min) / scale rounded, in [0, 15].
-inline uint8_t encode_asym4(float x, float lo, float inv) {
-  return uint8_t(std::min(15.f, std::max(0.f, std::nearbyint((x - lo) * inv))));
-}
-
-// One value -> its code (scaled by inv = 1 / scale, clamped to the code range).
-template <Fmt F>
-inline uint8_t encode(float x, float inv, bool is_key = true) {
-  const float y = std::min(QMAX<F>, std::max(-QMAX<F>, x * inv));
-  if constexpr (F == Fmt::i8) {
-    if (!is_key) return uint8_t(int8_t(std::nearbyint(y)));  // V: signed, for the widening load
-  }
-  if constexpr (F == Fmt::i8) return uint8_t(int(std::nearbyint(y)) + 128);
-  else if constexpr (F == Fmt::i4) return uint8_t(int(std::nearbyint(y)) + 8);
-  else if constexpr (F == Fmt::e4m3) return c10::Float8_e4m3fn(y).x;
-  else return c10::Float8_e5m2(y).x;
-}
-
 // The Hadamard block for head_dim d: its largest power-of-two divisor (64 -> 64, 96 -> 32).
 inline int hadamard_block(int d) { return d & -d; }
 
@@ -151,6 +130,45 @@ inline void hadamard(float* x, int d) {
         }
   const float s = 1.f / std::sqrt(float(n));
   for (int j = 0; j < d; ++j) x[j] *= s;
+}
+
+// The writer, 16 values at a time (a scalar conversion per value cost a decode step more
+// than its attention saved). Round to nearest even, as torch's casts do: the magic number
+// for integers (|x| < 2^22), the fp32 bits for fp8.
+inline vf round_even(vf x) {
+  const vf m = splat(12582912.f);
+  const vf r = (x + m) - m;
+  return x < 0.f ? -((-x + m) - m) : r;
+}
+
+// fp8 codes of 16 values already scaled into the code range: the mantissa rounded to MB bits
+// in the fp32 bits (the carry runs into the exponent); below the smallest normal, multiples
+// of its 2^-MB.
+template <Fmt F>
+inline vu fp8_codes(vf y) {
+  constexpr int MB = F == Fmt::e4m3 ? 3 : 2, BIAS = F == Fmt::e4m3 ? 7 : 15;
+  constexpr float MIN_NORMAL = F == Fmt::e4m3 ? 1.f / 64 : 1.f / 16384;
+  const vu sign = ((vu)y >> 31) << 7;
+  const vf a = y < 0.f ? -y : y;
+  vu bits = (vu)a;
+  bits = bits + ((1u << (22 - MB)) - 1) + ((bits >> (23 - MB)) & 1u);
+  const vu normal = (((bits >> 23) - (127 - BIAS)) << MB) | ((bits >> (23 - MB)) & ((1u << MB) - 1));
+  const vu small = (vu)__builtin_convertvector(round_even(a * ((1 << MB) / MIN_NORMAL)), vi);
+  return sign | ((vi)(a < MIN_NORMAL) ? small : normal);
+}
+
+// Codes of 16 values (scaled by inv), clamped to the code range: offset binary for int8
+// keys and int4 values, signed for int8 values, fp8 bits.
+template <Fmt F>
+inline vu encode16(vf x, float inv, bool is_key) {
+  vf y = x * inv;
+  y = y > QMAX<F> ? splat(QMAX<F>) : y;
+  y = y < -QMAX<F> ? splat(-QMAX<F>) : y;
+  y = y == y ? y : vf{};  // NaN -> 0
+  if constexpr (F == Fmt::e4m3 || F == Fmt::e5m2) return fp8_codes<F>(y);
+  const vi q = __builtin_convertvector(round_even(y), vi);
+  if constexpr (F == Fmt::i8) return (vu)(is_key ? q + 128 : q) & 0xFFu;
+  else return (vu)(q + 8);
 }
 
 // Bytes of one (block, head) row of codes, and of the whole row with its scales.

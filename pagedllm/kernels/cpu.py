@@ -72,7 +72,7 @@ def load_ops():
     if not lib.exists():
         build_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        logger.info("compiling the CPU kernels once (about 25 s on 2 cores) into %s", build_dir)
+        logger.info("compiling the CPU kernels once (about a minute on 2 cores) into %s", build_dir)
         try:
             from torch.utils.cpp_extension import load
             load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],

@@ -1,7 +1,6 @@
 """The attention-backend interface: attention whose K/V live in paged pools."""
 from __future__ import annotations
 
-import inspect
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -125,12 +124,6 @@ class AttentionBackend(ABC):
         position p sees keys j with p - W < j <= p (HF's `kv_idx > q_idx - sliding_window`).
         Table entries below the window of a sequence's first query may be -1: they must
         never be dereferenced (a block the KV manager released)."""
-
-    @classmethod
-    def supports_window(cls) -> bool:
-        """Whether this backend's forward takes a sliding window (a backend written before
-        windows existed takes none, and would attend to every key)."""
-        return "window" in inspect.signature(cls.forward).parameters
 
 
 # The factory registry: each backend module registers its class at import, or the

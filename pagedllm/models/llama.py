@@ -100,9 +100,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
         self.scale = self.d ** -0.5
-        # Only a windowed layer says so: full attention is every backend's default, so one
-        # written before windows existed still runs full-attention models.
-        self.window_kw = {"window": window} if window else {}
+        self.window = window  # this layer's sliding window (0: full attention)
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
@@ -110,7 +108,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k = rotate(q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
-                                 **self.window_kw)
+                                 window=self.window)
         return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
 
 

@@ -32,9 +32,6 @@ class DraftRunner:
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.cfg = ModelConfig.from_hf(load_config(model_dir))
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
-        if self.cfg.sliding_window and not backend.supports_window():
-            raise ValueError(f"attention backend {backend.name} has no sliding-window attention, which the draft "
-                             f"model's layers use (sliding_window {self.cfg.sliding_window})")
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype)
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len

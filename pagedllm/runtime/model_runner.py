@@ -88,9 +88,6 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
     try:
         backend = get_backend(chosen)
         backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim)
-        if mc.sliding_window and not backend.supports_window():
-            raise ValueError(f"attention backend {chosen} has no sliding-window attention, which this model's "
-                             f"layers use (sliding_window {mc.sliding_window}); use --attention-backend torch")
         return backend
     except ValueError as e:
         if name != "auto" or chosen != "cpu":

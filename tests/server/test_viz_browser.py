@@ -61,6 +61,17 @@ def _text(page, sel: str) -> int:
     return int(page.text_content(sel))
 
 
+def _play_trace(page, scenario: str) -> None:
+    """Open the page offline, load a scenario's recorded trace into it, and play it to its end."""
+    from pagedllm.viz.routes import PAGE
+    from pagedllm.viz.scenarios import trace_path
+
+    page.goto(PAGE.as_uri() + "?speed=6")
+    page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
+    page.set_input_files("#trace-file", str(trace_path(scenario)))
+    _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+
+
 def _settled(page, condition: str, timeout: int = 30_000) -> None:
     """Wait for `condition` and for the frame that draws it: the page sets its mode at once but
     draws the pool, tables and log on the next animation frame (`dirty` until then)."""
@@ -168,7 +179,6 @@ def test_beam_trace_replays_with_forked_beams():
     fork (with a label and their tokens), and the page raises no error."""
     import json
 
-    from pagedllm.viz.routes import PAGE
     from pagedllm.viz.scenarios import trace_path
 
     trace = json.loads(trace_path("beam").read_text())
@@ -179,10 +189,7 @@ def test_beam_trace_replays_with_forked_beams():
         page = browser.new_page()
         errors_js: list[str] = []
         page.on("pageerror", lambda e: errors_js.append(str(e)))
-        page.goto(PAGE.as_uri() + "?speed=6")
-        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
-        page.set_input_files("#trace-file", str(trace_path("beam")))
-        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        _play_trace(page, "beam")
         assert page.locator("#log li[data-type=fork]").count() == forks
         assert page.locator("#log li[data-type=cow]").count() >= 1
         assert "·" in page.locator("#log li[data-type=fork]").first.text_content(), "a forked beam gets a label"
@@ -195,7 +202,6 @@ def test_sliding_window_trace_shows_released_entries():
     as one cell, apart from the blocks it holds; each release is logged, and counted."""
     import json
 
-    from pagedllm.viz.routes import PAGE
     from pagedllm.viz.scenarios import trace_path
 
     from pagedllm.viz.state import KVReplay
@@ -216,10 +222,7 @@ def test_sliding_window_trace_shows_released_entries():
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         errors_js: list[str] = []
         page.on("pageerror", lambda e: errors_js.append(str(e)))
-        page.goto(PAGE.as_uri() + "?speed=6")
-        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
-        page.set_input_files("#trace-file", str(trace_path("sliding-window")))
-        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        _play_trace(page, "sliding-window")
         released = page.locator("#tables .tcell.released")
         assert released.count() == 1 and released.first.get_attribute("data-released") == str(gone)
         assert page.locator("#tables .tcell:not(.released)").count() == len(table) - gone

@@ -78,7 +78,6 @@ inline vf k_elem(vu u, int i) {
   else return decode<F>((u >> (BITS<F> * i)) & mask);
 }
 
-typedef uint8_t vb32 __attribute__((vector_size(32)));
 typedef int8_t vsb __attribute__((vector_size(16)));
 
 // Dims 16c..16c+15 of one key's V row (NC vectors of 16 dims in all); int8 and int4: `row`
@@ -93,12 +92,6 @@ inline vf v_chunk(const uint8_t* row, int c) {
     const int half = NC / 2;
     vb x;
     for (int i = 0; i < L; ++i) x[i] = row[((c % half) * L + i) * 2];
-    const vu u = __builtin_convertvector(x, vu);
-    return decode<F>(c < half ? (u & 0xFu) : (u >> 4));
-  } else if constexpr (false) {
-    const int half = NC / 2;
-    vb x;
-    std::memcpy(&x, row + (c % half) * L, sizeof x);
     const vu u = __builtin_convertvector(x, vu);
     return decode<F>(c < half ? (u & 0xFu) : (u >> 4));
   } else {

@@ -17,23 +17,30 @@ DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
 QUANTIZATIONS = ("gguf", "int8", "int4")
+OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")
+PREEMPTION_MODES = ("recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "lpm")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """Bytes from 1048576, "512MiB", "4GiB" or "2.5GB"."""
+def parse_bytes(value: int | float | str, name: str = "kv_cache_memory") -> int:
+    """Bytes from 1048576, "512MiB", "4GiB" or "2.5GB" (`name`: the setting, for errors)."""
     if isinstance(value, (int, float)):
         n = int(value)
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"kv_cache_memory: cannot read {value!r} as a size (e.g. 4GiB, 512MiB, 1073741824)")
+            raise ValueError(f"{name}: cannot read {value!r} as a size (e.g. 4GiB, 512MiB, 1073741824)")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0 bytes, got {value!r}")
+        raise ValueError(f"{name} must be > 0 bytes, got {value!r}")
     return n
+
+
+def parse_offload_size(value: int | float | str) -> int:
+    return parse_bytes(value, "kv_offload_size")
 
 
 def canonical_dtype(name: str) -> str:
@@ -175,6 +182,28 @@ class EngineConfig:
         "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
     data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
                                    "(pagedllm serve)", type=int)
+    kv_offload_dir: str | None = knob(
+        None, "a second tier for the prefix cache on disk (SGLang's HiCache storage, LMCache's local disk): full "
+        "cached blocks are kept there under their hashes, a prefix that left the pool is loaded back instead of "
+        "recomputed, and a restarted engine with the same model, dtype, KV dtype and block size serves hits "
+        "from it (checksummed; a bad or foreign block is recomputed)")
+    kv_offload_size: int | str = knob("20GiB", "most bytes the tier keeps on disk (least recently used go "
+                                      "first), e.g. 20GiB", type=parse_offload_size)
+    kv_offload_write_policy: str = knob(
+        "write_through", "write_through: a block is written in the background once it is full and cached (a crash "
+        "loses only blocks in flight); write_back: written when the pool evicts it, and at a clean shutdown "
+        "(SGLang's --hicache-write-policy)", choices=list(OFFLOAD_WRITE_POLICIES))
+    preemption_mode: str = knob(
+        "recompute", "when blocks run out, the newest sequences are preempted: recompute drops their KV (a resume "
+        "takes what the prefix cache still holds); swap first saves their full blocks to the tier (needs "
+        "--kv-offload-dir) and a resume loads them back", choices=list(PREEMPTION_MODES))
+    scheduling_policy: str = knob(
+        "fcfs", "order of admission: fcfs (arrival), or lpm: the waiting requests with the longest prefix in the "
+        "pool or the tier first (SGLang's cache-aware LPM), bounded by --scheduling-aging-bound",
+        choices=list(SCHEDULING_POLICIES))
+    scheduling_aging_bound: float = knob(
+        2.0, "lpm: a request waiting this many seconds is admitted in arrival order ahead of younger ones, so "
+        "nobody waits much beyond first come, first served", type=float)
     router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
                               "(the replica it sent the longest run of the prompt's leading blocks, new "
                               "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))
@@ -218,6 +247,23 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.kv_offload_dir is not None:
+            self.kv_offload_dir = str(self.kv_offload_dir)
+            if not self.kv_offload_dir.strip():
+                raise ValueError("kv_offload_dir must name a directory, got an empty string")
+        self.kv_offload_size = parse_offload_size(self.kv_offload_size)
+        if self.kv_offload_write_policy not in OFFLOAD_WRITE_POLICIES:
+            raise ValueError(f"kv_offload_write_policy must be one of {OFFLOAD_WRITE_POLICIES}, "
+                             f"got {self.kv_offload_write_policy!r}")
+        if self.preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_offload_dir is None:
+            raise ValueError("preemption_mode swap saves preempted blocks to the second tier: set kv_offload_dir "
+                             "(--kv-offload-dir) too")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
+        if not isinstance(self.scheduling_aging_bound, (int, float)) or not 0 <= self.scheduling_aging_bound <= 86400:
+            raise ValueError(f"scheduling_aging_bound must be in [0, 86400] seconds, got {self.scheduling_aging_bound!r}")
         if self.router_policy not in ROUTER_POLICIES:
             raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
         if not isinstance(self.batch_invariant, bool):

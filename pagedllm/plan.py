@@ -126,6 +126,13 @@ class StepPlan:
     copies: list[tuple[int, int]]   # (src, dst) block copies to make before the forward
     # Sequences that ended since the last plan: the runner drops what it keeps per sequence.
     finished_seq_ids: list[int] = field(default_factory=list)
+    # The second tier (kv.tier_store), in this order: `saves` (block, key): copy the block's
+    # bytes to the tier before anything writes to it (it is being reused); `loads` (block,
+    # payload): the tier's verified bytes into the block, before the forward reads it;
+    # `writes` (block, key): after the forward, write the block (pinned) to the tier in place.
+    saves: list[tuple[int, int]] = field(default_factory=list)
+    loads: list[tuple[int, Any]] = field(default_factory=list)
+    writes: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -71,9 +71,16 @@ class LLMEngine:
         window = self._release_window()
         # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
         lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
+        tier = None
+        if cfg.kv_offload_dir is not None:
+            tier = self.runner.attach_tier(cfg, model_dir, cfg.kv_offload_dir, cfg.kv_offload_size)
         self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
                                  cfg.enable_prefix_caching, cfg.allocation, self.max_model_len,
-                                 sliding_window=window, max_step_tokens=cfg.max_num_batched_tokens + lookahead)
+                                 sliding_window=window, max_step_tokens=cfg.max_num_batched_tokens + lookahead,
+                                 tier=tier, write_policy=cfg.kv_offload_write_policy)
+        if tier is not None:
+            logger.info("KV tier: %s, %s, up to %.1f GiB, %d bytes a block", tier.dir, cfg.kv_offload_write_policy,
+                        cfg.kv_offload_size / 2**30, tier.block_bytes)
         if self.kv.sliding_window:
             logger.info("sliding window of %d tokens: each sequence releases the KV blocks below it", window)
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
@@ -83,7 +90,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
                                    SpecPolicy.of(spec) if spec is not None else None, self.max_model_len,
-                                   frozenset(self.eos_token_ids), cfg.max_logprobs)
+                                   frozenset(self.eos_token_ids), cfg.max_logprobs, cfg.preemption_mode,
+                                   cfg.scheduling_policy, cfg.scheduling_aging_bound)
         self.processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv.shape, cfg.max_logprobs)
@@ -123,7 +131,11 @@ class LLMEngine:
         return max(windows)
 
     def close(self) -> None:
-        """Stop the tensor-parallel workers and the grammar compiler, if any (idempotent)."""
+        """Stop the tensor-parallel workers and the grammar compiler, if any; the tier's writes
+        finish, and every cached block it lacks is written now (write-back). Idempotent."""
+        if self.kv.tier is not None:
+            self.runner.write_blocks(self.kv.blocks_to_flush())
+            self.kv.tier.close()
         if self._launcher is not None:
             self._launcher.close()
         self.grammars.close()

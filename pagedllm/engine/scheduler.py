@@ -8,6 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..config import PREEMPTION_MODES, SCHEDULING_POLICIES
 from ..kv import KVCacheManager
 from ..plan import ChunkPlan, PromptScores, SampleTarget, StepPlan, StepResult
 from ..util import cdiv
@@ -50,6 +51,11 @@ class StepUpdate:
     touched: dict[str, Request] = field(default_factory=dict)            # requests the step moved
 
 
+# Longest-prefix-match ordering looks every waiting request up each step: past this many
+# waiting it costs more than it wins, and admission is first come, first served (SGLang's rule).
+LPM_MAX_WAITING = 128
+
+
 def auto_long_prefill_threshold(max_num_batched_tokens: int, block_size: int) -> int:
     """A quarter of the step budget, in whole blocks: a long prompt's chunk leaves three
     quarters of every step to decodes and to short prompts arriving behind it."""
@@ -77,11 +83,32 @@ class _Scoring:
             self._keys.update(seq.hashes.keys[self.sched._scored_blocks(seq):seq.num_prompt_tokens // B])
 
 
+_NO_ROOM, _LATER = object(), object()   # a tier hit that waits: for blocks; for the next step's loads
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
                  spec_policy: SpecPolicy | None = None, max_model_len: int = 1 << 62,
-                 eos_token_ids: frozenset[int] = frozenset(), max_logprobs: int = 20) -> None:
+                 eos_token_ids: frozenset[int] = frozenset(), max_logprobs: int = 20,
+                 preemption_mode: str = "recompute", policy: str = "fcfs", aging_bound: float = 2.0) -> None:
+        """preemption_mode: recompute drops a victim's KV (a resume takes what the prefix
+        cache still has); swap first saves its full blocks to the KV manager's tier.
+        policy: fcfs admits in arrival order; lpm prefers the waiting requests with the
+        longest prefix in the pool or the tier, except that one waiting `aging_bound`
+        seconds or more goes in arrival order ahead of every younger one."""
+        if preemption_mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
+        if preemption_mode == "swap" and kv.tier is None:
+            raise ValueError("preemption_mode swap saves a preempted sequence's blocks to the second tier: "
+                             "set kv_offload_dir (--kv-offload-dir) too")
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {policy!r}")
+        if not aging_bound >= 0:
+            raise ValueError(f"scheduling_aging_bound must be >= 0 seconds, got {aging_bound!r}")
+        self.preemption_mode = preemption_mode
+        self.policy = policy
+        self.aging_bound = aging_bound
         self.kv = kv
         # Prompt logprobs are scored at this top k when the prefix cache keeps them beside
         # its blocks (every later request must find its k there), else at each request's.
@@ -131,11 +158,16 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def schedule(self) -> SchedulerOutput:
+        self.kv.begin_step()
         out = SchedulerOutput([], self.pending_copies)
         self.pending_copies = []
+        # Blocks a step may read from the tier: a step's token budget of them, but the first
+        # request with a tier hit loads its whole hit (never recomputes what it could load).
+        self._load_budget, self._loaded = cdiv(self.max_num_batched_tokens, self.kv.block_size), False
         budget, long_prefills = self._schedule_running(out)
         self._admit_waiting(out, budget, long_prefills)
         out.plan = self._plan(out)
+        out.plan.saves, out.plan.loads, out.plan.writes = self.kv.take_tier_io()
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -237,6 +269,8 @@ class Scheduler:
         # prompt-logprob requests waiting for logprobs a running request is computing, and
         # requests whose grammar is compiling
         scoring = _Scoring(self)
+        if self.policy == "lpm" and not out.preempted:
+            self._order_waiting()
         while self.waiting and budget > 0 and not out.preempted:
             group = self._group(self.waiting, 0)
             if group[0].request.compiling is not None:  # its grammar is not compiled yet
@@ -248,6 +282,10 @@ class Scheduler:
             chunks = []   # (seq, prefix hit, first position computed, tokens to compute now)
             for j, seq in enumerate(group):
                 hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
+                if self.kv.tier is not None and len(group) == 1:
+                    hit = self._tier_hit(seq, hit)
+                    if not isinstance(hit, list):
+                        break
                 start = self._first_row(seq, hit, scoring if len(group) == 1 else None)
                 if start is None:
                     break
@@ -259,8 +297,10 @@ class Scheduler:
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
                                                     self.long_prefill_token_threshold)))
-            if len(chunks) < len(group):  # its logprobs come from the cache next step, not computed twice now
-                skipped.append(self.waiting.popleft())
+            if hit is _NO_ROOM:  # its tier hit waits for blocks: nobody passes it
+                break
+            if len(chunks) < len(group):  # its logprobs come from the cache next step (or its tier
+                skipped.append(self.waiting.popleft())  # hit from the next step's loads), not computed now
                 continue
             long = sum(len(s.token_ids) - c > self.long_prefill_token_threshold for s, _, c, _ in chunks)
             if len(group) == 1 and long and long_prefills >= self.max_num_partial_prefills:
@@ -278,6 +318,52 @@ class Scheduler:
             seats += need_seats
             scoring.started(group[0])
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
+
+    def _tier_hit(self, seq: Sequence, hit: list[int]) -> list[int] | object:
+        """The pool hit extended by the blocks loaded from the tier; _NO_ROOM when the pool
+        cannot take them and the prompt's first chunk now (the request waits, unless nothing
+        runs: then it loads what fits), _LATER when this step's loads are spent."""
+        kv, B = self.kv, self.kv.block_size
+        n = kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)
+        if not n:
+            return hit
+        rest = len(seq.token_ids) - (len(hit) + n) * B
+        room = kv.pool.num_available - sum(1 for b in hit if kv.pool.is_available(b)) - \
+            cdiv(min(rest, self.long_prefill_token_threshold), B) - 1
+        if n > room and self.running:
+            return _NO_ROOM
+        if self._loaded and n > self._load_budget:
+            return _LATER
+        got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, max(0, min(n, room)))
+        self._loaded = True
+        self._load_budget -= len(got) - len(hit)
+        return got
+
+    def _order_waiting(self) -> None:
+        """Longest prefix match (SGLang's LPM): resumed work first (preempted sequences, in
+        their order), then requests that waited aging_bound or more (arrival order), then the
+        rest by the longest prefix the pool and the tier hold, longest first, ties by arrival."""
+        if not 1 < len(self.waiting) <= LPM_MAX_WAITING:
+            return
+        now = time.time()
+        units, i = [], 0
+        while i < len(self.waiting):
+            unit = self._group(self.waiting, i)
+            units.append(unit)
+            i += len(unit)
+
+        def rank(pos_unit: tuple[int, list[Sequence]]) -> tuple:
+            pos, unit = pos_unit
+            req = unit[0].request
+            if req.scheduled_time is not None or unit[0].index:
+                return (0, pos)
+            if now - req.arrival_time >= self.aging_bound:
+                return (1, req.arrival_time, pos)
+            seq = unit[0]
+            hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
+            return (2, -(len(hit) + self.kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)), pos)
+        ordered = sorted(enumerate(units), key=rank)
+        self.waiting = deque(seq for _, unit in ordered for seq in unit)
 
     def _first_row(self, seq: Sequence, hit: list[int], scoring: _Scoring | None = None) -> int | None:
         """Where a newly admitted sequence's computing starts: after its prefix hit, or for
@@ -452,9 +538,12 @@ class Scheduler:
         out.scheduled.append(s)
 
     def _preempt(self, seqs: list[Sequence], out: SchedulerOutput) -> None:
-        """Preempt by recompute: drop their KV; they resume from the front of the queue,
-        in their order (a beam group stays together)."""
+        """Preempt: drop their KV (swap: saved to the tier first, their full blocks); they
+        resume from the front of the queue, in their order (a beam group stays together),
+        through a prefix hit of what the pool and the tier kept."""
         for seq in seqs:
+            if self.preemption_mode == "swap":
+                self.kv.swap_out(seq.seq_id)
             self.kv.free(seq.seq_id)
             seq.draft = []
             seq.spec_tokens = []

@@ -39,7 +39,8 @@ class BlockPool:
         self.num_cached_free = 0
         self.num_shared = 0   # blocks with ref > 1, counted as refs change (no scan to report it)
         self.num_evictions = 0
-        self.on_evict: Callable[[int], None] | None = None  # set by whoever watches the pool
+        # (block id, the hash it held): set by the manager, which tells its listener and the tier
+        self.on_evict: Callable[[int, int], None] | None = None
 
     # -- queries -------------------------------------------------------------
     @property
@@ -88,10 +89,11 @@ class BlockPool:
         block = self.blocks[block_id]
         assert block.ref_cnt == 0, f"block {block_id} in free queue with ref {block.ref_cnt}"
         if block.block_hash is not None:
+            key = block.block_hash
             self._uncache(block)
             self.num_evictions += 1
             if self.on_evict is not None:
-                self.on_evict(block_id)
+                self.on_evict(block_id, key)
         block.ref_cnt = 1
 
     def touch(self, block_id: int) -> None:

@@ -18,12 +18,14 @@ from typing import Callable, Sequence
 
 from .block_pool import BlockPool
 from .block_table import RELEASED, BlockTable
-from ..config import ALLOCATION_POLICIES
+from ..config import ALLOCATION_POLICIES, OFFLOAD_WRITE_POLICIES
 from ..util import cdiv
 from .hashing import BlockHashes
 from .pool_shape import PoolShape, window_blocks
+from .tier_store import TierStats, TierStore
 
 POLICIES = ALLOCATION_POLICIES
+WRITE_POLICIES = OFFLOAD_WRITE_POLICIES
 
 
 @dataclass(slots=True)
@@ -53,10 +55,26 @@ class KVStats:
     prompt_logprob_blocks: int = 0
     # Sliding window: blocks released from tables because no later query reads them.
     window_released: int = 0
+    # The second tier (--kv-offload-dir): prefix-hit tokens whose blocks were loaded from it
+    # (part of prefix_hits), blocks loaded, blocks handed to it (write-through, write-back,
+    # swap), write-through blocks waiting while too many writes are in flight, sequences preempted
+    # by swap and the blocks they saved; the store's own figures (None without a tier).
+    tier_hits: int = 0
+    tier_loaded_blocks: int = 0
+    tier_offloaded_blocks: int = 0
+    tier_backlog: int = 0      # write-through blocks waiting for the disk to catch up
+    swap_outs: int = 0
+    swap_out_blocks: int = 0
+    tier: TierStats | None = None
 
     @property
     def hit_rate(self) -> float:
         return self.prefix_hits / self.prefix_queries if self.prefix_queries else 0.0
+
+    @property
+    def tier_hit_rate(self) -> float:
+        """Share of the prompt tokens looked up that the tier served."""
+        return self.tier_hits / self.prefix_queries if self.prefix_queries else 0.0
 
     @property
     def prompt_logprob_hit_rate(self) -> float:
@@ -71,11 +89,14 @@ def _leading(get: Callable, keys: Sequence[int]) -> list:
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  policy: str = "paged", max_model_len: int | None = None, sliding_window: int = 0,
-                 max_step_tokens: int = 0) -> None:
+                 max_step_tokens: int = 0, tier: TierStore | None = None,
+                 write_policy: str = "write_through") -> None:
         """sliding_window: W, the keys every query sees (0: all of them); blocks below the
         window are released under the paged policy (reserve-max keeps its reservation).
         max_step_tokens: the most tokens one sequence gets slots for in a step (its chunk
-        and lookahead), which bounds what it holds under the window (PoolShape)."""
+        and lookahead), which bounds what it holds under the window (PoolShape).
+        tier: the second tier of the prefix cache (TierStore), written through as full blocks
+        are cached, or back as they are evicted (write_policy)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         if sliding_window < 0:
@@ -109,11 +130,183 @@ class KVCacheManager:
         self.prompt_logprob_queries = 0
         self.prompt_logprob_hits = 0
         self.window_released = 0
+        self._init_tier(tier, write_policy)
 
     def watch(self, listener: Callable[[dict], None] | None) -> None:
         """Send every block-level change to `listener` (None: stop)."""
         self.listener = listener
-        self.pool.on_evict = None if listener is None else (lambda b: listener({"type": "evict", "block": b}))
+        self._hook_evictions()
+
+    def _hook_evictions(self) -> None:
+        """Evictions matter to a listener and to a write-back tier; with neither, they cost nothing."""
+        wanted = self.listener is not None or self.tier is not None
+        self.pool.on_evict = self._on_evict if wanted else None
+
+    def _on_evict(self, block_id: int, key: int) -> None:
+        """A cached-free block is reused: the tier gets it first if it lacks it and wants it
+        (write-back; write-through: one still waiting in the backlog)."""
+        if self.tier is not None:
+            self._fresh_loads.discard(block_id)
+            queued = self._backlog.pop(key, None) is not None
+            if (queued or self.write_policy == "write_back") and key not in self.tier:
+                self._save(block_id, key)
+        self._emit({"type": "evict", "block": block_id})
+
+    # -- the second tier -----------------------------------------------------
+    # Three kinds of IO, each a list of (block id, ...) for the runner, which carries them out
+    # in this order at the start of a step: `saves` (copy the block's bytes now, then write:
+    # the block is about to be reused: write-back eviction, swap-out), `loads` (tier bytes
+    # into a fresh block, before anyone reads it), and after the forward `writes` (write the
+    # block in place: write-through; pinned, so nobody reuses it until written).
+    def _init_tier(self, tier: TierStore | None, write_policy: str) -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"kv_offload_write_policy must be one of {WRITE_POLICIES}, got {write_policy!r}")
+        if tier is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_dir needs the prefix cache (its blocks are kept under their hashes): "
+                             "drop --no-enable-prefix-caching or the tier")
+        if tier is not None and self.sliding_window:
+            raise ValueError("kv_offload_dir with a sliding-window model is not supported: its released blocks "
+                             "would be loaded back for nothing")
+        self.tier = tier
+        self.write_policy = write_policy
+        self.pins: dict[int, int] = {}        # block id -> pins (a write in flight, a load this step)
+        self._writing: dict[int, int] = {}    # key -> block id, written in place (pinned)
+        # Write-through blocks beyond max_inflight, oldest first (key -> block id): written as the
+        # disk catches up, or saved when the pool evicts them before that.
+        self._backlog: dict[int, int] = {}
+        self._load_pins: list[int] = []
+        self._fresh_loads: set[int] = set()   # loaded blocks no admission has hit yet
+        self.saves: list[tuple[int, int]] = []
+        self.loads: list[tuple[int, object]] = []
+        self.writes: list[tuple[int, int]] = []
+        # Writes in place pin their blocks: at most a quarter of the pool waits on the disk.
+        self.max_inflight = max(1, self.pool.num_blocks // 4)
+        self.tier_hits = self.tier_loaded_blocks = self.tier_offloaded_blocks = 0
+        self.swap_outs = self.swap_out_blocks = 0
+        self._hook_evictions()
+
+    def _pin(self, blocks: list[int]) -> None:
+        """A reference that no table holds: the block stays as it is until unpinned."""
+        for b in blocks:
+            self.pool.touch(b)
+            self.pins[b] = self.pins.get(b, 0) + 1
+        if blocks:
+            self._emit({"type": "pin", "blocks": list(blocks)})
+
+    def _unpin(self, blocks: list[int]) -> None:
+        for b in blocks:
+            n = self.pins.pop(b) - 1
+            if n:
+                self.pins[b] = n
+        self.pool.release(blocks)
+        if blocks:
+            self._emit({"type": "unpin", "blocks": list(blocks)})
+
+    def _save(self, block_id: int, key: int) -> None:
+        self.saves.append((block_id, key))
+        self.tier_offloaded_blocks += 1
+
+    def _write_through(self, block_id: int, key: int) -> None:
+        if key in self.tier or key in self._writing:
+            return
+        if len(self._writing) >= self.max_inflight:  # the disk is behind: keep the pool for the batch
+            self._backlog[key] = block_id
+            return
+        self._pin([block_id])
+        self._writing[key] = block_id
+        self.writes.append((block_id, key))
+        self.tier_offloaded_blocks += 1
+
+    def begin_step(self) -> None:
+        """Before a step is scheduled: last step's loads are in their blocks, and the writes
+        finished since give their blocks back."""
+        if self.tier is None:
+            return
+        self._unpin(self._load_pins)
+        self._load_pins = []
+        written = [self._writing.pop(key) for key, _ in self.tier.take_done() if key in self._writing]
+        self._unpin(written)
+        while self._backlog and len(self._writing) < self.max_inflight:
+            key = next(iter(self._backlog))
+            b = self._backlog.pop(key)
+            if self.pool.blocks[b].block_hash == key:
+                self._write_through(b, key)
+
+    def take_tier_io(self) -> tuple[list[tuple[int, int]], list[tuple[int, object]], list[tuple[int, int]]]:
+        """This step's (saves, loads, writes) for the runner; the lists start anew."""
+        io = self.saves, self.loads, self.writes
+        if self.listener is not None and (self.saves or self.writes):
+            self.listener({"type": "offload", "blocks": [b for b, _ in self.saves + self.writes]})
+        self.saves, self.loads, self.writes = [], [], []
+        return io
+
+    def tier_prefix(self, hashes: BlockHashes, num_tokens: int, hit: Sequence[int]) -> int:
+        """Blocks the tier holds right after a pool hit of `hit` blocks, of a sequence of
+        `num_tokens` tokens (never its last token: that one is computed for its logits)."""
+        if self.tier is None:
+            return 0
+        n = 0
+        for key in hashes.keys[len(hit):(num_tokens - 1) // self.block_size]:
+            if key not in self.tier and key not in self.pool.cached:
+                break
+            n += 1
+        return n
+
+    def load_from_tier(self, seq_id: int, hashes: BlockHashes, num_tokens: int, hit: Sequence[int],
+                       limit: int) -> list[int]:
+        """Extend a pool hit with blocks read from the tier (at most `limit`, leaving the pool
+        a block): each read is verified, put in a fresh block registered under its key and
+        pinned for this step; the runner copies the bytes in before the forward. The hit's
+        own blocks are pinned first, so a fresh block never evicts one of them. Stops at the
+        first block the tier lacks or cannot serve (that one is recomputed)."""
+        n = min(self.tier_prefix(hashes, num_tokens, hit), limit)
+        if n <= 0:
+            return []
+        self._pin(list(hit))
+        self._load_pins += hit
+        got: list[int] = []
+        for key in hashes.keys[len(hit):len(hit) + n]:
+            b = self.pool.lookup(key)   # after a gap, the pool may hold later blocks itself
+            if b is not None:
+                self._pin([b])
+            elif self.pool.num_available <= 1 or (payload := self.tier.read(key)) is None:
+                break
+            else:
+                b = self.pool.allocate()
+                self.pool.cache(b, key)
+                self.pins[b] = self.pins.get(b, 0) + 1   # allocate() gave it its one reference
+                self._fresh_loads.add(b)
+                self.loads.append((b, payload))
+                self.tier_loaded_blocks += 1
+                self._emit({"type": "tier_load", "seq": seq_id, "block": b, "index": len(hit) + len(got)})
+            self._load_pins.append(b)
+            got.append(b)
+        return list(hit) + got
+
+    def swap_out(self, seq_id: int) -> int:
+        """A sequence preempted by swap: its full blocks that the tier lacks are saved to it
+        before they can be reused; it resumes through a prefix hit (pool, else tier). Its
+        partial last block (fewer than B tokens) is recomputed. Returns the blocks saved."""
+        table = self.tables.get(seq_id)
+        if table is None or self.tier is None:
+            return 0
+        saved = []
+        for i in range(table.num_released, table.num_cached_blocks):
+            key = table.hashes.keys[i]
+            if key not in self.tier and key not in self._writing:
+                self._save(table.block_ids[i], key)
+                saved.append(table.block_ids[i])
+        self.swap_outs += 1
+        self.swap_out_blocks += len(saved)
+        self._emit({"type": "swap_out", "seq": seq_id, "blocks": saved})
+        return len(saved)
+
+    def blocks_to_flush(self) -> list[tuple[int, int]]:
+        """Every cached block the tier lacks, as (block, key), for a clean shutdown (write-back:
+        all it kept; write-through: its backlog)."""
+        if self.tier is None:
+            return []
+        return [(b, key) for key, b in self.pool.cached.items() if key not in self.tier and key not in self._writing]
 
     def new_hashes(self, salt: str | None = None) -> BlockHashes:
         """Block keys for a new sequence, sized to this pool's blocks."""
@@ -285,6 +478,10 @@ class KVCacheManager:
             if self.enable_prefix_caching:
                 self.prefix_queries += len(token_ids)
                 self.prefix_hits += hit
+                if self._fresh_loads:
+                    loaded = self._fresh_loads.intersection(taken)
+                    self.tier_hits += len(loaded) * B
+                    self._fresh_loads -= loaded
             self._emit({"type": "hit", "seq": seq_id, "blocks": list(table.block_ids), "tokens": hit,
                         "queried": len(token_ids)})
             self._append(seq_id, table, max(0, cdiv(num_tokens, B) - len(cached_blocks)))
@@ -367,6 +564,8 @@ class KVCacheManager:
             # A block the window released before its tokens were verified here: not this table's to register.
             if b != RELEASED and self.pool.cache(b, keys[i]):
                 self._emit({"type": "cache", "block": b})
+                if self.tier is not None and self.write_policy == "write_through":
+                    self._write_through(b, keys[i])
         table.num_cached_blocks = full
 
     def _slide(self, seq_id: int, table: BlockTable, first_query: int) -> None:
@@ -464,7 +663,10 @@ class KVCacheManager:
             cow_copies=self.cow_copies, forks=self.forks, evictions=pool.num_evictions,
             shared_blocks=pool.num_shared, prompt_logprob_queries=self.prompt_logprob_queries,
             prompt_logprob_hits=self.prompt_logprob_hits, prompt_logprob_blocks=len(pool.attached),
-            window_released=self.window_released)
+            window_released=self.window_released, tier_hits=self.tier_hits,
+            tier_loaded_blocks=self.tier_loaded_blocks, tier_offloaded_blocks=self.tier_offloaded_blocks,
+            tier_backlog=len(self._backlog), swap_outs=self.swap_outs,
+            swap_out_blocks=self.swap_out_blocks, tier=self.tier.snapshot() if self.tier is not None else None)
 
     def _walk_slots(self) -> tuple[int, int]:
         """(slots holding a token, a shared block once; blocks the tables would hold unshared)."""
@@ -488,6 +690,9 @@ class KVCacheManager:
         debug runs): ref counts equal table references; used, cached-free and free
         partition the pool; the hash map points at the blocks that carry the hashes."""
         refs = [0] * self.pool.num_blocks
+        for b, n in self.pins.items():   # the second tier's: a write in flight, a load this step
+            assert n > 0, f"block {b}: {n} pins"
+            refs[b] += n
         for t in self.tables.values():
             assert all(b == RELEASED for b in t.block_ids[:t.num_released]), "released entries must lead the table"
             for b in t.held:

@@ -23,6 +23,8 @@ from ..util import cdiv
 from .build import build_model
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
+from .kv_tier import BlockBytes, TierIO, kv_fingerprint
+from ..kv.tier_store import TierStore
 from .rejection import Verify, verify
 from .spec_decode import make_proposer
 from .sampler import sample
@@ -226,6 +228,7 @@ class ModelRunner:
         # Drafts for the next step, proposed after sampling (rank 0 only: it samples).
         self.proposer = make_proposer(spec, self.draft) if spec is not None and tp.is_driver else None
         self.max_model_len = max_model_len
+        self.tier_io: TierIO | None = None   # the second tier, when the engine opens one
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
         if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager \
@@ -234,6 +237,30 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
             self.graphs.capture()
+
+    def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> TierStore:
+        """Open the second tier for this runner's pools (--kv-offload-dir): the store keeps
+        blocks of this engine's fingerprint; the runner copies bytes in and out of it."""
+        if self.tp.size > 1:
+            raise ValueError("kv_offload_dir with tensor_parallel_size > 1 is not supported: each rank holds a "
+                             "slice of every block")
+        pools = [t for layer in self.kv_cache.layers for t in layer]
+        if self.draft is not None:
+            pools += [t for layer in self.draft.layers for t in layer]
+        blocks = BlockBytes(pools)
+        spec = cfg.speculative_config
+        draft_dir = resolve_model_dir(spec.model) if self.draft is not None else None
+        fp = kv_fingerprint(model_dir, draft_dir, self.dtype, self.kv_cache.kv_dtype.name, cfg.block_size,
+                            self.backend_name, cfg.quantization, pools)
+        store = TierStore(root, capacity, fp, blocks.block_bytes)
+        self.tier_io = TierIO(store, blocks)
+        return store
+
+    def write_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Write these (block, key) to the tier now and wait for them (a clean shutdown)."""
+        if self.tier_io is not None:
+            self.tier_io.after_forward(pairs)
+            self.tier_io.store.flush()
 
     def describe(self) -> str:
         """dtype, device, attention backend, threads and batch-invariant mode, for reports."""
@@ -280,12 +307,16 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             if self.grammars is not None:
                 self.grammars.drop(seq_id)
+        if self.tier_io is not None and (plan.saves or plan.loads):  # before any block is written
+            self.tier_io.before_forward(plan.saves, plan.loads)
         if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
             self.tp.broadcast(step)
         logits, scores = self._forward(step)
+        if self.tier_io is not None and plan.writes:  # their tokens' KV is written now
+            self.tier_io.after_forward(plan.writes)
         out = StepResult(prompt_logprobs=self._split_scores(scores, scored))
         if logits is None:
             return out

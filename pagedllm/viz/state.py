@@ -14,6 +14,11 @@ sliding window released, or a prefix hit never took: it holds no reference.
   free   seq, blocks           the sequence's blocks, each ref -1 (tail first)
   slide  seq, index, blocks    sliding window: table[index ..] (these blocks) become -1, each ref -1
   evict  block                 a cached-free block is handed out: its cache entry goes
+  pin    blocks                each ref +1, held by the second tier (a write in flight, a load's step)
+  unpin  blocks                each ref -1
+  tier_load seq, block, index  a fresh block filled from the tier for seq's table[index]: ref 1 (pinned), cached
+  offload blocks               these blocks' bytes go to the tier (written through, saved before reuse)
+  swap_out seq, blocks         a preempted sequence's blocks saved to the tier (its free follows)
   reset_cache                  every cached-free block forgets its hash
 """
 from __future__ import annotations
@@ -105,6 +110,18 @@ class KVReplay:
                 t.blocks[i] = RELEASED
         elif kind == "evict":
             self.hashed.discard(ev["block"])
+        elif kind == "pin":          # the tier holds a reference: a write in flight, a load this step
+            for b in ev["blocks"]:
+                self.refs[b] += 1
+        elif kind == "unpin":
+            for b in ev["blocks"]:
+                self.refs[b] -= 1
+        elif kind == "tier_load":    # a fresh block filled from the tier: cached, pinned for its step
+            assert self.refs[ev["block"]] == 0, f"tier load into used block {ev['block']}"
+            self.refs[ev["block"]] = 1
+            self.hashed.add(ev["block"])
+        elif kind in ("offload", "swap_out"):   # bytes going to the tier: nothing changes in the pool
+            pass
         elif kind == "reset_cache":
             self.hashed = {b for b in self.hashed if self.refs[b] > 0}
         else:

@@ -1,0 +1,232 @@
+"""Property tests of the KV manager over pool + tier (a real TierStore on a temporary
+folder): random admissions (with tier loads), growth, frees, evictions, swap-outs, flushes,
+corrupted files and restarts, checking after every step that
+
+- ref counts equal table references plus pins, and used / cached-free / free partition the pool;
+- a block served by a prefix hit, from the pool or loaded from the tier, holds exactly the
+  history its key names (the salt and every token up to it), so nothing crosses salts;
+- the replayed event stream rebuilds the manager's state;
+- after a full drain no block is referenced and only the tier's entries remain.
+
+The runner is simulated: a block's bytes are the digests of what its slots hold, carried
+through saves (copied at once), loads and writes (read when the write is queued) as the
+model runner does."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import hypothesis.strategies as st
+import xxhash
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from pagedllm.kv import KVCacheManager
+from pagedllm.kv.hashing import BlockHashes
+from pagedllm.kv.tier_store import TierStore, fingerprint
+from pagedllm.viz.state import KVReplay, kv_picture
+
+B = 4
+NUM_BLOCKS = 12
+STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3, 4], [1, 2, 3, 4, 9, 9, 9, 9], [5] * 14]
+SALTS = st.sampled_from([None, "a", "b"])
+SLOT = 8  # bytes a slot's digest takes in a block's payload
+FP = fingerprint("tier-props")
+
+
+def digest(history: tuple) -> bytes:
+    return xxhash.xxh3_64_digest(repr(history).encode())
+
+
+class TierMachine(RuleBasedStateMachine):
+    POLICY = "write_through"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="tier-props-")
+        self.capacity = 10 * (B * SLOT + 64)   # smaller than the pool's worth: the tier evicts too
+        self._open()
+        self.history: dict[bytes, tuple] = {}
+
+    def _open(self) -> None:
+        self.store = TierStore(self.dir, self.capacity, FP, B * SLOT)
+        self.kv = KVCacheManager(NUM_BLOCKS, B, tier=self.store, write_policy=self.POLICY)
+        self.replay = KVReplay(NUM_BLOCKS)
+        self.kv.watch(self.replay.apply)
+        self.slots: dict[int, tuple] = {}         # pool slot -> history written there
+        self.tokens: dict[int, list[int]] = {}
+        self.hashes: dict[int, BlockHashes] = {}
+        self.salt: dict[int, str | None] = {}
+        self.next_id = getattr(self, "next_id", 0)
+
+    def teardown(self) -> None:
+        """Every run ends with a full drain, then the folder goes."""
+        try:
+            self.drained()
+        finally:
+            self.store.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    # -- the simulated runner ----------------------------------------------------
+    def _payload(self, block: int) -> bytearray:
+        out = bytearray()
+        for off in range(B):
+            h = self.slots.get(block * B + off)
+            d = digest(h) if h is not None else bytes(SLOT)
+            if h is not None:
+                self.history[d] = h
+            out += d
+        return out
+
+    def _run_io(self) -> None:
+        saves, loads, writes = self.kv.take_tier_io()
+        for b, key in saves:
+            self.store.put(key, [self._payload(b)])
+        for b, payload in loads:
+            data = bytes(payload)
+            for off in range(B):
+                d = data[off * SLOT:(off + 1) * SLOT]
+                self.slots[b * B + off] = self.history.get(d)
+        return writes
+
+    def _step(self, seq: int, start: int, copies) -> None:
+        writes = self._run_io()
+        for src, dst in copies:
+            for off in range(B):
+                if src * B + off in self.slots:
+                    self.slots[dst * B + off] = self.slots[src * B + off]
+        table = self.kv.block_table(seq)
+        for j in range(start, len(self.tokens[seq])):
+            self.slots[table.slot(j)] = (self.salt[seq], tuple(self.tokens[seq][:j + 1]))
+        for b, key in writes:   # after the forward: the block's tokens are written
+            self.store.put(key, [self._payload(b)])
+
+    # -- rules ------------------------------------------------------------------
+    @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=5), salt=SALTS)
+    def admit(self, stem: int, extra: list[int], salt) -> None:
+        self.kv.begin_step()
+        toks = STEMS[stem] + extra
+        hashes = self.kv.new_hashes(salt)
+        hit = self.kv.lookup_prefix(toks, hashes)
+        hit = self.kv.load_from_tier(self.next_id, hashes, len(toks), hit, limit=NUM_BLOCKS)
+        assert len(hit) * B <= len(toks) - 1
+        self._run_io()  # the loads land before anyone reads them (here: the checks below)
+        for i, b in enumerate(hit):
+            want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
+            assert [self.slots.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
+        seq = self.next_id
+        copies = self.kv.allocate_slots(seq, toks, len(toks), hit, hashes)
+        if copies is None:
+            return
+        self.next_id += 1
+        self.tokens[seq], self.hashes[seq], self.salt[seq] = toks, hashes, salt
+        self._step(seq, len(hit) * B, copies)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), tok=st.integers(0, 9), count=st.integers(1, 5))
+    def grow(self, data, tok: int, count: int) -> None:
+        self.kv.begin_step()
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        held = len(self.tokens[seq])
+        new = self.tokens[seq] + [tok] * count
+        copies = self.kv.allocate_slots(seq, new, len(new), hashes=self.hashes[seq])
+        if copies is None:
+            return
+        self.tokens[seq] = new
+        self._step(seq, held, copies)
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), swap=st.booleans())
+    def free(self, data, swap: bool) -> None:
+        """A sequence ends, or is preempted by swap (its blocks saved before they are reused)."""
+        seq = data.draw(st.sampled_from(sorted(self.tokens)))
+        if swap:
+            self.kv.swap_out(seq)
+        self.kv.free(seq)
+        del self.tokens[seq]
+
+    @rule()
+    def writes_finish(self) -> None:
+        self.store.flush()
+        self.kv.begin_step()
+
+    @rule(data=st.data())
+    def corrupt_a_file(self, data) -> None:
+        """Flip a byte of a stored block, or cut it short: it must never be served."""
+        self.store.flush()
+        files = sorted(f for f in os.listdir(self.store.dir) if f.endswith(".kvb"))
+        if not files:
+            return
+        path = os.path.join(self.store.dir, data.draw(st.sampled_from(files)))
+        raw = bytearray(open(path, "rb").read())
+        if not raw:
+            return
+        if data.draw(st.booleans()):
+            at = data.draw(st.integers(0, len(raw) - 1))
+            raw[at] ^= 1 << data.draw(st.integers(0, 7))
+        else:
+            raw = raw[:data.draw(st.integers(0, len(raw) - 1))]
+        with open(path, "wb") as f:
+            f.write(raw)
+
+    @rule()
+    def restart(self) -> None:
+        """A clean shutdown (write-back flushes the cached blocks) and a new engine on the same folder."""
+        self.store.flush()
+        for seq in list(self.tokens):
+            self.kv.free(seq)
+        self._run_io()
+        for b, key in self.kv.blocks_to_flush() if self.POLICY == "write_back" else []:
+            self.store.put(key, [self._payload(b)])
+        self.store.close()
+        self._open()
+
+    # -- invariants -------------------------------------------------------------
+    @invariant()
+    def consistent(self) -> None:
+        self.kv.check_integrity()
+        assert self.replay.picture() == kv_picture(self.kv)
+        assert self.store.stats.bytes <= self.store.stats.capacity_bytes
+
+    def drained(self) -> None:
+        for seq in list(self.tokens):
+            self.kv.free(seq)
+        self.tokens.clear()
+        self._run_io()
+        self.store.flush()
+        self.kv.begin_step()
+        assert not self.kv.pins, f"pins left after the drain: {self.kv.pins}"
+        assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks), "a block is still referenced"
+        files = {int(f[:-4], 16) for f in os.listdir(self.store.dir) if f.endswith(".kvb")}
+        assert files == set(self.store._lru), "the tier's index and its files differ"
+
+
+class WriteBackMachine(TierMachine):
+    POLICY = "write_back"
+
+
+TestTierWriteThrough = TierMachine.TestCase
+TestTierWriteBack = WriteBackMachine.TestCase
+TestTierWriteThrough.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestTierWriteBack.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_stored_block_is_found_only_under_its_own_salt(tmp_path) -> None:
+    store = TierStore(tmp_path, 1 << 20, FP, B * SLOT)
+    kv = KVCacheManager(NUM_BLOCKS, B, tier=store)
+    toks = list(range(9))
+    a = kv.new_hashes("tenant-a")
+    kv.lookup_prefix(toks, a)
+    assert kv.allocate_slots(0, toks, len(toks), [], a) == []
+    _, _, writes = kv.take_tier_io()
+    for b, key in writes:
+        store.put(key, [bytes(B * SLOT)])
+    store.flush()
+    other = kv.new_hashes("tenant-b")
+    kv.lookup_prefix(toks, other)
+    assert kv.tier_prefix(other, len(toks), []) == 0
+    mine = kv.new_hashes("tenant-a")
+    kv.lookup_prefix(toks, mine)
+    assert kv.tier_prefix(mine, len(toks), []) == 2
+    store.close()

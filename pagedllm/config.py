@@ -251,6 +251,10 @@ class EngineConfig:
             self.kv_offload_dir = str(self.kv_offload_dir)
             if not self.kv_offload_dir.strip():
                 raise ValueError("kv_offload_dir must name a directory, got an empty string")
+            if not self.enable_prefix_caching or self.allocation != "paged":
+                raise ValueError("kv_offload_dir keeps prefix-cache blocks under their hashes: it needs the prefix "
+                                 "cache (enable_prefix_caching, paged allocation), got enable_prefix_caching="
+                                 f"{self.enable_prefix_caching}, allocation={self.allocation!r}")
         self.kv_offload_size = parse_offload_size(self.kv_offload_size)
         if self.kv_offload_write_policy not in OFFLOAD_WRITE_POLICIES:
             raise ValueError(f"kv_offload_write_policy must be one of {OFFLOAD_WRITE_POLICIES}, "

@@ -173,3 +173,107 @@ def test_kv_alone_imports_without_torch():
     code = "import sys; import pagedllm.kv; assert 'torch' not in sys.modules"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# -- cache-aware admission (scheduling_policy lpm) ------------------------------------------
+def _prefixed(sched: Scheduler, prefix: list[int], tail: int, arrival: float, max_tokens: int = 2) -> Sequence:
+    sid = next(_ids)
+    prompt = prefix + [(sid * 13 + i) % 900 + 50 for i in range(tail)]
+    req = Request(f"r{sid}", None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens,
+                  arrival_time=arrival)
+    seq = Sequence(sid, req, 0, list(prompt), len(prompt), seed=0, status=SeqStatus.PENDING)
+    req.seqs.append(seq)
+    sched.add(seq)
+    return seq
+
+
+def _drain_one_at_a_time(sched: Scheduler) -> list[Sequence]:
+    """Run to the end with one sequence at a time (max_num_seqs=1); the admission order."""
+    order: list[Sequence] = []
+    while sched.num_unfinished:
+        out = sched.schedule()
+        order += [s.seq for s in out.scheduled if s.seq not in order]
+        step(sched, out)
+    return order
+
+
+def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_does_not():
+    import time
+
+    hot = [7] * (4 * B)
+    for policy, expect_cold_first in (("fcfs", True), ("lpm", False)):
+        kv = KVCacheManager(64, B)
+        sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=policy, aging_bound=3600)
+        warm = _prefixed(sched, hot, 3, time.time())
+        _drain_one_at_a_time(sched)          # the hot prefix is now cached (free, still hittable)
+        now = time.time()
+        cold = _prefixed(sched, [9] * (4 * B), 3, now)
+        hits = [_prefixed(sched, hot, 5, now + i * 1e-3) for i in range(3)]
+        order = _drain_one_at_a_time(sched)
+        assert (order[0] is cold) == expect_cold_first, policy
+        if policy == "lpm":
+            assert order == hits + [cold], "longest cached prefix first, ties by arrival"
+        assert warm.finished
+
+
+def test_lpm_aging_bound_puts_an_old_request_back_in_arrival_order():
+    """A request past the aging bound goes ahead of every younger one, whatever they have
+    cached: nobody waits more than the bound beyond first come, first served."""
+    import time
+
+    hot = [7] * (4 * B)
+    kv = KVCacheManager(64, B)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy="lpm", aging_bound=0.5)
+    _prefixed(sched, hot, 3, time.time())
+    _drain_one_at_a_time(sched)
+    now = time.time()
+    cold = _prefixed(sched, [9] * (4 * B), 3, now - 0.6)   # waited past the bound already
+    hits = [_prefixed(sched, hot, 5, now) for _ in range(3)]
+    assert _drain_one_at_a_time(sched)[0] is cold
+    # and a young cold request is passed over only while it is younger than the bound
+    cold2 = _prefixed(sched, [11] * (4 * B), 3, time.time())
+    more = [_prefixed(sched, hot, 5, time.time()) for _ in range(2)]
+    out = sched.schedule()
+    assert out.scheduled[0].seq is more[0]
+    step(sched, out)
+    cold2.request.arrival_time -= 0.6
+    while sched.running:
+        step(sched, out := sched.schedule())
+    assert sched.schedule().scheduled[0].seq is cold2, "aged: ahead of the younger hit"
+    assert hits[0].finished
+
+
+def test_lpm_waiting_time_stays_within_the_aging_bound_under_a_stream_of_hits():
+    """A stream of cache hits keeps arriving; the cold request still starts within the
+    aging bound (plus one request's service) of when FCFS would have started it."""
+    import time
+
+    hot = [7] * (4 * B)
+    kv = KVCacheManager(64, B)
+    bound = 0.2
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy="lpm", aging_bound=bound)
+    _prefixed(sched, hot, 3, time.time())
+    _drain_one_at_a_time(sched)
+    cold = _prefixed(sched, [9] * (4 * B), 3, time.time())
+    started = None
+    deadline = time.time() + 5
+    while started is None and time.time() < deadline:
+        if len(sched.waiting) < 4:
+            _prefixed(sched, hot, 5, time.time())   # hits keep coming
+        out = sched.schedule()
+        if any(s.seq is cold for s in out.scheduled):
+            started = time.time()
+        step(sched, out)
+        time.sleep(0.01)
+    assert started is not None, "the cold request starved"
+    assert started - cold.request.arrival_time <= bound + 0.1
+
+
+def test_lpm_and_swap_refuse_bad_settings():
+    kv = KVCacheManager(8, B)
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        Scheduler(kv, 1, 100, policy="priority")
+    with pytest.raises(ValueError, match="aging_bound"):
+        Scheduler(kv, 1, 100, policy="lpm", aging_bound=-1)
+    with pytest.raises(ValueError, match="kv_offload_dir"):
+        Scheduler(kv, 1, 100, preemption_mode="swap")

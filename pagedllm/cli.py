@@ -78,7 +78,19 @@ def _quantized(kv_cache_dtype: str) -> bool:
     return KV_DTYPES[kv_cache_dtype].quantized
 
 
-def kv_report(stats) -> str:
+def tier_report(kv, tier_dir: str | None = None) -> str:
+    """The second tier's line of the KV report (kv: a KVStats with a tier)."""
+    t = kv.tier
+    return (f"  tier: {t.blocks} blocks ({t.bytes / 2**20:.1f} MiB of {t.capacity_bytes / 2**30:.1f} GiB)"
+            f"{f' in {tier_dir}' if tier_dir else ''}, {kv.tier_hits}/{kv.prefix_queries} prompt tokens from the "
+            f"tier (tier hit rate {kv.tier_hit_rate:.1%}), loaded {kv.tier_loaded_blocks}, offloaded "
+            f"{kv.tier_offloaded_blocks} (backlog {kv.tier_backlog}), evicted {t.evicted_blocks} (tier LRU), swap-outs "
+            f"{kv.swap_outs} ({kv.swap_out_blocks} blocks), read failures {t.read_failures}, "
+            f"write errors {t.write_errors}")
+
+
+def kv_report(stats, tier_dir: str | None = None) -> str:
+    """The KV figures `pagedllm generate` prints; `tier_dir`: the --kv-offload-dir it names."""
     s, kv = stats, stats.kv
     return "\n".join([
         "KV cache report",
@@ -89,7 +101,7 @@ def kv_report(stats) -> str:
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
         f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
-    ] + ([] if not kv.prompt_logprob_queries else [
+    ] + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + ([] if not kv.prompt_logprob_queries else [
         f"  prompt logprobs from the cache: {kv.prompt_logprob_hits}/{kv.prompt_logprob_queries} prompt tokens "
         f"({kv.prompt_logprob_hit_rate:.1%}; {kv.prompt_logprob_blocks} blocks keep theirs)",
     ]) + [
@@ -138,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     gen = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     print(f"\n{len(outputs)} requests, {gen} tokens generated in {elapsed:.2f} s "
           f"({gen / elapsed:.1f} tok/s, {llm.engine.runner.describe()})")
-    print(kv_report(st))
+    print(kv_report(st, args.kv_offload_dir))
     return 0
 
 
@@ -208,9 +220,14 @@ def cmd_viz(args: argparse.Namespace) -> int:
     from .viz.scenarios import SCENARIOS
 
     sc = SCENARIOS[args.scenario]
+    fields = sc.engine_fields(args.kv_offload_dir)
+    if sc.tier and args.kv_offload_dir is None:  # the scenario's own tier folder lives as long as the server
+        import atexit
+        import shutil
+        atexit.register(shutil.rmtree, fields["kv_offload_dir"], True)
     # The scenario's pool size etc., unless given as flags.
     try:
-        cfg = dataclasses.replace(engine_config(args), **{k: v for k, v in sc.engine.items()
+        cfg = dataclasses.replace(engine_config(args), **{k: v for k, v in fields.items()
                                                           if getattr(args, k) == args.engine_defaults[k]})
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -29,13 +29,44 @@ def test_demo_library():
     assert "P2->P4" in r.stdout and "12 of 12 blocks free again" in r.stdout
 
 
-def test_generate_prints_answers_and_kv_report():
-    r = run("generate", "--max-tokens", "8", "--dtype", "float32", "--kv-cache-memory", "64MiB")
+def test_generate_prints_answers_and_kv_report(tmp_path):
+    r = run("generate", "--max-tokens", "8", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+            "--kv-offload-dir", str(tmp_path))
     assert r.returncode == 0, r.stderr
     assert r.stdout.count(">>> ") == 8
     assert "KV cache report" in r.stdout and "prefix cache:" in r.stdout
     hits = r.stdout.split("prefix cache: ")[1].split("/")[0]
     assert int(hits) > 0, "the shared system prompt should hit the prefix cache"
+    # The tier's line: every full block was written through; a cold tier served nothing.
+    tier = re.search(r"  tier: (\d+) blocks \(.* in (\S+), 0/(\d+) prompt tokens from the tier \(tier hit rate "
+                     r"0\.0%\), loaded 0, offloaded (\d+) \(backlog 0\)", r.stdout)
+    assert tier, r.stdout
+    assert tier[2] == str(tmp_path) and int(tier[4]) > 0 and int(tier[3]) > int(hits)
+
+
+def test_kv_report_tier_line():
+    """The KV report's tier line, from the figures alone; no tier, no line."""
+    from dataclasses import replace
+
+    from pagedllm.cli import kv_report
+    from pagedllm.dp.stats import zero_stats
+    from pagedllm.kv.tier_store import TierStats
+
+    s = zero_stats(16, 46080)
+    s = replace(s, kv=replace(s.kv, num_blocks=64, prefix_queries=1988, prefix_hits=1984, tier_hits=1984,
+                              tier_loaded_blocks=124, tier_offloaded_blocks=126, tier_backlog=3, swap_outs=2,
+                              swap_out_blocks=9))
+    assert "tier:" not in kv_report(s, "/data/kv")
+    s = replace(s, kv=replace(s.kv, tier=TierStats(capacity_bytes=20 * 2**30, blocks=123, bytes=int(45.6 * 2**20),
+                                                     written_blocks=126, write_errors=1, evicted_blocks=5,
+                                                     read_blocks=124, read_failures=2)))
+    lines = kv_report(s, "/data/kv").splitlines()
+    after_prefix = next(i for i, x in enumerate(lines) if x.startswith("  prefix cache:")) + 1
+    assert lines[after_prefix] == (
+        "  tier: 123 blocks (45.6 MiB of 20.0 GiB) in /data/kv, 1984/1988 prompt tokens from the tier (tier hit "
+        "rate 99.8%), loaded 124, offloaded 126 (backlog 3), evicted 5 (tier LRU), swap-outs 2 (9 blocks), "
+        "read failures 2, write errors 1")
+    assert "  tier: 123 blocks (45.6 MiB of 20.0 GiB), 1984/1988" in kv_report(s)
 
 
 def test_generate_rejects_bad_input_cleanly():

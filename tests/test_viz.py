@@ -3,6 +3,7 @@ rebuild the block manager's tables, ref counts and cache marks, step after step.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -24,6 +25,29 @@ def replay_messages(messages: list[dict]) -> KVReplay:
 
 def assert_matches(kv, r: KVReplay) -> None:
     assert r.picture() == kv_picture(kv)
+
+
+def follow_tier(messages: list[dict]) -> tuple[set[str], list[str]]:
+    """Follow blocks to the second tier and back by their keys, as the page does: (keys that
+    went to the tier, keys loaded back in order). A load of a key that never went there, or a
+    cached or loaded block without its key, fails."""
+    key_of = {int(b): k for b, k in messages[0].get("keys", {}).items()}
+    to_tier: set[str] = set()
+    loaded: list[str] = []
+    for m in messages[1:]:
+        evicted: dict[int, str] = {}   # a write-back save comes after its evict, in the same step
+        for ev in m.get("kv", []):
+            if ev["type"] == "cache":
+                key_of[ev["block"]] = ev["key"]
+            elif ev["type"] == "evict" and ev["block"] in key_of:
+                evicted[ev["block"]] = key_of.pop(ev["block"])
+            elif ev["type"] == "offload":
+                to_tier.update(evicted.get(b) or key_of[b] for b in ev["blocks"])
+            elif ev["type"] == "tier_load":
+                assert ev["key"] in to_tier, f"step {m['step']}: block {ev['block']} loaded a key the tier never got"
+                key_of[ev["block"]] = ev["key"]
+                loaded.append(ev["key"])
+    return to_tier, loaded
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +88,7 @@ def test_snapshot_midway_then_events(engine):
     """A subscriber joining mid-run starts from a snapshot; snapshot + later events = state."""
     hub = VizHub(engine)
     engine.observers.append(hub)
-    engine.add_request("x", "Tell me about paged attention in one line.", SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.add_request("x", "Tell me about paged attention in one line.", SamplingParams(max_tokens=20, ignore_eos=True))
     engine.step()
     engine.step()
     hub.start_recording()
@@ -124,6 +148,34 @@ def test_scenarios_show_what_they_promise():
     window = [ev for m in traces["sliding-window"]["messages"] for ev in m.get("kv", [])]
     assert sum(ev["type"] == "slide" for ev in window) >= 3
     assert any(ev["type"] == "hit" and ev["blocks"][:3] == [-1] * 3 for ev in window)
+    # The document's blocks go to the tier as the pool evicts them and come back for the later
+    # questions, every full block of its prompt; a preempted story is swapped out.
+    tier = traces["tier"]["messages"]
+    assert tier[0]["config"]["tier"] == {"write_policy": "write_back", "preemption_mode": "swap"}
+    to_tier, loaded = follow_tier(tier)
+    loads = [ev for m in tier for ev in m.get("kv", []) if ev["type"] == "tier_load"]
+    doc = (len(tier[1]["prompt"]) - 1) // tier[0]["config"]["block_size"]  # its full blocks, as a hit counts them
+    assert [ev["index"] for ev in loads[:doc]] == list(range(doc)) and len(set(loaded)) >= doc
+    assert any(ev["type"] == "swap_out" and ev["blocks"] for m in tier for ev in m.get("kv", []))
+    fig = tier[-1]["figures"]
+    assert fig["tier_hits"] == doc * tier[0]["config"]["block_size"] and fig["swap_outs"] == 1
+    assert fig["tier_loaded"] == len(loads) and fig["tier_offloaded"] == len(to_tier)
+    # A trace without a tier carries none of its figures: the page hides its panel.
+    assert "tier_blocks" not in traces["chat"]["messages"][-1]["figures"]
+
+
+def test_tier_scenario_folder():
+    """The tier scenario runs in a fresh temporary folder unless given one; others have none."""
+    import shutil
+
+    fields = SCENARIOS["tier"].engine_fields()
+    try:
+        assert Path(fields["kv_offload_dir"]).is_dir() and not any(Path(fields["kv_offload_dir"]).iterdir())
+        assert fields["num_gpu_blocks_override"] == 20 and fields["preemption_mode"] == "swap"
+    finally:
+        shutil.rmtree(fields["kv_offload_dir"])
+    assert SCENARIOS["tier"].engine_fields("/srv/kv")["kv_offload_dir"] == "/srv/kv"
+    assert "kv_offload_dir" not in SCENARIOS["chat"].engine_fields()
 
 
 @pytest.mark.parametrize("name", ["library", "sliding-window"])
@@ -181,3 +233,60 @@ def test_lookahead_slots_and_rollbacks_replay():
     assert any(ev["type"] == "rollback" and ev["blocks"] for ev in events), "a rollback that frees a block"
     assert any(len(b) == 4 and b[3] for m in trace if m["kind"] == "step" for b in m["batch"])
     assert "spec_drafted" in trace[-1]["figures"]
+
+
+def test_tier_events_replay_and_figures(tmp_path):
+    """With a second tier (write-through, swap preemption): pins, unpins, tier loads, offloads
+    and a swap-out replay into the manager's own state after every step; blocks loaded back are
+    ones that went to the tier; the figures, the stats dict and the KV report carry the tier."""
+    from pagedllm.cli import kv_report
+    from pagedllm.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(dtype="float32", num_gpu_blocks_override=12, max_model_len=256, block_size=4,
+                                 kv_offload_dir=str(tmp_path), preemption_mode="swap"))
+    hub = VizHub(eng)
+    eng.observers.append(hub)
+    hub.start_recording()
+    replay, seen = KVReplay.from_picture(hub.recording[0]), 1
+    doc = "The reading hall opens at nine and closes at eight. Readers borrow twelve books for three weeks. "
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+
+    def run() -> None:
+        nonlocal seen
+        while eng.has_unfinished_requests():
+            eng.step()
+            for m in hub.recording[seen:]:
+                for ev in m.get("kv", []):
+                    replay.apply(ev)
+            seen = len(hub.recording)
+            assert_matches(eng.kv, replay)
+
+    eng.add_request("q1", doc + "When does it open?", short)
+    run()
+    # Two long answers need more than the pool: the document is evicted, one answer swapped out.
+    eng.add_request("a", "Count slowly from one to forty:", SamplingParams(max_tokens=20, ignore_eos=True))
+    eng.add_request("b", "Name every planet and a fact:", SamplingParams(max_tokens=20, ignore_eos=True))
+    run()
+    eng.add_request("q2", doc + "How many books?", short)
+    run()
+    trace = hub.stop_recording()
+    eng.close()
+    kinds = {ev["type"] for m in trace for ev in m.get("kv", [])}
+    assert {"pin", "unpin", "tier_load", "offload", "swap_out"} <= kinds
+    to_tier, loaded = follow_tier(trace)
+    assert loaded and to_tier
+    st = eng.stats()
+    fig = trace[-1]["figures"]
+    assert st.kv.tier_hits > 0 and st.kv.swap_outs == 1 and st.preemptions == 1
+    assert (fig["tier_hits"], fig["tier_loaded"], fig["tier_offloaded"], fig["swap_outs"]) == (
+        st.kv.tier_hits, st.kv.tier_loaded_blocks, st.kv.tier_offloaded_blocks, st.kv.swap_outs)
+    assert fig["tier_loaded"] == len(loaded) and fig["tier_hit_rate"] == round(st.kv.tier_hit_rate, 4)
+    d = st.as_dict()
+    assert d["kv"]["tier"]["blocks"] == st.kv.tier.blocks > 0 and d["kv"]["tier_hit_rate"] == st.kv.tier_hit_rate
+    json.dumps(d)
+    line = [x for x in kv_report(st, str(tmp_path)).splitlines() if x.startswith("  tier: ")]
+    assert line == [f"  tier: {st.kv.tier.blocks} blocks ({st.kv.tier.bytes / 2**20:.1f} MiB of 20.0 GiB) in "
+                    f"{tmp_path}, {st.kv.tier_hits}/{st.kv.prefix_queries} prompt tokens from the tier (tier hit "
+                    f"rate {st.kv.tier_hit_rate:.1%}), loaded {st.kv.tier_loaded_blocks}, offloaded "
+                    f"{st.kv.tier_offloaded_blocks} (backlog 0), evicted 0 (tier LRU), swap-outs 1 "
+                    f"({st.kv.swap_out_blocks} blocks), read failures 0, write errors 0"]

@@ -42,6 +42,7 @@ class EngineStats:
         if self.grammar is not None:
             d["grammar"] = {n: getattr(self.grammar, n) for n in GrammarStats.__slots__}
         d["kv"]["hit_rate"] = self.kv.hit_rate
+        d["kv"]["tier_hit_rate"] = self.kv.tier_hit_rate
         d["peak_kv_usage"] = self.peak_kv_usage
         d["blocks_per_gib"] = self.blocks_per_gib
         if self.spec is not None:

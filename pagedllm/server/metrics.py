@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.stats import EngineStats
+from ..kv.tier_store import TierStats
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -66,7 +67,8 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
          s.kv.prompt_logprob_hits),
         (g, "prompt_logprobs_cache_blocks", "Cached KV blocks that keep their tokens' prompt logprobs beside them.",
          s.kv.prompt_logprob_blocks),
-        (c, "num_preemptions", "Sequences preempted (recompute) for lack of KV blocks.", s.preemptions),
+        (c, "num_preemptions", "Sequences preempted for lack of KV blocks (recompute, or swap: see "
+         "num_swap_outs).", s.preemptions),
         (c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens),
         (c, "generation_tokens", "Generated tokens.", s.generation_tokens),
         # Ours, not vLLM's: what the paged KV cache does with its blocks.
@@ -83,6 +85,7 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
         (c, "kv_cache_window_released_blocks", "Blocks sequences released below their sliding window "
          "(no later query reads them; they stay cached until evicted).", s.kv.window_released),
+    ] + tier_rows(s) + [
         (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes, scales included "
          "when quantized).", s.bytes_per_token),
         (g, "kv_cache_blocks_per_gib", "KV blocks one GiB of pool holds at its dtype and block size.", s.blocks_per_gib),
@@ -105,6 +108,35 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "grammar_compile_failures", "Grammars the compiler refused or that passed the compile deadline.",
          s.grammar.failures),
     ])
+
+
+def tier_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
+    """Ours: the second tier (--kv-offload-dir). Served with or without one (zeros without), so a
+    dashboard's queries never find the series missing."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    kv = s.kv
+    t = kv.tier or TierStats()
+    return [
+        (c, "kv_tier_hits", "Prompt tokens served by blocks loaded from the second tier (also counted in "
+         "prefix_cache_hits).", kv.tier_hits),
+        (c, "kv_tier_loaded_blocks", "Blocks read back from the tier into the KV pool.", kv.tier_loaded_blocks),
+        (c, "kv_tier_offloaded_blocks", "Blocks handed to the tier (written through, saved at eviction "
+         "under write-back, saved by a swap-out).", kv.tier_offloaded_blocks),
+        (g, "kv_tier_backlog_blocks", "Write-through blocks waiting because too many writes are in flight.",
+         kv.tier_backlog),
+        (g, "kv_tier_blocks", "Blocks the tier holds on disk.", t.blocks),
+        (g, "kv_tier_bytes", "Bytes the tier's blocks take on disk (headers included).", t.bytes),
+        (g, "kv_tier_capacity_bytes", "Most bytes the tier keeps on disk (--kv-offload-size; 0: no tier).",
+         t.capacity_bytes),
+        (c, "kv_tier_written_blocks", "Blocks the tier finished writing.", t.written_blocks),
+        (c, "kv_tier_evicted_blocks", "Blocks the tier removed to stay under its capacity (least recently used).",
+         t.evicted_blocks),
+        (c, "kv_tier_read_failures", "Tier blocks skipped as corrupt, truncated or another engine's (recomputed).",
+         t.read_failures),
+        (c, "kv_tier_write_errors", "Tier writes that failed (the block stayed in the pool only).", t.write_errors),
+        (c, "num_swap_outs", "Sequences preempted by swap (their full blocks saved to the tier).", kv.swap_outs),
+        (c, "swap_out_blocks", "Blocks swap-outs saved to the tier.", kv.swap_out_blocks),
+    ]
 
 
 class EngineCollector(Collector):

@@ -8,6 +8,11 @@ Messages (all plain dicts of ints and short strings, never tensors):
             (prefill vs decode tokens per sequence), queues, new token texts, figures.
   abort     KV events of requests aborted between steps.
 
+With a second tier (--kv-offload-dir), `cache` and `tier_load` events carry `key`, a
+short form of the block's hash: the page follows a block to the tier and back by it (an
+`offload` names pool blocks only, and a write-back save names a block already reused).
+A snapshot carries `keys` {block: key} of the cached blocks then, and `config.tier`.
+
 Messages also carry `_req_owner` / `_seq_owner` (who sent each request): a server shows
 each tenant its own text only (pagedllm.viz.tenancy) and strips these keys.
 
@@ -121,6 +126,10 @@ class VizHub:
             self.engine.kv.watch(self._kv_events_append if on else None)
 
     def _kv_events_append(self, ev: dict) -> None:
+        kv = self.engine.kv
+        if kv.tier is not None and ev["type"] in KEYED_EVENTS:
+            # Read now: the pool holds the block under this hash at the moment it is emitted.
+            ev = {**ev, "key": block_key(kv.pool.blocks[ev["block"]].block_hash)}
         self._kv_events.append(ev)
 
     def _publish(self, msg: dict) -> None:
@@ -180,7 +189,7 @@ class VizHub:
                 seqs[s.seq_id] = {"req": req.request_id, "index": s.index, "status": s.status.name.lower(),
                                   "tokens": self._pieces(s.token_ids)}
         return {"kind": "snapshot", "t": self._now(), "step": eng.steps, "config": self.config(),
-                **kv_picture(eng.kv), "seqs": seqs,
+                **kv_picture(eng.kv), **tier_keys(eng.kv), "seqs": seqs,
                 "requests": {rid: {"seqs": [s.seq_id for s in r.seqs], "n": len(r.seqs),
                                    "max_tokens": r.max_tokens} for rid, r in eng.requests.items()},
                 **self._queues(), "figures": self.figures(), **_owners(eng.requests.values())}
@@ -189,7 +198,7 @@ class VizHub:
         eng = self.engine
         return {"num_blocks": eng.kv.pool.num_blocks, "block_size": eng.kv.block_size,
                 "policy": eng.kv.policy, "prefix_caching": eng.kv.enable_prefix_caching,
-                "sliding_window": eng.kv.sliding_window,
+                "sliding_window": eng.kv.sliding_window, "tier": tier_config(eng),
                 "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
                 "model": eng.model_name}
 
@@ -229,12 +238,49 @@ def _owners(reqs) -> dict:
             "_seq_owner": {s.seq_id: r.owner for r in reqs for s in r.seqs}}
 
 
+# KV events naming one block that the pool holds under a hash as they are emitted.
+KEYED_EVENTS = ("cache", "tier_load")
+
+
+def block_key(block_hash: int | None) -> str | None:
+    """A block's hash as the page names tier entries: 12 hex digits (a JSON number would lose
+    a 64-bit hash's low bits in JavaScript; 48 bits tell a page's few thousand blocks apart)."""
+    return None if block_hash is None else f"{block_hash & 0xFFFF_FFFF_FFFF:012x}"
+
+
+def tier_keys(kv) -> dict:
+    """A snapshot's keys of the cached blocks, with a tier (none without: nothing to follow)."""
+    if kv.tier is None:
+        return {}
+    return {"keys": {b.block_id: block_key(b.block_hash) for b in kv.pool.blocks if b.block_hash is not None}}
+
+
+def tier_config(eng: LLMEngine) -> dict | None:
+    """What the page says of the second tier (never its folder: a tenant need not see the server's paths)."""
+    if eng.kv.tier is None:
+        return None
+    return {"write_policy": eng.kv.write_policy, "preemption_mode": eng.scheduler.preemption_mode}
+
+
+def tier_figures(st: KVStats) -> dict:
+    """The second tier's figures (none without a tier: the page then hides its panel)."""
+    t = st.tier
+    if t is None:
+        return {}
+    return {"tier_hits": st.tier_hits, "tier_hit_rate": round(st.tier_hit_rate, 4),
+            "tier_loaded": st.tier_loaded_blocks, "tier_offloaded": st.tier_offloaded_blocks,
+            "tier_backlog": st.tier_backlog, "swap_outs": st.swap_outs, "swap_out_blocks": st.swap_out_blocks,
+            "tier_blocks": t.blocks, "tier_bytes": t.bytes, "tier_capacity": t.capacity_bytes,
+            "tier_written": t.written_blocks, "tier_evicted": t.evicted_blocks, "tier_read": t.read_blocks,
+            "tier_read_failures": t.read_failures, "tier_write_errors": t.write_errors}
+
+
 def kv_figures(st: KVStats, reserve_max_blocks: int, preemptions: int = 0) -> dict:
     """The live figures: U_kv, H, eta, and blocks used against no sharing and reserve-max
-    (`st`: a walked KVStats, as KVCacheManager.stats() gives)."""
+    (`st`: a walked KVStats, as KVCacheManager.stats() gives), and the tier's if any."""
     return {"used": st.used_blocks, "shared": st.shared_blocks,
             "cached_free": st.cached_free_blocks, "free": st.free_blocks, "usage": round(st.usage, 4),
             "hit_rate": round(st.hit_rate, 4), "waste": round(st.waste, 4),
             "without_sharing": st.blocks_without_sharing, "reserve_max": reserve_max_blocks,
             "cow": st.cow_copies, "forks": st.forks, "evictions": st.evictions, "preemptions": preemptions,
-            "window_released": st.window_released}
+            "window_released": st.window_released, **tier_figures(st)}

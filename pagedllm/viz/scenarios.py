@@ -3,12 +3,15 @@
 `library` is the PagedAttention worked example on the KV manager alone (block size 4, 12 blocks,
 no model), and `sliding-window` the same pool under a window of 8 keys. The others run the
 real engine on the default model with a small pool so that every block is visible: a
-shared-system-prompt chat, parallel sampling n=4, beam search, and a preemption under a
-tight KV budget.
+shared-system-prompt chat, parallel sampling n=4, beam search, a preemption under a
+tight KV budget, and a second tier on disk that takes the blocks the pool evicts and
+gives them back.
 """
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -45,10 +48,47 @@ class Scenario:
     description: str
     engine: dict = field(default_factory=dict)   # EngineConfig fields
     requests: list[ScenarioRequest] = field(default_factory=list)
+    tier: bool = False   # runs with a second tier (--kv-offload-dir) in a fresh temporary folder
+
+    def engine_fields(self, tier_dir: str | None = None) -> dict:
+        """The EngineConfig fields the scenario sets. A tier scenario's tier goes in `tier_dir`,
+        else in a new temporary folder that the caller removes: every run starts cold, so its
+        blocks reach the tier while the page watches."""
+        if not self.tier:
+            return dict(self.engine)
+        return {**self.engine, "kv_offload_dir": tier_dir or tempfile.mkdtemp(prefix=f"pagedllm-viz-{self.name}-")}
 
 
 def _chat(q: str) -> list[dict]:
     return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}]
+
+
+# The tier scenario: a document that outlives its place in the pool.
+HOUSE_RULES = (
+    "Library house rules. The reading hall opens at nine and closes at eight; on Sundays it opens at noon. "
+    "Each reader may borrow up to twelve books for three weeks and renew them twice online or at the desk. "
+    "Study rooms on the second floor are booked for two hours at a time. Newspapers of the last twelve months "
+    "are kept in the periodicals room; older ones are on microfilm in the basement archive. Food is allowed "
+    "only in the garden cafe. Lost cards are replaced at the front desk for two euros.")
+RULE_QUESTIONS = ["When does the hall open on Sunday?", "How many books can I borrow?",
+                  "Where are old newspapers kept?", "Can I eat in the reading hall?",
+                  "How long can I book a study room?"]
+STORIES = ["Write a short story about a lighthouse keeper.", "Explain how rain forms, step by step.",
+           "Describe a walk through a busy market."]
+
+
+def _rules(q: str) -> list[dict]:
+    return [{"role": "system", "content": HOUSE_RULES}, {"role": "user", "content": q}]
+
+
+def _tier_requests() -> list[ScenarioRequest]:
+    """Two questions on the rules, three long stories that need the whole pool (the rules'
+    blocks are evicted, and saved; one story is preempted by swap), then three more questions."""
+    short = {"max_tokens": 16, "ignore_eos": True}
+    return ([ScenarioRequest(0, _rules(q), short) for q in RULE_QUESTIONS[:2]]
+            + [ScenarioRequest(at, [{"role": "user", "content": q}], {"max_tokens": 80, "ignore_eos": True})
+               for at, q in zip((14, 14, 16), STORIES)]
+            + [ScenarioRequest(at, _rules(q), short) for at, q in zip((100, 100, 102), RULE_QUESTIONS[2:])])
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
@@ -83,6 +123,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              engine={"num_gpu_blocks_override": 20, "max_num_seqs": 4, "enable_prefix_caching": False},
              requests=[ScenarioRequest(0, [{"role": "user", "content": q}],
                                        {"max_tokens": 72, "ignore_eos": True}) for q in QUESTIONS[:4]]),
+    Scenario("tier", "Evicted blocks come back from disk",
+             "A document (the library's house rules, 7 full blocks) is asked two questions; three long stories "
+             "then need the whole pool of 20 blocks, so the document's cached blocks are evicted, each saved "
+             "to the tier on disk as it goes (write-back), and one story is preempted by swap (its blocks "
+             "saved too). The next question loads the document's blocks back from the tier instead of "
+             "recomputing them (a tier hit), and the two after it share them in the pool.",
+             engine={"num_gpu_blocks_override": 20, "max_num_seqs": 4, "kv_offload_write_policy": "write_back",
+                     "preemption_mode": "swap"},
+             requests=_tier_requests(), tier=True),
 ]}
 
 
@@ -104,9 +153,11 @@ def save(trace: dict, path: Path) -> None:
     path.write_text(json.dumps(trace, separators=(",", ":")) + "\n")
 
 
-def engine_config(sc: Scenario, overrides: dict):
+def engine_config(sc: Scenario, overrides: dict, fields: dict | None = None):
+    """`fields`: the scenario's own, if already taken (engine_fields makes a tier's folder)."""
     from ..config import EngineConfig
-    return EngineConfig(**{**sc.engine, **overrides})
+    fields = sc.engine_fields(overrides.get("kv_offload_dir")) if fields is None else fields
+    return EngineConfig(**{**fields, **overrides})
 
 
 def prompt_text(tokenizer, req: ScenarioRequest) -> str:
@@ -117,19 +168,28 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     from ..engine.engine import LLMEngine
     from .hub import VizHub
 
-    engine = LLMEngine(engine_config(sc, overrides))
-    hub = VizHub(engine)
-    engine.observers.append(hub)
-    hub.start_recording()
-    pending = sorted(sc.requests, key=lambda r: r.at_step)
-    while pending or engine.has_unfinished_requests():
-        # Arrivals are counted in engine steps; an idle engine takes the next one at once.
-        while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
-            r = pending.pop(0)
-            # A chat template's text holds its special tokens already: no second BOS.
-            engine.add_request(None, prompt_text(engine.tokenizer, r), r.sampling(), add_special_tokens=False)
-        engine.step()
-    return hub.stop_recording()
+    fields = sc.engine_fields(overrides.get("kv_offload_dir"))
+    # A tier folder the scenario made for this run goes with it.
+    scratch = fields["kv_offload_dir"] if sc.tier and not overrides.get("kv_offload_dir") else None
+    try:
+        engine = LLMEngine(engine_config(sc, overrides, fields))
+        hub = VizHub(engine)
+        engine.observers.append(hub)
+        hub.start_recording()
+        pending = sorted(sc.requests, key=lambda r: r.at_step)
+        while pending or engine.has_unfinished_requests():
+            # Arrivals are counted in engine steps; an idle engine takes the next one at once.
+            while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
+                r = pending.pop(0)
+                # A chat template's text holds its special tokens already: no second BOS.
+                engine.add_request(None, prompt_text(engine.tokenizer, r), r.sampling(), add_special_tokens=False)
+            engine.step()
+        trace = hub.stop_recording()
+        engine.close()
+        return trace
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def library_messages() -> list[dict]:

@@ -26,6 +26,12 @@ OURS = {"kv_cache_cached_free_blocks": "gauge", "kv_cache_waste_perc": "gauge", 
         "kv_cache_window_released_blocks": "counter",
         "prompt_logprobs_cache_queries": "counter", "prompt_logprobs_cache_hits": "counter",
         "prompt_logprobs_cache_blocks": "gauge"}
+# The second tier's, served with or without a tier (zeros without).
+TIER = {"kv_tier_hits": "counter", "kv_tier_loaded_blocks": "counter", "kv_tier_offloaded_blocks": "counter",
+        "kv_tier_backlog_blocks": "gauge", "kv_tier_blocks": "gauge", "kv_tier_bytes": "gauge",
+        "kv_tier_capacity_bytes": "gauge", "kv_tier_written_blocks": "counter", "kv_tier_evicted_blocks": "counter",
+        "kv_tier_read_failures": "counter", "kv_tier_write_errors": "counter", "num_swap_outs": "counter",
+        "swap_out_blocks": "counter"}
 
 
 def families(url: str) -> dict:
@@ -46,9 +52,12 @@ def complete(url: str, **body) -> dict:
 def test_names_types_and_buckets(server):
     complete(server.url, max_tokens=4)
     fams = families(server.url)
-    for name, kind in {**VLLM_FAMILIES, **OURS}.items():
+    for name, kind in {**VLLM_FAMILIES, **OURS, **TIER}.items():
         assert f"pagedllm:{name}" in fams, name
         assert fams[f"pagedllm:{name}"].type == kind, name
+    # This server has no tier: its series are there, at zero.
+    assert {name: fams[f"pagedllm:{name}"].samples[0].value for name in TIER} == dict.fromkeys(TIER, 0.0)
+    assert "swap" in fams["pagedllm:num_preemptions"].documentation
     assert buckets(fams["pagedllm:time_to_first_token_seconds"])[:3] == [0.001, 0.005, 0.01]
     assert buckets(fams["pagedllm:inter_token_latency_seconds"])[:2] == [0.01, 0.025]
     assert buckets(fams["pagedllm:e2e_request_latency_seconds"])[:2] == [0.3, 0.5]
@@ -128,3 +137,54 @@ def test_metrics_prefix_vllm(vllm_server):
         assert fams[f"vllm:{name}"].type == kind, name
     m = metrics(vllm_server.url)
     assert m["vllm:request_success_total"] == 1 and m["vllm:generation_tokens_total"] == 2
+
+
+def tier_stats(hits: int, blocks: int, read_failures: int = 0):
+    """An engine's stats with a tier holding `blocks` blocks of 1000 bytes (no engine needed)."""
+    from dataclasses import replace
+
+    from pagedllm.dp.stats import zero_stats
+    from pagedllm.kv.tier_store import TierStats
+
+    z = zero_stats(16, 100)
+    tier = TierStats(capacity_bytes=2**30, blocks=blocks, bytes=1000 * blocks, written_blocks=blocks + 2,
+                     write_errors=1, evicted_blocks=2, read_blocks=hits // 16, read_failures=read_failures)
+    return replace(z, preemptions=3, kv=replace(z.kv, num_blocks=64, prefix_queries=4 * hits, prefix_hits=2 * hits,
+                                                tier_hits=hits, tier_loaded_blocks=hits // 16,
+                                                tier_offloaded_blocks=blocks + 3, tier_backlog=1, swap_outs=3,
+                                                swap_out_blocks=7, tier=tier))
+
+
+def collect(stats) -> dict[str, tuple[str, float]]:
+    from pagedllm.server.metrics import EngineCollector
+
+    return {f.name.removeprefix("pagedllm:"): (f.type, f.samples[0].value)
+            for f in EngineCollector(lambda: stats, "m", "pagedllm").collect()}
+
+
+def test_tier_series_carry_the_tier_figures():
+    got = collect(tier_stats(hits=160, blocks=40, read_failures=1))
+    assert {k: got[k] for k in TIER} == {
+        "kv_tier_hits": ("counter", 160), "kv_tier_loaded_blocks": ("counter", 10),
+        "kv_tier_offloaded_blocks": ("counter", 43), "kv_tier_backlog_blocks": ("gauge", 1),
+        "kv_tier_blocks": ("gauge", 40), "kv_tier_bytes": ("gauge", 40_000),
+        "kv_tier_capacity_bytes": ("gauge", 2**30), "kv_tier_written_blocks": ("counter", 42),
+        "kv_tier_evicted_blocks": ("counter", 2), "kv_tier_read_failures": ("counter", 1),
+        "kv_tier_write_errors": ("counter", 1), "num_swap_outs": ("counter", 3), "swap_out_blocks": ("counter", 7)}
+    assert got["prefix_cache_hits"] == ("counter", 320) and got["num_preemptions"] == ("counter", 3)
+
+
+def test_data_parallel_totals_add_up_the_tiers():
+    """A data-parallel server's totals: each replica's tier adds up, a dead replica's tier
+    counters are kept and its blocks on disk are not; a replica's TierStats survives the pipe."""
+    import pickle
+
+    from pagedllm.dp.stats import counters_only, sum_stats, zero_stats
+
+    a, b = tier_stats(hits=160, blocks=40), pickle.loads(pickle.dumps(tier_stats(hits=32, blocks=5)))
+    got = collect(sum_stats([counters_only(b), a, zero_stats(16, 100)]))
+    assert got["kv_tier_hits"][1] == 192 and got["kv_tier_loaded_blocks"][1] == 12 and got["num_swap_outs"][1] == 6
+    assert got["kv_tier_written_blocks"][1] == 42 + 7 and got["kv_tier_write_errors"][1] == 2
+    assert (got["kv_tier_blocks"][1], got["kv_tier_bytes"][1], got["kv_tier_capacity_bytes"][1]) == (40, 40_000, 2**30)
+    assert got["kv_tier_backlog_blocks"][1] == 1, "a dead replica's backlog is gone with it"
+    assert sum_stats([zero_stats(16)]).kv.tier is None and collect(zero_stats(16))["kv_tier_blocks"] == ("gauge", 0)

@@ -229,6 +229,65 @@ def test_sliding_window_trace_shows_released_entries():
         assert _text(page, "#fig-used") == len(table) - gone
         assert page.locator("#log li[data-type=slide]").count() == slides
         assert page.is_visible("#fig-window-box") and _text(page, "#fig-window") == last["figures"]["window_released"]
+        assert not page.is_visible("#tier-panel"), "no tier, no tier panel"
         page.screenshot(path=str(ARTIFACTS / "viz_sliding_window.png"), full_page=True)
+        assert not errors_js, errors_js
+        browser.close()
+
+
+def test_tier_trace_shows_blocks_going_to_disk_and_back():
+    """The tier scenario in the page: at the step that loads the document back, the loaded
+    blocks are marked in the pool, pinned ones carry the pin, and the tier panel lights the
+    entries that come back; at the end the tier lists every block on disk and the figures."""
+    import json
+
+    from pagedllm.viz.routes import PAGE
+    from pagedllm.viz.scenarios import trace_path
+    from pagedllm.viz.state import KVReplay
+
+    trace = json.loads(trace_path("tier").read_text())
+    msgs = trace["messages"]
+    at = next(i for i, m in enumerate(msgs) if any(ev["type"] == "tier_load" for ev in m.get("kv", [])))
+    replay = KVReplay.from_picture(msgs[0])
+    for m in msgs[1:at + 1]:
+        for ev in m.get("kv", []):
+            replay.apply(ev)
+    held = {}
+    for t in replay.tables.values():
+        for b in t.blocks:
+            held[b] = held.get(b, 0) + 1
+    pinned = sum(1 for b, r in enumerate(replay.refs) if r > held.get(b, 0))
+    loads = [ev for ev in msgs[at]["kv"] if ev["type"] == "tier_load"]
+    last = msgs[-1]["figures"]
+    sync_playwright = _browser()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        errors_js: list[str] = []
+        page.on("pageerror", lambda e: errors_js.append(str(e)))
+        page.goto(PAGE.as_uri() + "?speed=0")  # the slowest pace: this test steps by hand
+        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
+        page.set_input_files("#trace-file", str(trace_path("tier")))
+        page.evaluate("(n) => { source.playing = false; clearTimeout(source.timer);"
+                      "  while (source.pos <= n) advance(); }", at)
+        _settled(page, f"S.step === {msgs[at]['step']}")
+        assert page.locator("#pool .cell.flash-load").count() == len(loads) > 0
+        assert page.locator("#pool .cell.pinned").count() == pinned > 0
+        assert page.locator("#tier .tier-cell.flash-out").count() == len(loads)
+        assert _text(page, "#tier-out") == len(loads)
+        assert page.locator("#log li[data-type=tier]", has_text=f"loads {len(loads)} blocks back from the tier").count() == 1
+        page.screenshot(path=str(ARTIFACTS / "viz_tier_loads.png"), full_page=True)
+
+        page.click("#play")
+        page.evaluate("() => { $('speed').value = 6; speedLabel(); schedule(); }")
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        assert page.is_visible("#tier-panel")
+        assert page.locator("#tier .tier-cell:not(.earlier)").count() == last["tier_blocks"] > 0
+        assert page.locator("#tier .tier-cell .loads").count() == len(loads)
+        assert page.text_content("#fig-tier-io") == f"{last['tier_loaded']} · {last['tier_offloaded']} · {last['swap_outs']}"
+        assert page.text_content("#fig-tier-hit") == f"{100 * last['tier_hit_rate']:.1f}% ({last['tier_hits']} tok)"
+        assert page.locator("#log li[data-type=tier]", has_text="swapped out: its blocks").count() == 1
+        page.screenshot(path=str(ARTIFACTS / "viz_tier.png"), full_page=True)
         assert not errors_js, errors_js
         browser.close()

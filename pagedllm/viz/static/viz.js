@@ -8,7 +8,7 @@ const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948
                  "#ff9da7", "#9c755f", "#bab0ac", "#17becf", "#bcbd22"];
 const SPEEDS = [0.25, 0.5, 1, 2, 4, 8, Infinity];  // replay: steps per second
 const LIVE_DELAYS = [2, 1, 0.5, 0.25, 0.1, 0.03, 0];  // live: seconds the engine waits after a step
-const MAX_LOG = 400, MAX_TIMELINE = 160;
+const MAX_LOG = 400, MAX_TIMELINE = 160, MAX_TIER_CELLS = 400;
 const params = new URLSearchParams(location.search);
 const keyQuery = params.get("api_key") ? `?api_key=${encodeURIComponent(params.get("api_key"))}` : "";
 
@@ -21,7 +21,13 @@ function fresh(config) {
   return { config, refs: new Array(config.num_blocks).fill(0), hashed: new Set(), tables: new Map(),
            seqs: new Map(), reqs: new Map(), running: [], waiting: [], preempted: new Set(), figures: {},
            step: 0, batch: [], prefill: 0, decode: 0, timeline: [], flashes: new Map(), blockText: new Map(),
-           log: [], nreq: 0, labels: new Map() };
+           log: [], nreq: 0, labels: new Map(),
+           // The second tier, followed by block hash (`key` on cache and tier_load events): what a
+           // block held (blockInfo), the key each cached block holds (keyOf), the key a block evicted
+           // this message held (its write-back save comes after the evict), the tier's entries this
+           // page saw arrive (key -> entry, least recently used first), and this step's traffic.
+           blockInfo: new Map(), keyOf: new Map(), evictedKey: new Map(), tier: new Map(), tierFlashes: new Map(),
+           tierStep: { in: 0, out: 0 }, swapping: new Set(), loadedNow: new Set(), tierEvicted: 0 };
 }
 
 function addRequest(rid, seqIds, n, prompt, label) {
@@ -59,9 +65,11 @@ function applyKV(ev) {
       got.forEach((b) => { S.refs[b] += 1; });
       S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       if (ev.blocks.length) {
+        const loaded = got.filter((b) => S.loadedNow.has(b)).length;  // its tier_load events came just before
         log("hit", `${seqLabel(ev.seq)} prefix hit: shares ${got.length} cached blocks ${ids(got)}` +
+            `${loaded ? ` (${loaded} of them just loaded from the tier)` : ""}` +
             `${skipped ? ` (${skipped} below its sliding window not needed)` : ""} (${ev.tokens} of ${ev.queried} prompt tokens skip prefill)`);
-        flash(got, "hit");
+        flash(got.filter((b) => !S.loadedNow.has(b)), "hit");
       }
       break;
     }
@@ -88,11 +96,13 @@ function applyKV(ev) {
       break;
     case "cache": {
       S.hashed.add(ev.block);
+      if (ev.key) S.keyOf.set(ev.block, ev.key);
       for (const [sid, tab] of S.tables) {  // remember its text: it outlives its sequence
         const i = tab.blocks.indexOf(ev.block);
         if (i >= 0 && S.seqs.has(sid)) {
           const B = S.config.block_size;
           S.blockText.set(ev.block, S.seqs.get(sid).tokens.slice(i * B, (i + 1) * B).join(""));
+          S.blockInfo.set(ev.block, { sid, index: i });
           break;
         }
       }
@@ -124,17 +134,88 @@ function applyKV(ev) {
       flash(ev.blocks, "free");
       break;
     case "evict":
-      S.hashed.delete(ev.block); S.blockText.delete(ev.block);
+      // A write-back tier saves the evicted content after this event names the block: keep what it held.
+      if (S.keyOf.has(ev.block)) S.evictedKey.set(ev.block, tierEntry(ev.block, S.keyOf.get(ev.block)));
+      S.hashed.delete(ev.block); S.blockText.delete(ev.block); S.keyOf.delete(ev.block); S.blockInfo.delete(ev.block);
       log("evict", `P${ev.block} evicted from the prefix cache (least recently used)`);
       flash([ev.block], "evict");
       break;
     case "reset_cache":
-      for (const b of [...S.hashed]) if (S.refs[b] === 0) S.hashed.delete(b);
+      for (const b of [...S.hashed]) if (S.refs[b] === 0) { S.hashed.delete(b); S.keyOf.delete(b); }
       log("free", "prefix cache reset");
+      break;
+    case "pin":    // the tier holds a reference: a write in flight, or a hit's blocks while a load fills the rest
+      ev.blocks.forEach((b) => { S.refs[b] += 1; });
+      break;
+    case "unpin":
+      ev.blocks.forEach((b) => { S.refs[b] -= 1; });
+      break;
+    case "tier_load": {  // a fresh block filled from the tier for the sequence's table[index]: ref 1 (pinned), cached
+      const B = S.config.block_size, s = S.seqs.get(ev.seq);
+      S.refs[ev.block] = 1; S.hashed.add(ev.block);
+      if (s) S.blockText.set(ev.block, s.tokens.slice(ev.index * B, (ev.index + 1) * B).join(""));
+      S.blockInfo.set(ev.block, { sid: ev.seq, index: ev.index });
+      if (ev.key) {
+        S.keyOf.set(ev.block, ev.key);
+        const e = S.tier.get(ev.key) || tierEntry(ev.block, ev.key);
+        S.tier.delete(ev.key); S.tier.set(ev.key, { ...e, loads: (e.loads || 0) + 1 });  // most recently used now
+        S.tierFlashes.set(ev.key, "out");
+      }
+      S.tierStep.out += 1; S.loadedNow.add(ev.block);
+      flash([ev.block], "load");
+      // One log line per sequence and step, however many blocks it loads (evictions come in between).
+      let l = S.log.findLast((e) => e.step !== S.step || (e.loadSeq === ev.seq && e.type === "tier"));
+      if (l && l.step === S.step) l.blocks.push([ev.index, ev.block]);
+      else { log("tier", ""); l = Object.assign(S.log[S.log.length - 1], { loadSeq: ev.seq, blocks: [[ev.index, ev.block]] }); }
+      l.text = `${seqLabel(ev.seq)} loads ${l.blocks.length} block${l.blocks.length > 1 ? "s" : ""} back from the tier: ` +
+               l.blocks.map(([i, b]) => `L${i}→P${b}`).join(" ") + " (read from disk, not recomputed)";
+      break;
+    }
+    case "offload": {  // these blocks' bytes go to the tier now
+      const why = new Map();  // reason -> count
+      for (const b of ev.blocks) {
+        // A block evicted this step is saved with the content it held; any other is written as it is.
+        const how = S.swapping.has(b) ? "swapped out" : S.evictedKey.has(b) ? "saved as the pool evicts it (write-back)"
+          : "written through as it was cached";
+        why.set(how, (why.get(how) || 0) + 1);
+        const e = S.evictedKey.get(b) || (S.keyOf.has(b) ? tierEntry(b, S.keyOf.get(b)) : null);
+        if (!e) continue;
+        const old = S.tier.get(e.key);
+        S.tier.delete(e.key); S.tier.set(e.key, { ...e, how, loads: old?.loads || 0 });
+        S.tierFlashes.set(e.key, "in");
+      }
+      S.tierStep.in += ev.blocks.length;
+      flash(ev.blocks.filter((b) => !S.loadedNow.has(b)), "offload");  // a reused block shows its new content's load
+      log("tier", `${ids(ev.blocks)} → tier: ${[...why].map(([how, n]) => `${n} ${how}`).join(", ")}`);
+      break;
+    }
+    case "swap_out":  // a preempted sequence's blocks saved to the tier (its free follows)
+      ev.blocks.forEach((b) => S.swapping.add(b));
+      log("tier", `${seqLabel(ev.seq)} swapped out: ${ev.blocks.length ? `its blocks ${ids(ev.blocks)} are saved to the tier` : "the tier holds its blocks already"}; its resume finds them in the pool, or loads them back from the tier`);
+      flash(ev.blocks, "offload");
       break;
     default:
       console.warn("unknown KV event", ev);
   }
+}
+
+// What the tier keeps of a block: its hash, its text, and whose block it was (for colour and label).
+function tierEntry(b, key) {
+  const info = S.blockInfo.get(b);
+  return { key, text: S.blockText.get(b) || "", sid: info?.sid, index: info?.index, block: b, step: S.step };
+}
+
+// The tier's LRU drops entries the page cannot name (it sends no event): drop as many of the oldest.
+function tierFigures(f) {
+  if (f.tier_evicted === undefined) return;
+  let gone = f.tier_evicted - S.tierEvicted;
+  S.tierEvicted = f.tier_evicted;
+  for (const key of S.tier.keys()) { if (gone-- <= 0) break; S.tier.delete(key); }
+}
+
+function applyKVList(events) {
+  events.forEach(applyKV);
+  S.evictedKey.clear(); S.swapping.clear(); S.loadedNow.clear();  // a save follows its evict within the same step
 }
 
 function setQueues(m) {
@@ -169,7 +250,8 @@ function applyMessage(m) {
       S.seqs.set(Number(sid), { ...e, req: s.req, index: s.index, status: s.status, tokens: s.tokens });
     }
     for (const [sid, [blocks, tokens]] of Object.entries(m.tables)) S.tables.set(Number(sid), { blocks, tokens });
-    setQueues(m); S.figures = m.figures;
+    for (const [b, key] of Object.entries(m.keys || {})) S.keyOf.set(Number(b), key);
+    setQueues(m); S.figures = m.figures; S.tierEvicted = m.figures.tier_evicted || 0;
     showInfo();
     return;
   }
@@ -181,27 +263,30 @@ function applyMessage(m) {
     return;
   }
   if (m.kind === "step") {
-    S.step = m.step;
+    S.step = m.step; S.tierStep = { in: 0, out: 0 };
     if (m.label) log("step", `step ${m.step}: ${m.label}`);
     for (const sid of m.preempted) {
       S.preempted.add(sid);
       const s = S.seqs.get(sid); if (s) s.status = "preempted";
-      log("preempt", `${seqLabel(sid)} preempted: out of free blocks, its blocks are freed and it will be recomputed`);
+      log("preempt", S.config.tier?.preemption_mode === "swap"
+        ? `${seqLabel(sid)} preempted: out of free blocks, its blocks go to the tier and are freed; it resumes from a prefix hit`
+        : `${seqLabel(sid)} preempted: out of free blocks, its blocks are freed and it will be recomputed`);
     }
-    m.kv.forEach(applyKV);
+    applyKVList(m.kv);
     for (const [sid, pieces] of Object.entries(m.tokens)) {
       const s = S.seqs.get(Number(sid)); if (s) s.tokens.push(...pieces);
     }
     S.batch = m.batch; S.prefill = m.prefill_tokens; S.decode = m.decode_tokens;
-    setQueues(m); S.figures = m.figures;
-    S.timeline.push({ step: m.step, prefill: m.prefill_tokens, decode: m.decode_tokens, used: m.figures.used });
+    setQueues(m); S.figures = m.figures; tierFigures(m.figures);
+    S.timeline.push({ step: m.step, prefill: m.prefill_tokens, decode: m.decode_tokens, used: m.figures.used,
+                      tierIn: S.tierStep.in, tierOut: S.tierStep.out });
     if (S.timeline.length > MAX_TIMELINE) S.timeline.shift();
     finish(m.finished);
     return;
   }
   if (m.kind === "abort") {
-    m.kv.forEach(applyKV);
-    setQueues(m); S.figures = m.figures;
+    applyKVList(m.kv);
+    setQueues(m); S.figures = m.figures; tierFigures(m.figures);
     finish(m.finished);
     return;
   }
@@ -254,6 +339,14 @@ function draw() {
   if (f.spec_drafted !== undefined)
     $("fig-spec").textContent = `${f.spec_accepted}/${f.spec_drafted} (${pct(f.spec_drafted ? f.spec_accepted / f.spec_drafted : 0)})`;
   $("fig-without").textContent = f.without_sharing ?? 0; $("fig-reserve").textContent = f.reserve_max ?? 0;
+  const tier = f.tier_blocks !== undefined;
+  document.querySelectorAll(".tier-only").forEach((el) => { el.hidden = !tier; });
+  document.querySelector("main").classList.toggle("with-tier", tier);
+  if (tier) {
+    $("fig-tier-hit").textContent = `${pct(f.tier_hit_rate)} (${f.tier_hits} tok)`;
+    $("fig-tier-disk").textContent = `${f.tier_blocks} · ${mib(f.tier_bytes)}`;
+    $("fig-tier-io").textContent = `${f.tier_loaded} · ${f.tier_offloaded} · ${f.swap_outs}`;
+  }
   const top = Math.max(used, f.without_sharing || 0, f.reserve_max || 0, 1);
   $("bar-used").style.width = pct(used / top); $("bar-without").style.width = pct((f.without_sharing || 0) / top);
   $("bar-reserve").style.width = pct((f.reserve_max || 0) / top);
@@ -269,6 +362,7 @@ function draw() {
   }
   for (let b = 0; b < n; b++) {
     const ref = S.refs[b], h = own.get(b), cls = ["cell"];
+    const pins = ref - (h ? h.length : 0);  // references no table holds: the tier's
     let fill = "", ownTxt = "";
     if (ref > 0 && h) {
       const [sid, i] = h[0], k = blockFill(sid, i);
@@ -276,8 +370,10 @@ function draw() {
       ownTxt = seqLabel(sid);
     } else if (S.hashed.has(b)) cls.push("cached");
     if (ref > 1) cls.push("shared");
+    if (pins > 0) cls.push("pinned");
     const fl = S.flashes.get(b); if (fl) cls.push(`flash-${fl}`);
-    const html = `${fill}<span class="id">${b}</span><span class="own">${ownTxt}</span>${ref > 1 ? `<span class="ref">×${ref}</span>` : ""}`;
+    const html = `${fill}<span class="id">${b}</span><span class="own">${ownTxt}</span>${ref > 1 ? `<span class="ref">×${ref}</span>` : ""}` +
+                 (pins > 0 ? `<span class="pin" title="pinned by the tier">⛁</span>` : "");
     const sig = cls.join(" ") + html;
     if (sig !== poolSigs[b]) {
       poolSigs[b] = sig;
@@ -286,6 +382,7 @@ function draw() {
     }
   }
   S.flashes.clear();
+  if (tier) drawTier(f);
 
   // Block tables, one row per sequence holding blocks.
   const rows = [];
@@ -325,6 +422,27 @@ function draw() {
   logEl.scrollTop = logEl.scrollHeight;
 }
 
+// The second tier: one cell per entry this page saw go to disk, least recently used first (the
+// tier evicts from the left); entries it held before the page opened are counted, not drawn.
+function drawTier(f) {
+  const c = S.config.tier || {};
+  $("tier-info").textContent = `on disk · ${c.write_policy === "write_back" ? "write-back" : "write-through"}` +
+    `${c.preemption_mode === "swap" ? " · swap preemption" : ""} · ${f.tier_blocks} blocks, ${mib(f.tier_bytes)} of ${gib(f.tier_capacity)}`;
+  $("tier-in").textContent = S.tierStep.in; $("tier-out").textContent = S.tierStep.out;
+  $("tier-hits").textContent = f.tier_hits;
+  $("tier-errors").textContent = `${f.tier_read_failures} · ${f.tier_write_errors}`;
+  const entries = [...S.tier.values()], shown = entries.slice(-MAX_TIER_CELLS);
+  const before = Math.max(0, f.tier_blocks - entries.length) + (entries.length - shown.length);
+  $("tier").innerHTML = (before ? `<div class="tier-cell earlier" title="entries this page did not see written">+${before}</div>` : "") +
+    shown.map((e) => {
+      const fl = S.tierFlashes.get(e.key);
+      const who = e.sid !== undefined ? `${seqLabel(e.sid)}${e.index !== undefined ? ` L${e.index}` : ""}` : `P${e.block}`;
+      return `<div class="tier-cell${fl ? ` flash-${fl}` : ""}" data-key="${esc(e.key)}" style="--c:${e.sid !== undefined ? seqColor(e.sid) : "#999"}">` +
+             `<span class="who">${esc(who)}</span>${e.loads ? `<span class="loads">↑${e.loads}</span>` : ""}</div>`;
+    }).join("") || (before ? "" : "<small>nothing on disk yet</small>");
+  S.tierFlashes.clear();
+}
+
 function drawTimeline() {
   const c = $("timeline"), ctx = c.getContext("2d");
   c.width = c.clientWidth * devicePixelRatio; c.height = 110 * devicePixelRatio;
@@ -338,6 +456,10 @@ function drawTimeline() {
     const x = i * bw, hp = ((h - 12) * p.prefill) / maxTok, hd = ((h - 12) * p.decode) / maxTok;
     ctx.fillStyle = css.getPropertyValue("--decode"); ctx.fillRect(x, h - hd, Math.max(1, bw - 1), hd);
     ctx.fillStyle = css.getPropertyValue("--prefill"); ctx.fillRect(x, h - hd - hp, Math.max(1, bw - 1), hp);
+  });
+  T.forEach((p, i) => {  // tier traffic: a tick on top, green to the tier, blue back from it
+    if (p.tierIn) { ctx.fillStyle = "#2ca02c"; ctx.fillRect(i * bw, 12, Math.max(1, bw - 1), 4); }
+    if (p.tierOut) { ctx.fillStyle = "#1f77b4"; ctx.fillRect(i * bw, 17, Math.max(1, bw - 1), 4); }
   });
   ctx.strokeStyle = "#111"; ctx.lineWidth = 1.5; ctx.beginPath();
   T.forEach((p, i) => { const y = h - ((h - 12) * p.used) / maxUsed; i ? ctx.lineTo(i * bw + bw / 2, y) : ctx.moveTo(bw / 2, y); });
@@ -356,10 +478,15 @@ function showInfo() {
     ["repeating-linear-gradient(45deg,#e9e9ee 0 3px,#fff 3px 6px)", "cached-free (reusable prefix)"],
     ["#fff", "free"]].concat(c.sliding_window ? [["repeating-linear-gradient(90deg,#ccc 0 2px,#fff 2px 5px)",
       `table entry released by the sliding window (${c.sliding_window} tokens)`]] : [])
+    .concat(c.tier ? [["#fff; box-shadow: 0 0 0 3px #2ca02c", "to the tier this step (offload, swap-out)"],
+                      ["#fff; box-shadow: 0 0 0 3px #1f77b4", "loaded back from the tier this step"],
+                      ["#fff", "⛁ pinned by the tier (a write in flight, a load's step)"]] : [])
     .map(([bg, t]) => `<span><i class="sw" style="background:${bg}"></i>${t}</span>`).join("");
 }
 
 const pct = (x) => `${(100 * x).toFixed(1)}%`;
+const mib = (x) => `${(x / 2 ** 20).toFixed(1)} MiB`;
+const gib = (x) => `${(x / 2 ** 30).toFixed(1)} GiB`;
 const esc = (s) => String(s).replace(/[&<>"]/g, (ch) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;" }[ch]));
 const show = (s) => esc(s).replace(/\n/g, "⏎\n");
 
@@ -374,10 +501,20 @@ function tipFor(el) {
       const [sid, i] = holders[0], s = S.seqs.get(sid);
       if (s) text = s.tokens.slice(i * B, Math.min((i + 1) * B, S.tables.get(sid).tokens)).join("");
     }
-    const state = S.refs[b] > 0 ? `used, ref ${S.refs[b]}${S.refs[b] > 1 ? " (shared, read-only)" : ""}`
+    const pins = S.refs[b] - holders.length;
+    const state = S.refs[b] > 0 ? `used, ref ${S.refs[b]}${pins > 0 ? ` (${pins} held by the tier: pinned)` : S.refs[b] > 1 ? " (shared, read-only)" : ""}`
       : S.hashed.has(b) ? "cached-free (a prefix hit can reuse it)" : "free";
     const who = holders.map(([sid, i]) => `${seqLabel(sid)} L${i} (${blockFill(sid, i)}/${B})`).join(", ");
     return `P${b}: ${state}${who ? `\nheld by ${who}` : ""}${text ? `\ntokens: ${show(text)}` : ""}`;
+  }
+  if (el.dataset.key !== undefined) {
+    const e = S.tier.get(el.dataset.key);
+    if (!e) return null;
+    const where = [...S.keyOf].find(([, k]) => k === e.key);
+    return `tier entry ${e.key}: ${e.how || "on disk"} at step ${e.step} from P${e.block}` +
+           `${e.sid !== undefined ? ` (${seqLabel(e.sid)}${e.index !== undefined ? ` L${e.index}` : ""})` : ""}` +
+           `${e.loads ? `\nloaded back ${e.loads}×` : ""}${where ? `\nin the pool too: P${where[0]}` : "\nno longer in the pool"}` +
+           `${e.text ? `\ntokens: ${show(e.text)}` : ""}`;
   }
   if (el.dataset.seq !== undefined) {
     const sid = Number(el.dataset.seq), s = S.seqs.get(sid), t = S.tables.get(sid);
@@ -390,12 +527,19 @@ function tipFor(el) {
 }
 
 document.addEventListener("mouseover", (e) => {
-  const el = e.target.closest("[data-block],[data-seq]"), tip = $("tip");
+  const el = e.target.closest("[data-block],[data-seq],[data-key]"), tip = $("tip");
   document.querySelectorAll(".hl").forEach((x) => x.classList.remove("hl"));
   const text = el && tipFor(el);
   if (!text) { tip.hidden = true; return; }
   tip.textContent = text; tip.hidden = false;
   if (el.dataset.block !== undefined) document.querySelectorAll(`[data-block="${el.dataset.block}"]`).forEach((x) => x.classList.add("hl"));
+  if (el.dataset.key !== undefined) {  // the pool block that holds the entry's content now, if one does
+    el.classList.add("hl");
+    const where = [...S.keyOf].find(([, k]) => k === el.dataset.key);
+    if (where) document.querySelectorAll(`[data-block="${where[0]}"]`).forEach((x) => x.classList.add("hl"));
+  }
+  if (el.dataset.block !== undefined && S.keyOf.has(Number(el.dataset.block)))  // and the other way
+    document.querySelectorAll(`#tier [data-key="${S.keyOf.get(Number(el.dataset.block))}"]`).forEach((x) => x.classList.add("hl"));
   if (el.dataset.seq !== undefined) {
     const t = S.tables.get(Number(el.dataset.seq));
     (t ? held(t.blocks) : []).forEach((b) => document.querySelectorAll(`#pool [data-block="${b}"]`).forEach((x) => x.classList.add("hl")));

@@ -140,15 +140,6 @@ class TierStore:
         """On disk or being written (a lookup's answer; a read still verifies)."""
         return key in self._lru or key in self._inflight
 
-    def leading(self, keys: Sequence[int]) -> int:
-        """How many of `keys`, from the first, the tier holds."""
-        n = 0
-        for k in keys:
-            if k not in self:
-                break
-            n += 1
-        return n
-
     # -- reads ---------------------------------------------------------------
     def read(self, key: int) -> memoryview | None:
         """The block's payload, verified; None (with a warning, the file removed) when it is
@@ -234,10 +225,6 @@ class TierStore:
         with self._lock:
             done, self._done = self._done, []
         return done
-
-    @property
-    def num_inflight(self) -> int:
-        return len(self._inflight)
 
     def flush(self) -> None:
         """Wait until every queued write has finished."""

@@ -216,9 +216,10 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_does_not():
         assert warm.finished
 
 
-def test_lpm_aging_bound_puts_an_old_request_back_in_arrival_order():
-    """A request past the aging bound goes ahead of every younger one, whatever they have
-    cached: nobody waits more than the bound beyond first come, first served."""
+def test_lpm_aging_bound_puts_the_oldest_request_first_once_it_waited_the_bound():
+    """The oldest waiting request, once it has been the oldest for the aging bound (first come,
+    first served would have admitted it by then), goes ahead of every younger one, whatever
+    they have cached; before that, hits pass it."""
     import time
 
     hot = [7] * (4 * B)
@@ -227,20 +228,19 @@ def test_lpm_aging_bound_puts_an_old_request_back_in_arrival_order():
     _prefixed(sched, hot, 3, time.time())
     _drain_one_at_a_time(sched)
     now = time.time()
-    cold = _prefixed(sched, [9] * (4 * B), 3, now - 0.6)   # waited past the bound already
-    hits = [_prefixed(sched, hot, 5, now) for _ in range(3)]
-    assert _drain_one_at_a_time(sched)[0] is cold
-    # and a young cold request is passed over only while it is younger than the bound
-    cold2 = _prefixed(sched, [11] * (4 * B), 3, time.time())
-    more = [_prefixed(sched, hot, 5, time.time()) for _ in range(2)]
+    cold = _prefixed(sched, [9] * (4 * B), 3, now)
+    more = [_prefixed(sched, hot, 5, now + 1e-3) for _ in range(3)]
     out = sched.schedule()
-    assert out.scheduled[0].seq is more[0]
+    assert out.scheduled[0].seq is more[0], "young: the hit passes it"
+    assert cold.request.oldest_since is not None
     step(sched, out)
-    cold2.request.arrival_time -= 0.6
+    cold.request.oldest_since -= 0.6        # it has been the oldest past the bound
     while sched.running:
         step(sched, out := sched.schedule())
-    assert sched.schedule().scheduled[0].seq is cold2, "aged: ahead of the younger hit"
-    assert hits[0].finished
+    out = sched.schedule()
+    assert out.scheduled[0].seq is cold, "aged: ahead of the younger hits"
+    step(sched, out)
+    assert _drain_one_at_a_time(sched) == [cold] + more[1:]
 
 
 def test_lpm_waiting_time_stays_within_the_aging_bound_under_a_stream_of_hits():

@@ -256,6 +256,7 @@ class LLMEngine:
         failed = self._settle_grammars() if self._compiling else []
         out = self.scheduler.schedule()
         if not out.scheduled:
+            self.runner.move_blocks(out.plan)
             if failed:
                 return StepUpdate(out, touched={r.request_id: r for r in failed})
             if self._compiling:  # only compiles to wait for: not a busy loop beside them

@@ -83,7 +83,7 @@ class _Scoring:
             self._keys.update(seq.hashes.keys[self.sched._scored_blocks(seq):seq.num_prompt_tokens // B])
 
 
-_NO_ROOM, _LATER = object(), object()   # a tier hit that waits: for blocks; for the next step's loads
+_LATER = object()   # a tier hit that waits for the next step's loads
 
 
 class Scheduler:
@@ -297,8 +297,6 @@ class Scheduler:
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
                                                     self.long_prefill_token_threshold)))
-            if hit is _NO_ROOM:  # its tier hit waits for blocks: nobody passes it
-                break
             if len(chunks) < len(group):  # its logprobs come from the cache next step (or its tier
                 skipped.append(self.waiting.popleft())  # hit from the next step's loads), not computed now
                 continue
@@ -320,20 +318,18 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
 
     def _tier_hit(self, seq: Sequence, hit: list[int]) -> list[int] | object:
-        """The pool hit extended by the blocks loaded from the tier; _NO_ROOM when the pool
-        cannot take them and the prompt's first chunk now (the request waits, unless nothing
-        runs: then it loads what fits), _LATER when this step's loads are spent."""
+        """The pool hit extended by the blocks loaded from the tier, as many as the pool can
+        take beside the prompt's first chunk (the rest is computed); _LATER when this step's
+        loads are spent (the request waits a step; the first tier hit of a step loads whole)."""
         kv, B = self.kv, self.kv.block_size
         n = kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)
         if not n:
             return hit
+        if self._loaded and n > self._load_budget:
+            return _LATER
         rest = len(seq.token_ids) - (len(hit) + n) * B
         room = kv.pool.num_available - sum(1 for b in hit if kv.pool.is_available(b)) - \
             cdiv(min(rest, self.long_prefill_token_threshold), B) - 1
-        if n > room and self.running:
-            return _NO_ROOM
-        if self._loaded and n > self._load_budget:
-            return _LATER
         got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, max(0, min(n, room)))
         self._loaded = True
         self._load_budget -= len(got) - len(hit)
@@ -341,8 +337,12 @@ class Scheduler:
 
     def _order_waiting(self) -> None:
         """Longest prefix match (SGLang's LPM): resumed work first (preempted sequences, in
-        their order), then requests that waited aging_bound or more (arrival order), then the
-        rest by the longest prefix the pool and the tier hold, longest first, ties by arrival."""
+        their order); then the oldest new request if it has been the oldest for aging_bound
+        seconds (all that arrived before it admitted: first come, first served would have
+        admitted it by now); then the rest by the longest prefix the pool and the tier hold,
+        longest first, ties by arrival. The bound counts from when a request becomes the
+        oldest, not from its arrival: under a queue longer than the bound, every request
+        is older than it, and counting from arrival would turn LPM back into FCFS."""
         if not 1 < len(self.waiting) <= LPM_MAX_WAITING:
             return
         now = time.time()
@@ -351,17 +351,21 @@ class Scheduler:
             unit = self._group(self.waiting, i)
             units.append(unit)
             i += len(unit)
+        fresh = [u[0].request for u in units if u[0].request.scheduled_time is None and not u[0].index]
+        oldest = min(fresh, key=lambda r: r.arrival_time, default=None)
+        if oldest is not None and oldest.oldest_since is None:
+            oldest.oldest_since = now
 
         def rank(pos_unit: tuple[int, list[Sequence]]) -> tuple:
             pos, unit = pos_unit
             req = unit[0].request
             if req.scheduled_time is not None or unit[0].index:
                 return (0, pos)
-            if now - req.arrival_time >= self.aging_bound:
-                return (1, req.arrival_time, pos)
+            if req is oldest and now - req.oldest_since >= self.aging_bound:
+                return (1, pos)
             seq = unit[0]
             hit = self.kv.lookup_prefix(seq.token_ids, seq.hashes)
-            return (2, -(len(hit) + self.kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)), pos)
+            return (2, -(len(hit) + self.kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)), req.arrival_time, pos)
         ordered = sorted(enumerate(units), key=rank)
         self.waiting = deque(seq for _, unit in ordered for seq in unit)
 

@@ -61,6 +61,7 @@ class Request:
     cache_salt: str | None = None
     arrival_time: float = 0.0
     scheduled_time: float | None = None  # first admitted to the running batch (queue time ends here)
+    oldest_since: float | None = None    # LPM admission: since when it is the oldest request waiting
     first_token_time: float | None = None
     finish_time: float | None = None
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at first admission

@@ -284,18 +284,21 @@ class KVCacheManager:
         return list(hit) + got
 
     def swap_out(self, seq_id: int) -> int:
-        """A sequence preempted by swap: its full blocks that the tier lacks are saved to it
-        before they can be reused; it resumes through a prefix hit (pool, else tier). Its
-        partial last block (fewer than B tokens) is recomputed. Returns the blocks saved."""
+        """A sequence preempted by swap: its full blocks that the tier lacks and no other table
+        holds are saved to it before they can be reused; it resumes through a prefix hit (pool,
+        else tier). Its partial last block (fewer than B tokens) is recomputed. Returns the
+        blocks saved."""
         table = self.tables.get(seq_id)
         if table is None or self.tier is None:
             return 0
         saved = []
         for i in range(table.num_released, table.num_cached_blocks):
-            key = table.hashes.keys[i]
-            if key not in self.tier and key not in self._writing:
-                self._save(table.block_ids[i], key)
-                saved.append(table.block_ids[i])
+            key, b = table.hashes.keys[i], table.block_ids[i]
+            # A block another table holds stays in the pool; if it leaves later, the tier gets it
+            # then (write-back saves at eviction; write-through has written it, or its backlog does).
+            if key not in self.tier and key not in self._writing and self.pool.blocks[b].ref_cnt == 1:
+                self._save(b, key)
+                saved.append(b)
         self.swap_outs += 1
         self.swap_out_blocks += len(saved)
         self._emit({"type": "swap_out", "seq": seq_id, "blocks": saved})

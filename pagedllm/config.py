@@ -198,9 +198,11 @@ class EngineConfig:
         "takes what the prefix cache still holds); swap first saves their full blocks to the tier (needs "
         "--kv-offload-dir) and a resume loads them back", choices=list(PREEMPTION_MODES))
     scheduling_policy: str = knob(
-        "fcfs", "order of admission: fcfs (arrival), or lpm: the waiting requests with the longest prefix in the "
-        "pool or the tier first (SGLang's cache-aware LPM), bounded by --scheduling-aging-bound",
-        choices=list(SCHEDULING_POLICIES))
+        "lpm", "order of admission: lpm, the waiting requests with the longest prefix in the pool or the tier first "
+        "(SGLang's cache-aware LPM), bounded by --scheduling-aging-bound; or fcfs, arrival order (vLLM's default). "
+        "lpm is the default as measured: 2.07x lower mean TTFT and 1.59x lower P99 than fcfs with 8 system prompts "
+        "under memory pressure, the same order as fcfs where no waiting request has a cached prefix "
+        "(BENCHMARKS.md section 23)", choices=list(SCHEDULING_POLICIES))
     scheduling_aging_bound: float = knob(
         2.0, "lpm: the oldest waiting request, once it has been the oldest this many seconds (first come, first "
         "served would have admitted it), is admitted ahead of younger ones, whatever they have cached", type=float)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Request, Sequence, SeqStatus
+from ..config import EngineConfig
 from ..kv import KVCacheManager
 from ..plan import StepResult
 from ..sampling_params import SamplingParams
@@ -34,11 +35,13 @@ class SimResult:
 def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 16, policy: str = "paged",
              max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
              seed: int = 0, prompts: list[list[int]] | None = None,
-             enable_prefix_caching: bool = False) -> SimResult:
+             enable_prefix_caching: bool = False, scheduling_policy: str | None = None) -> SimResult:
     """Each (prompt_len, output_len) runs to exactly output_len tokens (ignore_eos), with
     the engine's scheduling: same admission, chunking, preemption and block decisions."""
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, policy, max_model_len)
-    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len=max_model_len)
+    if scheduling_policy is None:  # the engine's default admission order
+        scheduling_policy = EngineConfig.__dataclass_fields__["scheduling_policy"].default
+    sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len=max_model_len, policy=scheduling_policy)
     rng = random.Random(seed)
     ids = itertools.count()
     for i, (p, o) in enumerate(lengths):

@@ -345,6 +345,36 @@ def plot_kv_dtypes(fig, data: dict) -> None:
         ax.set_xlabel(xlabel)
 
 
+def plot_kv_tier(fig, data: dict) -> None:
+    """The disk tier (benchmarks/kv_tier.py), a panel per part: the RAG document's first answer
+    per setting, FCFS against LPM's TTFT, and swap against recompute by prompt length."""
+    panels = []
+    if data.get("rag"):
+        rows = [(name, s["median"]["first_ttft_s"]) for name, s in data["rag"]["settings"].items()
+                if "first_ttft_s" in (s.get("median") or {})]   # llama.cpp's row: its own figures
+        panels.append(([f"rag: {n}" for n, _ in rows], [v for _, v in rows],
+                       [OURS if n == "pool" else OTHER_COLOUR for n, _ in rows], "first answer on the document, s",
+                       "{:.2f}"))
+    if data.get("chat"):
+        rows = [(name, s["median"]) for name, s in data["chat"]["settings"].items()]
+        panels.append(([f"chat {n}: {k}" for n, _ in rows for k in ("mean", "P99")],
+                       [m[f"{k}_ttft_s"] for _, m in rows for k in ("mean", "p99")],
+                       [OURS if n == "fcfs" else OTHER_COLOUR for n, _ in rows for _ in (0, 1)], "TTFT, s", "{:.1f}"))
+    if data.get("swap"):
+        labels, values, colours = [], [], []
+        for length in data["swap"]["lengths"]:
+            base = length["settings"]["recompute"]["median"]["output_tok_s"]
+            for name, s in length["settings"].items():
+                labels.append(f"{length['prompt_len']}: {name}")
+                values.append(s["median"]["output_tok_s"] / base)
+                colours.append(OURS if name == "recompute" else OTHER_COLOUR)
+        panels.append((labels, values, colours, "output tok/s / recompute's", "{:.2f}"))
+    fig.set_size_inches(6 * len(panels), 0.3 * max(len(p[0]) for p in panels) + 1.5)
+    for ax, (labels, values, colours, xlabel, fmt) in zip(fig.subplots(1, len(panels), squeeze=False)[0], panels):
+        _bars(ax, labels, values, colours, fmt)
+        ax.set_xlabel(xlabel)
+
+
 def plot_single_request(fig, data: dict) -> None:
     """One request at a time: each workload's output tok/s per engine, llama.cpp's in red."""
     names = list(data["workloads"])
@@ -400,6 +430,8 @@ PLOTTERS: list[Plotter] = [
      "One request at a time, against llama.cpp", True),
     (lambda d: d.get("benchmark") == "kv_dtypes", plot_kv_dtypes, "KV cache dtypes: budget, attention, throughput",
      True),
+    (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
+     "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,

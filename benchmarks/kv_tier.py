@@ -653,6 +653,20 @@ def _chat_metrics(r: dict) -> dict:
             "tier_hits": k["tier_hits"], "max_waiting": r["max_waiting"]}
 
 
+def _setting_run(setting: dict, name: str, base: dict, requests: list, tier_dir: str) -> dict:
+    """serve_run of one setting in its own process; a setting with a tier gets a fresh, empty
+    one at `tier_dir`, removed after."""
+    kw = {**base, **{key: v for key, v in setting.items() if key != "tier"}}
+    if setting.get("tier"):
+        shutil.rmtree(tier_dir, ignore_errors=True)
+        kw["kv_offload_dir"] = tier_dir
+    try:
+        return _own(serve_run, name, kw, requests)
+    finally:
+        if setting.get("tier"):
+            shutil.rmtree(tier_dir, ignore_errors=True)
+
+
 def part_chat(tok, c: dict, tier_root: str, settings: list[str], rounds: int) -> dict:
     w = chat_workload(tok, c)
     reqs, pool = w["requests"], w["pool_blocks"]
@@ -663,14 +677,7 @@ def part_chat(tok, c: dict, tier_root: str, settings: list[str], rounds: int) ->
     rows: dict = {s: {"runs": []} for s in settings}
     for k in range(rounds):
         for s in _order(settings, k):
-            kw = {**base, **{key: v for key, v in CHAT_SETTINGS[s].items() if key != "tier"}}
-            if CHAT_SETTINGS[s].get("tier"):
-                d = os.path.join(tier_root, f"chat-{s}")
-                shutil.rmtree(d, ignore_errors=True)
-                kw["kv_offload_dir"] = d
-            r = _own(serve_run, s, kw, reqs)
-            if "kv_offload_dir" in kw:
-                shutil.rmtree(kw["kv_offload_dir"], ignore_errors=True)
+            r = _setting_run(CHAT_SETTINGS[s], s, base, reqs, os.path.join(tier_root, f"chat-{s}"))
             r["ttft"] = _ttft_summary(r["requests"])
             kc = r["counters"]
             r["hit_rate"] = kc["prefix_hits"] / kc["prefix_queries"] if kc["prefix_queries"] else 0.0
@@ -725,14 +732,8 @@ def part_swap(tok, c: dict, tier_root: str, settings: list[str], rounds: int) ->
         rows: dict = {s: {"runs": []} for s in settings}
         for k in range(rounds):
             for s in _order(settings, k):
-                kw = {**base, **{key: v for key, v in SWAP_SETTINGS[s].items() if key != "tier"}}
-                if SWAP_SETTINGS[s].get("tier"):
-                    d = os.path.join(tier_root, f"swap-{length}-{s}")
-                    shutil.rmtree(d, ignore_errors=True)
-                    kw["kv_offload_dir"] = d
-                r = _own(serve_run, s, kw, w["requests"])
-                if "kv_offload_dir" in kw:
-                    shutil.rmtree(kw["kv_offload_dir"], ignore_errors=True)
+                r = _setting_run(SWAP_SETTINGS[s], s, base, w["requests"],
+                                 os.path.join(tier_root, f"swap-{length}-{s}"))
                 kc = r["counters"]
                 r["output_tok_s"] = kc["generation_tokens"] / r["total_s"]
                 r["ttft"] = _ttft_summary(r["requests"])

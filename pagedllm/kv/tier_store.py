@@ -147,7 +147,7 @@ class TierStore:
         with self._lock:
             parts = self._inflight.get(key)
         if parts is not None:  # still being written: its bytes are at hand
-            return memoryview(bytearray(b"".join(bytes(p) for p in parts)))
+            return memoryview(bytearray().join(parts))
         path = self.path(key)
         try:
             with open(path, "rb") as f:

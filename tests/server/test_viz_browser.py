@@ -3,6 +3,7 @@
 library trace replayed in the page. Screenshots land in test-artifacts/."""
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -61,14 +62,33 @@ def _text(page, sel: str) -> int:
     return int(page.text_content(sel))
 
 
-def _play_trace(page, scenario: str) -> None:
-    """Open the page offline, load a scenario's recorded trace into it, and play it to its end."""
+@contextlib.contextmanager
+def _page(**options):
+    """A headless Chromium page (new_page's options); the page must raise no JavaScript error."""
+    sync_playwright = _browser()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(**options)
+        errors_js: list[str] = []
+        page.on("pageerror", lambda e: errors_js.append(str(e)))
+        yield page
+        assert not errors_js, errors_js
+        browser.close()
+
+
+def _open_trace(page, scenario: str, speed: int) -> None:
+    """Open the page offline and load a scenario's recorded trace into it (speed 0: step by hand)."""
     from pagedllm.viz.routes import PAGE
     from pagedllm.viz.scenarios import trace_path
 
-    page.goto(PAGE.as_uri() + "?speed=6")
+    page.goto(PAGE.as_uri() + f"?speed={speed}")
     page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
     page.set_input_files("#trace-file", str(trace_path(scenario)))
+
+
+def _play_trace(page, scenario: str) -> None:
+    """Open the page offline, load a scenario's recorded trace into it, and play it to its end."""
+    _open_trace(page, scenario, 6)
     _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
 
 
@@ -158,17 +178,11 @@ def test_live_page_matches_block_manager(server, model_dir):
 
 def test_page_from_disk_replays_a_trace_file():
     """No server at all: the page opened from disk replays a trace chosen in its file picker."""
-    from pagedllm.viz.routes import PAGE
-    from pagedllm.viz.scenarios import trace_path
-
     sync_playwright = _browser()
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
         page = browser.new_page()
-        page.goto(PAGE.as_uri() + "?speed=6")
-        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
-        page.set_input_files("#trace-file", str(trace_path("parallel-n4")))
-        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        _play_trace(page, "parallel-n4")
         assert page.locator("#log li[data-type=fork]").count() == 3
         assert page.locator("#log li[data-type=cow]").count() >= 1
         browser.close()
@@ -183,18 +197,11 @@ def test_beam_trace_replays_with_forked_beams():
 
     trace = json.loads(trace_path("beam").read_text())
     forks = sum(ev["type"] == "fork" for m in trace["messages"] for ev in m.get("kv", []))
-    sync_playwright = _browser()
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page()
-        errors_js: list[str] = []
-        page.on("pageerror", lambda e: errors_js.append(str(e)))
+    with _page() as page:  # and no JavaScript error
         _play_trace(page, "beam")
         assert page.locator("#log li[data-type=fork]").count() == forks
         assert page.locator("#log li[data-type=cow]").count() >= 1
         assert "·" in page.locator("#log li[data-type=fork]").first.text_content(), "a forked beam gets a label"
-        assert not errors_js, errors_js
-        browser.close()
 
 
 def test_sliding_window_trace_shows_released_entries():
@@ -215,13 +222,8 @@ def test_sliding_window_trace_shows_released_entries():
     (table,) = [t.blocks for t in replay.tables.values()]
     gone = table.count(-1)
     assert gone >= 3
-    sync_playwright = _browser()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        errors_js: list[str] = []
-        page.on("pageerror", lambda e: errors_js.append(str(e)))
+    with _page(viewport={"width": 1400, "height": 1000}) as page:  # and no JavaScript error
         _play_trace(page, "sliding-window")
         released = page.locator("#tables .tcell.released")
         assert released.count() == 1 and released.first.get_attribute("data-released") == str(gone)
@@ -231,8 +233,6 @@ def test_sliding_window_trace_shows_released_entries():
         assert page.is_visible("#fig-window-box") and _text(page, "#fig-window") == last["figures"]["window_released"]
         assert not page.is_visible("#tier-panel"), "no tier, no tier panel"
         page.screenshot(path=str(ARTIFACTS / "viz_sliding_window.png"), full_page=True)
-        assert not errors_js, errors_js
-        browser.close()
 
 
 def test_tier_trace_shows_blocks_going_to_disk_and_back():
@@ -241,7 +241,6 @@ def test_tier_trace_shows_blocks_going_to_disk_and_back():
     entries that come back; at the end the tier lists every block on disk and the figures."""
     import json
 
-    from pagedllm.viz.routes import PAGE
     from pagedllm.viz.scenarios import trace_path
     from pagedllm.viz.state import KVReplay
 
@@ -259,16 +258,9 @@ def test_tier_trace_shows_blocks_going_to_disk_and_back():
     pinned = sum(1 for b, r in enumerate(replay.refs) if r > held.get(b, 0))
     loads = [ev for ev in msgs[at]["kv"] if ev["type"] == "tier_load"]
     last = msgs[-1]["figures"]
-    sync_playwright = _browser()
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        errors_js: list[str] = []
-        page.on("pageerror", lambda e: errors_js.append(str(e)))
-        page.goto(PAGE.as_uri() + "?speed=0")  # the slowest pace: this test steps by hand
-        page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
-        page.set_input_files("#trace-file", str(trace_path("tier")))
+    with _page(viewport={"width": 1400, "height": 1000}) as page:  # and no JavaScript error
+        _open_trace(page, "tier", 0)  # the slowest pace: this test steps by hand
         page.evaluate("(n) => { source.playing = false; clearTimeout(source.timer);"
                       "  while (source.pos <= n) advance(); }", at)
         _settled(page, f"S.step === {msgs[at]['step']}")
@@ -289,5 +281,3 @@ def test_tier_trace_shows_blocks_going_to_disk_and_back():
         assert page.text_content("#fig-tier-hit") == f"{100 * last['tier_hit_rate']:.1f}% ({last['tier_hits']} tok)"
         assert page.locator("#log li[data-type=tier]", has_text="swapped out: its blocks").count() == 1
         page.screenshot(path=str(ARTIFACTS / "viz_tier.png"), full_page=True)
-        assert not errors_js, errors_js
-        browser.close()

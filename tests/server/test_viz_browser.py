@@ -84,6 +84,8 @@ def _open_trace(page, scenario: str, speed: int) -> None:
     page.goto(PAGE.as_uri() + f"?speed={speed}")
     page.wait_for_function("document.getElementById('mode').textContent.includes('offline')", timeout=10_000)
     page.set_input_files("#trace-file", str(trace_path(scenario)))
+    # the file is read asynchronously: the replay exists only once the reader has finished
+    page.wait_for_function("source !== null && source.kind === 'replay'", timeout=10_000)
 
 
 def _play_trace(page, scenario: str) -> None:

@@ -16,7 +16,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 ATTENTION_BACKENDS = ("cpu", "torch", "triton")
 ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
-QUANTIZATIONS = ("gguf", "int8", "int4")
+QUANTIZATIONS = ("gguf", "int8", "int4", "w8a8")
 OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "lpm")
@@ -170,7 +170,11 @@ class EngineConfig:
         "types stay in --dtype, logged), int4 makes Q4_1 blocks (LM head Q8_0), int8 Q8_0 blocks. For latency: "
         "a step's matmuls at one sequence run ~2.2x faster than bf16 with gguf/int4 (SmolLM2, 2 cores: 9 ms vs "
         "20), ~1.1x at 5 rows; from 9 rows on they dequantize first, so batched throughput drops to ~0.6-0.75x "
-        "bf16's", choices=list(QUANTIZATIONS))
+        "bf16's. w8a8: int8 weights per output channel and int8 activations per token (SmoothQuant-smoothed "
+        "at load on a built-in text), int32 sums on oneDNN's int8 GEMM: ~1.5x bf16's batched throughput on a "
+        "1.1B shape, perplexity 1.2 percent above bf16 on SmolLM2; runs under tensor parallel, speculation and "
+        "batch_invariant",
+        choices=list(QUANTIZATIONS))
     speculative_config: SpeculativeConfig | dict | str | None = knob(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or {\"method\": \"draft_model\", \"model\": PATH, "
@@ -276,11 +280,14 @@ class EngineConfig:
             raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        if self.quantization is not None and self.batch_invariant:
-            raise ValueError("batch_invariant does not run quantized weights: drop one of them")
-        if self.quantization is not None and self.tensor_parallel_size > 1:
-            raise ValueError("quantization with tensor_parallel_size > 1 is not supported: the ranks would split "
-                             "the weights' blocks; drop one of them")
+        # w8a8 runs under both: its integer sums are exact (a row's result is the same in any
+        # batch), and its scales are per output channel and per token (a rank's slice keeps its own).
+        if self.quantization not in (None, "w8a8") and self.batch_invariant:
+            raise ValueError(f"batch_invariant does not run {self.quantization} blocks (their matmul for a batch "
+                             "dequantizes and sums in oneDNN's order): use quantization w8a8, or drop one of them")
+        if self.quantization not in (None, "w8a8") and self.tensor_parallel_size > 1:
+            raise ValueError(f"quantization {self.quantization} with tensor_parallel_size > 1 is not supported: the "
+                             "ranks would split the weights' blocks; use w8a8, or drop one of them")
         if self.quantization == "gguf" and self.model is not None and not str(self.model).lower().endswith(".gguf"):
             raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, but model is {str(self.model)!r}; "
                              "use int8 or int4 to quantize a safetensors model")

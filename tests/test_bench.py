@@ -212,3 +212,34 @@ def test_bench_serve_percentile_flags(capsys):
     assert "Failed requests:                         1" in out and "Request rate configured (RPS):           4.00" in out
     assert "P50 TTFT (ms):" in out and "P99.9 E2EL (ms):" in out and "----End-to-end Latency----" in out
     assert "TPOT" not in out and "ITL" not in out
+
+
+def test_a_random_model_of_a_shape_loads_in_both_engines(tmp_path, monkeypatch):
+    """`pagedllm bench make-model`: HF's layout, the tokenizer's vocabulary when the shape's is
+    smaller, the same greedy tokens from HF transformers and from us (fp32), and a second
+    call keeps the directory."""
+    import torch
+    import transformers as tf
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.bench import shapes
+
+    monkeypatch.setitem(shapes.SHAPES, "toy", shapes.Shape("llama", 64, 2, 4, 2, 128, 32000, False, 10000.0, 512))
+    monkeypatch.setitem(shapes.SHAPES, "toy-qwen", shapes.Shape("qwen2", 64, 2, 4, 2, 128, 50000, True, 1e6, 512,
+                                                                attention_bias=True))
+    for shape in ("toy", "toy-qwen"):
+        out = shapes.make_model(shape, tmp_path / shape, dtype="float32")
+        stamp = (out / "model.safetensors").stat().st_mtime_ns
+        assert shapes.make_model(shape, out, dtype="float32") == out and (out / "model.safetensors").stat().st_mtime_ns == stamp
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["vocab_size"] == max(shapes.SHAPES[shape].vocab_size, 49152)
+        prompt = [1, 500, 42, 7000, 12]
+        hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, 5:].tolist()
+        llm = LLM(model=str(out), dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+        got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                           use_tqdm=False)[0].outputs[0].token_ids
+        llm.close()
+        assert got == want, shape
+    with pytest.raises(ValueError, match="shape must be one of"):
+        shapes.make_model("gpt-5", tmp_path / "x")

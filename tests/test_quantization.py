@@ -130,11 +130,11 @@ def test_greedy_stays_with_bf16():
 
 
 def test_bad_quantization_settings_are_refused(tmp_path):
-    with pytest.raises(ValueError, match=r"quantization must be one of \('gguf', 'int8', 'int4'\), got 'int3'"):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('gguf', 'int8', 'int4', 'w8a8'\), got 'int3'"):
         LLM(quantization="int3")
-    with pytest.raises(ValueError, match="batch_invariant does not run quantized weights"):
+    with pytest.raises(ValueError, match="batch_invariant does not run int8 blocks"):
         LLM(quantization="int8", batch_invariant=True)
-    with pytest.raises(ValueError, match="quantization with tensor_parallel_size > 1"):
+    with pytest.raises(ValueError, match="quantization gguf with tensor_parallel_size > 1"):
         LLM(quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization 'gguf' runs a .gguf file's own blocks"):
         LLM(quantization="gguf", model=str(tmp_path))

@@ -121,6 +121,15 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     c.add_argument("--out", default="results/compare.json", help="result JSON")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
 
+    mk = bs.add_parser("make-model", help="a random-weight model of a real shape (HF layout), for speed where "
+                       "matmuls dominate; every engine loads the same directory")
+    mk.add_argument("--shape", required=True, help="tinyllama-1.1b, llama-3.2-1b or qwen2.5-0.5b")
+    mk.add_argument("--out", required=True, help="model directory to write (kept if it already holds this shape)")
+    mk.add_argument("--dtype", default="bfloat16", help="weights' dtype in the file")
+    mk.add_argument("--seed", type=int, default=0, help="weights' seed")
+    mk.add_argument("--tokenizer", default=None, help="model whose tokenizer it gets (default: SmolLM2-135M)")
+    mk.set_defaults(func=_make_model)
+
     m = bs.add_parser("memory", help="memory analysis on real runs: paged vs reserve-max, prefix sharing, "
                       "n > 1, beam search, block sizes")
     _workload_args(m, num_prompts=48, seed=False)
@@ -206,6 +215,22 @@ def _model_cfg(a):
         with open(a.config) as f:
             return ModelConfig.from_hf(json.load(f)), a.config
     return ModelConfig.from_hf(load_config(resolve_model_dir(a.model))), a.model or "SmolLM2-135M-Instruct"
+
+
+def _make_model(a) -> int:
+    from .shapes import make_model, parameter_count
+
+    path = make_model(a.shape, a.out, a.dtype, a.seed, a.tokenizer)
+    vocab = load_config_vocab(path)
+    print(f"{a.shape}: {parameter_count(a.shape, vocab) / 1e9:.2f}B parameters (vocabulary {vocab}), random "
+          f"weights, in {path}")
+    return 0
+
+
+def load_config_vocab(path) -> int:
+    from ..loader import load_config
+
+    return load_config(path)["vocab_size"]
 
 
 def _throughput(a, engine_config) -> int:

@@ -18,6 +18,9 @@ from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
+from .smoothing import ALPHA, smooth
+from .w8a8 import W8A8, w8a8_linear
+from .w8a8 import quantize_linears as w8a8_linears
 from .rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
@@ -48,10 +51,13 @@ class Ops:
     def __init__(self, kernels=None) -> None:
         self.k = kernels
         self.batch_invariant = False
-        self.quant: str | None = None  # the linear layers hold quantized blocks (quantization.py)
+        self.quant: str | None = None  # the linear layers hold quantized weights (quantization.py, w8a8.py)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self.quant is not None and getattr(layer, "qformat", None) is not None:
+        fmt = getattr(layer, "qformat", None) if self.quant is not None else None
+        if fmt == W8A8:
+            return w8a8_linear(layer, x, self.k)
+        if fmt is not None:
             return block_linear(layer, x, self.k)
         return invariant_linear(layer, x, self.k) if self.batch_invariant else layer(x)
 
@@ -205,19 +211,25 @@ class LlamaForCausalLM(nn.Module):
         self.ops.batch_invariant = True
         keep = {id(self.embed_tokens.weight)}  # a tied lm_head shares it: the embedding still needs it
         packed = pack_linears(self, self.ops.k, keep)
-        total = sum(1 for m in self.modules() if isinstance(m, nn.Linear))
+        linears = [m for m in self.modules() if isinstance(m, nn.Linear)]
+        exact = sum(1 for m in linears if getattr(m, "qformat", None) == W8A8)
+        total = len(linears) - exact
+        if exact and not total:
+            return f"{exact} W8A8 matmuls (exact int32 sums, scales per token)"
         if packed == total:
             return "AMX matmuls in a fixed order"
         if packed == 0:
             return f"matmuls on {ROW_TILE}-row tiles"
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
-    def quantize(self, method: str, gguf: GGUFBlocks | None = None) -> str:
-        """Weight-only quantization of the linear layers and the LM head (once the weights
-        are loaded and in their dtype): "int8" / "int4" from the float weights, "gguf" the
-        blocks of a GGUF file as the loader read them (loader/gguf_quant.py). A tied
-        embedding then looks its rows up in the LM head's blocks. Returns what runs how,
-        for the log and describe()."""
+    def quantize(self, method: str, gguf: GGUFBlocks | None = None,
+                 maxima: dict[str, torch.Tensor] | None = None) -> str:
+        """Quantization of the linear layers and the LM head (once the weights are loaded
+        and in their dtype): weight-only "int8" / "int4" from the float weights, "gguf" the
+        blocks of a GGUF file as the loader read them (loader/gguf_quant.py); "w8a8" int8
+        weights and activations (w8a8.py), smoothed first when given each matmul's input
+        maxima (smoothing.py). A tied embedding then looks its rows up in the LM head's
+        quantized weight (under w8a8 smoothing unties them: the embedding stays float). Returns what runs how, for the log and describe()."""
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
         dtype = self.norm.weight.dtype
@@ -226,12 +238,18 @@ class LlamaForCausalLM(nn.Module):
             if gguf is None:
                 raise ValueError('quantization "gguf" needs the blocks of a GGUF file')
             done = self._load_gguf_blocks(gguf, dtype)
+        elif method == W8A8:
+            smoothed = smooth(self, maxima) if maxima is not None else 0
+            tied = self.lm_head.weight is self.embed_tokens.weight  # smoothing gives the head its own weight
+            n = w8a8_linears(self, dtype)
+            done = f"{n} matmuls on int8 weights (per channel) and int8 activations (per token)" + \
+                (f", {smoothed} smoothed (SmoothQuant, alpha {ALPHA})" if smoothed else "")
         else:
             n = quantize_linears(self, method, dtype)
             done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \
                 else f"{n} matmuls on q8_0 blocks"
-        if tied and getattr(self.lm_head, "qformat", None) is not None:
-            self.embed_tokens.weight = None
+        if tied and getattr(self.lm_head, "qformat", None) is not None and not self.tp.distributed:
+            self.embed_tokens.weight = None  # (a rank of tensor parallel keeps it: its lookup masks other ranks' ids)
         self.ops.quant, self.quant_summary = method, done
         return done
 

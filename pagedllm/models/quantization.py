@@ -22,6 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .w8a8 import W8A8
+from .w8a8 import embed_rows as w8a8_rows
+
 G = 32  # weights per block
 Q4_1, Q8_0 = "q4_1", "q8_0"
 # Up to this many rows the block kernel, beyond it dequantize + torch's matmul. Measured on
@@ -164,6 +167,8 @@ def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tenso
 def embed_rows(layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` of a quantized weight (a tied embedding's lookup), in the layer's dtype:
     only the looked-up rows are unpacked."""
+    if layer.qformat == W8A8:
+        return w8a8_rows(layer, ids)
     rows = layer_blocks(layer, ids.reshape(-1))
     return rows.dequantize().to(layer.qdtype).reshape(*ids.shape, layer.in_features)
 

@@ -195,7 +195,7 @@ class ModelRunner:
             if tp.is_driver:
                 logger.info("tensor parallel: all-reduce through %s", via)
         model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype)
-        invariant = model.make_batch_invariant() if cfg.batch_invariant else None
+        self.model_cfg, self.model_dir = model_cfg, model_dir
         if cfg.quantization is not None:
             if self.device.type != "cpu":
                 raise ValueError(f"quantization {cfg.quantization!r} runs on the CPU only, not on {self.device}")
@@ -203,11 +203,16 @@ class ModelRunner:
             if cfg.quantization == "gguf":
                 from ..loader.gguf_quant import model_gguf_blocks
                 gguf = model_gguf_blocks(cfg.model, model_cfg)
-            done = model.quantize(cfg.quantization, gguf)
-            if tp.is_driver:
+            maxima = self.calibrate(model, model_dir, cfg.block_size) if cfg.quantization == "w8a8" else None
+            done = model.quantize(cfg.quantization, gguf, maxima)
+            if tp.is_driver and cfg.quantization == "w8a8":
+                logger.info("quantized: %s", done)
+            elif tp.is_driver:
                 # The block kernels serve up to 8 rows a step; more rows dequantize first.
                 logger.warning("quantized: %s; fastest for one or a few sequences at a time, batched throughput "
                                "~0.6-0.75x bf16's (BENCHMARKS.md §16)", done)
+        # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
+        invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         self.model = model
         log = logger.info if tp.is_driver else logger.debug
         log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype, self.device,
@@ -278,6 +283,29 @@ class ModelRunner:
         tp = f", tensor parallel {self.tp.size} ({'shm' if self.tp.shm is not None else 'gloo'})" \
             if self.tp.size > 1 else ""
         return f"{self.dtype}, {self.device}, {self.backend_name} attention{threads}{mode}{tp}"
+
+    @torch.inference_mode()
+    def prefill_logits(self, model, ids: list[int], bs: int) -> torch.Tensor:
+        """Logits of one prefill of `ids` through `model`, on KV pools of its own (the
+        calibration pass; tests compare a model before and after it is changed)."""
+        mc, t = self.model_cfg, len(ids)
+        nblk = cdiv(t, bs)
+        k_shape, v_shape = self.backend.cache_shapes(nblk, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
+        pool = self.backend.pool_dtype(self.dtype)
+        tmp = [(torch.zeros(k_shape, dtype=pool, device=self.device), torch.zeros(v_shape, dtype=pool, device=self.device))
+               for _ in range(mc.num_layers)]
+        meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), self.device)
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return model.compute_logits(model(tokens, torch.arange(t, device=self.device), tmp, meta))
+
+    def calibrate(self, model, model_dir: Path, bs: int) -> dict[str, torch.Tensor]:
+        """Each matmul's input maxima per channel over one prefill of the calibration text
+        (SmoothQuant's statistics, models/smoothing.py), through the float model."""
+        from ..loader import load_tokenizer
+        from ..models.smoothing import CALIBRATION_TEXT, input_maxima
+
+        ids = load_tokenizer(model_dir).encode(CALIBRATION_TEXT)[:self.model_cfg.max_position_embeddings]
+        return input_maxima(model, lambda: self.prefill_logits(model, ids, bs))
 
     @torch.inference_mode()
     def _profile_activations(self, cfg: EngineConfig, mc: ModelConfig) -> int:

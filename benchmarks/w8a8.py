@@ -88,7 +88,8 @@ def main() -> None:
         base = statistics.median(r["output_tok_s"] for r in by["bf16"])
         for label, rs in by.items():
             med = statistics.median(r["output_tok_s"] for r in rs)
-            rows.append({"workload": name, "engine": f"pagedllm {label}", "output_tok_s": med, "vs_bf16": med / base,
+            engine = label if label.startswith("vllm") else f"pagedllm {label}"
+            rows.append({"workload": name, "engine": engine, "output_tok_s": med, "vs_bf16": med / base,
                          "rounds": [r["output_tok_s"] for r in rs], "elapsed_s": [r["elapsed_s"] for r in rs],
                          "runner": rs[0]["runner"]})
             print(f"{name:<44} {label:<13} {med:7.1f} out tok/s  ({med / base:.2f}x our bf16)")

@@ -18,10 +18,10 @@ from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
+from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
 from .w8a8 import W8A8, w8a8_linear
 from .w8a8 import quantize_linears as w8a8_linears
-from .rope import RotaryEmbedding, apply_rope
 
 logger = logging.getLogger(__name__)
 # Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
@@ -229,7 +229,8 @@ class LlamaForCausalLM(nn.Module):
         blocks of a GGUF file as the loader read them (loader/gguf_quant.py); "w8a8" int8
         weights and activations (w8a8.py), smoothed first when given each matmul's input
         maxima (smoothing.py). A tied embedding then looks its rows up in the LM head's
-        quantized weight (under w8a8 smoothing unties them: the embedding stays float). Returns what runs how, for the log and describe()."""
+        quantized weight (under w8a8 smoothing unties them: the embedding stays float).
+        Returns what runs how, for the log and describe()."""
         if method not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {method!r}")
         dtype = self.norm.weight.dtype

@@ -218,19 +218,14 @@ def _model_cfg(a):
 
 
 def _make_model(a) -> int:
+    from ..loader import load_config
     from .shapes import make_model, parameter_count
 
     path = make_model(a.shape, a.out, a.dtype, a.seed, a.tokenizer)
-    vocab = load_config_vocab(path)
+    vocab = load_config(path)["vocab_size"]
     print(f"{a.shape}: {parameter_count(a.shape, vocab) / 1e9:.2f}B parameters (vocabulary {vocab}), random "
           f"weights, in {path}")
     return 0
-
-
-def load_config_vocab(path) -> int:
-    from ..loader import load_config
-
-    return load_config(path)["vocab_size"]
 
 
 def _throughput(a, engine_config) -> int:

@@ -62,9 +62,13 @@ def input_maxima(model: nn.Module, run: Callable[[], None]) -> dict[str, torch.T
     return seen
 
 
-def _scales(xmax: torch.Tensor, w: torch.Tensor, alpha: float) -> torch.Tensor:
-    wmax = w.detach().float().abs().amax(0).clamp(min=1e-5)
-    return (xmax.clamp(min=1e-5) ** alpha / wmax ** (1 - alpha)).clamp(min=1e-5)
+def _column_max(w: torch.Tensor) -> torch.Tensor:
+    return w.detach().float().abs().amax(0)
+
+
+def _scales(xmax: torch.Tensor, wmax: torch.Tensor, alpha: float) -> torch.Tensor:
+    """s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), kept away from 0."""
+    return (xmax.clamp(min=1e-5) ** alpha / wmax.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
 
 
 def _fold(norm_or_rows: torch.Tensor, layer_w: torch.Tensor, s: torch.Tensor) -> None:
@@ -82,16 +86,16 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float = ALP
     for i, layer in enumerate(model.layers):
         attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
         qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
-        _fold(layer.input_layernorm.weight, qkv.weight, _scales(maxima[p + "self_attn.qkv_proj"], qkv.weight, alpha))
-        _fold(layer.post_attention_layernorm.weight, gate_up.weight,
-              _scales(maxima[p + "mlp.gate_up_proj"], gate_up.weight, alpha))
-        inter = mlp.down_proj.in_features
-        _fold(gate_up.weight[inter:], mlp.down_proj.weight, _scales(maxima[p + "mlp.down_proj"], mlp.down_proj.weight, alpha))
+        down = mlp.down_proj
+        for norm_or_rows, lin, name in ((layer.input_layernorm.weight, qkv, "self_attn.qkv_proj"),
+                                        (layer.post_attention_layernorm.weight, gate_up, "mlp.gate_up_proj"),
+                                        (gate_up.weight[down.in_features:], down, "mlp.down_proj")):
+            _fold(norm_or_rows, lin.weight, _scales(maxima[p + name], _column_max(lin.weight), alpha))
         # o's input channel (head h, dim d) is v's channel (group of h, d): one scale per group's channel.
         heads, groups, d = attn.h, attn.kvh, attn.d  # this rank's heads
-        xo = maxima[p + "self_attn.o_proj"].reshape(groups, heads // groups, d).amax(1)
-        wo = attn.o_proj.weight.detach().float().abs().amax(0).reshape(groups, heads // groups, d).amax(1)
-        s = (xo.clamp(min=1e-5) ** alpha / wo.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5).reshape(-1)
+        grouped = (groups, heads // groups, d)
+        s = _scales(maxima[p + "self_attn.o_proj"].reshape(grouped).amax(1),
+                    _column_max(attn.o_proj.weight).reshape(grouped).amax(1), alpha).reshape(-1)
         v0 = (heads + groups) * d
         qkv.weight[v0:].div_(s.to(qkv.weight.dtype)[:, None])
         if qkv.bias is not None:
@@ -100,7 +104,7 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float = ALP
                                 .reshape(-1))
         n += 4
     head = model.lm_head
-    s = _scales(maxima["lm_head"], head.weight, alpha)
+    s = _scales(maxima["lm_head"], _column_max(head.weight), alpha)
     head.weight = nn.Parameter(head.weight.detach() * s.to(head.weight.dtype), requires_grad=False)  # unties it
     model.norm.weight.div_(s.to(model.norm.weight.dtype))
     return n + 1

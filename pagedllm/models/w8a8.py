@@ -10,7 +10,7 @@ so the whole matmul is batch-invariant bit for bit. On a CPU with AVX512-VNNI an
 product runs at twice the bf16 rate (AMX-INT8 several times more), and the weights are
 half of bf16's bytes, which is what one request's decode streams.
 
-The matmul is torch._int_mm (oneDNN's int8 GEMM); the kernels (elementwise.cpp) quantize
+The matmul is torch._int_mm (oneDNN's int8 GEMM); the kernels (kernels/csrc/w8a8.cpp) quantize
 the rows in one pass and scale the int32 sums into the output dtype with the bias in
 another. Without the kernels the same steps run as torch expressions.
 """
@@ -22,13 +22,17 @@ from torch import nn
 W8A8 = "w8a8"
 
 
+def _symmetric_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows and fp32 scales: s = max|row| / 127, q = round(row / s) (0 rows: s = 0, q = 0)."""
+    xf = x.detach().float()
+    s = xf.abs().amax(dim=1) / 127
+    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
+    return torch.clamp(torch.round(xf * inv[:, None]), -127, 127).to(torch.int8), s
+
+
 def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 [N, K] and fp32 scales [N]: symmetric per output channel, round to nearest."""
-    wf = w.detach().float()
-    s = wf.abs().amax(dim=1) / 127
-    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    q = torch.clamp(torch.round(wf * inv[:, None]), -127, 127).to(torch.int8)
-    return q, s
+    return _symmetric_rows(w)
 
 
 def set_w8a8(layer: nn.Linear, dtype: torch.dtype) -> None:
@@ -49,10 +53,7 @@ def quantize_rows(x: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torch.Te
         s = torch.empty(x.shape[0], dtype=torch.float32)
         kernels.quantize_rows_int8(q, s, x)
         return q, s
-    xf = x.float()
-    s = xf.abs().amax(dim=1) / 127
-    inv = torch.where(s > 0, 1 / s, torch.zeros_like(s))
-    return torch.clamp(torch.round(xf * inv[:, None]), -127, 127).to(torch.int8), s
+    return _symmetric_rows(x)
 
 
 def int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:

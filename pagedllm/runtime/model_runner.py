@@ -8,6 +8,7 @@ from array import array
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -288,15 +289,20 @@ class ModelRunner:
     def prefill_logits(self, model, ids: list[int], bs: int) -> torch.Tensor:
         """Logits of one prefill of `ids` through `model`, on KV pools of its own (the
         calibration pass; tests compare a model before and after it is changed)."""
-        mc, t = self.model_cfg, len(ids)
+        t = len(ids)
+        tmp, meta = self._scratch_prefill(self.model_cfg, t, bs)
+        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return model.compute_logits(model(tokens, torch.arange(t, device=self.device), tmp, meta))
+
+    def _scratch_prefill(self, mc: ModelConfig, t: int, bs: int) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], Any]:
+        """KV pools of their own for one sequence of t tokens, and its prefill's metadata:
+        a forward outside the engine's pool (the profile run, the calibration pass)."""
         nblk = cdiv(t, bs)
         k_shape, v_shape = self.backend.cache_shapes(nblk, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
         pool = self.backend.pool_dtype(self.dtype)
         tmp = [(torch.zeros(k_shape, dtype=pool, device=self.device), torch.zeros(v_shape, dtype=pool, device=self.device))
                for _ in range(mc.num_layers)]
-        meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), self.device)
-        tokens = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return model.compute_logits(model(tokens, torch.arange(t, device=self.device), tmp, meta))
+        return tmp, self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), self.device)
 
     def calibrate(self, model, model_dir: Path, bs: int) -> dict[str, torch.Tensor]:
         """Each matmul's input maxima per channel over one prefill of the calibration text
@@ -313,13 +319,8 @@ class ModelRunner:
         profile run): max_num_batched_tokens in one prefill, then the logits of
         max_num_seqs rows. What is left of the budget goes to KV blocks."""
         t = cfg.max_num_batched_tokens
-        nblk = cdiv(t, cfg.block_size)
-        k_shape, v_shape = self.backend.cache_shapes(nblk, cfg.block_size, mc.num_kv_heads, mc.head_dim, self.dtype)
-        pool = self.backend.pool_dtype(self.dtype)
-        tmp = [(torch.zeros(k_shape, dtype=pool, device=self.device),
-                torch.zeros(v_shape, dtype=pool, device=self.device)) for _ in range(mc.num_layers)]
+        tmp, meta = self._scratch_prefill(mc, t, cfg.block_size)
         dev = self.device
-        meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), dev)
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)

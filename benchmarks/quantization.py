@@ -6,8 +6,8 @@ from the bf16 weights. Speed: one request (a 64-token random prompt, 256 new tok
 EOS ignored), as BENCHMARKS §2, and 48 ShareGPT prompts cut to 256 tokens with 128 new
 tokens; each engine in its own process, the four alternating for `--rounds` rounds, medians
 compared.
-Quality: 50 ShareGPT prompts, 64 greedy tokens, at most 4 sequences a step (so decode runs
-the block kernels; 9 rows or more dequantize to bf16 first): the mean length of the common
+Quality: 50 ShareGPT prompts, 64 greedy tokens, at most 4 sequences a step (decode on the
+small-M paths of the block kernels, prefill on their tiled path): the mean length of the common
 prefix with bf16's and with fp32's output, and how many of the 50 agree on all 64 tokens.
 Perplexity of a fixed 1024-token text (ShareGPT replies, pagedllm.bench.quality), scored 8
 tokens a step, through the kernels too.

@@ -9,10 +9,10 @@ dtype / fp32):
 q4_1 blocks from float weights (llama.cpp's rounding), "int8" q8_0 blocks. A decode step
 at one request reads every weight once and does little else, so its time follows the
 weights' bytes: q4_1 + a q8_0 LM head read 97 MB a token against bf16's 270 MB, and one
-request decodes ~2x faster than bf16. The kernels suit a few rows (each extra row costs
-~0.45x the first); more rows (prefill, big batches) dequantize to the model's dtype and run
-torch's matmul, paying the unpacking (~25 ms a step for SmolLM2 on one core) on top of
-bf16's time.
+request decodes ~2x faster than bf16. Batches (decode of many sequences, prefill) run the
+same kernels: a group of 4 output rows is dequantized into an L1 scratch inside the GEMM's
+loop and every tile of activation rows runs over it with bf16 dot products, so a batch pays
+bf16's arithmetic, reads a third of its bytes, and no layer is ever dequantized whole.
 """
 from __future__ import annotations
 
@@ -27,11 +27,6 @@ from .w8a8 import embed_rows as w8a8_rows
 
 G = 32  # weights per block
 Q4_1, Q8_0 = "q4_1", "q8_0"
-# Up to this many rows the block kernel, beyond it dequantize + torch's matmul. Measured on
-# SmolLM2-135M's 121 matmuls of a step (1 thread, weights hot in L2): q4_1 kernel 8.3 ms at
-# 1 row, 28 ms at 5, ~44 ms at 8, 82 ms at 16; dequantize + bf16 matmul 42-50 ms at any M
-# up to 16 (bf16 alone: 21 ms), 85 ms at 64 (bf16: 53 ms).
-SMALL_M = 8
 
 
 @dataclass
@@ -135,30 +130,23 @@ def layer_blocks(layer: nn.Linear, rows: torch.Tensor | None = None) -> Blocks:
     return Blocks(Q4_1, q[:, :nblk], pick(layer.qd)[:, :nblk], pick(layer.qm)[:, :nblk])
 
 
-def dequantize(layer: nn.Linear, dtype: torch.dtype, kernels=None) -> torch.Tensor:
-    """The layer's weight [N, K] in dtype."""
-    if kernels is not None and dtype in (torch.bfloat16, torch.float32):
-        w = torch.empty(layer.out_features, layer.in_features, dtype=dtype)
-        if layer.qformat == Q4_1:
-            kernels.q4_1_unpack(w, layer.qs, layer.qd, layer.qm)
-        else:
-            kernels.q8_0_unpack(w, layer.qs, layer.qd)
-        return w
+def dequantize(layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's weight [N, K] in dtype (where the kernels cannot run)."""
     return layer_blocks(layer).dequantize().to(dtype)
 
 
 def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
-    """layer(x) from its blocks: the block kernel for a few rows, else the weight
-    dequantized and torch's matmul (also where the kernels are missing)."""
+    """layer(x) from its blocks: the block kernel at any number of rows; the weight
+    dequantized and torch's matmul only where the kernels are missing (or for fp16)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if kernels is not None and x2.shape[0] <= SMALL_M and x2.dtype in (torch.bfloat16, torch.float32):
+    if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32):
         out = x2.new_empty((x2.shape[0], layer.out_features))
         if layer.qformat == Q4_1:
             kernels.q4_1_linear(out, x2.contiguous(), layer.qs, layer.qd, layer.qm)
         else:
             kernels.q8_0_linear(out, x2.contiguous(), layer.qs, layer.qd)
     else:
-        out = F.linear(x2, dequantize(layer, x2.dtype, kernels))
+        out = F.linear(x2, dequantize(layer, x2.dtype))
     if layer.bias is not None:
         out = out + layer.bias
     return out.reshape(*x.shape[:-1], layer.out_features)

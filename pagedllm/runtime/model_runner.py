@@ -206,12 +206,8 @@ class ModelRunner:
                 gguf = model_gguf_blocks(cfg.model, model_cfg)
             maxima = self.calibrate(model, model_dir, cfg.block_size) if cfg.quantization == "w8a8" else None
             done = model.quantize(cfg.quantization, gguf, maxima)
-            if tp.is_driver and cfg.quantization == "w8a8":
+            if tp.is_driver:
                 logger.info("quantized: %s", done)
-            elif tp.is_driver:
-                # The block kernels serve up to 8 rows a step; more rows dequantize first.
-                logger.warning("quantized: %s; fastest for one or a few sequences at a time, batched throughput "
-                               "~0.6-0.75x bf16's (BENCHMARKS.md §16)", done)
         # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         self.model = model

@@ -5,12 +5,14 @@
 //   q8_0: qs int8 [N, K/32, 32], d fp16 [N, K/32]; w = d * q.
 // out [M, N] = x [M, K] . W^T, x and out bf16 or fp32, fp32 accumulation.
 //
-// Made for small M (one request's decode, a few rows of speculative verification): each
-// block is read and unpacked once and applied to every row. Up to a few rows (MR, MRW) the
-// unpacked block stays in registers; more rows unpack 4 output rows into a scratch first
-// and run over it in tiles, so the unpacking is not repeated per tile. Large M is better
-// served by dequantizing (the *_unpack ops) and a bf16 matmul: the Python side does that.
-// Paths: q4_1 x bf16 on AVX512-BF16 multiplies the nibbles as they are (run_words, below);
+// Every M runs here. Each block is read and unpacked once and applied to every row: up to
+// MR rows the unpacked block stays in registers; more rows (big batches, prefill) unpack a
+// group of 4 output rows of W into an L1 scratch inside the loop over groups and run every
+// tile of 6 rows of x over it, x in chunks that stay in L2. The unpacking is paid once per
+// group and chunk, and no layer is ever dequantized whole: measured on SmolLM2's shapes at
+// 48 rows (2 cores, weights hot in cache), about bf16 oneDNN's time; at 256+ rows
+// 0.85-0.95x of it; and a third of bf16's bytes to read when the weights come from memory.
+// Paths: q4_1 x bf16 on AVX512-BF16 at up to 4 rows multiplies the nibbles as they are (run_words);
 // the rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
 // two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
@@ -21,6 +23,7 @@
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "vec.h"
@@ -114,7 +117,11 @@ struct F32 {
     q.block(n, b, w.lo, w.hi);
     return w;
   }
-  static void dot(vf& acc, const Wb& w, const X* x) { acc += w.lo * loadf(x) + w.hi * loadf(x + 16); }
+  struct Xv {
+    vf lo, hi;
+  };
+  static Xv loadx(const X* x) { return {loadf(x), loadf(x + 16)}; }
+  static void dot(vf& acc, const Wb& w, const Xv& x) { acc += w.lo * x.lo + w.hi * x.hi; }
 };
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -129,9 +136,9 @@ struct BF16 {
     q.block(n, b, lo, hi);
     return _mm512_cvtne2ps_pbh((__m512)hi, (__m512)lo);  // lanes 0-15 from lo
   }
-  static void dot(vf& acc, const Wb& w, const X* x) {
-    acc = (vf)_mm512_dpbf16_ps((__m512)acc, w, (__m512bh)_mm512_loadu_si512(x));
-  }
+  using Xv = __m512bh;
+  static Xv loadx(const X* x) { return (__m512bh)_mm512_loadu_si512(x); }
+  static void dot(vf& acc, const Wb& w, const Xv& x) { acc = (vf)_mm512_dpbf16_ps((__m512)acc, w, x); }
 };
 #define PAGEDLLM_BF16_DOT 1
 #endif
@@ -158,11 +165,18 @@ inline void tile(const S& src, int64_t n0, const typename P::X* x, int64_t k, fl
   for (int64_t b = 0; b < nblk; ++b) {
     typename P::Wb w[J];
     for (int j = 0; j < J; ++j) w[j] = src.get(n0 + j, b);
-    for (int r = 0; r < R; ++r)
-      for (int j = 0; j < J; ++j) P::dot(acc[r][j], w[j], x + r * k + b * G);
+    for (int r = 0; r < R; ++r) {  // x's 32 values loaded once for the J dots (a load per dot was the bound)
+      const typename P::Xv xv = P::loadx(x + r * k + b * G);
+      for (int j = 0; j < J; ++j) P::dot(acc[r][j], w[j], xv);
+    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < J; ++j) res[r * J + j] = hsum(acc[r][j]);
+  for (int r = 0; r < R; ++r) {
+    if constexpr (J == 4) {
+      hsum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3], res + r * J);
+    } else {
+      for (int j = 0; j < J; ++j) res[r * J + j] = hsum(acc[r][j]);
+    }
+  }
 }
 
 template <class P, int J, class S>
@@ -179,23 +193,41 @@ inline void tile_rows(const S& src, int64_t n0, const typename P::X* x, int64_t 
 
 template <class T>
 inline void put(T* out, int64_t ldo, int64_t m0, int rows, int64_t n0, int cols, const float* res) {
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (cols == 4) {  // 4 roundings to nearest even in one instruction (a tile's epilogue)
+      for (int r = 0; r < rows; ++r)
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(out + (m0 + r) * ldo + n0),
+                         (__m128i)_mm_cvtneps_pbh(_mm_loadu_ps(res + r * 4)));
+      return;
+    }
+  }
+#endif
   for (int r = 0; r < rows; ++r)
     for (int j = 0; j < cols; ++j) out[(m0 + r) * ldo + n0 + j] = T(res[r * cols + j]);
 }
 
+// Rows of x per pass over W when there are many (prefill): a chunk of x stays in L2 while
+// every group of W's columns is unpacked and run over it, so x is not streamed from memory
+// once per group; W's unpacking is repeated once per chunk (a few percent at this size).
+constexpr int64_t CHUNK_BYTES = 256 * 1024;
+
 // out [m, n] = x [m, k] . W^T, W's blocks read through q (Q41 or Q80), P the arithmetic.
+// Up to MR rows each block is unpacked into registers and used at once. More rows unpack a
+// group of NB columns of W into an L1 scratch (P's words: bf16 pairs ready for vdpbf16ps)
+// inside the loop over groups, and run every tile of rows over it: the dequantization is
+// paid once per group and chunk of rows, never as a copy of the layer.
 template <class P, class Q, class T>
 void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
   const int64_t groups = (n + NB - 1) / NB, nblk = k / G;
-  const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));
-  const Unpacked<P, Q> direct{q};
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    float res[MR * NB];
-    std::vector<typename P::Wb> scratch;
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * NB;
-      const int cols = int(std::min<int64_t>(NB, n - n0));
-      if (m <= MR) {  // one tile of rows: unpack straight into registers
+  if (m <= MR) {
+    const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));
+    const Unpacked<P, Q> direct{q};
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      float res[MR * NB];
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * NB;
+        const int cols = int(std::min<int64_t>(NB, n - n0));
         if (cols == NB) {
           tile_rows<P, NB>(direct, n0, x, k, int(m), res);
           put(out, n, 0, int(m), n0, NB, res);
@@ -205,27 +237,38 @@ void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T*
             put(out, n, 0, int(m), n0 + j, 1, res);
           }
         }
-        continue;
       }
-      // More rows: unpack these columns once, then run every tile of rows over them.
-      scratch.resize(size_t(NB) * nblk);
-      for (int j = 0; j < cols; ++j)
-        for (int64_t b = 0; b < nblk; ++b) scratch[j * nblk + b] = P::unpack(q, n0 + j, b);
-      const Scratch<P> kept{scratch.data(), nblk, n0};
-      for (int64_t m0 = 0; m0 < m; m0 += MR) {
-        const int rows = int(std::min<int64_t>(MR, m - m0));
-        if (cols == NB) {
-          tile_rows<P, NB>(kept, n0, x + m0 * k, k, rows, res);
-          put(out, n, m0, rows, n0, NB, res);
-        } else {
-          for (int j = 0; j < cols; ++j) {
-            tile_rows<P, 1>(kept, n0 + j, x + m0 * k, k, rows, res);
-            put(out, n, m0, rows, n0 + j, 1, res);
+    });
+    return;
+  }
+  const int64_t chunk = std::max<int64_t>(MR, CHUNK_BYTES / (k * int64_t(sizeof(typename P::X))) / MR * MR);
+  for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+    const int64_t rows_here = std::min(chunk, m - c0);
+    const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk * ((rows_here + MR - 1) / MR)));
+    at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+      float res[MR * NB];
+      std::vector<typename P::Wb> scratch(size_t(NB) * nblk);
+      for (int64_t g = g0; g < g1; ++g) {
+        const int64_t n0 = g * NB;
+        const int cols = int(std::min<int64_t>(NB, n - n0));
+        for (int j = 0; j < cols; ++j)
+          for (int64_t b = 0; b < nblk; ++b) scratch[j * nblk + b] = P::unpack(q, n0 + j, b);
+        const Scratch<P> kept{scratch.data(), nblk, n0};
+        for (int64_t m0 = c0; m0 < c0 + rows_here; m0 += MR) {
+          const int rows = int(std::min<int64_t>(MR, c0 + rows_here - m0));
+          if (cols == NB) {
+            tile_rows<P, NB>(kept, n0, x + m0 * k, k, rows, res);
+            put(out, n, m0, rows, n0, NB, res);
+          } else {
+            for (int j = 0; j < cols; ++j) {
+              tile_rows<P, 1>(kept, n0 + j, x + m0 * k, k, rows, res);
+              put(out, n, m0, rows, n0 + j, 1, res);
+            }
           }
         }
       }
-    }
-  });
+    });
+  }
 }
 
 #ifdef PAGEDLLM_BF16_DOT
@@ -324,6 +367,9 @@ inline void tile_words_rows(const S& src, int64_t n0, const c10::BFloat16* x, co
 }
 
 constexpr int MRW = 4;  // rows per tile here: 16 accumulators, words, x
+// Up to this many rows the words path; beyond it the extra FMA per block and row costs more
+// than unpacking each block to bf16 once (run<BF16>, amortized over the rows).
+constexpr int64_t WORDS_MAX_M = 4;
 
 template <class F>
 void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t k, c10::BFloat16* out) {
@@ -432,40 +478,6 @@ void dispatch(at::Tensor& out, const at::Tensor& x, const W& w) {
 #endif
 }
 
-template <class W, class T>
-void unpack_all(const W& w, int64_t n, int64_t k, T* out) {
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r)
-      for (int64_t b = 0; b < k / G; ++b) {
-        vf lo, hi;
-        w.block(r, b, lo, hi);
-        store16(out + r * k + b * G, lo);
-        store16(out + r * k + b * G + 16, hi);
-      }
-  });
-}
-
-#ifdef PAGEDLLM_BF16_DOT
-template <class W>
-void unpack_all(const W& w, int64_t n, int64_t k, c10::BFloat16* out) {  // 32 at a time, one rounding op
-  at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t r = n0; r < n1; ++r)
-      for (int64_t b = 0; b < k / G; ++b) _mm512_storeu_si512(out + r * k + b * G, (__m512i)BF16::unpack(w, r, b));
-  });
-}
-#endif
-
-template <class W>
-void unpack_dispatch(at::Tensor& out, const W& w, int64_t n, int64_t k, const char* op) {
-  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == n && out.size(1) == k &&
-                  (out.scalar_type() == at::kBFloat16 || out.scalar_type() == at::kFloat),
-              op, ": out must be contiguous bf16 or fp32 [N, K]");
-  if (out.scalar_type() == at::kFloat)
-    unpack_all(w, n, k, out.data_ptr<float>());
-  else
-    unpack_all(w, n, k, out.data_ptr<c10::BFloat16>());
-}
-
 }  // namespace
 
 void q4_1_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
@@ -474,7 +486,7 @@ void q4_1_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, cons
                   m.scalar_type() == at::kHalf, "q4_1_linear: qs must be uint8 and m like d");
   const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), qs.size(1)};
 #ifdef PAGEDLLM_BF16_DOT
-  if (x.scalar_type() == at::kBFloat16) {
+  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= WORDS_MAX_M) {
     if (x.size(0) > 0 && out.size(1) > 0)
       run_words(Q4Fmt(q), x.data_ptr<c10::BFloat16>(), x.size(0), out.size(1), x.size(1),
                 out.data_ptr<c10::BFloat16>());
@@ -490,37 +502,14 @@ void q8_0_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, cons
   dispatch(out, x, Q80{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), qs.size(1)});
 }
 
-void q4_1_unpack(at::Tensor out, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m) {
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == G && qs.is_contiguous() && qs.scalar_type() == at::kByte &&
-                  d.is_contiguous() && m.is_contiguous() && d.scalar_type() == at::kHalf &&
-                  m.scalar_type() == at::kHalf && d.numel() == qs.size(0) * qs.size(1) * 2 && m.sizes() == d.sizes(),
-              "q4_1_unpack: qs uint8 [N, ceil(K/64), 32], d and m fp16 [N, 2 ceil(K/64)]");
-  TORCH_CHECK(out.dim() == 2 && out.size(1) % G == 0 && (out.size(1) + 2 * G - 1) / (2 * G) == qs.size(1),
-              "q4_1_unpack: out must be [N, K] for these blocks");
-  unpack_dispatch(out, Q41{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), qs.size(1)}, qs.size(0),
-                  out.size(1), "q4_1_unpack");
-}
-
-void q8_0_unpack(at::Tensor out, const at::Tensor& qs, const at::Tensor& d) {
-  TORCH_CHECK(qs.dim() == 3 && qs.size(2) == G && qs.is_contiguous() && qs.scalar_type() == at::kChar &&
-                  d.is_contiguous() && d.scalar_type() == at::kHalf && d.numel() == qs.size(0) * qs.size(1),
-              "q8_0_unpack: qs int8 [N, K/32, 32], d fp16 [N, K/32]");
-  unpack_dispatch(out, Q80{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), qs.size(1)}, qs.size(0), qs.size(1) * G,
-                  "q8_0_unpack");
-}
-
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("q4_1_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d, Tensor m) -> ()");
   m.def("q8_0_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d) -> ()");
-  m.def("q4_1_unpack(Tensor(a!) out, Tensor qs, Tensor d, Tensor m) -> ()");
-  m.def("q8_0_unpack(Tensor(a!) out, Tensor qs, Tensor d) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("q4_1_linear", &pagedllm::q4_1_linear);
   m.impl("q8_0_linear", &pagedllm::q8_0_linear);
-  m.impl("q4_1_unpack", &pagedllm::q4_1_unpack);
-  m.impl("q8_0_unpack", &pagedllm::q8_0_unpack);
 }

@@ -79,6 +79,23 @@ inline float hsum(vf v) {
 #endif
 }
 
+// The sums of four vectors into out[0..3]: one transposing reduction (13 instructions where
+// AVX-512 is) instead of four separate ones (~32): a tile's epilogue, paid per output.
+inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
+#ifdef __AVX512F__
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps((__m512)a, (__m512)b), _mm512_unpackhi_ps((__m512)a, (__m512)b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps((__m512)c, (__m512)d), _mm512_unpackhi_ps((__m512)c, (__m512)d));
+  // per 128-bit lane: [a, b, c, d] partial sums
+  // (pairs of floats move as one 64-bit lane; they add as floats)
+  const __m512 t = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+#else
+  out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
 // 2^x; x < -126 (and -inf) gives 0, x > 126 gives 2^126.
 inline vf exp2v(vf x) {
   const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer

@@ -172,8 +172,8 @@ class EngineConfig:
         "20); batches run the same kernels (blocks dequantized in the GEMM's loop, never a whole layer): "
         "batched throughput 1.07-1.19x bf16's (BENCHMARKS.md section 25). w8a8: int8 weights per output "
         "channel and int8 activations per token (SmoothQuant-smoothed at load on a built-in text), int32 sums "
-        "on oneDNN's int8 GEMM: ~1.5x bf16's batched throughput on a 1.1B shape, perplexity 1.2 percent above bf16 on SmolLM2; runs under tensor parallel, speculation and "
-        "batch_invariant",
+        "on oneDNN's int8 GEMM: ~1.5x bf16's batched throughput on a 1.1B shape, perplexity 1.2 percent above "
+        "bf16 on SmolLM2; runs under tensor parallel, speculation and batch_invariant",
         choices=list(QUANTIZATIONS))
     speculative_config: SpeculativeConfig | dict | str | None = knob(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "

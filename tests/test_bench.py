@@ -243,3 +243,37 @@ def test_a_random_model_of_a_shape_loads_in_both_engines(tmp_path, monkeypatch):
         assert got == want, shape
     with pytest.raises(ValueError, match="shape must be one of"):
         shapes.make_model("gpt-5", tmp_path / "x")
+
+
+def test_a_compressed_tensors_w8a8_copy_holds_int8_weights_and_their_scales(tmp_path, monkeypatch):
+    """The checkpoint vLLM's own W8A8 runs from (benchmarks/w8a8_vs_vllm.py): every decoder
+    matmul int8 with a scale per output channel that brings it back within half a step, the
+    rest as it was, and the quantization config vLLM's compressed-tensors loader reads."""
+    import torch
+    from safetensors.torch import load_file
+
+    from pagedllm.bench import shapes
+    from pagedllm.bench.compressed_tensors import is_matmul_weight, write_w8a8
+
+    monkeypatch.setitem(shapes.SHAPES, "toy", shapes.Shape("llama", 64, 2, 4, 2, 128, 32000, False, 10000.0, 512))
+    src = shapes.make_model("toy", tmp_path / "toy", dtype="float32")
+    dst = write_w8a8(src, tmp_path / "toy-w8a8")
+    before, after = load_file(src / "model.safetensors"), load_file(dst / "model.safetensors")
+    matmuls = [n for n in before if is_matmul_weight(n)]
+    assert len(matmuls) == 2 * 7
+    for name, w in before.items():
+        if name in matmuls:
+            q, s = after[name], after[name.replace(".weight", ".weight_scale")]
+            assert q.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (w.shape[0], 1)
+            assert ((q.float() * s - w).abs() <= s / 2 + 1e-7).all(), name
+            assert q.abs().amax(dim=1).eq(127).all()  # each row's largest weight is the top step
+        else:
+            assert torch.equal(after[name], w), name
+    cfg = json.loads((dst / "config.json").read_text())["quantization_config"]
+    group = cfg["config_groups"]["group_0"]
+    assert cfg["quant_method"] == "compressed-tensors" and cfg["format"] == "int-quantized"
+    assert (group["weights"]["strategy"], group["input_activations"]["strategy"]) == ("channel", "token")
+    assert group["input_activations"]["dynamic"] and cfg["ignore"] == ["lm_head"]
+    assert (dst / "tokenizer.json").is_file()
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        write_w8a8(tmp_path, tmp_path / "nothing")

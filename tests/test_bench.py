@@ -253,7 +253,7 @@ def test_a_compressed_tensors_w8a8_copy_holds_int8_weights_and_their_scales(tmp_
     from safetensors.torch import load_file
 
     from pagedllm.bench import shapes
-    from pagedllm.bench.compressed_tensors import is_matmul_weight, write_w8a8
+    from pagedllm.bench.int8_checkpoint import is_matmul_weight, write_w8a8
 
     monkeypatch.setitem(shapes.SHAPES, "toy", shapes.Shape("llama", 64, 2, 4, 2, 128, 32000, False, 10000.0, 512))
     src = shapes.make_model("toy", tmp_path / "toy", dtype="float32")

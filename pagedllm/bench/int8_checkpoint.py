@@ -2,7 +2,9 @@
 "W8A8" scheme: int8 weights with a scale per output channel, int8 activations with dynamic
 per-token scales), so vLLM-CPU can run its own W8A8 kernels on the same weights as our
 `--quantization w8a8` (benchmarks/w8a8_vs_vllm.py). The weights are quantized with our
-quantizer (models/w8a8.py), without smoothing: vLLM gets plain per-channel rounding."""
+quantizer (models/w8a8.py), without smoothing: vLLM gets plain per-channel rounding.
+(Not named compressed_tensors.py: vLLM's worker runs from this folder, and a module of that
+name here shadowed the compressed_tensors package vLLM imports.)"""
 from __future__ import annotations
 
 import json

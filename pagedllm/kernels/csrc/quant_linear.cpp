@@ -314,11 +314,6 @@ struct FromBlocks {
   const F& f;
   Words get(int64_t n, int64_t s) const { return f.load(n, s); }
 };
-struct Kept {  // words of rows n0.. unpacked before, [row][step]
-  const Words* w;
-  int64_t steps, n0;
-  Words get(int64_t n, int64_t s) const { return w[(n - n0) * steps + s]; }
-};
 
 // Per-column constants of a group of W's rows, fp32, `ld` apart, zero past the last block:
 // d, and the offset coefficient m - OFF d.
@@ -369,7 +364,7 @@ inline void tile_words_rows(const S& src, int64_t n0, const c10::BFloat16* x, co
 constexpr int MRW = 4;  // rows per tile here: 16 accumulators, words, x
 // Up to this many rows the words path; beyond it the extra FMA per block and row costs more
 // than unpacking each block to bf16 once (run<BF16>, amortized over the rows).
-constexpr int64_t WORDS_MAX_M = 4;
+constexpr int64_t WORDS_MAX_M = MRW;
 
 template <class F>
 void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t k, c10::BFloat16* out) {
@@ -382,7 +377,6 @@ void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t
   const FromBlocks<F> direct{f};
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
     float res[MRW * NB];
-    std::vector<Words> scratch;
     std::vector<float> dc(NB * ld, 0.f), oc(NB * ld, 0.f);
     const Consts c{dc.data(), oc.data(), ld};
     for (int64_t g = g0; g < g1; ++g) {
@@ -404,32 +398,14 @@ void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t
       }
       const Consts one[NB] = {c, {c.d + ld, c.off + ld, ld}, {c.d + 2 * ld, c.off + 2 * ld, ld},
                               {c.d + 3 * ld, c.off + 3 * ld, ld}};
-      if (m <= MRW) {
-        if (cols == NB) {
-          tile_words_rows<F, NB>(direct, n0, x, sx.data(), k, c, int(m), res);
-          put(out, n, 0, int(m), n0, NB, res);
-        } else {
-          for (int j = 0; j < cols; ++j) {
-            tile_words_rows<F, 1>(direct, n0 + j, x, sx.data(), k, one[j], int(m), res);
-            put(out, n, 0, int(m), n0 + j, 1, res);
-          }
-        }
-        continue;
-      }
-      scratch.resize(size_t(NB) * f.steps);
-      for (int j = 0; j < cols; ++j)
-        for (int64_t s = 0; s < f.steps; ++s) scratch[j * f.steps + s] = direct.get(n0 + j, s);
-      const Kept kept{scratch.data(), f.steps, n0};
-      for (int64_t m0 = 0; m0 < m; m0 += MRW) {
-        const int rows = int(std::min<int64_t>(MRW, m - m0));
-        if (cols == NB) {
-          tile_words_rows<F, NB>(kept, n0, x + m0 * k, sx.data() + m0 * ld, k, c, rows, res);
-          put(out, n, m0, rows, n0, NB, res);
-        } else {
-          for (int j = 0; j < cols; ++j) {
-            tile_words_rows<F, 1>(kept, n0 + j, x + m0 * k, sx.data() + m0 * ld, k, one[j], rows, res);
-            put(out, n, m0, rows, n0 + j, 1, res);
-          }
+      // Only ever called for up to MRW rows (WORDS_MAX_M): one tile, words straight from W.
+      if (cols == NB) {
+        tile_words_rows<F, NB>(direct, n0, x, sx.data(), k, c, int(m), res);
+        put(out, n, 0, int(m), n0, NB, res);
+      } else {
+        for (int j = 0; j < cols; ++j) {
+          tile_words_rows<F, 1>(direct, n0 + j, x, sx.data(), k, one[j], int(m), res);
+          put(out, n, 0, int(m), n0 + j, 1, res);
         }
       }
     }

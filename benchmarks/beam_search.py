@@ -70,7 +70,7 @@ def hf(reqs: list[BenchRequest], k: int, max_tokens: int, batch_size: int) -> di
 
 
 def vllm(reqs: list[BenchRequest], k: int, max_tokens: int, timeout: int) -> list[dict]:
-    from pagedllm.bench.vllm_baseline import run_vllm_offline, vllm_python
+    from benchmarks.lib.vllm_baseline import run_vllm_offline, vllm_python
     from pagedllm.loader import resolve_model_dir
 
     py, why = vllm_python()

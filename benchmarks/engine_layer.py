@@ -306,7 +306,7 @@ def run_worker(kind: str, tree: Tree, spec: dict, args, tmp: Path, tag: str) -> 
 def serve(tree: Tree, rate_reqs: dict[float, list], warm_reqs: list, args, tmp: Path, tag: str) -> dict:
     import httpx
     from pagedllm.bench.serve_client import run_serve_bench
-    from pagedllm.bench.vllm_baseline import wait_healthy
+    from benchmarks.lib.vllm_baseline import wait_healthy
     from pagedllm.util import free_port
 
     port, log = free_port(), tmp / f"{tag}.server.log"

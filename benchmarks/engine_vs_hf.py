@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagedllm.bench.baselines import hf_generate
+from benchmarks.lib.baselines import hf_generate
 from pagedllm.bench.sharegpt import sample_sharegpt
 from pagedllm.bench.throughput import run_engine
 from pagedllm.loader import resolve_model_dir

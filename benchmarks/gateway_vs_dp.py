@@ -27,8 +27,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.bench.data_parallel import ServeProcess, routed_per_replica, threads_used
-from pagedllm.bench.gateway import Gateway
+from benchmarks.lib.data_parallel import ServeProcess, routed_per_replica, threads_used
+from benchmarks.lib.gateway import Gateway
 from pagedllm.bench.provenance import provenance, save_result
 from pagedllm.bench.serve_client import run_serve_bench
 from pagedllm.bench.workloads import WorkloadOptions, load_workload

@@ -55,7 +55,7 @@ def concurrency() -> list[dict]:
 
 
 def attention() -> list[dict]:
-    from pagedllm.bench.attention import bench_decode
+    from benchmarks.lib.attention import bench_decode
 
     rows = []
     for batch, context in ATTENTION_SHAPES:

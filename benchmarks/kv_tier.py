@@ -390,7 +390,7 @@ def serve_run(setting: str, engine_kw: dict, reqs: list[dict]) -> dict:
 # one question from it, against a fresh process recomputing the document.
 def llama_save(gguf: str, prefix: list[int], path: str, method: str, n_ctx: int) -> dict:
     import llama_cpp
-    from pagedllm.bench.baselines import _llama
+    from benchmarks.lib.baselines import _llama
 
     llm = _llama(gguf, n_ctx=n_ctx)
     t0 = time.perf_counter()
@@ -418,7 +418,7 @@ def llama_answer(gguf: str, prefix: list[int], question: list[int], path: str | 
     import ctypes
 
     import llama_cpp
-    from pagedllm.bench.baselines import _llama
+    from benchmarks.lib.baselines import _llama
 
     if drop_cache and path:
         _drop_page_cache(os.path.dirname(path))
@@ -597,7 +597,7 @@ def part_rag(tok, c: dict, tier_root: str, settings: list[str], rounds: int) -> 
 
 
 def rag_llamacpp(prompts: list[list[int]], shared: int, tier_root: str) -> dict:
-    from pagedllm.bench.baselines import llama_cpp_available
+    from benchmarks.lib.baselines import llama_cpp_available
     from pagedllm.loader import default_gguf_path
 
     why = llama_cpp_available()

@@ -5,7 +5,7 @@
     python benchmarks/lm_eval_mc.py --setup-vllm --out benchmarks/results/lm_eval_mc.json
 
 Workload: 240 questions of MMLU's shape (2-4 sentences and a question line, four lettered answers;
-pagedllm/bench/harness.py writes them from --seed, nothing is downloaded), each behind the same
+benchmarks/lib/harness.py writes them from --seed, nothing is downloaded), each behind the same
 5-shot prefix (fewshot sampler first_n, ~650 tokens with SmolLM2's tokenizer): 960 loglikelihood
 requests of ~780 tokens, each an echo + logprobs=1 + max_tokens=1 completion over token ids. The
 questions mean little; the accuracy shows the engines agree, not what the model knows.
@@ -14,7 +14,7 @@ Engines, each in a process of its own, one at a time, same bf16 weights (the def
 dequantized HF directory) and KV budget (--kv-cache-memory; vLLM's VLLM_CPU_KVCACHE_SPACE):
 `pagedllm serve` with prefix caching, `pagedllm serve --no-enable-prefix-caching`, `vllm serve`
 (vLLM's CPU backend from its own venv, --setup-vllm creates it) and lm-eval's `hf` model (no
-server, --hf-batch-size). lm-eval itself runs in a process of its own (pagedllm/bench/harness.py):
+server, --hf-batch-size). lm-eval itself runs in a process of its own (benchmarks/lib/harness.py):
 one unrelated warm-up request, then the timed evaluation. Per engine: wall time, accuracy, the
 prompt tokens lm-eval sent and those the engine computed (ours: /metrics computed_prompt_tokens;
 vLLM: prompt_tokens - prefix_cache_hits; hf: the tokens of its forward passes, padding included),
@@ -32,10 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pagedllm.bench.data_parallel import ServeProcess, threads_used
-from pagedllm.bench.harness import write_mc_task
+from benchmarks.lib.data_parallel import ServeProcess, threads_used
+from benchmarks.lib.harness import write_mc_task
 from pagedllm.bench.provenance import provenance, save_result
-from pagedllm.bench.vllm_baseline import VLLM_VERSION, VllmServer, vllm_python
+from benchmarks.lib.vllm_baseline import VLLM_VERSION, VllmServer, vllm_python
 from pagedllm.config import parse_bytes
 from pagedllm.loader import resolve_model_dir
 from pagedllm.util import free_port
@@ -46,12 +46,12 @@ ENGINES = {"pagedllm": "pagedllm serve, prefix caching", "pagedllm-no-prefix": "
 
 
 def evaluate(spec: dict, timeout: float) -> dict:
-    """One lm-eval run in a process of its own (pagedllm/bench/harness.py)."""
+    """One lm-eval run in a process of its own (benchmarks/lib/harness.py)."""
     with tempfile.TemporaryDirectory() as d:
         spec_path, out = Path(d) / "spec.json", Path(d) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        p = subprocess.run([sys.executable, "-m", "pagedllm.bench.harness", str(spec_path), str(out)],
-                           capture_output=True, text=True, timeout=timeout,
+        p = subprocess.run([sys.executable, "-m", "benchmarks.lib.harness", str(spec_path), str(out)],
+                           capture_output=True, text=True, timeout=timeout, cwd=Path(__file__).resolve().parents[1],
                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         if p.returncode != 0 or not out.exists():
             raise RuntimeError(f"lm-eval run failed (exit {p.returncode}): {(p.stderr or p.stdout)[-3000:]}")

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from pagedllm.bench.provenance import provenance
 from pagedllm.bench.serve_client import run_serve_bench
-from pagedllm.bench.vllm_baseline import VllmServer, stop_process, vllm_bench_serve, vllm_python, wait_healthy
+from benchmarks.lib.vllm_baseline import VllmServer, stop_process, vllm_bench_serve, vllm_python, wait_healthy
 from pagedllm.bench.workloads import WorkloadOptions, load_workload
 from pagedllm.config import parse_bytes
 from pagedllm.loader import load_tokenizer, resolve_model_dir

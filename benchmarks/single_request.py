@@ -70,7 +70,7 @@ def run_pagedllm(variant: str, work: dict) -> dict:
 
 
 def run_llama_cpp(work: dict) -> dict:
-    from pagedllm.bench.baselines import _llama
+    from benchmarks.lib.baselines import _llama
     from pagedllm.loader.model_files import default_gguf_path
 
     llm = _llama(default_gguf_path(), n_ctx=2048)

@@ -59,7 +59,7 @@ def chat_prompts(n: int) -> list[list[int]]:
 
 def run_pagedllm(prompts: list[list[int]]) -> dict:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
-    from pagedllm.bench.vllm_structured_worker import run_passes, time_to_first_token
+    from benchmarks.vllm.vllm_structured_worker import run_passes, time_to_first_token
 
     t0 = time.perf_counter()
     llm = LLM(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(BATCHES))
@@ -84,10 +84,10 @@ def run_pagedllm(prompts: list[list[int]]) -> dict:
 
 
 def run_vllm(prompts: list[list[int]], python: Path, reserved: str | None) -> dict:
-    from pagedllm.bench.vllm_baseline import _env
+    from benchmarks.lib.vllm_baseline import _env
     from pagedllm.loader import resolve_model_dir
 
-    worker = Path(__file__).resolve().parents[1] / "pagedllm" / "bench" / "vllm_structured_worker.py"
+    worker = Path(__file__).resolve().parent / "vllm" / "vllm_structured_worker.py"
     spec = {"model": str(resolve_model_dir(None)), "prompts": prompts, "batches": BATCHES, "max_tokens": MAX_TOKENS,
             "schema": SCHEMA, "max_model_len": 2048, "single_runs": SINGLE_RUNS, "ttft_runs": TTFT_RUNS, "repeats": REPEATS}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
@@ -122,7 +122,7 @@ def score(texts: list[str]) -> tuple[float, float]:
 
 def main() -> None:
     from pagedllm.bench.throughput import in_own_process, save
-    from pagedllm.bench.vllm_baseline import VLLM_VERSION, vllm_python
+    from benchmarks.lib.vllm_baseline import VLLM_VERSION, vllm_python
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/structured_outputs.json")

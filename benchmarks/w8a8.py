@@ -42,7 +42,7 @@ def speed(model: str | None, quantization: str | None, prompts: list[list[int]],
 def vllm_cold(reqs, model_dir: str, label: str = "bf16") -> dict:
     from pathlib import Path
 
-    from pagedllm.bench.vllm_baseline import run_vllm_offline, vllm_python
+    from benchmarks.lib.vllm_baseline import run_vllm_offline, vllm_python
 
     py, why = vllm_python()
     if py is None:

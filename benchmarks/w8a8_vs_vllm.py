@@ -2,7 +2,7 @@
 weights, dynamic per-token activations) and both engines' bf16, on the 1.1B Llama shape of
 BENCHMARKS §24: 32 ShareGPT prompts cut to 256 tokens, 64 new tokens each, greedy, EOS
 ignored, the same token ids and weights (vLLM's int8 copy is written from the same directory
-by pagedllm.bench.int8_checkpoint). Each engine in its own process, cold (vLLM's cold pass,
+by benchmarks.lib.int8_checkpoint). Each engine in its own process, cold (vLLM's cold pass,
 as §24), settings alternating for --rounds rounds, medians; ratios against vLLM's bf16 and
 its W8A8 measured in the same command.
 
@@ -24,7 +24,7 @@ def main() -> None:
     ap.add_argument("--shape-dir", default="~/.cache/pagedllm/shapes/tinyllama-1.1b")
     ap.add_argument("--out", default="benchmarks/results/w8a8_vs_vllm.json")
     args = ap.parse_args()
-    from pagedllm.bench.int8_checkpoint import write_w8a8
+    from benchmarks.lib.int8_checkpoint import write_w8a8
     from pagedllm.bench.shapes import make_model
 
     tiny = make_model("tinyllama-1.1b", args.shape_dir)

@@ -80,13 +80,22 @@ def _quantized(kv_cache_dtype: str) -> bool:
 
 def tier_report(kv, tier_dir: str | None = None) -> str:
     """The second tier's line of the KV report (kv: a KVStats with a tier)."""
-    t = kv.tier
+    c, t = kv.tier, kv.tier.store
     return (f"  tier: {t.blocks} blocks ({t.bytes / 2**20:.1f} MiB of {t.capacity_bytes / 2**30:.1f} GiB)"
-            f"{f' in {tier_dir}' if tier_dir else ''}, {kv.tier_hits}/{kv.prefix_queries} prompt tokens from the "
-            f"tier (tier hit rate {kv.tier_hit_rate:.1%}), loaded {kv.tier_loaded_blocks}, offloaded "
-            f"{kv.tier_offloaded_blocks} (backlog {kv.tier_backlog}), evicted {t.evicted_blocks} (tier LRU), swap-outs "
-            f"{kv.swap_outs} ({kv.swap_out_blocks} blocks), read failures {t.read_failures}, "
+            f"{f' in {tier_dir}' if tier_dir else ''}, {c.hits}/{kv.prefix_queries} prompt tokens from the "
+            f"tier (tier hit rate {kv.tier_hit_rate:.1%}), loaded {c.loaded_blocks}, offloaded "
+            f"{c.offloaded_blocks} (backlog {c.backlog}), evicted {t.evicted_blocks} (tier LRU), swap-outs "
+            f"{c.swap_outs} ({c.swap_out_blocks} blocks), read failures {t.read_failures}, "
             f"write errors {t.write_errors}")
+
+
+def groups_report(kv) -> list[str]:
+    """A line per KV layer group, for a model whose layers mix attention types."""
+    if len(kv.groups) < 2:
+        return []
+    held = ", ".join(f"{g.kind} {g.held_blocks if g.held_blocks is not None else '?'} held"
+                     + (f" ({g.released} released)" if g.window else "") for g in kv.groups)
+    return [f"  layer groups ({len(kv.groups)}, a block holds one group's layers): {held}"]
 
 
 def kv_report(stats, tier_dir: str | None = None) -> str:
@@ -96,16 +105,18 @@ def kv_report(stats, tier_dir: str | None = None) -> str:
         "KV cache report",
         f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, KV {s.kv_cache_dtype}, {s.bytes_per_token} "
         f"bytes/token (2*L*d_kv*bytes{', scales included' if _quantized(s.kv_cache_dtype) else ''}), "
-        f"{s.blocks_per_gib} blocks per GiB, {kv.num_blocks * kv.block_size * s.bytes_per_token / 2**20:.0f} MiB",
+        f"{s.blocks_per_gib} blocks per GiB, {kv.num_blocks * (s.bytes_per_block or kv.block_size * s.bytes_per_token) / 2**20:.0f} MiB",
         f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
         f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
-    ] + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + ([] if not kv.prompt_logprob_queries else [
-        f"  prompt logprobs from the cache: {kv.prompt_logprob_hits}/{kv.prompt_logprob_queries} prompt tokens "
-        f"({kv.prompt_logprob_hit_rate:.1%}; {kv.prompt_logprob_blocks} blocks keep theirs)",
-    ]) + [
-        f"  forks {kv.forks}, copy-on-write copies {kv.cow_copies}, evictions {kv.evictions}, "
+    ] + groups_report(kv) + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + (
+        [] if not kv.scores.queries else [
+            f"  prompt logprobs from the cache: {kv.scores.hits}/{kv.scores.queries} prompt tokens "
+            f"({kv.scores.hit_rate:.1%}; {kv.scores.entries} blocks keep theirs, {kv.scores.bytes / 2**20:.1f} of "
+            f"{kv.scores.cap_bytes / 2**20:.0f} MiB outside the pool, {kv.scores.dropped} dropped at the cap)",
+        ]) + [
+        f"  forks {kv.forks}, copy-on-write copies {kv.cow_copies}, evictions {kv.pool.evictions}, "
         f"preemptions {s.preemptions}",
         f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "
         f"in {s.steps} steps",

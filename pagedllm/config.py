@@ -19,7 +19,7 @@ ROUTER_POLICIES = ("prefix", "round-robin", "least-loaded")
 QUANTIZATIONS = ("gguf", "int8", "int4", "w8a8")
 OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")
 PREEMPTION_MODES = ("recompute", "swap")
-SCHEDULING_POLICIES = ("fcfs", "lpm")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -126,6 +126,11 @@ class EngineConfig:
     max_num_seqs: int = knob(256, "most sequences running at once", type=int)
     max_logprobs: int = knob(20, "most logprobs (top-k) a request may ask per token, output or prompt (vLLM's "
                              "flag); a prompt's are kept beside its cached KV blocks at this k", type=int)
+    prompt_logprobs_cache_memory: int | str | None = knob(
+        None, "most bytes of prompt logprobs kept beside cached KV blocks for later requests over the same prefix "
+        "(they live outside the KV pool; least recently used go first; 0 keeps none; default: 5%% of the KV pool, "
+        "at least 64 MiB)",
+        type=lambda v: parse_bytes(v, "prompt_logprobs_cache_memory") if str(v).strip() not in ("0", "0B") else 0)
     grammar_compile_timeout: float = knob(10.0, "seconds one structured-outputs grammar may take to compile "
                                           "(in a worker process, killed past it: the request fails with a 400)",
                                           type=float)
@@ -144,8 +149,8 @@ class EngineConfig:
     kv_cache_dtype: str = knob(
         "auto", "how K/V blocks are stored (vLLM's flag; int8 and int4 are ours): auto as --dtype; fp8 (= fp8_e4m3), "
         "fp8_e5m2, int8 and int4 keep codes and a bf16 scale per token and head inside the block, read in place "
-        "by the attention kernel: 1.94x the tokens per GiB of bf16 for the 8-bit kinds at head_dim 64, 3.76x for "
-        "int4 (CPU attention backend; torch backend too; Triton: fp8)", choices=list(KV_CACHE_DTYPES))
+        "by the attention kernel (CPU attention backend; torch backend too; Triton: fp8); what each costs and saves: "
+        "BENCHMARKS.md", choices=list(KV_CACHE_DTYPES))
     device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = knob(0, "engine seed: requests without their own seed sample from it", type=int)
     attention_backend: str = knob(
@@ -156,9 +161,9 @@ class EngineConfig:
                                    "fewer are used while other processes keep cores busy", type=int)
     batch_invariant: bool = knob(
         False, "a request's tokens the same alone, in any batch and after preemption (vLLM's "
-        "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own kernel, measured "
-        "1.1-1.2x oneDNN's throughput; otherwise oneDNN on 32-row tiles, 0.5-0.8x) and attention without "
-        "split-K (a long context decoding alone uses fewer threads); CPU attention backend only")
+        "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own kernel; otherwise "
+        "oneDNN on 32-row tiles) and attention without split-K (a long context decoding alone uses fewer threads); "
+        "CPU attention backend only; its cost: BENCHMARKS.md")
     long_prefill_token_threshold: int = knob(
         0, "a prompt with more uncomputed tokens than this is prefilled this many tokens a step, leaving room "
         "for decodes and short prompts (0: a quarter of --max-num-batched-tokens)", type=int)
@@ -167,13 +172,11 @@ class EngineConfig:
     quantization: str | None = knob(
         None, "weight-only quantization of the matmuls and the LM head on llama.cpp's blocks of 32 (vLLM's flag), "
         "CPU only, activations in --dtype: gguf runs a .gguf model's own Q4_1 / Q4_0 / Q8_0 blocks (other tensor "
-        "types stay in --dtype, logged), int4 makes Q4_1 blocks (LM head Q8_0), int8 Q8_0 blocks. For latency: "
-        "a step's matmuls at one sequence run ~2.2x faster than bf16 with gguf/int4 (SmolLM2, 2 cores: 9 ms vs "
-        "20); batches run the same kernels (blocks dequantized in the GEMM's loop, never a whole layer): "
-        "batched throughput 1.07-1.19x bf16's (BENCHMARKS.md section 25). w8a8: int8 weights per output "
-        "channel and int8 activations per token (SmoothQuant-smoothed at load on a built-in text), int32 sums "
-        "on oneDNN's int8 GEMM: ~1.5x bf16's batched throughput on a 1.1B shape, perplexity 1.2 percent above "
-        "bf16 on SmolLM2; runs under tensor parallel, speculation and batch_invariant",
+        "types stay in --dtype, logged), int4 makes Q4_1 blocks (LM head Q8_0), int8 Q8_0 blocks; batches run "
+        "the same kernels (blocks dequantized in the GEMM's loop, never a whole layer). w8a8: int8 weights per "
+        "output channel and int8 activations per token (SmoothQuant-smoothed at load on a built-in text), int32 "
+        "sums on oneDNN's int8 GEMM; runs under tensor parallel, speculation and batch_invariant. Speed and "
+        "quality of each: BENCHMARKS.md",
         choices=list(QUANTIZATIONS))
     speculative_config: SpeculativeConfig | dict | str | None = knob(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
@@ -203,10 +206,9 @@ class EngineConfig:
         "--kv-offload-dir) and a resume loads them back", choices=list(PREEMPTION_MODES))
     scheduling_policy: str = knob(
         "lpm", "order of admission: lpm, the waiting requests with the longest prefix in the pool or the tier first "
-        "(SGLang's cache-aware LPM), bounded by --scheduling-aging-bound; or fcfs, arrival order (vLLM's default). "
-        "lpm is the default as measured: 2.07x lower mean TTFT and 1.59x lower P99 than fcfs with 8 system prompts "
-        "under memory pressure, the same order as fcfs where no waiting request has a cached prefix "
-        "(BENCHMARKS.md section 23)", choices=list(SCHEDULING_POLICIES))
+        "(SGLang's cache-aware LPM), bounded by --scheduling-aging-bound; fcfs, arrival order (vLLM's default); or "
+        "priority, a request's `priority` first (lower first, then arrival; vLLM's), the running request of the "
+        "lowest priority preempted first. Why lpm is the default: BENCHMARKS.md", choices=list(SCHEDULING_POLICIES))
     scheduling_aging_bound: float = knob(
         2.0, "lpm: the oldest waiting request, once it has been the oldest this many seconds (first come, first "
         "served would have admitted it), is admitted ahead of younger ones, whatever they have cached", type=float)
@@ -236,6 +238,9 @@ class EngineConfig:
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        if self.prompt_logprobs_cache_memory is not None and self.prompt_logprobs_cache_memory != 0:
+            self.prompt_logprobs_cache_memory = parse_bytes(self.prompt_logprobs_cache_memory,
+                                                            "prompt_logprobs_cache_memory")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):

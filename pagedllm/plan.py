@@ -44,6 +44,11 @@ class PromptScores:
     def __len__(self) -> int:
         return len(self.logprobs)
 
+    @property
+    def nbytes(self) -> int:
+        """What it takes in memory (the KV manager's score store counts it against its cap)."""
+        return sum(a.itemsize * len(a) for a in (self.logprobs, self.ranks, self.top_ids, self.top_logprobs))
+
     def slice(self, start: int, end: int) -> PromptScores:
         k = self.k
         return PromptScores(k, self.logprobs[start:end], self.ranks[start:end], self.top_ids[start * k:end * k],
@@ -110,6 +115,9 @@ class ChunkPlan:
     score_start: int = 0
     score_ids: list[int] = field(default_factory=list)
     score_top: int = 0
+    # A model whose layers mix attention types (kv.groups): groups 1.. each have their own
+    # blocks, so their own (slots, block_ids) of the chunk; slots and block_ids above are group 0's.
+    groups: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

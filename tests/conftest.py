@@ -79,11 +79,24 @@ class BackgroundRun:
             shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512f" in f.read()
+    except OSError:
+        return False
+
+
+# On a CPU without AVX-512 the native build of the kernels is the generic vector code already:
+# the AVX2-only tests check it, and no second copy is compiled.
+AVX2_SEPARATE = platform.machine() == "x86_64" and has_avx512()
+
 AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
-    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~25 s of compiling), in a cache of
-    # its own; the tests of CPUs without AVX-512 load and check it in processes of their own.
+    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~25 s of compiling on an AVX-512
+    # machine), in a cache of its own; the tests of CPUs without AVX-512 load and check it in
+    # processes of their own.
     BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
-                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}, platform.machine() == "x86_64"),
+                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}, AVX2_SEPARATE),
     # The Triton kernels compiled for sm_80 and sm_90 by Triton's own compiler and ptxas.
     BackgroundRun("triton_compile_check", [sys.executable, str(ROOT / "scripts" / "triton_compile_check.py"),
                                            "--quick", "--json", "{dir}/kernels.json"], {},
@@ -104,10 +117,14 @@ def pytest_unconfigure(config):
 
 
 @pytest.fixture(scope="session")
-def avx2_kernel_cache() -> Path:
-    """The PAGEDLLM_CACHE that holds the AVX2-only copy of the CPU kernels. A failed build is not
-    an error here: the test's own process then builds again and says why it cannot."""
-    return AVX2_KERNELS.wait()[2]
+def avx2_kernel_cache() -> dict[str, str]:
+    """The environment that loads the AVX2-only copy of the CPU kernels: on an AVX-512 CPU a copy
+    built in a cache of its own (a failed build is not an error here: the test's own process
+    then builds again and says why it cannot); on a CPU without AVX-512, the native build,
+    which is that code already."""
+    if not AVX2_SEPARATE:
+        return {}
+    return {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(AVX2_KERNELS.wait()[2])}
 
 
 @pytest.fixture(scope="session")

@@ -1,16 +1,12 @@
 """kv-calc and the allocation simulator against the real engine; the TP x DP projection on top of them."""
 from __future__ import annotations
 
-import dataclasses
-import json
 import random
-from pathlib import Path
 
 import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.analysis.kv_calc import kv_calc, param_count
-from pagedllm.analysis.parallel import ParallelAssumptions, format_projection, layouts, project_parallel
 from pagedllm.analysis.simulator import simulate
 from pagedllm.loader import load_config
 from pagedllm.models import ModelConfig
@@ -25,14 +21,6 @@ def test_kv_calc_matches_formula_and_engine(model_dir, llm_fp32):
     assert c.num_blocks == llm_fp32.get_stats().kv.num_blocks  # the engine sized 256MiB the same way
     assert c.blocks_per_seq == 63 and c.paged_max_seqs == c.num_blocks // 63
     assert abs(param_count(cfg) - 134_515_008) < 1e6
-
-
-def test_kv_calc_rejects_bad_input(model_dir):
-    cfg = ModelConfig.from_hf(load_config(model_dir))
-    with pytest.raises(ValueError, match="dtype"):
-        kv_calc(cfg, "float64")
-    with pytest.raises(ValueError, match="smaller than one block"):
-        kv_calc(cfg, budget_bytes=10)
 
 
 def test_simulator_matches_engine_counters():
@@ -56,113 +44,4 @@ def test_simulator_matches_engine_counters():
     assert sim.max_concurrent_seqs == max(s["batch_seqs"] for s in log)
 
 
-def test_simulator_paged_beats_reserve_max():
-    rng = random.Random(0)
-    lengths = [(rng.randint(20, 200), rng.randint(20, 200)) for _ in range(64)]
-    paged = simulate(lengths, 400, 16, "paged", max_model_len=1024)
-    reserve = simulate(lengths, 400, 16, "reserve-max", max_model_len=1024)
-    assert reserve.max_concurrent_seqs == 400 // 64
-    assert paged.max_concurrent_seqs >= 3 * reserve.max_concurrent_seqs
-    assert reserve.mean_waste > 0.5 > paged.mean_waste
-
-
 # --- TP x DP projection (pagedllm/analysis/parallel.py) ---
-
-GIB = 2**30
-LLAMA_13B = ModelConfig.from_hf(json.loads((Path(__file__).parents[1] / "benchmarks/configs/llama-13b.json").read_text()))
-
-
-def _lengths(n: int = 24, seed: int = 1) -> list[tuple[int, int]]:
-    rng = random.Random(seed)
-    return [(rng.randint(20, 400), rng.randint(20, 300)) for _ in range(n)]
-
-
-def _rows(mem_gib: float, gpus=(1, 2, 4, 8), **kw):
-    return project_parallel(LLAMA_13B, _lengths(), [int(mem_gib * GIB)], gpus, **kw)
-
-
-def test_parallel_tp_shards_kv_and_weights():
-    a = ParallelAssumptions()
-    weights = param_count(LLAMA_13B) * 2
-    norm_bytes = (2 * LLAMA_13B.num_layers + 1) * LLAMA_13B.hidden_size * 2  # replicated on every rank
-    rows = _rows(80, gpus=(8,))
-    assert [r.tp for r in rows] == [1, 2, 4, 8] and [r.dp for r in rows] == [8, 4, 2, 1]
-    for r in rows:
-        assert r.kv_bytes_per_token_rank * r.tp == 2 * 40 * 40 * 128 * 2  # 2 L d_kv bytes, split t ways
-        assert r.weights_per_gpu * r.tp == weights + (r.tp - 1) * norm_bytes
-        assert r.kv_budget_per_gpu == int(80 * GIB * 0.9) - r.weights_per_gpu - a.activation_reserve_bytes
-        assert r.kv_blocks_per_replica == r.kv_budget_per_gpu // (r.kv_bytes_per_token_rank * 16)
-        assert r.kv_tokens_per_replica == 16 * r.kv_blocks_per_replica
-    assert rows[0].kv_blocks_per_replica == kv_calc(LLAMA_13B, "float16", block_size=16,
-                                                    budget_bytes=rows[0].kv_budget_per_gpu).num_blocks
-
-
-def test_parallel_capacity_superlinear_in_tp_when_weights_dominate():
-    rows = {r.tp: r for r in _rows(40, gpus=(8,))}
-    # Splitting 24 GiB of weights frees memory on each rank on top of the per-rank KV saving.
-    for t in (2, 4, 8):
-        assert rows[t].kv_tokens_per_replica > t * rows[1].kv_tokens_per_replica
-    # Same 8 GPUs: fewer weight copies, more KV for the cluster as t grows.
-    cluster = [rows[t].cluster_kv_tokens for t in (1, 2, 4, 8)]
-    assert cluster == sorted(cluster) and cluster[-1] > 2 * cluster[0]
-
-
-def test_parallel_dp_replicas_multiply_concurrency():
-    lengths = _lengths(64)
-    a = ParallelAssumptions(max_num_seqs=8)  # a replica holds at most 8, so DP is what adds more
-    rows = project_parallel(LLAMA_13B, lengths, [80 * GIB], (1, 2, 4, 8), tp_sizes=[1], a=a)
-    for r in rows:  # the cluster serves the 64 requests, each replica every DP-th of them
-        one = simulate(lengths[::r.dp], r.kv_blocks_per_replica, 16, "paged", 8, 2048, 2048)
-        assert (r.max_seqs_per_replica, r.mean_seqs_per_replica) == (one.max_concurrent_seqs, one.mean_batch_seqs)
-        assert r.cluster_max_seqs == r.dp * 8 and r.cluster_mean_seqs == pytest.approx(r.dp * one.mean_batch_seqs)
-        assert r.bound == "max_num_seqs"
-    assert [r.cluster_max_seqs for r in rows] == [8, 16, 32, 64]
-
-
-def test_parallel_memory_bound_replica_gains_from_tp():
-    # A small pool (40 GiB at TP=1: 840 blocks) with long requests fills up and preempts; TP=2 holds more.
-    rng = random.Random(2)
-    lengths = [(rng.randint(600, 1000), rng.randint(400, 900)) for _ in range(40)]
-    rows = {r.tp: r for r in project_parallel(LLAMA_13B, lengths, [40 * GIB], (2,))}
-    assert rows[1].bound == "memory" and rows[1].preemptions_per_replica > 0
-    assert rows[2].max_seqs_per_replica > rows[1].max_seqs_per_replica
-
-
-def test_parallel_rejects_tp_not_dividing_the_model():
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide the model's attention heads \(40\), "
-                                         r"KV heads \(40\), vocab size \(32000\); this model allows \[1, 2, 4, 8\]"):
-        project_parallel(LLAMA_13B, _lengths(), [80 * GIB], (6,), tp_sizes=[3])
-    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1, got 0"):
-        project_parallel(LLAMA_13B, _lengths(), [80 * GIB], (8,), tp_sizes=[0])
-    # The default sweep keeps only the layouts that split: 36 heads do not split 8 ways.
-    assert layouts(dataclasses.replace(LLAMA_13B, num_heads=36), 8) == [1, 2, 4]
-    assert layouts(LLAMA_13B, 8) == [1, 2, 4, 8]
-
-
-def test_parallel_reports_does_not_fit():
-    a = ParallelAssumptions()
-    rows = {r.tp: r for r in _rows(24, gpus=(2,))}
-    assert not rows[1].fits and rows[1].bound == "does not fit" and rows[1].kv_budget_per_gpu < 0
-    assert rows[1].max_seqs_per_replica == rows[1].cluster_kv_tokens == 0
-    assert "weights 24.2 GiB" in rows[1].reason
-    assert rows[2].fits and rows[2].max_seqs_per_replica > 0
-    text = format_projection("llama-13b", list(rows.values()), a, "test")
-    assert "DOES NOT FIT" in text and "1.50 GiB activation reserve" in text and "all-reduce" in text
-    # Fitting the weights is not enough: the pool must hold one max_model_len sequence.
-    tight = ParallelAssumptions(max_model_len=2048, activation_reserve_bytes=int(0.9 * 26 * GIB)
-                                - param_count(LLAMA_13B) * 2 - 2047 * 819200)
-    (row,) = project_parallel(LLAMA_13B, _lengths(), [26 * GIB], (1,), a=tight)
-    assert not row.fits and 0 < row.kv_budget_per_gpu < 2048 * 819200
-
-
-def test_project_parallel_cli(tmp_path, capsys):
-    from pagedllm.cli import main
-
-    out = tmp_path / "proj.txt"
-    assert main(["project-parallel", "--config", str(Path(__file__).parents[1] / "benchmarks/configs/llama-13b.json"),
-                 "--workload", "random", "--num-prompts", "8", "--input-len", "64", "--output-len", "32",
-                 "--gpu-memory", "80GiB,24GiB", "--gpus", "1,2", "--out", str(out)]) == 0
-    text = capsys.readouterr().out
-    assert "TP x DP projection" in text and "assumptions:" in text and "DOES NOT FIT" in text
-    assert out.read_text().strip() == text.split(f"wrote {out}")[0].strip()
-    assert len([ln for ln in text.splitlines() if "GiB  " in ln and ln.strip()[0].isdigit()]) == 6

@@ -8,20 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.bench.report import write_report
+from benchmarks.lib.report import write_report
 from pagedllm.cli import main
 
 ENGINE = ["--dtype", "float32", "--kv-cache-memory", "64MiB"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Every engine on one thread (the spawned ones inherit it). HF takes torch's default of
-    one per core, and on 2 cores shared with other processes those threads wait on each
-    other: a 5-token generate took 6 s on two threads, 0.4 s on one."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
 
 
 @pytest.fixture(scope="module")

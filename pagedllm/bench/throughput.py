@@ -54,7 +54,7 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
         "prefix_hit_rate": hits / queries if queries else 0.0,
         "prefix_hits": hits, "prefix_queries": queries,
         "max_blocks_saved_by_sharing": max((s["blocks_without_sharing"] - s["used_blocks"] for s in steps), default=0),
-        "bytes_per_block": st.bytes_per_token * st.kv.block_size,
+        "bytes_per_block": st.bytes_per_block,
         "stats": st.as_dict(), "steps": steps,
     }
 

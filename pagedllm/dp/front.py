@@ -148,7 +148,8 @@ class DataParallelEngine:
         return self.stats
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-               cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
+               cache_salt: str | None = None, owner: str | None = None,
+               priority: int = 0) -> AsyncIterator[RequestOutput]:
         """As AsyncLLMEngine.submit: raises at once, or returns the request's stream."""
         if not self.alive:
             raise EngineDeadError("no data-parallel replica is running")
@@ -165,7 +166,7 @@ class DataParallelEngine:
             r.adds_sent += 1
             r.routed += 1
             commands = r.commands
-        _put(commands, ("add", request_id, ids, params, cache_salt, owner))
+        _put(commands, ("add", request_id, ids, params, cache_salt, owner, priority))
         return self._iterate(r, request_id, stream)
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,

@@ -3,7 +3,7 @@ pool) and steps it, talking to the server's front over picklable messages.
 
 The loop is the engine-core loop (pagedllm.engine.core_loop), as in AsyncLLMEngine.
 In (a multiprocessing Queue, so the server's event loop never blocks on a busy replica):
-    ("add", request_id, token_ids, params, cache_salt, owner) · ("abort", request_id) · ("stop",) · ("stats",)
+    ("add", request_id, token_ids, params, cache_salt, owner, priority) · ("abort", request_id) · ("stop",) · ("stats",)
 Out (a Pipe, read by one thread in the server):
     ("ready", ReplicaInfo) or ("failed", message), once, first;
     ("step", outputs, view, tokens_run, adds_applied, moved) after every step (the view:
@@ -38,7 +38,7 @@ class ReplicaInfo:
     block_size: int
     enable_prefix_caching: bool
     stats: EngineStats           # the empty engine's, so the totals are whole from the start
-    window_blocks: int = 0       # under a sliding window, the most blocks one sequence holds (PoolShape)
+    window_blocks: tuple[int, ...] = (0,)  # per KV layer group: the most blocks one sequence holds (PoolShape)
 
 
 def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connection, log_level: str) -> None:

@@ -98,7 +98,8 @@ class AsyncLLMEngine:
         mark_checked(so)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
-               cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]:
+               cache_salt: str | None = None, owner: str | None = None,
+               priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Queue a request now (raising ValueError, QueueFullError or EngineDeadError at
         once) and return its stream: the request's output after each step that moved it
         (as its output_kind says), the last one finished. Closing the stream early (client
@@ -112,7 +113,7 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._send(("add", request_id, ids, params, cache_salt, owner))
+        self._send(("add", request_id, ids, params, cache_salt, owner, priority))
         return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:

@@ -77,7 +77,8 @@ class EngineClient(Protocol):
                  add_special_tokens: bool = True) -> list[int]: ...
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
-               cache_salt: str | None = None, owner: str | None = None) -> AsyncIterator[RequestOutput]: ...
+               cache_salt: str | None = None, owner: str | None = None,
+               priority: int = 0) -> AsyncIterator[RequestOutput]: ...
 
     async def check_structured(self, so: StructuredOutputsParams) -> None:
         """Compile a constrained request's grammar (cached) before it is submitted; ValueError

@@ -1,47 +1,68 @@
-"""LLMEngine: add_request / step / abort over the scheduler, KV manager and runner."""
+"""LLMEngine: add_request / step / abort over the scheduler, KV manager and runner.
+
+The runner is injectable: any object with the Runner interface (runner_api.py) runs the
+steps, so the engine core (scheduling, KV, stops, beams, speculation, outputs) is tested
+against a fake one with no model loaded."""
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
 import os
 import time
 import weakref
+from dataclasses import asdict
 from concurrent.futures import FIRST_COMPLETED, Future, wait
+from pathlib import Path
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
-from ..kv import KVCacheManager
+from ..kv import KVCacheManager, OffloadConnector
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import GrammarCompiler, checked, mark_checked
 from .beam import BeamGroup
+from .beam_search import BeamSearch
 from .observer import EngineObserver
 from .output_processor import OutputProcessor
-from .scheduler import Scheduler, StepUpdate
-from .sequence import Request, Sequence, SeqStatus
-from .speculative import SpecPolicy
+from .prompt_scoring import PromptScoring
+from .queue_policy import make_policy
+from .runner_api import Runner
+from .scheduler import Scheduler
+from .sequence import Request, Sequence, SeqStatus, request_seed
+from .speculative import Speculation, SpecPolicy
 from .stats import EngineStats
-from .validation import RequestRules
+from .step_types import StepUpdate
+from .step_update import StepApplier
+from .stops import StopRules
+from .tier_loads import TierLoads
+from .validation import RequestRules, check_draft_tokenizer
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL = 0.02  # seconds an engine with nothing else to run waits on a compile between polls
+# Prompt logprobs kept beside cached blocks, unless --prompt-logprobs-cache-memory says otherwise:
+# at most this share of the KV pool's bytes (they live outside it), and never less than the floor
+# (a small pool would otherwise keep too few entries to serve a shared few-shot prefix).
+SCORE_CACHE_SHARE, SCORE_CACHE_FLOOR = 0.05, 64 * 2**20
 
 
 class LLMEngine:
-    def __init__(self, cfg: EngineConfig) -> None:
-        from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts
-
+    def __init__(self, cfg: EngineConfig, runner: Runner | None = None, model_cfg: ModelConfig | None = None,
+                 tokenizer=None) -> None:
+        """runner: what runs the steps (default: a ModelRunner on cfg.model's weights); with
+        one, model_cfg and tokenizer describe its model (default: read from cfg.model)."""
         self.cfg = cfg
         # The HF directories read (a GGUF's converted one): the server's /model_info names them.
-        self.model_dir = model_dir = resolve_model_dir(cfg.model)
-        self.tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
-        self.model_cfg = ModelConfig.from_hf(load_config(model_dir))
-        self.tokenizer = load_tokenizer(self.tokenizer_dir)
+        if model_cfg is None or tokenizer is None:
+            self.model_dir = model_dir = resolve_model_dir(cfg.model)
+            self.tokenizer_dir = model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer)
+        else:
+            self.model_dir = self.tokenizer_dir = model_dir = Path(cfg.model or ".")
+        self.model_cfg = model_cfg or ModelConfig.from_hf(load_config(model_dir))
+        self.tokenizer = tokenizer or load_tokenizer(self.tokenizer_dir)
         if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
-            _check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
+            check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
         # A windowed model's layers attend within their windows (the attention backends
         # mask by each layer's own), so its limit is its positions', not its window's.
         limit = self.model_cfg.max_position_embeddings
@@ -50,49 +71,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
                              "(max_position_embeddings)")
         self._launcher = None
-        tp = None
-        # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
-        # the collectives' code path on its one device.
-        if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
-            from ..runtime.launch import start_group
-
-            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
-            self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
-            tp = self._launcher.group
-            # Workers stop when the engine is collected or the process exits, closed or not.
-            weakref.finalize(self, self._launcher.close)
-        try:
-            self.runner = ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len, tp)
-        except BaseException:
-            if self._launcher is not None:
-                self._launcher.close(graceful=False)
-            raise
-        spec = cfg.speculative_config
-        window = self._release_window()
-        # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
-        lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
-        tier = None
-        if cfg.kv_offload_dir is not None:
-            tier = self.runner.attach_tier(cfg, model_dir, cfg.kv_offload_dir, cfg.kv_offload_size)
-        self.kv = KVCacheManager(self.runner.kv_cache.num_blocks, cfg.block_size,
-                                 cfg.enable_prefix_caching, cfg.allocation, self.max_model_len,
-                                 sliding_window=window, max_step_tokens=cfg.max_num_batched_tokens + lookahead,
-                                 tier=tier, write_policy=cfg.kv_offload_write_policy)
-        if tier is not None:
-            logger.info("KV tier: %s, %s, up to %.1f GiB, %d bytes a block", tier.dir, cfg.kv_offload_write_policy,
-                        cfg.kv_offload_size / 2**30, tier.block_bytes)
-        if self.kv.sliding_window:
-            logger.info("sliding window of %d tokens: each sequence releases the KV blocks below it", window)
+        self.runner = runner if runner is not None else self._model_runner(model_dir)
+        self.kv = self._kv_manager()
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   cfg.long_prefill_token_threshold, cfg.max_num_partial_prefills,
-                                   SpecPolicy.of(spec) if spec is not None else None, self.max_model_len,
-                                   frozenset(self.eos_token_ids), cfg.max_logprobs, cfg.preemption_mode,
-                                   cfg.scheduling_policy, cfg.scheduling_aging_bound)
-        self.processor = OutputProcessor(self.tokenizer, self.scheduler)
+        self._scheduler()
+        self.processor = OutputProcessor(self.tokenizer)
         self.rules = RequestRules(self.tokenizer, self.model_cfg.vocab_size, self.max_model_len, cfg.max_num_seqs,
                                   self.kv.shape, cfg.max_logprobs)
         self.requests: dict[str, Request] = {}
@@ -116,26 +102,79 @@ class LLMEngine:
         self._view: EngineStats = self.stats()
         self._view_step = 0
 
-    def _release_window(self) -> int:
-        """The window by which sequences release their old blocks: every layer that reads
-        the pool (the target's, a draft model's: one block table serves both) must be
-        windowed, else none are released and that is said once."""
-        readers = [self.model_cfg] + ([self.runner.draft.cfg] if self.runner.draft is not None else [])
-        if not any(c.sliding_window for c in readers):
-            return 0
-        windows = [c.kv_window for c in readers]
-        if 0 in windows:
-            logger.info("sliding-window layers mask their own windows, but a sequence keeps all its KV blocks: "
-                        "a full-attention layer%s reads every key", " (of the draft model)" if windows[0] else "")
-            return 0
-        return max(windows)
+    def _model_runner(self, model_dir: Path) -> Runner:
+        from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts
+
+        cfg, tp = self.cfg, None
+        # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
+        # the collectives' code path on its one device.
+        if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
+            from ..runtime.launch import start_group
+
+            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+            self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
+            tp = self._launcher.group
+            # Workers stop when the engine is collected or the process exits, closed or not.
+            weakref.finalize(self, self._launcher.close)
+        try:
+            return ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len, tp)
+        except BaseException:
+            if self._launcher is not None:
+                self._launcher.close(graceful=False)
+            raise
+
+    def _kv_manager(self) -> KVCacheManager:
+        """The KV manager over the runner's pool, its layer groups and its tier."""
+        cfg, runner = self.cfg, self.runner
+        spec = cfg.speculative_config
+        # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
+        lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
+        connector = None
+        if cfg.kv_offload_dir is not None:
+            store = runner.attach_tier(cfg, self.model_dir, cfg.kv_offload_dir, cfg.kv_offload_size)
+            connector = OffloadConnector(store, cfg.kv_offload_write_policy)
+            logger.info("KV tier: %s, %s, up to %.1f GiB, %d bytes a block", getattr(store, "dir", store),
+                        cfg.kv_offload_write_policy,
+                        cfg.kv_offload_size / 2**30, store.block_bytes)
+        scores = cfg.prompt_logprobs_cache_memory
+        if scores is None:
+            scores = max(int(SCORE_CACHE_SHARE * runner.num_blocks * runner.bytes_per_block), SCORE_CACHE_FLOOR)
+        kv = KVCacheManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.allocation,
+                            self.max_model_len, max_step_tokens=cfg.max_num_batched_tokens + lookahead,
+                            connector=connector, group_windows=runner.kv_layout.windows, score_cache_bytes=scores)
+        windows = [g.window for g in kv.groups]
+        if any(windows):
+            logger.info("KV layer groups %s: each sequence releases its windowed groups' blocks below their windows",
+                        ", ".join(f"sliding window {w}" if w else "full" for w in windows))
+        return kv
+
+    def _scheduler(self) -> None:
+        """The scheduler, and the features that join its steps (StepHooks), in the order they
+        are asked: the tier's loads extend a prefix hit before prompt scoring reads it."""
+        cfg = self.cfg
+        self.stop_rules = StopRules(frozenset(self.eos_token_ids), self.max_model_len)
+        self.scheduler = sched = Scheduler(
+            self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
+            cfg.max_num_partial_prefills, self.max_model_len,
+            make_policy(cfg.scheduling_policy, cfg.scheduling_aging_bound))
+        self.applier = StepApplier(sched, self.stop_rules)
+        self.speculation = None
+        if self.kv.connector is not None:
+            sched.add_hook(TierLoads(cfg.preemption_mode))
+        self.scoring = PromptScoring(cfg.max_logprobs)
+        sched.add_hook(self.scoring)
+        if cfg.speculative_config is not None:
+            self.speculation = Speculation(SpecPolicy.of(cfg.speculative_config),
+                                           lambda seq: self.stop_rules.tokens_left(seq.request, seq.num_output_tokens))
+            sched.add_hook(self.speculation)
+        sched.add_hook(BeamSearch(self.stop_rules, self.applier.first_token))
 
     def close(self) -> None:
         """Stop the tensor-parallel workers and the grammar compiler, if any; the tier's writes
         finish, and every cached block it lacks is written now (write-back). Idempotent."""
-        if self.kv.tier is not None:
+        if self.kv.connector is not None:
             self.runner.write_blocks(self.kv.blocks_to_flush())
-            self.kv.tier.close()
+            self.kv.connector.close()
         if self._launcher is not None:
             self._launcher.close()
         self.grammars.close()
@@ -144,12 +183,13 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams | None = None, cache_salt: str | None = None,
                     owner: str | None = None, add_special_tokens: bool = True,
-                    prompt_token_ids: list[int] | None = None) -> Request:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing. A text prompt gets the tokenizer's special
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
-        BeamSearchParams make a beam-search request: one group of up to beam_width beams."""
+        BeamSearchParams make a beam-search request: one group of up to beam_width beams.
+        `priority` (vLLM's): lower runs first under the priority queue policy."""
         params, beam = self.rules.split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -160,13 +200,15 @@ class LLMEngine:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         compiling = self._grammar_of(params, beam)
-        req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner)
+        self.check_priority(priority)
+        req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner,
+                      priority=priority)
         if compiling is not None:
             req.compiling = compiling
             self._compiling.append(req)
         if params.prompt_logprobs is not None:
-            req.prompt_scores = self.scheduler.prompt_scores_for(params.prompt_logprobs)
-        base_seed = params.seed if params.seed is not None else _request_seed(self.cfg.seed, request_id)
+            req.prompt_scores = self.scoring.new_scores(params.prompt_logprobs)
+        base_seed = params.seed if params.seed is not None else request_seed(self.cfg.seed, request_id)
         for i in range(1 if beam else params.num_samples):
             seq = Sequence(self.scheduler.new_seq_id(), req, i, list(token_ids), len(token_ids),
                            seed=(base_seed * 1_000_003 + i) & 0x7FFFFFFFFFFF,
@@ -181,6 +223,13 @@ class LLMEngine:
             if o.active:
                 o.on_request(req)
         return req
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduler.policy.name != "priority":
+            raise ValueError(f"priority {priority} needs the priority queue policy (--scheduling-policy priority); "
+                             f"this engine runs {self.scheduler.policy.name}")
 
     def _grammar_of(self, params: SamplingParams, beam: BeamSearchParams | None) -> Future | None:
         so = params.structured_outputs
@@ -268,14 +317,15 @@ class LLMEngine:
             self.peak_waste = self.kv.stats().waste
         if self.step_log is not None:
             self.step_log.append(self._step_record(out))
-        up = self.scheduler.update_from_output(out, res)
+        up = self.applier.apply(out, res)
         up.touched.update((r.request_id, r) for r in failed)
         return up
 
     def process(self, up: StepUpdate) -> list[RequestOutput]:
         """The step's outputs (the output processor: stop strings, text, logprob texts); the
         observers are told; finished requests leave."""
-        outputs = self.processor.process(up, self.stream_outputs, time.time())
+        self.applier.decide(self.processor.stops(up))
+        outputs = self.processor.outputs(up, self.stream_outputs, time.time())
         watching = [o for o in self.observers if o.active]
         if watching:  # a watcher shows the slot figures: this step's view walked once, for it and the metrics
             view = self.refresh_view()
@@ -306,11 +356,12 @@ class LLMEngine:
     @property
     def tokens_run(self) -> int:
         """Prompt tokens computed and tokens generated so far (a step's work, by difference)."""
-        return self.scheduler.computed_prompt_tokens + self.scheduler.generation_tokens
+        c = self.scheduler.counters
+        return c.computed_prompt_tokens + c.generation_tokens
 
     @property
     def steps(self) -> int:
-        return self.scheduler.steps
+        return self.scheduler.counters.steps
 
     def _step_record(self, out) -> dict:
         kv = self.kv.stats()
@@ -325,31 +376,10 @@ class LLMEngine:
         """The engine's figures now; walk=False leaves out the KV slot figures that walk every
         block table (used slots, eta), so it costs O(batch)."""
         return EngineStats(
-            kv=self.kv.stats(walk), bytes_per_token=self.runner.kv_cache.bytes_per_token * self.runner.tp.size,
-            kv_cache_dtype=self.runner.kv_cache.kv_dtype.name,
+            kv=self.kv.stats(walk), bytes_per_token=self.runner.bytes_per_token,
+            bytes_per_block=self.runner.bytes_per_block, kv_cache_dtype=self.runner.kv_dtype_name,
             peak_used_blocks=self.peak_used_blocks, peak_waste=self.peak_waste,
-            preemptions=self.scheduler.num_preemptions,
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
-            prompt_tokens=self.scheduler.prompt_tokens, computed_prompt_tokens=self.scheduler.computed_prompt_tokens,
-            generation_tokens=self.scheduler.generation_tokens, steps=self.steps,
-            spec=self.scheduler.spec.snapshot() if self.cfg.speculative_config is not None else None,
-            grammar=self.grammars.snapshot())
-
-
-def _check_draft_tokenizer(tokenizer, draft_model: str) -> None:
-    """A draft model must speak the target's tokens: same vocabulary, same ids."""
-    draft = load_tokenizer(resolve_model_dir(draft_model))
-    ours, theirs = tokenizer.get_vocab(), draft.get_vocab()
-    if ours != theirs:
-        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
-        raise ValueError(f"speculative_config: the draft model {draft_model!r} has another tokenizer than the "
-                         f"target ({len(theirs)} tokens vs {len(ours)}; e.g. {differ}): a draft must use the "
-                         "target's token ids")
-
-
-def _request_seed(engine_seed: int, request_id: str) -> int:
-    """A request's default seed from a stable hash of (engine seed, request id): Python's
-    hash() is salted per process, so `--seed` would not reproduce a run in a new one."""
-    digest = hashlib.blake2b(f"{engine_seed}\x00{request_id}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & 0x7FFFFFFF
+            spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
+            grammar=self.grammars.snapshot(), **asdict(self.scheduler.counters))

@@ -24,14 +24,21 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True, cache_salt: str | None = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, cache_salt: str | None = None,
+                 priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Text prompts get the tokenizer's special tokens (BOS), as vLLM's; a prompt dict
-        may carry its own cache_salt, which wins over the argument."""
-        return self._generate(prompts, sampling_params, use_tqdm, cache_salt, add_special_tokens=True)
+        may carry its own cache_salt, which wins over the argument. `priority` (vLLM's): one
+        per prompt, lower first, under scheduling_policy="priority"."""
+        return self._generate(prompts, sampling_params, use_tqdm, cache_salt, add_special_tokens=True,
+                              priority=priority)
 
     def _generate(self, prompts: Prompt | Seq[Prompt], sampling_params, use_tqdm: bool,
-                  cache_salt: str | None, add_special_tokens: bool) -> list[RequestOutput]:
+                  cache_salt: str | None, add_special_tokens: bool,
+                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         prompts = _as_list(prompts)
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
         else:
@@ -44,6 +51,7 @@ class LLM:
         grammars: set[int] = set()
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
+                self.engine.check_priority(priority[i])
                 value, salt = _prompt_value(p), _prompt_salt(p, cache_salt)
                 token_ids = self.engine.validate(value, sp, add_special_tokens)
                 so = getattr(sp, "structured_outputs", None)  # BeamSearchParams has none
@@ -54,8 +62,8 @@ class LLM:
                 raise ValueError(f"prompt {i}: {e}") from None
             values.append((value, salt, token_ids))
         ids = [self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens,
-                                       prompt_token_ids=token_ids).request_id
-               for (value, salt, token_ids), sp in zip(values, params)]
+                                       prompt_token_ids=token_ids, priority=prio).request_id
+               for (value, salt, token_ids), sp, prio in zip(values, params, priority)]
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

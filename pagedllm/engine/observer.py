@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from .stats import EngineStats
-    from .scheduler import SchedulerOutput
+    from .step_types import SchedulerOutput
     from .sequence import Request, Sequence
 
 

@@ -5,7 +5,9 @@ logprob entries, and the outputs each request's `output_kind` asks for. A DELTA 
 holds only what is new since the last (the new ids, and the new text that can no longer
 become part of a stop string or of a character still missing bytes), so a stream writes
 what it is given and nothing is copied whole per step. The scheduler owns the tokens;
-this owns their text, and tells the scheduler where a stop string ended a sequence.
+this owns their text. It reads the step's update and changes nothing of the engine: where a
+stop string ends a sequence (or its text cannot be made) comes back as data, which the
+engine applies (step_update.StepApplier.decide) before it asks for the outputs.
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from dataclasses import dataclass, field
 from ..outputs import CompletionOutput, Logprob, RequestOutput
 from ..sampling_params import RequestOutputKind
 from .detokenizer import INCOMPLETE, DetokState, detokenize, final_text, token_text
-from .scheduler import Scheduler, StepUpdate
 from .sequence import Request, Sequence
+from .step_types import StepUpdate
+from .step_update import Failed, StopAt
 
 logger = logging.getLogger(__name__)
 
@@ -43,26 +46,34 @@ class _ReqState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, scheduler: Scheduler) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
         self._reqs: dict[str, _ReqState] = {}
         self._texts: dict[int, str] = {}
 
     # -- per step --------------------------------------------------------------
-    def process(self, up: StepUpdate, stream: bool, now: float) -> list[RequestOutput]:
-        """Check the step's new tokens for stop strings, then the outputs due: every moved
-        request's (as its output_kind says) when streaming, else the finished ones'."""
+    def stops(self, up: StepUpdate) -> list[StopAt | Failed]:
+        """Where the step's new tokens complete a stop string, and the requests whose text
+        could not be made (e.g. a tokenizer that cannot decode: that request only)."""
         runs: dict[Sequence, int] = {}  # tokens each sequence with stop strings got this step
         for seq, _ in up.new_tokens:
             if seq.params.stop:
                 runs[seq] = runs.get(seq, 0) + 1
+        found: list[StopAt | Failed] = []
         for seq, n in runs.items():
             if seq.request.error is None:
                 try:
-                    self._check_stop_strings(seq, n)
-                except Exception as e:  # e.g. a tokenizer that cannot decode: this request only
-                    self.scheduler.fail(seq.request, f"{type(e).__name__}: {e}")
+                    stop = self._check_stop_strings(seq, n)
+                except Exception as e:
+                    found.append(Failed(seq.request, f"{type(e).__name__}: {e}"))
+                else:
+                    if stop is not None:
+                        found.append(stop)
+        return found
+
+    def outputs(self, up: StepUpdate, stream: bool, now: float) -> list[RequestOutput]:
+        """The outputs due after a step: every moved request's (as its output_kind says) when
+        streaming, else the finished ones'."""
         outputs = []
         for req in up.touched.values():
             if req.finished:
@@ -83,14 +94,15 @@ class OutputProcessor:
                 self._reqs.pop(req.request_id, None)
 
     # -- stop strings ----------------------------------------------------------
-    def _check_stop_strings(self, seq: Sequence, n: int) -> None:
+    def _check_stop_strings(self, seq: Sequence, n: int) -> StopAt | None:
         """Look for a stop string in the text each of the step's n new tokens adds, in order
         (a verified run of drafts may hold one mid-way). Not before min_tokens, and not at
-        a token that stopped the sequence itself (EOS, a stop token id): those come first."""
+        a token that stopped the sequence itself (EOS, a stop token id): those come first.
+        The text is cut at it here; the tokens after it go when the StopAt is applied."""
         p = seq.params
         if seq.finish_reason not in (None, "length"):
             if seq.finish_reason != "stop" or isinstance(seq.stop_reason, str):
-                return
+                return None
         st = self._seq(seq)
         last = seq.num_output_tokens - (seq.finish_reason == "stop")
         longest = max(len(s) for s in p.stop)
@@ -107,8 +119,8 @@ class OutputProcessor:
                 at = st.text.find(s, tail)
                 if at >= 0:
                     st.text = st.text[:at + len(s)] if p.include_stop_str_in_output else st.text[:at]
-                    self.scheduler.stop_at(seq, count, s)
-                    return
+                    return StopAt(seq, count, s)
+        return None
 
     # -- outputs ---------------------------------------------------------------
     def _state(self, req: Request) -> _ReqState:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,6 +67,7 @@ class Request:
     finish_time: float | None = None
     num_cached_tokens: int = 0    # prompt tokens served from the prefix cache at first admission
     owner: str | None = None      # the tenant that sent it (the visualizer shows others' text to nobody)
+    priority: int = 0             # vLLM's: lower runs first under the priority queue policy
     error: str | None = None      # set when this request alone failed inside a step
     seqs: list[Sequence] = field(default_factory=list)
     # Beam search: the search state, the live beams (best first) and each live beam's
@@ -85,3 +87,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
+
+
+def request_seed(engine_seed: int, request_id: str) -> int:
+    """A request's default seed from a stable hash of (engine seed, request id): Python's
+    hash() is salted per process, so `--seed` would not reproduce a run in a new one."""
+    digest = hashlib.blake2b(f"{engine_seed}\x00{request_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFFFFFF

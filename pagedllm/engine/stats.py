@@ -13,7 +13,7 @@ class EngineStats:
     """Counters of the engine's life so far, for reports and metrics: the KV manager's
     own figures, and what only the engine knows (peaks, tokens, queues)."""
     kv: KVStats
-    bytes_per_token: int
+    bytes_per_token: int     # M_KV: every layer's K and V of one token
     peak_used_blocks: int
     peak_waste: float        # eta at the step of peak usage
     preemptions: int
@@ -26,6 +26,8 @@ class EngineStats:
     spec: SpecStats | None = None   # speculative decoding's counts, when it is on
     grammar: GrammarStats | None = None  # structured outputs' requests, compiles and cache hits
     kv_cache_dtype: str = "bfloat16"     # how the pool stores K/V (kv_dtype.py's names)
+    # One pool block: B tokens of every layer, or of one layer group's layers (kv.groups).
+    bytes_per_block: int = 0
 
     @property
     def peak_kv_usage(self) -> float:
@@ -34,15 +36,14 @@ class EngineStats:
     @property
     def blocks_per_gib(self) -> int:
         """KV blocks a GiB of pool holds at this dtype and block size."""
-        per_block = self.bytes_per_token * self.kv.block_size
+        per_block = self.bytes_per_block or self.bytes_per_token * self.kv.block_size
         return 2**30 // per_block if per_block else 0
 
     def as_dict(self) -> dict:
         d = asdict(self)
         if self.grammar is not None:
             d["grammar"] = {n: getattr(self.grammar, n) for n in GrammarStats.__slots__}
-        d["kv"]["hit_rate"] = self.kv.hit_rate
-        d["kv"]["tier_hit_rate"] = self.kv.tier_hit_rate
+        d["kv"] = self.kv.as_dict()
         d["peak_kv_usage"] = self.peak_kv_usage
         d["blocks_per_gib"] = self.blocks_per_gib
         if self.spec is not None:

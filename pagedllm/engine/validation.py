@@ -102,3 +102,16 @@ class RequestRules:
             raise ValueError(f"prompt + max_tokens = {prompt_len + max_tokens} tokens{beams} needs more KV blocks "
                              f"than the whole pool ({self.kv.num_blocks} blocks of {self.kv.block_size})")
         return max_tokens
+
+
+def check_draft_tokenizer(tokenizer, draft_model: str) -> None:
+    """A draft model must speak the target's tokens: same vocabulary, same ids."""
+    from ..loader import load_tokenizer, resolve_model_dir
+
+    draft = load_tokenizer(resolve_model_dir(draft_model))
+    ours, theirs = tokenizer.get_vocab(), draft.get_vocab()
+    if ours != theirs:
+        differ = sorted(set(ours.items()) ^ set(theirs.items()), key=lambda kv: kv[1])[:3]
+        raise ValueError(f"speculative_config: the draft model {draft_model!r} has another tokenizer than the "
+                         f"target ({len(theirs)} tokens vs {len(ours)}; e.g. {differ}): a draft must use the "
+                         "target's token ids")

@@ -19,6 +19,22 @@ class Block:
     block_hash: int | None = None
 
 
+@dataclass(slots=True)
+class PoolFigures:
+    """The pool's own figures. A block is exactly one of used, cached-free and free."""
+    num_blocks: int
+    used_blocks: int          # ref > 0
+    cached_free_blocks: int   # ref 0, still hittable by a prefix
+    free_blocks: int          # ref 0, holding nothing
+    shared_blocks: int        # ref > 1
+    evictions: int            # cached-free blocks handed out again
+
+    @property
+    def usage(self) -> float:
+        """U_kv: allocated blocks / all blocks."""
+        return self.used_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
 class BlockPool:
     """All physical blocks. A block is exactly one of: used (ref > 0),
     cached-free (ref 0, hashed: reusable by a prefix hit until evicted), or free."""
@@ -32,15 +48,13 @@ class BlockPool:
         # Ordered oldest-first: the front is evicted first (LRU), in O(1).
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}  # block hash -> block id
-        # What callers keep beside a cached block (its prompt tokens' logprobs), under the
-        # same hash: set while the hash is cached, dropped when it is uncached, so an entry
-        # lives and dies with its block (and its salt) and there are at most num_blocks.
-        self.attached: dict[int, object] = {}
         self.num_cached_free = 0
         self.num_shared = 0   # blocks with ref > 1, counted as refs change (no scan to report it)
         self.num_evictions = 0
         # (block id, the hash it held): set by the manager, which tells its listener and the tier
         self.on_evict: Callable[[int, int], None] | None = None
+        # (the hash): a hash leaves the cache (evicted or reset); what is kept beside it goes too
+        self.on_uncache: Callable[[int], None] | None = None
 
     # -- queries -------------------------------------------------------------
     @property
@@ -56,12 +70,13 @@ class BlockPool:
     def lookup(self, block_hash: int) -> int | None:
         return self.cached.get(block_hash)
 
-    def attachment(self, block_hash: int) -> object | None:
-        return self.attached.get(block_hash)
-
     def is_available(self, block_id: int) -> bool:
         """In the free queue: free, or cached-free (a prefix hit may still revive it)."""
         return block_id in self.free_queue
+
+    def figures(self) -> PoolFigures:
+        return PoolFigures(self.num_blocks, self.num_used, self.num_cached_free,
+                           len(self.free_queue) - self.num_cached_free, self.num_shared, self.num_evictions)
 
     # -- transitions ---------------------------------------------------------
     def allocate(self) -> int:
@@ -131,16 +146,9 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
-    def attach(self, block_hash: int, value: object) -> bool:
-        """Keep `value` beside the block cached under `block_hash`; True if kept (not when
-        the hash is not cached, nor when it already has one: the first computed stays)."""
-        if block_hash not in self.cached or block_hash in self.attached:
-            return False
-        self.attached[block_hash] = value
-        return True
-
     def _uncache(self, block: Block) -> None:
-        self.attached.pop(block.block_hash, None)
+        if self.on_uncache is not None:
+            self.on_uncache(block.block_hash)
         del self.cached[block.block_hash]
         block.block_hash = None
         self.num_cached_free -= 1

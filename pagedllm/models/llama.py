@@ -185,12 +185,16 @@ class LlamaForCausalLM(nn.Module):
         self.rope: RotaryEmbedding | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any) -> torch.Tensor:
+                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
+                layer_meta: list[Any] | None = None) -> torch.Tensor:
+        """kv_caches: each layer's K and V pools; meta: the attention backend's step metadata,
+        or per layer in `layer_meta` (a model whose layer groups have block tables of their own)."""
         x = self.embed(input_ids)
         rotate = self.ops.rotary(self.rope, positions, x.dtype)
         residual = None
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, meta, self.tp)
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
+            m = meta if layer_meta is None else layer_meta[i]
+            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, m, self.tp)
         return self.ops.add_norm(x, residual, self.norm)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:

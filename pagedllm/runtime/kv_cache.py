@@ -1,5 +1,9 @@
-"""The KV pools: one preallocated K and V tensor per layer, a block per row (the attention
-backend picks the layout inside a block), sized from the memory budget."""
+"""The KV pools: preallocated K and V tensors, a block per row (the attention backend picks
+the layout inside a block), sized from the memory budget.
+
+One K/V pair per layer slot of the KV layout (kv.groups): a model of one attention type has a
+slot per layer; a model whose layers mix attention types has g slots, each shared by layer i
+of every layer group, so one block id holds the g layers of whichever group owns it."""
 from __future__ import annotations
 
 import logging
@@ -11,6 +15,7 @@ import torch
 from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import TPGroup
+from ..kv import KVLayout
 from ..models import ModelConfig
 from ..util import cdiv
 
@@ -84,16 +89,20 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
 class KVCache:
     def __init__(self, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype, device: torch.device,
                  backend: AttentionBackend, profile: Callable[[], int] | None = None, tp: TPGroup | None = None,
-                 extra_bytes_per_token: int = 0) -> None:
+                 extra_bytes_per_token: int = 0, layout: KVLayout | None = None) -> None:
         """model_cfg: this rank's slice under tensor parallelism (its KV heads). Every
         rank holds the same number of blocks (the fewest any can fit): rank 0's block
         tables index all the pools. extra_bytes_per_token: another pool of as many blocks
         shares the budget (a draft model's KV). The backend lays the blocks out and says
-        how K/V are stored (its kv dtype: as computed, or quantized)."""
+        how K/V are stored (its kv dtype: as computed, or quantized). layout: the layer
+        groups (default: one group of every layer)."""
         tp = tp or TPGroup()
+        self.layout = layout or KVLayout.single(model_cfg.num_layers)
         self.kv_dtype = backend.kv_dtype_of(dtype)
+        # M_KV per token over every layer; a pool block holds the layout's g layer slots of B tokens.
         self.bytes_per_token = model_cfg.kv_bytes_per_token(self.kv_dtype)
-        self.bytes_per_block = self.bytes_per_token * cfg.block_size
+        self.bytes_per_block = self.bytes_per_token * self.layout.layers_per_block // model_cfg.num_layers \
+            * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
@@ -106,26 +115,31 @@ class KVCache:
                                  f"({self.bytes_per_block} bytes at block_size {cfg.block_size})")
         self.num_blocks = num_blocks
         self.block_size = cfg.block_size
-        self.layers = allocate_layers(model_cfg, num_blocks, cfg.block_size, backend.pool_dtype(dtype), device,
-                                      backend.cache_shapes)
+        # One (K, V) pair per layer slot; each model layer reads and writes its slot's pair.
+        self.pools = allocate_layers(model_cfg, num_blocks, cfg.block_size, backend.pool_dtype(dtype), device,
+                                     backend.cache_shapes, self.layout.layers_per_block)
+        self.layers = [self.pools[self.layout.place(i)[1]] for i in range(model_cfg.num_layers)]
         log = logger.info if tp.is_driver else logger.debug
-        log("KV cache: %d blocks x %d tokens, %s, %d bytes/token (2*L*d_kv*bytes%s), %.2f GiB, max %d tokens%s",
+        groups = self.layout.groups
+        log("KV cache: %d blocks x %d tokens, %s, %d bytes/token (2*L*d_kv*bytes%s), %.2f GiB, max %d tokens%s%s",
             num_blocks, cfg.block_size, self.kv_dtype.name, self.bytes_per_token,
             " + scales" if self.kv_dtype.quantized else "", num_blocks * self.bytes_per_block / 2**30,
-            num_blocks * cfg.block_size, f" (per rank, {tp.size} ranks)" if tp.size > 1 else "")
+            num_blocks * cfg.block_size // len(groups), f" (per rank, {tp.size} ranks)" if tp.size > 1 else "",
+            "" if len(groups) == 1 else f"; {len(groups)} layer groups of {self.layout.layers_per_block} layers "
+            f"({', '.join(g.kind for g in groups)}), a block holds one group's")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Carry out copy-on-write / fork copies decided by the KV manager."""
-        copy_blocks(self.layers, pairs)
+        copy_blocks(self.pools, pairs)
 
 
 def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                    cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]]
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A (K, V) pool of num_blocks blocks per layer of `mc`, in the backend's layout."""
+                    cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
+                    num_slots: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A (K, V) pool of num_blocks blocks per layer slot (default: per layer of `mc`), in the backend's layout."""
     k_shape, v_shape = cache_shapes(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
     return [(allocate_pool(k_shape, dtype, device), allocate_pool(v_shape, dtype, device))
-            for _ in range(mc.num_layers)]
+            for _ in range(mc.num_layers if num_slots is None else num_slots)]
 
 
 def copy_blocks(layers: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:

@@ -16,6 +16,8 @@ from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
 from ..distributed import TPGroup
 from ..kernels import load_ops
+from ..kv import KVLayout, kv_layout
+from ..kv.groups import merged
 from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
@@ -128,6 +130,9 @@ class StepInputs:
     score_rows: list[int] = field(default_factory=list)
     score_ids: list[int] = field(default_factory=list)
     score_top: list[int] = field(default_factory=list)
+    # Layer groups 1.. (kv.groups): their slots and tables (slots and tables above: group 0's).
+    group_slots: list[list[int]] = field(default_factory=list)
+    group_tables: list[list[list[int]]] = field(default_factory=list)
 
 
 def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
@@ -222,9 +227,13 @@ class ModelRunner:
                 raise ValueError("a draft model with tensor_parallel_size > 1 is not supported")
             self.draft = DraftRunner(resolve_model_dir(spec.model), backend, kernels, self.device, self.dtype,
                                      max_model_len)
+        self.kv_layout = self._kv_layout(cfg, model_cfg)
+        # Each layer's group: its block tables and slots (one metadata per group per step).
+        self.layer_groups = [self.kv_layout.place(i)[0] for i in range(model_cfg.num_layers)]
         self.kv_cache = KVCache(model_cfg, cfg, self.dtype, self.device, backend,
                                 profile=lambda: self._profile_activations(cfg, model_cfg), tp=tp,
-                                extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0)
+                                extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0,
+                                layout=self.kv_layout)
         if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
             self.draft.allocate(self.kv_cache.num_blocks, cfg.block_size)
         # Drafts for the next step, proposed after sampling (rank 0 only: it samples).
@@ -234,11 +243,49 @@ class ModelRunner:
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
         if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager \
-                and not tp.distributed:
+                and not tp.distributed and len(self.kv_layout.groups) == 1:
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
             self.graphs.capture()
+
+    def _kv_layout(self, cfg: EngineConfig, mc: ModelConfig) -> KVLayout:
+        """The KV cache's layer groups (kv.groups): by attention type, so that windowed layers
+        release their old blocks while full-attention ones keep theirs. What reads the pool
+        with one block table per sequence gets one group, windowed only if every layer that
+        reads it is: a draft model beside the target (same block ids), the disk tier (blocks
+        under one key each), reserve-max (one reservation)."""
+        windows = [mc.window(i) for i in range(mc.num_layers)]
+        why = "a draft model shares the block table" if self.draft is not None else \
+            "the KV tier keeps one block per key" if cfg.kv_offload_dir is not None else \
+            "reserve-max reserves one table" if cfg.allocation == "reserve-max" else None
+        if why is None:
+            return kv_layout(windows)
+        one = merged(windows + ([self.draft.cfg.window(i) for i in range(self.draft.cfg.num_layers)]
+                                if self.draft is not None else []))
+        if any(windows) and not one.groups[0].window and self.tp.is_driver:
+            logger.info("sliding-window layers mask their own windows, but a sequence keeps all its KV blocks (%s "
+                        "and a full-attention layer reads every key)", why)
+        return KVLayout.single(mc.num_layers, one.groups[0].window)
+
+    # -- what the engine reads of the runner -----------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_cache.num_blocks
+
+    @property
+    def bytes_per_token(self) -> int:
+        """M_KV per token over every layer and rank."""
+        return self.kv_cache.bytes_per_token * self.tp.size
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One pool block over its layer slots and every rank."""
+        return self.kv_cache.bytes_per_block * self.tp.size
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return self.kv_cache.kv_dtype.name
 
     def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> TierStore:
         """Open the second tier for this runner's pools (--kv-offload-dir): the store keeps
@@ -246,7 +293,7 @@ class ModelRunner:
         if self.tp.size > 1:
             raise ValueError("kv_offload_dir with tensor_parallel_size > 1 is not supported: each rank holds a "
                              "slice of every block")
-        pools = [t for layer in self.kv_cache.layers for t in layer]
+        pools = [t for pair in self.kv_cache.pools for t in pair]
         if self.draft is not None:
             pools += [t for layer in self.draft.layers for t in layer]
         blocks = BlockBytes(pools)
@@ -424,11 +471,17 @@ class ModelRunner:
         checks: list[Verify] = []
         scores: tuple[list[int], list[int], list[int]] = ([], [], [])
         scored: list[tuple[int, int, int]] = []
+        more = len(order[0].groups) if order else 0   # layer groups 1..
+        group_slots: list[list[int]] = [[] for _ in range(more)]
+        group_tables: list[list[list[int]]] = [[] for _ in range(more)]
         for c in order:
             base = len(ids)
             ids.extend(c.token_ids)
             positions.extend(range(c.start, c.end))
             slots.extend(c.slots)
+            for g, (sl, bt) in enumerate(c.groups):
+                group_slots[g].extend(sl)
+                group_tables[g].append(bt)
             q_starts.append(len(ids))
             if c.draft:  # a speculating decode: its last len(draft) + 1 rows verify
                 checks.append(Verify(len(logit_rows), c.samples[0], c.draft))
@@ -444,7 +497,7 @@ class ModelRunner:
                 scored.append((c.seq_id, len(c.score_ids), c.score_top))
         nd = sum(1 for c in order if c.num_tokens == 1)
         step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
-                          nd, logit_rows, plan.copies, *scores)
+                          nd, logit_rows, plan.copies, *scores, group_slots, group_tables)
         return step, sample_rows, checks, scored
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -457,13 +510,17 @@ class ModelRunner:
         if self.graphs is not None and nd == n and self.graphs.fits(nd):
             hidden = self.graphs.run(ids, positions, slots, step.tables, step.seq_lens)
         else:
+            group_slots = step.group_slots
             if self.pad_steps:  # padding rows: token 0 at position 0, no slot, in no sequence
                 pad = step_bucket(len(ids)) - len(ids)
                 ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
+                group_slots = [g + [-1] * pad for g in group_slots]
             dev = self.device
-            meta = self.backend.build_metadata(StepLayout(slots, step.tables, step.seq_lens, step.q_starts, nd), dev)
+            metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, nd), dev)
+                     for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
             hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                self.kv_cache.layers, meta)
+                                self.kv_cache.layers, metas[0],
+                                [metas[g] for g in self.layer_groups] if len(metas) > 1 else None)
         scores = self._score_prompt(hidden, step) if step.score_rows else []
         if not step.logit_rows:
             return None, scores

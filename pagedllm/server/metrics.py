@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from ..engine.stats import EngineStats
-from ..kv.tier_store import TierStats
+from ..kv import TierFigures
 from ..outputs import RequestOutput
 
 if TYPE_CHECKING:
@@ -62,11 +62,17 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "prefix_cache_hits", "Prompt tokens served from the prefix cache.", s.kv.prefix_hits),
         # Ours: prompt logprobs kept beside cached blocks, counted apart from the KV hits above.
         (c, "prompt_logprobs_cache_queries", "Prompt tokens of prompt-logprob requests whose logprobs were looked up "
-         "in the prefix cache.", s.kv.prompt_logprob_queries),
+         "in the prefix cache.", s.kv.scores.queries),
         (c, "prompt_logprobs_cache_hits", "Prompt tokens whose logprobs came from the prefix cache, not recomputed.",
-         s.kv.prompt_logprob_hits),
+         s.kv.scores.hits),
         (g, "prompt_logprobs_cache_blocks", "Cached KV blocks that keep their tokens' prompt logprobs beside them.",
-         s.kv.prompt_logprob_blocks),
+         s.kv.scores.entries),
+        (g, "prompt_logprobs_cache_bytes", "Bytes of prompt logprobs kept beside cached blocks (outside the KV "
+         "pool).", s.kv.scores.bytes),
+        (g, "prompt_logprobs_cache_capacity_bytes", "Most bytes of prompt logprobs kept "
+         "(--prompt-logprobs-cache-memory).", s.kv.scores.cap_bytes),
+        (c, "prompt_logprobs_cache_dropped", "Kept prompt logprobs dropped to stay under their cap (their blocks "
+         "stay cached).", s.kv.scores.dropped),
         (c, "num_preemptions", "Sequences preempted for lack of KV blocks (recompute, or swap: see "
          "num_swap_outs).", s.preemptions),
         (c, "prompt_tokens", "Prompt tokens of requests that started generating.", s.prompt_tokens),
@@ -114,16 +120,16 @@ def tier_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
     """Ours: the second tier (--kv-offload-dir). Served with or without one (zeros without), so a
     dashboard's queries never find the series missing."""
     g, c = GaugeMetricFamily, CounterMetricFamily
-    kv = s.kv
-    t = kv.tier or TierStats()
+    kv = s.kv.tier or TierFigures()
+    t = kv.store
     return [
         (c, "kv_tier_hits", "Prompt tokens served by blocks loaded from the second tier (also counted in "
-         "prefix_cache_hits).", kv.tier_hits),
-        (c, "kv_tier_loaded_blocks", "Blocks read back from the tier into the KV pool.", kv.tier_loaded_blocks),
+         "prefix_cache_hits).", kv.hits),
+        (c, "kv_tier_loaded_blocks", "Blocks read back from the tier into the KV pool.", kv.loaded_blocks),
         (c, "kv_tier_offloaded_blocks", "Blocks handed to the tier (written through, saved at eviction "
-         "under write-back, saved by a swap-out).", kv.tier_offloaded_blocks),
+         "under write-back, saved by a swap-out).", kv.offloaded_blocks),
         (g, "kv_tier_backlog_blocks", "Write-through blocks waiting because too many writes are in flight.",
-         kv.tier_backlog),
+         kv.backlog),
         (g, "kv_tier_blocks", "Blocks the tier holds on disk.", t.blocks),
         (g, "kv_tier_bytes", "Bytes the tier's blocks take on disk (headers included).", t.bytes),
         (g, "kv_tier_capacity_bytes", "Most bytes the tier keeps on disk (--kv-offload-size; 0: no tier).",
@@ -160,6 +166,22 @@ class EngineCollector(Collector):
                               "as a label; the value is 1.", labels=["model_name", "kv_cache_dtype"])
         f.add_metric([*self.labels, s.kv_cache_dtype], 1.0)
         yield f
+        yield from group_families(s, self.prefix, self.labels)
+
+
+def group_families(s: EngineStats, prefix: str, labels: list[str]):
+    """Ours: each KV layer group's blocks (kv.groups), labelled by group and attention kind: a model
+    whose layers mix attention types frees its windowed groups' blocks while its full ones keep theirs."""
+    held = GaugeMetricFamily(f"{prefix}:kv_cache_group_blocks", "Blocks a KV layer group's block tables hold "
+                             "(one group per attention type and layer slice).", labels=["model_name", "group", "kind"])
+    released = CounterMetricFamily(f"{prefix}:kv_cache_group_released_blocks", "Blocks a windowed layer group "
+                                   "released below its window.", labels=["model_name", "group", "kind"])
+    for i, g in enumerate(s.kv.groups):
+        if g.held_blocks is not None:
+            held.add_metric([*labels, str(i), g.kind], g.held_blocks)
+        released.add_metric([*labels, str(i), g.kind], g.released)
+    yield held
+    yield released
 
 
 class ReplicaCollector(Collector):

@@ -32,6 +32,8 @@ class _Common(StructuredRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: with --scheduling-policy priority, lower runs first (then arrival); 0 otherwise.
+    priority: int = Field(0, ge=-(2**31), le=2**31 - 1)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, allow_inf_nan=False)

@@ -32,11 +32,16 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
     if isinstance(params, SamplingParams):  # a stream writes what is new; a response needs only the end
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
     salt = state.cache_salt(key, req.cache_salt)
+    policy = engine.info.cfg.scheduling_policy
+    if req.priority and policy != "priority":
+        raise APIError(400, f"priority: {req.priority} needs the priority scheduling policy (the server runs "
+                            f"--scheduling-policy {policy})", param="priority")
     rid = f"{prefix}-{uuid.uuid4().hex}"
     streams = []
     try:
         for i, ids in enumerate(prompts):
-            streams.append(engine.submit(f"{rid}-{i}", ids, params, salt, owner=state.tenant(key)))
+            streams.append(engine.submit(f"{rid}-{i}", ids, params, salt, owner=state.tenant(key),
+                                         priority=req.priority))
     except (QueueFullError, EngineDeadError) as e:
         for s in streams:
             await s.aclose()

@@ -34,7 +34,7 @@ from .state import kv_picture
 
 if TYPE_CHECKING:
     from ..engine.engine import EngineStats, LLMEngine
-    from ..engine.scheduler import SchedulerOutput
+    from ..engine.step_types import SchedulerOutput
     from ..engine.sequence import Request, Sequence
 
 # A subscriber this far behind is dropped rather than let the engine's memory grow.
@@ -127,7 +127,7 @@ class VizHub:
 
     def _kv_events_append(self, ev: dict) -> None:
         kv = self.engine.kv
-        if kv.tier is not None and ev["type"] in KEYED_EVENTS:
+        if kv.connector is not None and ev["type"] in KEYED_EVENTS:
             # Read now: the pool holds the block under this hash at the moment it is emitted.
             ev = {**ev, "key": block_key(kv.pool.blocks[ev["block"]].block_hash)}
         self._kv_events.append(ev)
@@ -198,7 +198,8 @@ class VizHub:
         eng = self.engine
         return {"num_blocks": eng.kv.pool.num_blocks, "block_size": eng.kv.block_size,
                 "policy": eng.kv.policy, "prefix_caching": eng.kv.enable_prefix_caching,
-                "sliding_window": eng.kv.sliding_window, "tier": tier_config(eng),
+                "sliding_window": max(g.window for g in eng.kv.groups), "windows": [g.window for g in eng.kv.groups],
+                "tier": tier_config(eng),
                 "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
                 "model": eng.model_name}
 
@@ -211,9 +212,8 @@ class VizHub:
         reserve = sum(cdiv(min(len(s.request.prompt_token_ids) + s.request.max_tokens, eng.max_model_len),
                            eng.kv.block_size) for s in eng.scheduler.running)
         figs = kv_figures(view.kv, reserve, view.preemptions)
-        spec = eng.scheduler.spec
-        if eng.scheduler.spec_policy is not None:
-            figs.update(spec_drafted=spec.num_draft_tokens, spec_accepted=spec.num_accepted_tokens)
+        if view.spec is not None:
+            figs.update(spec_drafted=view.spec.num_draft_tokens, spec_accepted=view.spec.num_accepted_tokens)
         return figs
 
     def _queues(self) -> dict:
@@ -250,16 +250,16 @@ def block_key(block_hash: int | None) -> str | None:
 
 def tier_keys(kv) -> dict:
     """A snapshot's keys of the cached blocks, with a tier (none without: nothing to follow)."""
-    if kv.tier is None:
+    if kv.connector is None:
         return {}
     return {"keys": {b.block_id: block_key(b.block_hash) for b in kv.pool.blocks if b.block_hash is not None}}
 
 
 def tier_config(eng: LLMEngine) -> dict | None:
     """What the page says of the second tier (never its folder: a tenant need not see the server's paths)."""
-    if eng.kv.tier is None:
+    if eng.kv.connector is None:
         return None
-    return {"write_policy": eng.kv.write_policy, "preemption_mode": eng.scheduler.preemption_mode}
+    return {"write_policy": eng.cfg.kv_offload_write_policy, "preemption_mode": eng.cfg.preemption_mode}
 
 
 def tier_figures(st: KVStats) -> dict:
@@ -267,20 +267,24 @@ def tier_figures(st: KVStats) -> dict:
     t = st.tier
     if t is None:
         return {}
-    return {"tier_hits": st.tier_hits, "tier_hit_rate": round(st.tier_hit_rate, 4),
-            "tier_loaded": st.tier_loaded_blocks, "tier_offloaded": st.tier_offloaded_blocks,
-            "tier_backlog": st.tier_backlog, "swap_outs": st.swap_outs, "swap_out_blocks": st.swap_out_blocks,
-            "tier_blocks": t.blocks, "tier_bytes": t.bytes, "tier_capacity": t.capacity_bytes,
-            "tier_written": t.written_blocks, "tier_evicted": t.evicted_blocks, "tier_read": t.read_blocks,
-            "tier_read_failures": t.read_failures, "tier_write_errors": t.write_errors}
+    d = t.store
+    return {"tier_hits": t.hits, "tier_hit_rate": round(st.tier_hit_rate, 4),
+            "tier_loaded": t.loaded_blocks, "tier_offloaded": t.offloaded_blocks,
+            "tier_backlog": t.backlog, "swap_outs": t.swap_outs, "swap_out_blocks": t.swap_out_blocks,
+            "tier_blocks": d.blocks, "tier_bytes": d.bytes, "tier_capacity": d.capacity_bytes,
+            "tier_written": d.written_blocks, "tier_evicted": d.evicted_blocks, "tier_read": d.read_blocks,
+            "tier_read_failures": d.read_failures, "tier_write_errors": d.write_errors}
 
 
 def kv_figures(st: KVStats, reserve_max_blocks: int, preemptions: int = 0) -> dict:
     """The live figures: U_kv, H, eta, and blocks used against no sharing and reserve-max
     (`st`: a walked KVStats, as KVCacheManager.stats() gives), and the tier's if any."""
-    return {"used": st.used_blocks, "shared": st.shared_blocks,
+    figs = {"used": st.used_blocks, "shared": st.pool.shared_blocks,
             "cached_free": st.cached_free_blocks, "free": st.free_blocks, "usage": round(st.usage, 4),
             "hit_rate": round(st.hit_rate, 4), "waste": round(st.waste, 4),
             "without_sharing": st.blocks_without_sharing, "reserve_max": reserve_max_blocks,
-            "cow": st.cow_copies, "forks": st.forks, "evictions": st.evictions, "preemptions": preemptions,
+            "cow": st.cow_copies, "forks": st.forks, "evictions": st.pool.evictions, "preemptions": preemptions,
             "window_released": st.window_released, **tier_figures(st)}
+    if len(st.groups) > 1:   # a model whose layers mix attention types: what each layer group holds
+        figs["groups"] = [{"kind": g.kind, "held": g.held_blocks, "released": g.released} for g in st.groups]
+    return figs

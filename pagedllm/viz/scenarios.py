@@ -217,7 +217,7 @@ def kv_messages(kv, steps, tokens: dict[int, list[int]], names: dict[int, str], 
     reserve = lambda: len(kv.tables) * cdiv(max_len, kv.block_size)  # noqa: E731
     msgs = [{"kind": "snapshot", "t": 0, "step": 0,
              "config": {"num_blocks": kv.pool.num_blocks, "block_size": kv.block_size, "policy": kv.policy,
-                        "prefix_caching": True, "sliding_window": kv.sliding_window, "max_num_seqs": 4,
+                        "prefix_caching": True, "sliding_window": kv.groups[0].window, "max_num_seqs": 4,
                         "max_model_len": max_len, "model": "none (KV manager only)"},
              **kv_picture(kv), "seqs": {}, "requests": {},
              "running": [], "waiting": [], "figures": kv_figures(kv.stats(), 0)}]

@@ -20,6 +20,8 @@ sliding window released, or a prefix hit never took: it holds no reference.
   offload blocks               these blocks' bytes go to the tier (written through, saved before reuse)
   swap_out seq, blocks         a preempted sequence's blocks saved to the tier (its free follows)
   reset_cache                  every cached-free block forgets its hash
+A model whose layers mix attention types has a table per layer group (kv.groups): the events
+of group g > 0 carry "group": g; a fill applies to every group's table of its sequence.
 """
 from __future__ import annotations
 
@@ -34,11 +36,20 @@ def held(blocks: list[int]) -> list[int]:
 
 
 def kv_picture(kv) -> dict:
-    """A KVCacheManager's block-level state in the shape snapshots carry:
-    refs per block, hashed (prefix-cached) block ids, and tables {seq: [blocks, tokens]}."""
-    return {"refs": [b.ref_cnt for b in kv.pool.blocks],
-            "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
-            "tables": {sid: [list(t.block_ids), t.num_tokens] for sid, t in kv.tables.items()}}
+    """A KVCacheManager's block-level state in the shape snapshots carry: refs per block,
+    hashed (prefix-cached) block ids, tables {seq: [blocks, tokens]} (group 0's), and with
+    several layer groups "groups": each later group's tables, with every group's window."""
+    pic = {"refs": [b.ref_cnt for b in kv.pool.blocks],
+           "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
+           "tables": _tables(kv.groups[0].tables)}
+    if len(kv.groups) > 1:
+        pic["windows"] = [g.window for g in kv.groups]
+        pic["groups"] = [_tables(g.tables) for g in kv.groups[1:]]
+    return pic
+
+
+def _tables(tables: dict) -> dict:
+    return {sid: [list(t.block_ids), t.num_tokens] for sid, t in tables.items()}
 
 
 @dataclass
@@ -53,41 +64,61 @@ class KVReplay:
     refs: list[int] = field(default_factory=list)
     hashed: set[int] = field(default_factory=set)
     tables: dict[int, TableState] = field(default_factory=dict)
+    # Layer groups 1.. (kv.groups), each with tables of its own; their windows, all groups'.
+    group_tables: list[dict[int, TableState]] = field(default_factory=list)
+    windows: list[int] | None = None
 
     def __post_init__(self) -> None:
         if not self.refs:
             self.refs = [0] * self.num_blocks
+        if self.windows is not None and not self.group_tables:
+            self.group_tables = [{} for _ in self.windows[1:]]
 
     @classmethod
     def from_picture(cls, pic: dict) -> KVReplay:
         """Start from a snapshot (or kv_picture); JSON may have turned seq ids into strings."""
-        return cls(len(pic["refs"]), list(pic["refs"]), set(pic["hashed"]),
-                   {int(sid): TableState(list(blocks), tokens) for sid, (blocks, tokens) in pic["tables"].items()})
+        def tables(d: dict) -> dict[int, TableState]:
+            return {int(sid): TableState(list(blocks), tokens) for sid, (blocks, tokens) in d.items()}
+        return cls(len(pic["refs"]), list(pic["refs"]), set(pic["hashed"]), tables(pic["tables"]),
+                   [tables(g) for g in pic.get("groups", [])], pic.get("windows"))
 
     def picture(self) -> dict:
         """The same shape as kv_picture, to compare the two."""
-        return {"refs": list(self.refs), "hashed": sorted(self.hashed),
-                "tables": {sid: [t.blocks, t.tokens] for sid, t in self.tables.items()}}
+        def tables(d: dict[int, TableState]) -> dict:
+            return {sid: [t.blocks, t.tokens] for sid, t in d.items()}
+        pic = {"refs": list(self.refs), "hashed": sorted(self.hashed), "tables": tables(self.tables)}
+        if self.windows is not None:
+            pic["windows"] = list(self.windows)
+            pic["groups"] = [tables(g) for g in self.group_tables]
+        return pic
 
     def apply(self, ev: dict) -> None:
         kind = ev["type"]
+        group = ev.get("group", 0)
+        tables = self.tables if not group else self.group_tables[group - 1]
+        if kind == "fill":   # every group's table of the sequence holds as many slots
+            for t in [self.tables, *self.group_tables]:
+                if ev["seq"] in t:
+                    t[ev["seq"]].tokens = ev["tokens"]
+            return
+        self._apply(kind, ev, tables)
+
+    def _apply(self, kind: str, ev: dict, tables: dict[int, TableState]) -> None:
         if kind == "hit":
             for b in held(ev["blocks"]):
                 self.refs[b] += 1
-            self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
+            tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
         elif kind == "alloc":
             for b in ev["blocks"]:
                 assert self.refs[b] == 0, f"alloc of used block {b}"
                 self.refs[b] = 1
-            self.tables.setdefault(ev["seq"], TableState()).blocks.extend(ev["blocks"])
+            tables.setdefault(ev["seq"], TableState()).blocks.extend(ev["blocks"])
         elif kind == "cow":
             self.refs[ev["src"]] -= 1
             self.refs[ev["dst"]] = 1
-            self.tables[ev["seq"]].blocks[ev["index"]] = ev["dst"]
-        elif kind == "fill":
-            self.tables[ev["seq"]].tokens = ev["tokens"]
+            tables[ev["seq"]].blocks[ev["index"]] = ev["dst"]
         elif kind == "rollback":  # rejected drafts: their lookahead slots, and blocks only they filled, go
-            t = self.tables[ev["seq"]]
+            t = tables[ev["seq"]]
             for b in ev["blocks"]:
                 self.refs[b] -= 1
             del t.blocks[len(t.blocks) - len(ev["blocks"]):]
@@ -97,13 +128,13 @@ class KVReplay:
         elif kind == "fork":
             for b in held(ev["blocks"]):
                 self.refs[b] = self.refs[b] + 1 if ev["shared"] else 1
-            self.tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
+            tables[ev["seq"]] = TableState(list(ev["blocks"]), ev["tokens"])
         elif kind == "free":
             for b in ev["blocks"]:
                 self.refs[b] -= 1
-            del self.tables[ev["seq"]]
+            del tables[ev["seq"]]
         elif kind == "slide":
-            t = self.tables[ev["seq"]]
+            t = tables[ev["seq"]]
             for i, b in enumerate(ev["blocks"], ev["index"]):
                 assert t.blocks[i] == b, f"slide of block {b}, but entry {i} holds {t.blocks[i]}"
                 self.refs[b] -= 1

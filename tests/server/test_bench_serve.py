@@ -39,7 +39,7 @@ def test_bench_serve_vllm_flags_labels_and_keys(server, tmp_path):
     assert f"{r['mean_ttft_ms']:<10.2f}" in next(x for x in lines if x.startswith("Mean TTFT (ms):"))
     assert len(r["provenance"]["commit"]) in (40, len("unknown")) and r["provenance"]["threads"] >= 1
     # the report reads this run as written: its row in the serving table, its TTFT CDF
-    from pagedllm.bench.report import write_report
+    from benchmarks.lib.report import write_report
 
     files = write_report([str(tmp_path / "r.json")], str(tmp_path / "report"))
     assert {p.name for p in files} == {"report.md", "serving_ttft_cdf.png"}

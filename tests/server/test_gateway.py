@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from pagedllm.bench.gateway import Gateway
+from benchmarks.lib.gateway import Gateway
 
 from .conftest import MODEL
 

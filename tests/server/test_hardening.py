@@ -10,6 +10,7 @@ import time
 
 import httpx
 import pytest
+from hw import FAST_DTYPE
 
 from .conftest import MODEL, metrics, start_server, stop_server
 
@@ -23,7 +24,7 @@ def auth(key: str) -> dict:
 @pytest.fixture(scope="module")
 def tenants(tmp_path_factory):
     s = start_server(tmp_path_factory, "--api-key", ALICE, "--api-key", BOB, "--admin-key", ADMIN,
-                     "--dtype", "bfloat16", name="tenants")
+                     "--dtype", FAST_DTYPE, name="tenants")
     yield s
     stop_server(s)
 
@@ -201,7 +202,7 @@ def test_health_stays_fast_while_huge_prompts_arrive(tenants):
 @pytest.fixture(scope="module")
 def long_ctx(tmp_path_factory):
     s = start_server(tmp_path_factory, "--max-model-len", "4096", "--max-num-batched-tokens", "1024",
-                     "--dtype", "bfloat16", name="long")
+                     "--dtype", FAST_DTYPE, name="long")
     yield s
     stop_server(s)
 

@@ -144,15 +144,16 @@ def tier_stats(hits: int, blocks: int, read_failures: int = 0):
     from dataclasses import replace
 
     from pagedllm.dp.stats import zero_stats
+    from pagedllm.kv import TierFigures
     from pagedllm.kv.tier_store import TierStats
 
     z = zero_stats(16, 100)
-    tier = TierStats(capacity_bytes=2**30, blocks=blocks, bytes=1000 * blocks, written_blocks=blocks + 2,
-                     write_errors=1, evicted_blocks=2, read_blocks=hits // 16, read_failures=read_failures)
-    return replace(z, preemptions=3, kv=replace(z.kv, num_blocks=64, prefix_queries=4 * hits, prefix_hits=2 * hits,
-                                                tier_hits=hits, tier_loaded_blocks=hits // 16,
-                                                tier_offloaded_blocks=blocks + 3, tier_backlog=1, swap_outs=3,
-                                                swap_out_blocks=7, tier=tier))
+    store = TierStats(capacity_bytes=2**30, blocks=blocks, bytes=1000 * blocks, written_blocks=blocks + 2,
+                      write_errors=1, evicted_blocks=2, read_blocks=hits // 16, read_failures=read_failures)
+    tier = TierFigures("write_through", hits=hits, loaded_blocks=hits // 16, offloaded_blocks=blocks + 3, backlog=1,
+                       swap_outs=3, swap_out_blocks=7, store=store)
+    return replace(z, preemptions=3, kv=replace(z.kv, pool=replace(z.kv.pool, num_blocks=64), prefix_queries=4 * hits,
+                                                prefix_hits=2 * hits, tier=tier))
 
 
 def collect(stats) -> dict[str, tuple[str, float]]:
@@ -176,7 +177,7 @@ def test_tier_series_carry_the_tier_figures():
 
 def test_data_parallel_totals_add_up_the_tiers():
     """A data-parallel server's totals: each replica's tier adds up, a dead replica's tier
-    counters are kept and its blocks on disk are not; a replica's TierStats survives the pipe."""
+    counters are kept and its blocks on disk are not; a replica's tier figures survive the pipe."""
     import pickle
 
     from pagedllm.dp.stats import counters_only, sum_stats, zero_stats

@@ -18,7 +18,10 @@ let received = [];         // what this page got, for "save trace"
 
 // ---------------------------------------------------------------- state
 function fresh(config) {
+  // groupTables: a model whose layers mix attention types has a table per layer group (group 0's
+  // in `tables`); KV events of group g > 0 carry `group`.
   return { config, refs: new Array(config.num_blocks).fill(0), hashed: new Set(), tables: new Map(),
+           groupTables: (config.windows || [0]).slice(1).map(() => new Map()),
            seqs: new Map(), reqs: new Map(), running: [], waiting: [], preempted: new Set(), figures: {},
            step: 0, batch: [], prefill: 0, decode: 0, timeline: [], flashes: new Map(), blockText: new Map(),
            log: [], nreq: 0, labels: new Map(),
@@ -58,12 +61,20 @@ function ids(blocks) { return held(blocks).map((b) => `P${b}`).join(" "); }
 function numReleased(t) { let n = 0; while (n < t.blocks.length && t.blocks[n] === RELEASED) n += 1; return n; }
 
 function applyKV(ev) {
-  const t = S.tables.get(ev.seq);
+  if (ev.type === "fill") {  // every layer group's table of the sequence holds as many slots
+    for (const m of [S.tables, ...S.groupTables]) {
+      const g = m.get(ev.seq);
+      if (g) { g.tokens = ev.tokens; g.lookahead = ev.lookahead || 0; }
+    }
+    return;
+  }
+  const tables = ev.group ? S.groupTables[ev.group - 1] : S.tables;
+  const t = tables.get(ev.seq);
   switch (ev.type) {
     case "hit": {
       const got = held(ev.blocks), skipped = ev.blocks.length - got.length;
       got.forEach((b) => { S.refs[b] += 1; });
-      S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
+      tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       if (ev.blocks.length) {
         const loaded = got.filter((b) => S.loadedNow.has(b)).length;  // its tier_load events came just before
         log("hit", `${seqLabel(ev.seq)} prefix hit: shares ${got.length} cached blocks ${ids(got)}` +
@@ -75,7 +86,7 @@ function applyKV(ev) {
     }
     case "alloc":
       ev.blocks.forEach((b) => { S.refs[b] = 1; S.blockText.delete(b); });
-      if (t) t.blocks.push(...ev.blocks); else S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: 0 });
+      if (t) t.blocks.push(...ev.blocks); else tables.set(ev.seq, { blocks: [...ev.blocks], tokens: 0 });
       log("alloc", `${seqLabel(ev.seq)} allocates ${ids(ev.blocks)}`);
       flash(ev.blocks, "alloc");
       break;
@@ -83,9 +94,6 @@ function applyKV(ev) {
       S.refs[ev.src] -= 1; S.refs[ev.dst] = 1; t.blocks[ev.index] = ev.dst;
       log("cow", `${seqLabel(ev.seq)} copy-on-write: logical block ${ev.index} P${ev.src} → P${ev.dst} (P${ev.src} was shared)`);
       flash([ev.src, ev.dst], "cow");
-      break;
-    case "fill":
-      t.tokens = ev.tokens; t.lookahead = ev.lookahead || 0;
       break;
     case "rollback":  // speculative decoding: rejected draft tokens give their lookahead slots back
       ev.blocks.forEach((b) => { S.refs[b] -= 1; });
@@ -97,7 +105,7 @@ function applyKV(ev) {
     case "cache": {
       S.hashed.add(ev.block);
       if (ev.key) S.keyOf.set(ev.block, ev.key);
-      for (const [sid, tab] of S.tables) {  // remember its text: it outlives its sequence
+      for (const [sid, tab] of allTables()) {  // remember its text: it outlives its sequence
         const i = tab.blocks.indexOf(ev.block);
         if (i >= 0 && S.seqs.has(sid)) {
           const B = S.config.block_size;
@@ -110,7 +118,7 @@ function applyKV(ev) {
     }
     case "fork": {
       held(ev.blocks).forEach((b) => { S.refs[b] = ev.shared ? S.refs[b] + 1 : 1; });
-      S.tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
+      tables.set(ev.seq, { blocks: [...ev.blocks], tokens: ev.tokens });
       const parent = S.seqs.get(ev.parent), child = S.seqs.get(ev.seq);
       if (parent && child) { child.tokens = parent.tokens.slice(0, ev.tokens); child.status = "running"; }
       if (parent && !child) {  // a beam chosen twice: a sequence the request did not announce
@@ -129,7 +137,7 @@ function applyKV(ev) {
       break;
     case "free":
       ev.blocks.forEach((b) => { S.refs[b] -= 1; });
-      S.tables.delete(ev.seq);
+      tables.delete(ev.seq);
       log("free", `${seqLabel(ev.seq)} frees ${ids(ev.blocks)}`);
       flash(ev.blocks, "free");
       break;
@@ -240,6 +248,11 @@ function finish(finished) {
   }
 }
 
+// Every table of every layer group, as [seq, table] pairs.
+function* allTables() {
+  for (const m of [S.tables, ...S.groupTables]) yield* m;
+}
+
 function applyMessage(m) {
   if (m.kind === "snapshot") {
     S = fresh(m.config);
@@ -250,6 +263,9 @@ function applyMessage(m) {
       S.seqs.set(Number(sid), { ...e, req: s.req, index: s.index, status: s.status, tokens: s.tokens });
     }
     for (const [sid, [blocks, tokens]] of Object.entries(m.tables)) S.tables.set(Number(sid), { blocks, tokens });
+    (m.groups || []).forEach((g, i) => {
+      for (const [sid, [blocks, tokens]] of Object.entries(g)) S.groupTables[i].set(Number(sid), { blocks, tokens });
+    });
     for (const [b, key] of Object.entries(m.keys || {})) S.keyOf.set(Number(b), key);
     setQueues(m); S.figures = m.figures; S.tierEvicted = m.figures.tier_evicted || 0;
     showInfo();
@@ -301,21 +317,21 @@ function redraw() { if (!dirty) { dirty = true; requestAnimationFrame(draw); } }
 
 function owners() {
   const own = new Map();  // block -> [[seq, logical index], ...]
-  for (const [sid, t] of S.tables) t.blocks.forEach((b, i) => {
+  for (const [sid, t] of allTables()) t.blocks.forEach((b, i) => {
     if (b === RELEASED) return;
     if (!own.has(b)) own.set(b, []);
-    own.get(b).push([sid, i]);
+    own.get(b).push([sid, i, t]);
   });
   return own;
 }
 
-function blockFill(sid, i) {
-  const t = S.tables.get(sid), B = S.config.block_size;
+function blockFill(t, i) {
+  const B = S.config.block_size;
   return Math.max(0, Math.min(B, t.tokens - i * B));
 }
 // Of block i's filled slots, the lookahead ones: draft tokens waiting for verification.
-function blockAhead(sid, i) {
-  const t = S.tables.get(sid), B = S.config.block_size, la = t.lookahead || 0;
+function blockAhead(t, i) {
+  const B = S.config.block_size, la = t.lookahead || 0;
   return Math.max(0, Math.min(B, t.tokens - i * B) - Math.max(0, t.tokens - la - i * B));
 }
 
@@ -335,7 +351,10 @@ function draw() {
   $("fig-events").textContent = `${f.cow || 0} · ${f.forks || 0} · ${f.evictions || 0} · ${f.preemptions || 0}`;
   $("fig-spec-box").hidden = f.spec_drafted === undefined;
   $("fig-window-box").hidden = !S.config.sliding_window;
-  $("fig-window").textContent = f.window_released || 0;
+  // A model whose layers mix attention types: what each layer group holds, and what windows released.
+  $("fig-window").textContent = f.groups
+    ? `${f.window_released || 0} (held: ${f.groups.map((g) => `${g.kind} ${g.held}`).join(", ")})`
+    : f.window_released || 0;
   if (f.spec_drafted !== undefined)
     $("fig-spec").textContent = `${f.spec_accepted}/${f.spec_drafted} (${pct(f.spec_drafted ? f.spec_accepted / f.spec_drafted : 0)})`;
   $("fig-without").textContent = f.without_sharing ?? 0; $("fig-reserve").textContent = f.reserve_max ?? 0;
@@ -365,7 +384,7 @@ function draw() {
     const pins = ref - (h ? h.length : 0);  // references no table holds: the tier's
     let fill = "", ownTxt = "";
     if (ref > 0 && h) {
-      const [sid, i] = h[0], k = blockFill(sid, i);
+      const [sid, i, t] = h[0], k = blockFill(t, i);
       fill = `<div class="fill" style="height:${(100 * k) / B}%;background:${seqColor(sid)}"></div>`;
       ownTxt = seqLabel(sid);
     } else if (S.hashed.has(b)) cls.push("cached");
@@ -384,24 +403,28 @@ function draw() {
   S.flashes.clear();
   if (tier) drawTier(f);
 
-  // Block tables, one row per sequence holding blocks.
-  const rows = [];
-  for (const sid of [...S.tables.keys()].sort((a, b) => a - b)) {
-    const t = S.tables.get(sid), s = S.seqs.get(sid), r = numReleased(t);
+  // Block tables, one row per sequence holding blocks (and per layer group, when the model has several).
+  const rows = [], windows = S.config.windows || [0];
+  const groupRows = [];
+  for (const sid of [...S.tables.keys()].sort((a, b) => a - b))
+    [S.tables, ...S.groupTables].forEach((m, g) => { if (m.has(sid)) groupRows.push([sid, g, m.get(sid)]); });
+  for (const [sid, g, t] of groupRows) {
+    const s = S.seqs.get(sid), r = numReleased(t);
+    const group = windows.length > 1 ? ` · group ${g} (${windows[g] ? `window ${windows[g]}` : "full"})` : "";
     // The leading entries the sliding window released, as one cell (a long sequence has thousands).
     const gone = r ? `<div class="tcell released" data-seq="${sid}" data-released="${r}" title="L0–L${r - 1}: released by the sliding window (no later query reads them)">` +
                      `<span>L0${r > 1 ? `–L${r - 1}` : ""} released</span></div>` : "";
     const tc = t.blocks.map((b, i) => {
       if (b === RELEASED) return "";
-      const k = blockFill(sid, i);
-      const a = blockAhead(sid, i);
+      const k = blockFill(t, i);
+      const a = blockAhead(t, i);
       return `<div class="tcell${S.refs[b] > 1 ? " shared" : ""}" data-block="${b}" data-seq="${sid}" title="L${i} → P${b}${a ? `, ${a} lookahead slots` : ""}">` +
              `<div class="fill" style="width:${(100 * k) / B}%;background:${seqColor(sid)}"></div>` +
              (a ? `<div class="ahead" style="left:${(100 * (k - a)) / B}%;width:${(100 * a) / B}%"></div>` : "") +
              `<span>L${i}→P${b}${k < B ? ` ${k}/${B}` : ""}</span></div>`;
     });
     rows.push(`<div class="trow" data-seq="${sid}"><span class="label"><i class="sw" style="background:${seqColor(sid)}"></i>` +
-              `${seqLabel(sid)} · ${s ? s.status : ""} · ${t.tokens} tok${t.lookahead ? ` (${t.lookahead} lookahead)` : ""}</span>${gone}${tc.join("")}</div>`);
+              `${seqLabel(sid)}${group} · ${s ? s.status : ""} · ${t.tokens} tok${t.lookahead ? ` (${t.lookahead} lookahead)` : ""}</span>${gone}${tc.join("")}</div>`);
   }
   $("tables").innerHTML = rows.join("") || "<small>no sequence holds blocks</small>";
 
@@ -498,13 +521,13 @@ function tipFor(el) {
     const b = Number(el.dataset.block), holders = owners().get(b) || [];
     let text = S.blockText.get(b) || "";
     if (holders.length) {
-      const [sid, i] = holders[0], s = S.seqs.get(sid);
-      if (s) text = s.tokens.slice(i * B, Math.min((i + 1) * B, S.tables.get(sid).tokens)).join("");
+      const [sid, i, t] = holders[0], s = S.seqs.get(sid);
+      if (s) text = s.tokens.slice(i * B, Math.min((i + 1) * B, t.tokens)).join("");
     }
     const pins = S.refs[b] - holders.length;
     const state = S.refs[b] > 0 ? `used, ref ${S.refs[b]}${pins > 0 ? ` (${pins} held by the tier: pinned)` : S.refs[b] > 1 ? " (shared, read-only)" : ""}`
       : S.hashed.has(b) ? "cached-free (a prefix hit can reuse it)" : "free";
-    const who = holders.map(([sid, i]) => `${seqLabel(sid)} L${i} (${blockFill(sid, i)}/${B})`).join(", ");
+    const who = holders.map(([sid, i, t]) => `${seqLabel(sid)} L${i} (${blockFill(t, i)}/${B})`).join(", ");
     return `P${b}: ${state}${who ? `\nheld by ${who}` : ""}${text ? `\ntokens: ${show(text)}` : ""}`;
   }
   if (el.dataset.key !== undefined) {

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import httpx
 
-from ..util import cache_root
-from .sharegpt import BenchRequest
+from pagedllm.util import cache_root
+from pagedllm.bench.sharegpt import BenchRequest
 
 logger = logging.getLogger(__name__)
 
 VLLM_VERSION = "0.32.0"
-WORKER = Path(__file__).with_name("vllm_worker.py")
+# Run in the vLLM venv from a folder of its own, so that no module of ours shadows one of vLLM's.
+WORKER = Path(__file__).parents[1] / "vllm" / "vllm_worker.py"
 
 
 def default_venv() -> Path:

@@ -6,7 +6,7 @@ import sys
 
 import httpx
 
-from ..util import free_port
+from pagedllm.util import free_port
 from .process import LoggedProcess
 
 

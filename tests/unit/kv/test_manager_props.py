@@ -34,7 +34,7 @@ History = tuple[str | None, tuple[int, ...]]
 
 
 def watched(kv: KVCacheManager) -> KVReplay:
-    replay = KVReplay(kv.pool.num_blocks)
+    replay = KVReplay(kv.pool.num_blocks, windows=[g.window for g in kv.groups] if len(kv.groups) > 1 else None)
     kv.watch(replay.apply)
     return replay
 
@@ -46,10 +46,13 @@ def assert_replay_matches(kv: KVCacheManager, replay: KVReplay) -> None:
 
 class KVManagerMachine(RuleBasedStateMachine):
     WINDOW = 0
+    GROUPS: tuple[int, ...] | None = None   # each layer group's window; None: one group of WINDOW
 
     def __init__(self) -> None:
         super().__init__()
-        self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True, sliding_window=self.WINDOW)
+        self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True, sliding_window=self.WINDOW,
+                                 group_windows=self.GROUPS)
+        self.windows = [g.window for g in self.kv.groups]
         self.replay = watched(self.kv)
         self.tokens: dict[int, list[int]] = {}       # seq -> tokens it holds KV for
         self.future: dict[int, list[int]] = {}       # seq -> prompt tokens it has not reached yet
@@ -62,30 +65,34 @@ class KVManagerMachine(RuleBasedStateMachine):
         return self.salt[seq], tuple(self.tokens[seq][:j + 1])
 
     def _write(self, seq: int, start: int, copies: list[tuple[int, int]]) -> None:
-        """What the runner does: copy blocks, then write the new tokens' KV."""
+        """What the runner does: copy blocks, then write the new tokens' KV, in every group's
+        blocks (each group's are its own: a slot holds one history whatever group wrote it)."""
         for src, dst in copies:
             for off in range(B):
                 if src * B + off in self.store:
                     self.store[dst * B + off] = self.store[src * B + off]
-        table = self.kv.block_table(seq)
-        for j in range(start, len(self.tokens[seq])):
-            self.store[table.slot(j)] = self._history(seq, j)
+        for g in range(len(self.windows)):
+            table = self.kv.block_table(seq, g)
+            for j in range(start, len(self.tokens[seq])):
+                self.store[table.slot(j)] = self._history(seq, j)
 
     def _lookup(self, toks: list[int], salt: str | None) -> tuple[list[int], BlockHashes]:
         hashes = self.kv.new_hashes(salt)
         hit = self.kv.lookup_prefix(toks, hashes)
         assert len(hit) * B <= len(toks) - 1, "a hit must leave the last token to compute"
-        first = self.kv.first_window_block(len(hit) * B)
-        assert RELEASED not in hit[first:], "a hit lacks a block its window reads"
-        for i, b in enumerate(hit):  # a hit block holds exactly this prefix, under this salt
-            if b == RELEASED:
-                continue
-            want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
-            assert [self.store.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
+        assert [len(h) for h in hit.per_group] == [len(hit)] * len(self.windows), "groups hit different prefixes"
+        for g, blocks in enumerate(hit.per_group):
+            first = self.kv.first_window_block(len(hit) * B, g)
+            assert RELEASED not in blocks[first:], "a hit lacks a block its window reads"
+            for i, b in enumerate(blocks):  # a hit block holds exactly this prefix, under this salt
+                if b == RELEASED:
+                    continue
+                want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
+                assert [self.store.get(b * B + o) for o in range(B)] == want, f"group {g}: hit block {i} has another history"
         # a request waiting for room looks up again each step, with the same keys
         assert self.kv.lookup_prefix(toks, hashes) == hit
         # what is kept beside the hit blocks (here: the history they were kept for) is theirs
-        kept = self.kv.cached_prompt_scores(hashes, len(hit))
+        kept = self.kv.scores.kept(hashes.keys[:len(hit)])
         assert kept == [(salt, tuple(toks[:(i + 1) * B])) for i in range(len(kept))], "kept scores of another history"
         return hit, hashes
 
@@ -126,9 +133,10 @@ class KVManagerMachine(RuleBasedStateMachine):
     def _check_step(self, seq: int, count: int) -> None:
         """Right after a step gave it slots for `count` tokens, a windowed sequence holds at
         most the blocks of its window and those tokens."""
-        if self.WINDOW:
-            t = self.kv.block_table(seq)
-            assert len(t.held) <= cdiv(self.WINDOW - 1 + count, B) + 1, (t.block_ids, count)
+        for g, w in enumerate(self.windows):
+            if w:
+                t = self.kv.block_table(seq, g)
+                assert len(t.held) <= cdiv(w - 1 + count, B) + 1, (t.block_ids, count)
 
     @rule(stem=st.integers(0, len(STEMS) - 1), extra=st.lists(st.integers(0, 3), max_size=6), salt=SALTS)
     def add_sequence(self, stem: int, extra: list[int], salt: str | None) -> None:
@@ -163,8 +171,10 @@ class KVManagerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data) -> None:
         parent = data.draw(st.sampled_from(sorted(self.tokens)))
-        released = self.kv.block_table(parent).num_released  # a child must find the keys its window reads
-        lo = released * B + self.WINDOW - 1 if released else 1
+        lo = 1   # a child must find the keys its window reads, in every group
+        for g, w in enumerate(self.windows):
+            released = self.kv.block_table(parent, g).num_released
+            lo = max(lo, released * B + w - 1 if released else 1)
         if lo > len(self.tokens[parent]):
             return
         n = data.draw(st.integers(lo, len(self.tokens[parent])))
@@ -211,8 +221,9 @@ class KVManagerMachine(RuleBasedStateMachine):
         block's history, so a lookup can tell whose it serves)."""
         seq = data.draw(st.sampled_from(sorted(self.tokens)))
         toks = self.tokens[seq]
-        for b in range(len(toks) // B):
-            self.kv.keep_prompt_scores(self.hashes[seq], b, (self.salt[seq], tuple(toks[:(b + 1) * B])))
+        keys = self.hashes[seq].keys
+        for b in range(min(len(toks) // B, len(keys))):
+            self.kv.scores.keep(keys[b], (self.salt[seq], tuple(toks[:(b + 1) * B])), nbytes=1)
 
     @rule()
     def reset_cache(self) -> None:
@@ -222,7 +233,7 @@ class KVManagerMachine(RuleBasedStateMachine):
     def refcounts_and_partition(self) -> None:
         self.kv.check_integrity()
         pool = self.kv.pool
-        used = {b for s in self.tokens for b in self.kv.block_table(s).held}
+        used = {b for s in self.tokens for g in range(len(self.windows)) for b in self.kv.block_table(s, g).held}
         free = set(pool.free_queue)
         assert not used & free, "a block in use is also in the free queue"
         assert len(used) + len(free) == NUM_BLOCKS
@@ -233,19 +244,23 @@ class KVManagerMachine(RuleBasedStateMachine):
     def events_rebuild_state(self) -> None:
         assert_replay_matches(self.kv, self.replay)
 
+    def _tables(self):
+        """(group, window, seq, its table, its tokens) for every sequence in every group."""
+        for g, w in enumerate(self.windows):
+            for s, toks in self.tokens.items():
+                yield g, w, s, self.kv.block_table(s, g), toks
+
     @invariant()
     def tables_cover_tokens(self) -> None:
-        for s, toks in self.tokens.items():
-            t = self.kv.block_table(s)
+        for _, _, _, t, toks in self._tables():
             assert t.num_tokens == len(toks)
             assert len(t.block_ids) == -(-len(toks) // B), "paged holds exactly ceil(len / B) blocks"
 
     @invariant()
     def kv_isolated(self) -> None:
-        """Every sequence reads back exactly its own history, slot by slot: no write through
-        a shared block ever leaked into another sequence's view."""
-        for s, toks in self.tokens.items():
-            t = self.kv.block_table(s)
+        """Every sequence reads back exactly its own history, slot by slot, in every group: no
+        write through a shared block ever leaked into another sequence's view."""
+        for _, _, s, t, toks in self._tables():
             lo = t.num_released * B  # below it: released, read by no later query
             assert [self.store.get(t.slot(j)) for j in range(lo, len(toks))] == \
                 [self._history(s, j) for j in range(lo, len(toks))]
@@ -253,20 +268,19 @@ class KVManagerMachine(RuleBasedStateMachine):
     @invariant()
     def window_releases_only_what_no_query_reads(self) -> None:
         """-1 entries lead each table, and only below the window of its next query (at its
-        length): every key that query reads is held. Without a window there are none."""
-        for s, toks in self.tokens.items():
-            t = self.kv.block_table(s)
+        length): every key that query reads is held. A full-attention group has none."""
+        for g, w, _, t, toks in self._tables():
             assert t.block_ids[:t.num_released] == [RELEASED] * t.num_released
             assert RELEASED not in t.held
-            assert t.num_released <= self.kv.first_window_block(len(toks))
-            if not self.WINDOW:
+            assert t.num_released <= self.kv.first_window_block(len(toks), g)
+            if not w:
                 assert t.num_released == 0
 
     @invariant()
     def cached_blocks_hold_their_history(self) -> None:
         """A block in the prefix cache holds one full block's history under one salt, and
         no other cached block holds the same: one key per history, one block per key."""
-        seen: dict[History, int] = {}
+        seen: dict[tuple[History, int], int] = {}
         for blk in self.kv.pool.blocks:
             if blk.block_hash is None:
                 continue
@@ -274,14 +288,16 @@ class KVManagerMachine(RuleBasedStateMachine):
             assert None not in slots, f"cached block {blk.block_id} was never fully written"
             salt, last = slots[-1]
             assert len(last) % B == 0 and all(h == (salt, last[:len(last) - B + o + 1]) for o, h in enumerate(slots))
-            assert slots[-1] not in seen, f"blocks {seen.get(slots[-1])} and {blk.block_id} cache one history"
-            seen[slots[-1]] = blk.block_id
+            key = BlockHashes(B, salt).update(last)[-1]   # the history's key: each group caches it under its own
+            group = [g.salt ^ key for g in self.kv.groups].index(blk.block_hash)
+            assert (slots[-1], group) not in seen, f"blocks {seen.get((slots[-1], group))} and {blk.block_id} cache one history"
+            seen[slots[-1], group] = blk.block_id
 
     @invariant()
     def kept_scores_live_and_die_with_their_block(self) -> None:
         """An entry is kept only while its hash is cached, beside the block of its history."""
         pool = self.kv.pool
-        for key, entry in pool.attached.items():
+        for key, (entry, _) in self.kv.scores.entries.items():
             blk = pool.cached[key]
             assert self.store.get(blk * B + B - 1) == entry, f"block {blk} keeps another history's scores"
 
@@ -312,6 +328,23 @@ class WindowedKVManagerMachine(KVManagerMachine):
 
 WindowedKVManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestWindowedKVManager = WindowedKVManagerMachine.TestCase
+
+
+class HybridKVManagerMachine(KVManagerMachine):
+    """Layers of two attention types (Gemma 3, Qwen2's max_window_layers): a full-attention
+    group keeps every block while a windowed group releases its own below its window; both
+    draw from one pool, a hit is the longest prefix both serve, each caches its own blocks."""
+    GROUPS = (0, 6)
+
+    @invariant()
+    def window_group_bounds_what_it_holds(self) -> None:
+        for s, toks in self.tokens.items():
+            assert len(self.kv.block_table(s, 1).held) <= cdiv(6 - 1 + 17, B) + 1
+            assert len(self.kv.block_table(s, 0).held) == cdiv(len(toks), B)
+
+
+HybridKVManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestHybridKVManager = HybridKVManagerMachine.TestCase
 
 
 class ReserveMaxMachine(RuleBasedStateMachine):

@@ -4,13 +4,16 @@ the preemption victim, and requests that can never fit the pool."""
 from __future__ import annotations
 
 import itertools
-import subprocess
-import sys
 
 import pytest
 
+from pagedllm.config import EngineConfig
+from pagedllm.engine.queue_policy import LongestPrefixMatch, make_policy
 from pagedllm.engine.scheduler import Scheduler
 from pagedllm.engine.sequence import Request, Sequence, SeqStatus
+from pagedllm.engine.step_update import StepApplier
+from pagedllm.engine.stops import StopRules
+from pagedllm.engine.tier_loads import TierLoads
 from pagedllm.kv import KVCacheManager
 from pagedllm.plan import StepResult
 from pagedllm.sampling_params import SamplingParams
@@ -19,10 +22,11 @@ B = 16
 _ids = itertools.count(1)
 
 
-def make_seq(sched: Scheduler, prompt_len: int, max_tokens: int = 8) -> Sequence:
+def make_seq(sched: Scheduler, prompt_len: int, max_tokens: int = 8, priority: int = 0) -> Sequence:
     sid = next(_ids)
     prompt = [(sid * 7 + i) % 1000 + 1 for i in range(prompt_len)]
-    req = Request(f"r{sid}", None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens)
+    req = Request(f"r{sid}", None, prompt, SamplingParams(temperature=0, max_tokens=max_tokens), max_tokens,
+                  priority=priority)
     seq = Sequence(sid, req, 0, list(prompt), prompt_len, seed=0, status=SeqStatus.PENDING)
     req.seqs.append(seq)
     sched.add(seq)
@@ -31,7 +35,8 @@ def make_seq(sched: Scheduler, prompt_len: int, max_tokens: int = 8) -> Sequence
 
 def step(sched: Scheduler, out) -> None:
     """What the engine does after the forward: sample a token for each row that asks."""
-    sched.update_from_output(out, StepResult(tokens={t.seq_id: 5 for s in out.scheduled for t in s.sample_for}))
+    StepApplier(sched, StopRules(frozenset(), 1 << 20)).apply(
+        out, StepResult(tokens={t.seq_id: 5 for s in out.scheduled for t in s.sample_for}))
     sched.kv.check_integrity()
 
 
@@ -146,35 +151,6 @@ def test_manager_can_ever_fit():
     assert rm.can_ever_fit(8 * B)   # reserve-max: every sequence needs its fixed reservation
 
 
-def test_engine_rejects_request_that_can_never_fit_the_pool():
-    from pagedllm import LLM
-
-    llm = LLM(dtype="float32", num_gpu_blocks_override=4, max_model_len=256)
-    engine = llm.engine
-    ids = list(range(10, 40))                      # 30 tokens
-    with pytest.raises(ValueError, match="whole pool"):
-        engine.add_request("too-big", ids, SamplingParams(max_tokens=40))   # 70 > 64 tokens
-    assert not engine.requests and not engine.scheduler.waiting
-    assert engine.kv.stats().used_blocks == 0
-    req = engine.add_request("fits", ids, SamplingParams(max_tokens=34))     # exactly 64
-    assert engine.requests == {"fits": req}
-
-
-def test_kv_and_scheduler_import_without_torch():
-    """The memory manager, the scheduler and the step plan are plain Python (the simulator
-    and the property tests run them without a model)."""
-    code = ("import sys; import pagedllm.kv, pagedllm.engine.scheduler, pagedllm.plan, pagedllm.analysis.simulator; "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-
-
-def test_kv_alone_imports_without_torch():
-    code = "import sys; import pagedllm.kv; assert 'torch' not in sys.modules"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr[-2000:]
-
-
 # -- cache-aware admission (scheduling_policy lpm) ------------------------------------------
 def _prefixed(sched: Scheduler, prefix: list[int], tail: int, arrival: float, max_tokens: int = 2) -> Sequence:
     sid = next(_ids)
@@ -203,7 +179,7 @@ def test_lpm_admits_the_longest_cached_prefix_first_and_fcfs_does_not():
     hot = [7] * (4 * B)
     for policy, expect_cold_first in (("fcfs", True), ("lpm", False)):
         kv = KVCacheManager(64, B)
-        sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=policy, aging_bound=3600)
+        sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=make_policy(policy, 3600))
         warm = _prefixed(sched, hot, 3, time.time())
         _drain_one_at_a_time(sched)          # the hot prefix is now cached (free, still hittable)
         now = time.time()
@@ -224,7 +200,7 @@ def test_lpm_aging_bound_puts_the_oldest_request_first_once_it_waited_the_bound(
 
     hot = [7] * (4 * B)
     kv = KVCacheManager(64, B)
-    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy="lpm", aging_bound=0.5)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=LongestPrefixMatch(0.5))
     _prefixed(sched, hot, 3, time.time())
     _drain_one_at_a_time(sched)
     now = time.time()
@@ -251,7 +227,7 @@ def test_lpm_waiting_time_stays_within_the_aging_bound_under_a_stream_of_hits():
     hot = [7] * (4 * B)
     kv = KVCacheManager(64, B)
     bound = 0.2
-    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy="lpm", aging_bound=bound)
+    sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=LongestPrefixMatch(bound))
     _prefixed(sched, hot, 3, time.time())
     _drain_one_at_a_time(sched)
     cold = _prefixed(sched, [9] * (4 * B), 3, time.time())
@@ -269,11 +245,49 @@ def test_lpm_waiting_time_stays_within_the_aging_bound_under_a_stream_of_hits():
     assert started - cold.request.arrival_time <= bound + 0.1
 
 
-def test_lpm_and_swap_refuse_bad_settings():
+def test_queue_policies_and_swap_refuse_bad_settings():
     kv = KVCacheManager(8, B)
     with pytest.raises(ValueError, match="scheduling_policy"):
-        Scheduler(kv, 1, 100, policy="priority")
+        Scheduler(kv, 1, 100, policy="random")
     with pytest.raises(ValueError, match="aging_bound"):
-        Scheduler(kv, 1, 100, policy="lpm", aging_bound=-1)
+        make_policy("lpm", -1)
+    with pytest.raises(ValueError, match="preemption_mode"):
+        TierLoads("evict")
     with pytest.raises(ValueError, match="kv_offload_dir"):
-        Scheduler(kv, 1, 100, preemption_mode="swap")
+        EngineConfig(preemption_mode="swap")
+
+
+# -- priority scheduling (vLLM's --scheduling-policy priority) ---------------------------------
+def test_priority_request_overtakes_a_queue_of_low_priority_ones():
+    """One seat at a time: ten low-priority requests queue first, then one of priority -1
+    arrives; it is admitted as soon as the seat frees, ahead of the nine still waiting (FCFS
+    would run it last), and the others keep their arrival order behind it."""
+    kv = KVCacheManager(64, B, enable_prefix_caching=False)
+    for policy, first_after in (("priority", True), ("fcfs", False)):
+        sched = Scheduler(kv, max_num_seqs=1, max_num_batched_tokens=1000, policy=policy)
+        low = [make_seq(sched, 5, max_tokens=2, priority=5) for _ in range(10)]
+        step(sched, sched.schedule())        # low[0] runs
+        urgent = make_seq(sched, 5, max_tokens=2, priority=-1)
+        order = [low[0]] + [s for s in _drain_one_at_a_time(sched) if s is not low[0]]
+        assert (order[1] is urgent) == first_after, policy
+        if policy == "priority":
+            assert order == [low[0], urgent] + low[1:]
+        else:
+            assert order == low + [urgent]
+
+
+def test_priority_preempts_the_lowest_priority_running_request():
+    """Blocks run out: FCFS preempts the newest running sequence, priority the one of the
+    lowest priority (the highest value) whatever its age; it resumes once it is first again."""
+    for policy in ("priority", "fcfs"):
+        kv = KVCacheManager(4, B, enable_prefix_caching=False)
+        sched = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=1000, policy=policy)
+        a = make_seq(sched, 15, priority=9)     # oldest, lowest priority: admitted first, alone
+        step(sched, sched.schedule())
+        _, c = make_seq(sched, 16, priority=0), make_seq(sched, 16, priority=0)
+        step(sched, sched.schedule())           # 17 tokens each: 3 of 4 blocks
+        out = sched.schedule()
+        want = a if policy == "priority" else c
+        assert out.preempted == [want], policy
+        assert want.status is SeqStatus.WAITING and want.seq_id not in kv.tables
+        kv.check_integrity()

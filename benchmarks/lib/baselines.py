@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import time
 
-from .sharegpt import BenchRequest
+from pagedllm.bench.sharegpt import BenchRequest
 
 
 def hf_generate(reqs: list[BenchRequest], model_dir, dtype: str, batch_size: int, warmup: bool = True) -> dict:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..models.w8a8 import quantize_weight
+from pagedllm.models.w8a8 import quantize_weight
 
 # What vLLM's compressed-tensors loader reads to pick its int8 W8A8 path.
 QUANTIZATION_CONFIG = {

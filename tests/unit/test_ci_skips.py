@@ -7,7 +7,7 @@ import pytest
 
 pytest_plugins = ["pytester"]
 
-CONFTEST = (Path(__file__).parent / "conftest.py").read_text()
+CONFTEST = (Path(__file__).parents[1] / "conftest.py").read_text()
 
 TESTS = '''
 import pytest

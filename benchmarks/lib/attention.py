@@ -14,10 +14,10 @@ import time
 
 import torch
 
-from ..attention import StepLayout, get_backend
-from ..kv_dtype import resolve_kv_dtype
-from ..runtime.kv_cache import allocate_pool
-from ..util import cdiv
+from pagedllm.attention import StepLayout, get_backend
+from pagedllm.kv_dtype import resolve_kv_dtype
+from pagedllm.runtime.kv_cache import allocate_pool
+from pagedllm.util import cdiv
 
 
 def copy_bandwidth(nbytes: int, reps: int = 9) -> float:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..loader import default_gguf_path, resolve_model_dir
+from pagedllm.loader import default_gguf_path, resolve_model_dir
 from .baselines import (hf_generate, hf_generate_batch, llama_cpp_available, llama_cpp_batched,
                         llama_cpp_sequential)
-from .throughput import in_own_process, run_engine
+from pagedllm.bench.throughput import in_own_process, run_engine
 from .vllm_baseline import run_vllm_offline, vllm_python
 
 logger = logging.getLogger(__name__)
@@ -100,8 +100,8 @@ def _kv_bytes(engine_kwargs: dict) -> int:
     """Our KV budget, handed to vLLM too (VLLM_CPU_KVCACHE_SPACE)."""
     import torch
 
-    from ..config import EngineConfig
-    from ..runtime.kv_cache import kv_budget
+    from pagedllm.config import EngineConfig
+    from pagedllm.runtime.kv_cache import kv_budget
 
     return kv_budget(EngineConfig(**engine_kwargs), torch.device("cpu"))
 

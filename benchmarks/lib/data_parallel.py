@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import httpx
 
 from .process import LoggedProcess
-from .serve_client import run_serve_bench
-from .sharegpt import BenchRequest
-from ..util import free_port
+from pagedllm.bench.serve_client import run_serve_bench
+from pagedllm.bench.sharegpt import BenchRequest
+from pagedllm.util import free_port
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,7 +33,7 @@ class Layout:
 
 def parse_layouts(text: str) -> list[Layout]:
     """'1:prefix,2:prefix,2:round-robin' -> layouts."""
-    from ..config import ROUTER_POLICIES
+    from pagedllm.config import ROUTER_POLICIES
 
     out = []
     for item in (x for x in text.split(",") if x):
@@ -136,8 +136,8 @@ def add_parser(bs, workload_args, opts, tokenizer) -> None:
 
 
 def _main(a, opts, tokenizer) -> int:
-    from .provenance import save_result
-    from .workloads import load_workload
+    from pagedllm.bench.provenance import save_result
+    from pagedllm.bench.workloads import load_workload
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request would bury the table
     try:
@@ -150,7 +150,7 @@ def _main(a, opts, tokenizer) -> int:
           f"{sum(r.prompt_len for r in reqs) / len(reqs):.0f} tokens, mean output "
           f"{sum(r.output_len for r in reqs) / len(reqs):.0f} tokens")
     rows = run_dp_bench(layouts, reqs, server_args, a.request_rate, a.max_concurrency, a.seed)
-    command = "pagedllm " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+    command = "python -m benchmarks " + " ".join(shlex.quote(x) for x in sys.argv[1:])
     save_result({"benchmark": "data_parallel", "command": command, "workload": a.workload,
                  "workload_options": opts(a).as_dict(), "server_args": server_args, "results": rows}, a.out)
     print(f"wrote {a.out}")

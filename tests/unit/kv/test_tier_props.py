@@ -24,6 +24,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from pagedllm.kv import KVCacheManager
 from pagedllm.kv.hashing import BlockHashes
+from pagedllm.kv.connector import OffloadConnector
 from pagedllm.kv.tier_store import TierStore, fingerprint
 from pagedllm.viz.state import KVReplay, kv_picture
 
@@ -51,7 +52,7 @@ class TierMachine(RuleBasedStateMachine):
 
     def _open(self) -> None:
         self.store = TierStore(self.dir, self.capacity, FP, B * SLOT)
-        self.kv = KVCacheManager(NUM_BLOCKS, B, tier=self.store, write_policy=self.POLICY)
+        self.kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(self.store, self.POLICY))
         self.replay = KVReplay(NUM_BLOCKS)
         self.kv.watch(self.replay.apply)
         self.slots: dict[int, tuple] = {}         # pool slot -> history written there
@@ -80,7 +81,7 @@ class TierMachine(RuleBasedStateMachine):
         return out
 
     def _run_io(self) -> None:
-        saves, loads, writes = self.kv.take_tier_io()
+        saves, loads, writes = self.kv.take_io()
         for b, key in saves:
             self.store.put(key, [self._payload(b)])
         for b, payload in loads:
@@ -204,9 +205,9 @@ class TierMachine(RuleBasedStateMachine):
             self._flush_writes()
             self.store.flush()
             self.kv.begin_step()
-            if not self.kv.pins:
+            if not self.kv.connector.pins:
                 break
-        assert not self.kv.pins, f"pins left after the drain: {self.kv.pins}"
+        assert not self.kv.connector.pins, f"pins left after the drain: {self.kv.connector.pins}"
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks), "a block is still referenced"
         files = {int(f[:-4], 16) for f in os.listdir(self.store.dir) if f.endswith(".kvb")}
         assert files == set(self.store._lru), "the tier's index and its files differ"
@@ -224,12 +225,12 @@ TestTierWriteBack.settings = settings(max_examples=60, stateful_step_count=30, d
 
 def test_a_stored_block_is_found_only_under_its_own_salt(tmp_path) -> None:
     store = TierStore(tmp_path, 1 << 20, FP, B * SLOT)
-    kv = KVCacheManager(NUM_BLOCKS, B, tier=store)
+    kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(store))
     toks = list(range(9))
     a = kv.new_hashes("tenant-a")
     kv.lookup_prefix(toks, a)
     assert kv.allocate_slots(0, toks, len(toks), [], a) == []
-    _, _, writes = kv.take_tier_io()
+    _, _, writes = kv.take_io()
     for b, key in writes:
         store.put(key, [bytes(B * SLOT)])
     store.flush()

@@ -14,8 +14,8 @@ import dataclasses
 import logging
 import time
 
-from .throughput import run_engine
-from .workloads import WorkloadOptions, load_workload
+from pagedllm.bench.throughput import run_engine
+from pagedllm.bench.workloads import WorkloadOptions, load_workload
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +81,8 @@ def beam_sharing(tok, kw: dict, opts: WorkloadOptions, widths=(2, 4, 6)) -> list
     """Beam search on ShareGPT prompts and on short instructions (ShareGPT first turns cut
     to 32 tokens, Alpaca-like): blocks held with sharing against every beam its own copy,
     per step. No prefix cache: the sharing measured is the beams' own."""
-    from ..engine.llm import LLM
-    from ..sampling_params import BeamSearchParams
+    from pagedllm.engine.llm import LLM
+    from pagedllm.sampling_params import BeamSearchParams
 
     llm = LLM(**{**kw, "enable_prefix_caching": False})
     sets = {"sharegpt": dataclasses.replace(opts, truncate=True),

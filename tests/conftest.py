@@ -149,11 +149,69 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="session")
-def llm_fp32():
-    from pagedllm import LLM
+# What decides a model runner (weights, pool layout, kernels); the rest of EngineConfig is the
+# engine's (scheduler, KV manager, pool size up to the runner's), so engines of other settings
+# share one runner: one model load per runner configuration per test run.
+RUNNER_FIELDS = ("model", "tokenizer", "dtype", "device", "attention_backend", "quantization", "batch_invariant",
+                 "speculative_config", "kv_cache_dtype", "block_size", "num_threads", "enforce_eager", "allocation")
+SHARED_POOL = "512MiB"   # the shared runners' pool: an engine uses what its config asks of it
 
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
+
+class PoolView:
+    """A runner seen with fewer blocks than it holds: the engine's KV manager hands out only
+    block ids below `num_blocks` (the pool's other rows stay unused)."""
+
+    def __init__(self, runner, num_blocks: int) -> None:
+        self._runner, self.num_blocks = runner, num_blocks
+
+    def __getattr__(self, name):
+        return getattr(self._runner, name)
+
+    def __setattr__(self, name, value):
+        if name in ("_runner", "num_blocks"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._runner, name, value)
+
+
+class LLMCache:
+    """make_llm(**EngineConfig fields) -> LLM: a fresh engine (its own scheduler, KV manager,
+    prefix cache and counters) over a model runner shared by every engine of the same runner
+    configuration. Tensor parallelism, a KV tier and data parallelism get engines of their own."""
+
+    def __init__(self) -> None:
+        self.runners: dict[tuple, object] = {}
+
+    def __call__(self, model: str | None = None, **kw):
+        from pagedllm import LLM
+        from pagedllm.config import EngineConfig, parse_bytes
+        from pagedllm.engine.engine import LLMEngine
+
+        cfg = EngineConfig(model=model, **kw)   # a bad setting is refused here, before anything loads
+        if cfg.tensor_parallel_size > 1 or cfg.kv_offload_dir is not None or cfg.data_parallel_size > 1:
+            return LLM(model, **kw)
+        key = tuple(repr(getattr(cfg, f)) for f in RUNNER_FIELDS)
+        runner = self.runners.get(key)
+        if runner is None:
+            base = EngineConfig(**{f: getattr(cfg, f) for f in ("model",) + RUNNER_FIELDS[1:]},
+                                kv_cache_memory=SHARED_POOL)
+            runner = self.runners[key] = LLMEngine(base).runner
+        per_block = runner.bytes_per_block + (runner.draft.bytes_per_token * cfg.block_size if runner.draft else 0)
+        want = cfg.num_gpu_blocks_override or (parse_bytes(cfg.kv_cache_memory) // per_block if cfg.kv_cache_memory
+                                               else runner.num_blocks)
+        if want > runner.num_blocks:   # more than the shared pool: a runner of its own
+            return LLM(model, **kw)
+        return LLM.from_engine(LLMEngine(cfg, runner=PoolView(runner, want)))
+
+
+@pytest.fixture(scope="session")
+def make_llm() -> LLMCache:
+    return LLMCache()
+
+
+@pytest.fixture(scope="session")
+def llm_fp32(make_llm):
+    return make_llm(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
 
 
 @pytest.fixture(params=["torch", "cpu"])

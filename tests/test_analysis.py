@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.analysis.kv_calc import kv_calc, param_count
 from pagedllm.analysis.simulator import simulate
 from pagedllm.loader import load_config
@@ -23,13 +23,13 @@ def test_kv_calc_matches_formula_and_engine(model_dir, llm_fp32):
     assert abs(param_count(cfg) - 134_515_008) < 1e6
 
 
-def test_simulator_matches_engine_counters():
+def test_simulator_matches_engine_counters(make_llm):
     rng = random.Random(3)
     lengths = [(rng.randint(5, 60), rng.randint(3, 30)) for _ in range(12)]
     prompts = [[rng.randrange(100, 40000) for _ in range(p)] for p, _ in lengths]
     kw = dict(num_gpu_blocks_override=20, max_model_len=256, max_num_batched_tokens=64,
               enable_prefix_caching=False)
-    llm = LLM(dtype="float32", **kw)
+    llm = make_llm(dtype="float32", **kw)
     llm.engine.step_log = []
     llm.generate(prompts, [SamplingParams(max_tokens=o, ignore_eos=True) for _, o in lengths], use_tqdm=False)
     log = llm.engine.step_log

@@ -59,12 +59,12 @@ def batch_vs_alone(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple
     return same, stats
 
 
-def test_bf16_greedy_same_alone_and_in_a_preempting_batch():
+def test_bf16_greedy_same_alone_and_in_a_preempting_batch(make_llm):
     # 120 blocks of 16 tokens hold ~3 of the 4 long prompts: the batch preempts and
     # recomputes; 256-token steps chunk the long prompts beside other requests' decodes;
     # prompts that start alike share prefix blocks. Without the mode 14 of these 16 match
     # (measured; 16 prompts, not 32: each also runs alone, and 32 took 84 s of the suite).
-    llm = LLM(dtype=FAST_DTYPE, batch_invariant=True, num_gpu_blocks_override=120, max_num_batched_tokens=256,
+    llm = make_llm(dtype=FAST_DTYPE, batch_invariant=True, num_gpu_blocks_override=120, max_num_batched_tokens=256,
               max_model_len=1024)
     assert "batch-invariant" in llm.engine.runner.describe()
     prompts = sharegpt_like(llm.tokenizer, 16)
@@ -76,8 +76,8 @@ def test_bf16_greedy_same_alone_and_in_a_preempting_batch():
     llm.engine.kv.check_integrity()
 
 
-def test_fp32_batch_invariant_still_matches_hf(hf_model):
-    llm = LLM(dtype="float32", batch_invariant=True, num_gpu_blocks_override=16, max_model_len=512,
+def test_fp32_batch_invariant_still_matches_hf(make_llm, hf_model):
+    llm = make_llm(dtype="float32", batch_invariant=True, num_gpu_blocks_override=16, max_model_len=512,
               max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     assert llm.get_stats().preemptions > 0

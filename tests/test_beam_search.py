@@ -86,10 +86,10 @@ def test_beams_fork_share_and_copy_on_write(llm_fp32):
     assert max(s["running_seqs"] for s in log) == 4
 
 
-def test_preempted_beam_groups_give_the_same_beams(hf_model):
+def test_preempted_beam_groups_give_the_same_beams(make_llm, hf_model):
     """A pool of 12 blocks of 16 cannot hold three 4-beam groups: groups are preempted whole
     and recomputed, and the beams are still HF's."""
-    llm = LLM(dtype="float32", num_gpu_blocks_override=12, max_model_len=64, max_num_batched_tokens=64)
+    llm = make_llm(dtype="float32", num_gpu_blocks_override=12, max_model_len=64, max_num_batched_tokens=64)
     tok = llm.tokenizer
     prompts = [tok.encode(p) for p in PLAIN]
     check_against_hf(llm, hf_model, prompts, BeamSearchParams(beam_width=4, max_tokens=16))
@@ -123,13 +123,13 @@ def test_bad_beam_settings_are_refused(kw, message):
         BeamSearchParams(**kw)
 
 
-def test_beam_width_above_max_num_seqs_and_reserve_max_are_refused():
-    llm = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, max_num_seqs=4)
+def test_beam_width_above_max_num_seqs_and_reserve_max_are_refused(make_llm):
+    llm = make_llm(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, max_num_seqs=4)
     with pytest.raises(ValueError, match="exceeds max_num_seqs"):
         llm.beam_search("Hello", BeamSearchParams(beam_width=5, max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="best_of must be an integer >= n"):
         SamplingParams(n=3, best_of=2)
-    reserve = LLM(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, allocation="reserve-max")
+    reserve = make_llm(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, allocation="reserve-max")
     with pytest.raises(ValueError, match="needs allocation 'paged'"):
         reserve.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=4))

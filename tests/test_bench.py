@@ -107,14 +107,14 @@ def test_bench_latency_cli(tmp_path, capsys):
     assert r["batch_size"] == 2 and r["output_len"] == 3 and len(r["provenance"]["commit"]) == 40
 
 
-def test_a_random_model_of_a_shape_loads_in_both_engines(tmp_path, monkeypatch):
+def test_a_random_model_of_a_shape_loads_in_both_engines(make_llm, tmp_path, monkeypatch):
     """`pagedllm bench make-model`: HF's layout, the tokenizer's vocabulary when the shape's is
     smaller, the same greedy tokens from HF transformers and from us (fp32), and a second
     call keeps the directory."""
     import torch
     import transformers as tf
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
     from pagedllm.bench import shapes
 
     monkeypatch.setitem(shapes.SHAPES, "toy", shapes.Shape("llama", 64, 2, 4, 2, 128, 32000, False, 10000.0, 512))
@@ -129,7 +129,7 @@ def test_a_random_model_of_a_shape_loads_in_both_engines(tmp_path, monkeypatch):
         prompt = [1, 500, 42, 7000, 12]
         hf = tf.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, min_new_tokens=8)[0, 5:].tolist()
-        llm = LLM(model=str(out), dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
+        llm = make_llm(model=str(out), dtype="float32", max_model_len=256, kv_cache_memory="16MiB")
         got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                            use_tqdm=False)[0].outputs[0].token_ids
         llm.close()

@@ -54,12 +54,12 @@ def test_completions_and_chat_streaming_and_not(dp_server):
                                                    stream=True))
     text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
     assert text == chat.choices[0].message.content and text
-    assert httpx.get(dp_server.url + "/health").json() == {"status": "ok"}
+    assert dp_server.client().get("/health").json() == {"status": "ok"}
     # What a gateway reads: the server's totals over its replicas (SGLang's over its DP ranks).
-    info, listed = (httpx.get(dp_server.url + p).json() for p in ("/server_info", "/v1/models"))
+    info, listed = (dp_server.client().get(p).json() for p in ("/server_info", "/v1/models"))
     assert (info["dp_size"], info["max_running_requests"]) == (2, 2 * 256)
     assert info["max_total_num_tokens"] == listed["data"][0]["kv_cache_blocks"] * 16
-    assert httpx.get(dp_server.url + "/model_info").json()["model_type"] == "llama"
+    assert dp_server.client().get("/model_info").json()["model_type"] == "llama"
     # Structured outputs: the front compiles to check, the replica that runs it compiles its own.
     pick = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=5, temperature=0,
                                      extra_body={"guided_choice": ["blue", "green"]})
@@ -76,53 +76,54 @@ def test_echo_logprobs_come_back_from_the_replicas(dp_server):
     front's limit too (24 here: past the request models' old fixed 20)."""
     body = {"model": MODEL, "prompt": [[504, 3575, 282, 4649], [19556, 905]], "max_tokens": 0, "echo": True,
             "logprobs": 24, "temperature": 0}
-    r = httpx.post(dp_server.url + "/v1/completions", json=body, timeout=120)
+    r = dp_server.client().post("/v1/completions", json=body, timeout=120)
     assert r.status_code == 200, r.text
     choices = r.json()["choices"]
     assert [len(c["logprobs"]["tokens"]) for c in choices] == [4, 2]
     for c in choices:
         assert c["logprobs"]["top_logprobs"][0] is None and len(c["logprobs"]["top_logprobs"][1]) in (24, 25)
     streamed = []
-    with httpx.stream("POST", dp_server.url + "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
+    with dp_server.client().stream("POST", "/v1/completions", json={**body, "stream": True}, timeout=120) as s:
         for line in s.iter_lines():
             if line.startswith("data: {") and (c := json.loads(line[6:])["choices"]) and c[0]["logprobs"]:
                 streamed.append((c[0]["index"], c[0]["logprobs"]["tokens"]))
     assert sorted(streamed) == [(i, c["logprobs"]["tokens"]) for i, c in enumerate(choices)]
-    r = httpx.post(dp_server.url + "/v1/completions", json={**body, "logprobs": 25}, timeout=120)
+    r = dp_server.client().post("/v1/completions", json={**body, "logprobs": 25}, timeout=120)
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs", r.text
 
 
-def _replay(url: str) -> tuple[float, float]:
+def _replay(server) -> tuple[float, float]:
+    url = server.url
     """Three chats behind system prompt A, then three behind B, one at a time; the
     change in (prefix-cache hits, queries) they caused."""
-    before = metrics(url)
+    before = metrics(server)
     client = _client(url)
     for k, name in enumerate("AAABBB"):
         client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
             {"role": "system", "content": SYSTEMS[name]}, {"role": "user", "content": QUESTIONS[k]}])
-    after = metrics(url)
+    after = metrics(server)
     key = "pagedllm:prefix_cache_{}_total"
     return tuple(after[key.format(x)] - before[key.format(x)] for x in ("hits", "queries"))
 
 
 def test_affinity_keeps_the_one_replica_hit_rate_round_robin_halves_it(dp_server, tmp_path_factory):
-    routed0 = [metric_sample(dp_server.url, "pagedllm:replica_routed_requests_total", replica=str(i))
+    routed0 = [metric_sample(dp_server, "pagedllm:replica_routed_requests_total", replica=str(i))
                for i in range(2)]
-    hits_dp, queries_dp = _replay(dp_server.url)
-    routed = [metric_sample(dp_server.url, "pagedllm:replica_routed_requests_total", replica=str(i)) - routed0[i]
+    hits_dp, queries_dp = _replay(dp_server)
+    routed = [metric_sample(dp_server, "pagedllm:replica_routed_requests_total", replica=str(i)) - routed0[i]
               for i in range(2)]
     # Per replica series add up to the totals.
-    total = metrics(dp_server.url)
-    assert sum(metric_sample(dp_server.url, "pagedllm:replica_prefix_cache_hits_total", replica=str(i))
+    total = metrics(dp_server)
+    assert sum(metric_sample(dp_server, "pagedllm:replica_prefix_cache_hits_total", replica=str(i))
                for i in range(2)) == total["pagedllm:prefix_cache_hits_total"]
     one = start_server(tmp_path_factory, name="dp1")
     try:
-        hits_one, queries_one = _replay(one.url)
+        hits_one, queries_one = _replay(one)
     finally:
         stop_server(one)
     rr = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "round-robin", name="rr")
     try:
-        hits_rr, queries_rr = _replay(rr.url)
+        hits_rr, queries_rr = _replay(rr)
     finally:
         stop_server(rr)
     assert queries_dp == queries_one == queries_rr > 0
@@ -172,7 +173,7 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server):
                  for i, p in enumerate(prompts)]
         deadline = time.time() + 60
         while time.time() < deadline:  # kill once both replicas are generating
-            running = [metric_sample(url, "pagedllm:replica_num_requests_running", replica=str(i)) for i in (0, 1)]
+            running = [metric_sample(dp_server, "pagedllm:replica_num_requests_running", replica=str(i)) for i in (0, 1)]
             if min(running) > 0:
                 break
             await asyncio.sleep(0.2)
@@ -185,15 +186,15 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server):
     assert all("replica 0 died" in r for r in failed), failed  # a clear error, streaming or not
     assert len(failed) < len(results)  # the other replica finished its own
     deadline = time.time() + 120
-    while metric_sample(url, "pagedllm:replica_up", replica="0") != 1.0:
+    while metric_sample(dp_server, "pagedllm:replica_up", replica="0") != 1.0:
         assert time.time() < deadline, dp_server.log()[-3000:]
         time.sleep(0.5)
-    assert metric_sample(url, "pagedllm:replica_restarts_total", replica="0") == 1.0
+    assert metric_sample(dp_server, "pagedllm:replica_restarts_total", replica="0") == 1.0
     assert re.search(r"replica 0 is back \(pid (\d+)\)", dp_server.log())
     # Both serve again: the restarted replica takes its share of new requests.
-    before = metric_sample(url, "pagedllm:replica_routed_requests_total", replica="0")
+    before = metric_sample(dp_server, "pagedllm:replica_routed_requests_total", replica="0")
     assert all(r == "ok" for r in asyncio.run(_all(url, prompts)))
-    assert metric_sample(url, "pagedllm:replica_routed_requests_total", replica="0") > before
+    assert metric_sample(dp_server, "pagedllm:replica_routed_requests_total", replica="0") > before
 
 
 async def _all(url: str, prompts: list[str]) -> list[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 PROMPT = ("The old librarian kept every book in loose-leaf envelopes, so that readers of the same "
           "chapters could share the same pages. One morning a curious student asked her why")
@@ -69,11 +69,11 @@ def test_stop_conditions(llm_fp32):
     assert out.finish_reason == "stop" and out.token_ids[-1] == tok and len(out.token_ids) <= 6
 
 
-def test_chunked_prefill_same_as_whole(llm_fp32):
+def test_chunked_prefill_same_as_whole(make_llm, llm_fp32):
     long_prompt = " ".join(f"item {i} costs {i * 3} coins;" for i in range(60))
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     whole = llm_fp32.generate([long_prompt], p, use_tqdm=False)[0]
-    chunked = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=48,
+    chunked = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=48,
                   enable_prefix_caching=False)
     assert len(whole.prompt_token_ids) > 3 * 48
     out = chunked.generate([long_prompt, "Hi"], p, use_tqdm=False)
@@ -81,12 +81,12 @@ def test_chunked_prefill_same_as_whole(llm_fp32):
     assert chunked.get_stats().steps > len(whole.prompt_token_ids) // 48
 
 
-def test_reserve_max_same_tokens_more_waste():
+def test_reserve_max_same_tokens_more_waste(make_llm):
     prompts = [PROMPT, "Hello, my name is", "The weather today"]
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     kw = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
-    paged = LLM(**kw)
-    reserve = LLM(allocation="reserve-max", **kw)
+    paged = make_llm(**kw)
+    reserve = make_llm(allocation="reserve-max", **kw)
     a = paged.generate(prompts, p, use_tqdm=False)
     b = reserve.generate(prompts, p, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in a] == [o.outputs[0].token_ids for o in b]
@@ -142,8 +142,8 @@ def test_bad_requests_do_not_disturb_others(llm_fp32):
     engine.kv.check_integrity()
 
 
-def test_request_larger_than_pool_rejected():
-    llm = LLM(dtype="float32", num_gpu_blocks_override=4, max_model_len=512)
+def test_request_larger_than_pool_rejected(make_llm):
+    llm = make_llm(dtype="float32", num_gpu_blocks_override=4, max_model_len=512)
     with pytest.raises(ValueError, match="whole pool"):
         llm.generate([PROMPT], SamplingParams(max_tokens=100), use_tqdm=False)
     out = llm.generate(["Hi"], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -194,8 +194,8 @@ def test_async_engine_survives_a_failing_step(llm_fp32):
         engine.stream_outputs = False
 
 
-def test_max_num_seqs_counts_parallel_samples():
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_seqs=4)
+def test_max_num_seqs_counts_parallel_samples(make_llm):
+    llm = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, max_num_seqs=4)
     engine = llm.engine
     engine.add_request("a", "Hello there", SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
     engine.add_request("b", "General Kenobi", SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=6, ignore_eos=True))
@@ -257,8 +257,8 @@ def test_tiny_temperature_and_top_p_are_well_defined():
             SamplingParams(**bad)
 
 
-def test_long_prefill_leaves_room_for_decodes_and_short_prompts():
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=2048, max_num_batched_tokens=256)
+def test_long_prefill_leaves_room_for_decodes_and_short_prompts(make_llm):
+    llm = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=2048, max_num_batched_tokens=256)
     engine = llm.engine
     assert engine.scheduler.long_prefill_token_threshold == 64
     engine.add_request("decoding", "Hi", SamplingParams(max_tokens=40, ignore_eos=True))

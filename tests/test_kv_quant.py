@@ -77,8 +77,8 @@ AGREEMENT_FLOORS = {"int8": (14, 12), "fp8": (10, 12), "int4": (2, 9)}
 PPL_FLOORS = {"int8": 1.01, "fp8": 1.01, "int4": 1.06}
 
 
-def test_quality_stays_with_bf16_kv():
-    from pagedllm import LLM, SamplingParams
+def test_quality_stays_with_bf16_kv(make_llm):
+    from pagedllm import SamplingParams
     from pagedllm.bench.quality import fixed_text_ids, perplexity
     from pagedllm.bench.workloads import sharegpt_truncated
     from pagedllm.loader import load_tokenizer, resolve_model_dir
@@ -88,7 +88,7 @@ def test_quality_stays_with_bf16_kv():
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs, ppl = {}, {}
     for kind in ("auto", *AGREEMENT_FLOORS):
-        llm = LLM(dtype=FAST_DTYPE, kv_cache_dtype=kind, max_model_len=1024, kv_cache_memory="64MiB",
+        llm = make_llm(dtype=FAST_DTYPE, kv_cache_dtype=kind, max_model_len=1024, kv_cache_memory="64MiB",
                   max_num_batched_tokens=1024)
         outs[kind] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         llm.engine.scheduler.max_num_batched_tokens = 8  # the text scored 8 tokens a step, as test_quantization's
@@ -101,32 +101,31 @@ def test_quality_stays_with_bf16_kv():
         assert ppl[kind] <= PPL_FLOORS[kind] * ppl["auto"], (kind, ppl)
 
 
-def test_bad_kv_cache_dtypes_are_refused_at_start_up(tmp_path, model_dir):
-    from pagedllm import LLM
+def test_bad_kv_cache_dtypes_are_refused_at_start_up(make_llm, tmp_path, model_dir):
     from test_model_families import make_model
 
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, bfloat16, fp8, .* got 'fp9'"):
-        LLM(kv_cache_dtype="fp9")
+        make_llm(kv_cache_dtype="fp9")
     with pytest.raises(ValueError, match="kv_cache_dtype bfloat16 stores K/V unquantized.* dtype is float32"):
-        LLM(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="16MiB")
+        make_llm(dtype="float32", kv_cache_dtype="bfloat16", kv_cache_memory="16MiB")
     _, path = make_model(tmp_path, model_dir, "qwen2")  # head_dim 16: int4 cannot pack it, int8 can
     with pytest.raises(ValueError, match="kv_cache_dtype int4 needs head_dim a multiple of 32.* is 16"):
-        LLM(model=str(path), kv_cache_dtype="int4", kv_cache_memory="16MiB")
-    assert LLM(model=str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB").engine.stats().kv_cache_dtype == "int8"
+        make_llm(model=str(path), kv_cache_dtype="int4", kv_cache_memory="16MiB")
+    assert make_llm(model=str(path), kv_cache_dtype="int8", kv_cache_memory="16MiB").engine.stats().kv_cache_dtype == "int8"
     with pytest.raises(ValueError, match="attention backend triton cannot"):  # no int4 on Triton (or no Triton here)
-        LLM(kv_cache_dtype="int4", attention_backend="triton", kv_cache_memory="16MiB", dtype="float32")
+        make_llm(kv_cache_dtype="int4", attention_backend="triton", kv_cache_memory="16MiB", dtype="float32")
 
 
-def test_a_quantized_block_is_still_a_block():
+def test_a_quantized_block_is_still_a_block(make_llm):
     """int8 blocks through the block manager's every path: a prefix hit reads blocks another
     request wrote, n = 2 forks and copies on write, beams share blocks, and speculative
     decoding rolls rejected drafts back: greedy tokens as without each mechanism."""
-    from pagedllm import LLM, BeamSearchParams, SamplingParams
+    from pagedllm import BeamSearchParams, SamplingParams
     from pagedllm.bench.workloads import sharegpt_truncated
 
     prompts = [list(r.prompt) for r in sharegpt_truncated(4, 200, 24)]
     kw = dict(dtype="float32", kv_cache_dtype="int8", max_model_len=1024, kv_cache_memory="32MiB")  # fp32: no bf16 noise
-    llm = LLM(**kw)
+    llm = make_llm(**kw)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     hits = llm.engine.stats().kv.prefix_hits
@@ -139,24 +138,24 @@ def test_a_quantized_block_is_still_a_block():
     assert llm.engine.stats().kv.cow_copies > cows
     beams = llm.beam_search([{"prompt_token_ids": prompts[0]}], BeamSearchParams(beam_width=3, max_tokens=12))
     assert len(beams[0].sequences) == 3
-    spec = LLM(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    spec = make_llm(**kw, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, greedy, use_tqdm=False)] == first
     assert spec.engine.stats().spec.num_draft_tokens > 0
 
 
-def test_engine_on_the_torch_backend_follows_the_cpu_kernel():
+def test_engine_on_the_torch_backend_follows_the_cpu_kernel(make_llm):
     """The default model with int8 KV on the torch backend (kv_quant's rows, dequantized
     when read) and on the CPU kernel (its own layout): 16 greedy tokens on 4 prompts.
     Measured (common prefix): 16, 16, 16, 10 (the kernel's int8 query rounding, with
     AVX512_VNNI, moves a near-tie). A wrong layout, scale or rotation shares next to nothing."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
     prompts = ["The capital of France is", "Here is a short poem about the sea:\n", "def fibonacci(n):",
                "List three colors:"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
     for backend in ("torch", "cpu"):
-        llm = LLM(dtype="float32", kv_cache_dtype="int8", attention_backend=backend, kv_cache_memory="32MiB",
+        llm = make_llm(dtype="float32", kv_cache_dtype="int8", attention_backend=backend, kv_cache_memory="32MiB",
                   max_model_len=256)
         assert llm.engine.runner.backend.kv.name == "int8"
         outs[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

@@ -222,12 +222,12 @@ def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path, reference):
     llm.close()
 
 
-def test_bad_tier_settings_are_named():
+def test_bad_tier_settings_are_named(make_llm):
     with pytest.raises(ValueError, match="kv_offload_dir"):
-        LLM(dtype="float32", preemption_mode="swap")
+        make_llm(dtype="float32", preemption_mode="swap")
     with pytest.raises(ValueError, match="kv_offload_size"):
-        LLM(dtype="float32", kv_offload_dir="/tmp/x", kv_offload_size="lots")
+        make_llm(dtype="float32", kv_offload_dir="/tmp/x", kv_offload_size="lots")
     with pytest.raises(ValueError, match="prefix cache"):
-        LLM(dtype="float32", kv_offload_dir="/tmp/x", enable_prefix_caching=False, num_gpu_blocks_override=16)
+        make_llm(dtype="float32", kv_offload_dir="/tmp/x", enable_prefix_caching=False, num_gpu_blocks_override=16)
     with pytest.raises(ValueError, match="kv_offload_write_policy"):
-        LLM(dtype="float32", kv_offload_dir="/tmp/x", kv_offload_write_policy="sometimes")
+        make_llm(dtype="float32", kv_offload_dir="/tmp/x", kv_offload_write_policy="sometimes")

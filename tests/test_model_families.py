@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=49152, max_position_embeddings=512, bos_token_id=1,
@@ -42,9 +42,9 @@ def make_model(tmp_path, model_dir, family: str):
 
 
 @pytest.mark.parametrize("family", ["qwen2", "llama3-scaled", "mistral"])
-def test_family_matches_hf(tmp_path, model_dir, family):
+def test_family_matches_hf(make_llm, tmp_path, model_dir, family):
     hf, path = make_model(tmp_path, model_dir, family)
-    llm = LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB")
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 190))]  # the second crosses the scaled-RoPE range
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 
 SHARED = ("You are a helpful assistant for a city library. The library opens at nine, closes at six, "
           "lends books for three weeks, and charges no fines for children's books. ")
@@ -37,11 +37,11 @@ def hf_greedy(hf_model, ids: list[int], max_new: int) -> list[int]:
     return list(_HF_GREEDY[key])
 
 
-def test_greedy_matches_hf_with_prefix_hits_and_preemption(hf_model):
+def test_greedy_matches_hf_with_prefix_hits_and_preemption(make_llm, hf_model):
     # A pool of 16 blocks x 16 tokens cannot hold all nine sequences at once, so the
     # scheduler must preempt and recompute; the shared library preamble is served
     # from the prefix cache to the second request that carries it.
-    llm = LLM(dtype="float32", num_gpu_blocks_override=16, max_model_len=512, max_num_batched_tokens=64)
+    llm = make_llm(dtype="float32", num_gpu_blocks_override=16, max_model_len=512, max_num_batched_tokens=64)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
     st = llm.get_stats()
     assert st.preemptions > 0, "the tiny KV budget should force preemption"

@@ -16,31 +16,29 @@ TEXT = ("The library lends loose-leaf pages to readers. Readers of the same book
 
 
 @pytest.fixture(scope="module")
-def chunky():
+def chunky(make_llm):
     """Prompts prefilled 48 tokens a step, in a pool small enough to preempt."""
-    from pagedllm import LLM
 
-    return LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=48, num_gpu_blocks_override=40,
+    return make_llm(dtype="float32", max_model_len=1024, max_num_batched_tokens=48, num_gpu_blocks_override=40,
                block_size=8)
 
 
-def _exact(caching: bool):
+def _exact(make_llm, caching: bool):
     """fp32, batch-invariant: a row's logits do not depend on the rest of its step, so the
     cache's entries and a recomputation can be compared bit for bit."""
-    from pagedllm import LLM
 
-    return LLM(dtype="float32", max_model_len=256, num_gpu_blocks_override=48, block_size=8, batch_invariant=True,
+    return make_llm(dtype="float32", max_model_len=256, num_gpu_blocks_override=48, block_size=8, batch_invariant=True,
                enable_prefix_caching=caching)
 
 
 @pytest.fixture(scope="module")
-def cached():
-    return _exact(True)
+def cached(make_llm):
+    return _exact(make_llm, True)
 
 
 @pytest.fixture(scope="module")
-def uncached():
-    return _exact(False)
+def uncached(make_llm):
+    return _exact(make_llm, False)
 
 
 def _hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:

@@ -8,7 +8,7 @@ import pytest
 from hw import FAST_DTYPE
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.models.quantization import (Q4_1, Q8_0)
 
 
@@ -31,11 +31,11 @@ def test_gguf_blocks_equal_the_converted_weights():
 
 
 @pytest.fixture(scope="module")
-def quantized():
+def quantized(make_llm):
     """One engine per weight format (None: unquantized), in the dtype this CPU runs fast, shared
     by the greedy and the perplexity checks: at most 8 sequences a step, so decode runs the
     block kernels' small-M paths and prefill their tiled one."""
-    llms = {q: LLM(dtype=FAST_DTYPE, quantization=q, max_model_len=1024, kv_cache_memory="128MiB", max_num_seqs=8)
+    llms = {q: make_llm(dtype=FAST_DTYPE, quantization=q, max_model_len=1024, kv_cache_memory="128MiB", max_num_seqs=8)
             for q in (None, "gguf", "int4", "int8")}
     yield llms
     for llm in llms.values():

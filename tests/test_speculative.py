@@ -49,10 +49,9 @@ def prompts():
 
 
 @pytest.fixture(scope="module")
-def spec_llm():
-    from pagedllm import LLM
+def spec_llm(make_llm):
 
-    return LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, speculative_config=NGRAM)
+    return make_llm(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048, speculative_config=NGRAM)
 
 
 def _ids(outs):
@@ -90,14 +89,13 @@ def test_some_sequences_speculate_while_others_decode_normally(llm_fp32, spec_ll
     assert len(got[1].outputs[0].logprobs) == 48
 
 
-def test_speculation_survives_preemption_and_frees_everything():
+def test_speculation_survives_preemption_and_frees_everything(make_llm):
     """A pool too small for the batch: drafts are dropped before anyone is preempted, and
     preempted sequences recompute; the output is the plain engine's, no block leaks."""
-    from pagedllm import LLM
 
     outs = {}
     for spec in (None, NGRAM):
-        llm = LLM(dtype="float32", num_gpu_blocks_override=24, block_size=8, max_model_len=512,
+        llm = make_llm(dtype="float32", num_gpu_blocks_override=24, block_size=8, max_model_len=512,
                   speculative_config=spec)
         outs[spec is None] = _ids(llm.generate(PROMPTS[:4], SamplingParams(temperature=0, max_tokens=40,
                                                                            ignore_eos=True), use_tqdm=False))
@@ -154,17 +152,16 @@ def test_cli_flag_takes_vllm_json():
         build_parser().parse_args(["generate", "--speculative-config", '{"num_speculative_tokens": 0}'])
 
 
-def test_random_proposals_never_change_greedy_output(llm_fp32, monkeypatch):
+def test_random_proposals_never_change_greedy_output(make_llm, llm_fp32, monkeypatch):
     """Drafts that are mostly wrong (random tokens, now and then the right one): the output
     is still the plain engine's, and every rejected lookahead slot is rolled back."""
-    from pagedllm import LLM
     from pagedllm.runtime import ngram
 
     want = _ids(llm_fp32.generate(PROMPTS[3:5], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False))
     rng = random.Random(0)
     monkeypatch.setattr(ngram.NgramIndex, "propose",
                         lambda self, tokens, k: [rng.randrange(0, 50) for _ in range(rng.randint(0, k))])
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, block_size=4,
+    llm = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=512, block_size=4,
               speculative_config={"num_speculative_tokens": 6})
     got = _ids(llm.generate(PROMPTS[3:5], SamplingParams(temperature=0, max_tokens=30), use_tqdm=False))
     assert got == want
@@ -172,11 +169,10 @@ def test_random_proposals_never_change_greedy_output(llm_fp32, monkeypatch):
     llm.engine.kv.check_integrity()
 
 
-def test_disable_by_batch_size_turns_drafts_off_in_big_batches(llm_fp32):
+def test_disable_by_batch_size_turns_drafts_off_in_big_batches(make_llm, llm_fp32):
     """With as many sequences running as disable_by_batch_size, nobody drafts; alone, it does."""
-    from pagedllm import LLM
 
-    llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
+    llm = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=512,
               speculative_config={"num_speculative_tokens": 3, "disable_by_batch_size": 3})
     p = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm.generate([PROMPTS[2]] * 3, p, use_tqdm=False)
@@ -186,16 +182,15 @@ def test_disable_by_batch_size_turns_drafts_off_in_big_batches(llm_fp32):
     assert got == _ids(llm_fp32.generate([PROMPTS[2]], p, use_tqdm=False))
 
 
-def test_bf16_batch_invariant_greedy_is_the_same_with_speculation(prompts):
+def test_bf16_batch_invariant_greedy_is_the_same_with_speculation(make_llm, prompts):
     """In bf16 a change of batch shape moves matmul results by a rounding step, and drafts
     change the shapes; in batch-invariant mode (fixed reduction order, per row) greedy output
     with speculation is bit-for-bit the plain engine's in bf16 too. Measured: 24 of 24."""
-    from pagedllm import LLM
 
     p = SamplingParams(temperature=0, max_tokens=48)
     outs = []
     for spec in (None, NGRAM):
-        llm = LLM(dtype=FAST_DTYPE, batch_invariant=True, max_model_len=1024, kv_cache_memory="128MiB",
+        llm = make_llm(dtype=FAST_DTYPE, batch_invariant=True, max_model_len=1024, kv_cache_memory="128MiB",
                   speculative_config=spec)
         outs.append(_ids(llm.generate(prompts[:10], p, use_tqdm=False)))
     assert outs[0] == outs[1]
@@ -231,12 +226,11 @@ def small_draft(model_dir, tmp_path_factory):
     return _derived_model(model_dir, tmp_path_factory.mktemp("draft") / "first-8-layers", layers=8)
 
 
-def test_draft_model_greedy_is_exact_and_rolls_back(llm_fp32, small_draft, prompts):
+def test_draft_model_greedy_is_exact_and_rolls_back(make_llm, llm_fp32, small_draft, prompts):
     """The target's first 8 layers as the draft: it proposes, the target rejects part of it,
     and greedy output is the plain engine's. Its KV pool shares the budget and the blocks."""
-    from pagedllm import LLM
 
-    llm = LLM(dtype="float32", kv_cache_memory="128MiB", max_model_len=2048, block_size=8,
+    llm = make_llm(dtype="float32", kv_cache_memory="128MiB", max_model_len=2048, block_size=8,
               speculative_config={"method": "draft_model", "model": str(small_draft), "num_speculative_tokens": 3})
     p = SamplingParams(temperature=0, max_tokens=40)
     want = _ids(llm_fp32.generate(prompts[:8], p, use_tqdm=False))
@@ -248,12 +242,11 @@ def test_draft_model_greedy_is_exact_and_rolls_back(llm_fp32, small_draft, promp
     llm.engine.kv.check_integrity()
 
 
-def test_draft_model_with_another_tokenizer_is_refused(model_dir, tmp_path):
-    from pagedllm import LLM
+def test_draft_model_with_another_tokenizer_is_refused(make_llm, model_dir, tmp_path):
 
     other = _derived_model(model_dir, tmp_path / "other-tokenizer", extra_token="<|not-ours|>")
     with pytest.raises(ValueError, match="has another tokenizer than the target"):
-        LLM(dtype="float32", speculative_config={"method": "draft_model", "model": str(other),
+        make_llm(dtype="float32", speculative_config={"method": "draft_model", "model": str(other),
                                                  "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="needs a model"):
         EngineConfig(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})

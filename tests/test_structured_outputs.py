@@ -156,10 +156,9 @@ def test_n2_samples_each_follow_the_grammar_and_match_n1(llm):
         _valid(SCHEMAS[4], c.text)
 
 
-def test_equal_with_ngram_speculation(llm):
-    from pagedllm import LLM
+def test_equal_with_ngram_speculation(make_llm, llm):
 
-    spec = LLM(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
+    spec = make_llm(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
                speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     prompts = [_prompt(llm, t) for t in TOPICS[:6]]
     params = [_json_params(s, temperature=0) for s in SCHEMAS[:6]]
@@ -172,12 +171,11 @@ def test_equal_with_ngram_speculation(llm):
     spec.engine.kv.check_integrity()
 
 
-def test_equal_under_preemption_batch_invariant():
+def test_equal_under_preemption_batch_invariant(make_llm):
     """A pool too small for the batch: sequences are preempted and recomputed, their
     matchers rebuilt from their tokens; batch-invariant fp32 makes the runs comparable."""
-    from pagedllm import LLM
 
-    llm = LLM(dtype="float32", batch_invariant=True, num_gpu_blocks_override=5, max_model_len=128,
+    llm = make_llm(dtype="float32", batch_invariant=True, num_gpu_blocks_override=5, max_model_len=128,
               max_num_batched_tokens=128)
     prompts = [_prompt(llm, t) for t in (TOPICS[3], TOPICS[10], TOPICS[11])]
     params = [_json_params(s, temperature=0, max_tokens=16) for s in (SCHEMAS[3], SCHEMAS[10], SCHEMAS[11])]

@@ -98,18 +98,18 @@ def test_tp3_smollm2_matches_tp1():
     assert got == want
 
 
-def test_tp_size_must_divide_the_model():
+def test_tp_size_must_divide_the_model(make_llm):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide .*attention heads \(9\).*"
                                          r"allows \[1, 3\]"):
-        LLM(tensor_parallel_size=2)
+        make_llm(tensor_parallel_size=2)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
-        LLM(tensor_parallel_size=0)
+        make_llm(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="batch_invariant with tensor_parallel_size > 1 is not supported"):
-        LLM(tensor_parallel_size=3, batch_invariant=True)
+        make_llm(tensor_parallel_size=3, batch_invariant=True)
 
 
-def test_dead_worker_is_a_clear_error_not_a_hang(tiny):
-    llm = LLM(model=tiny, tensor_parallel_size=2, dtype="float32", num_gpu_blocks_override=16, num_threads=1)
+def test_dead_worker_is_a_clear_error_not_a_hang(make_llm, tiny):
+    llm = make_llm(model=tiny, tensor_parallel_size=2, dtype="float32", num_gpu_blocks_override=16, num_threads=1)
     try:
         proc = llm.engine._launcher.procs[0]
         os.kill(proc.pid, signal.SIGKILL)

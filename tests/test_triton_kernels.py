@@ -48,16 +48,16 @@ def tiny_model(tmp_path_factory, model_dir):
     return str(out)
 
 
-def test_engine_greedy_output_same_as_torch_backend(tiny_model):
+def test_engine_greedy_output_same_as_torch_backend(make_llm, tiny_model):
     """The whole engine on the Triton backend (interpreted on CPU): prefill, a prefix hit,
     n=2 fork with copy-on-write, decode; greedy tokens equal the torch backend's."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
     system = "You are a helpful assistant who answers questions about geography in one short sentence. "
     prompts = [system + "The capital of France is", system + "The longest river is", "List three colors:"]
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+        llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
                   attention_backend=backend, device=DEV)
         assert llm.engine.runner.backend_name == backend
         greedy = [llm.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
@@ -73,16 +73,16 @@ def test_engine_greedy_output_same_as_torch_backend(tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_engine_on_fp8_kv_same_as_torch_backend(tiny_model):
+def test_engine_on_fp8_kv_same_as_torch_backend(make_llm, tiny_model):
     """--kv-cache-dtype fp8 through the whole engine on both backends: uint8 pools of the
     torch layout, a prefix hit and copy-on-write over their bytes, the rotated query and
     output. Both quantize each new row alike, so greedy tokens and logprobs agree."""
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
 
     system = "You are a helpful assistant who answers questions about geography in one short sentence. "
     outs = {}
     for backend in ("torch", "triton"):
-        llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+        llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
                   attention_backend=backend, device=DEV, kv_cache_dtype="fp8")
         assert llm.engine.runner.backend.kv.name == "fp8_e4m3"
         run = [llm.generate(system + p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, n=n,
@@ -96,16 +96,16 @@ def test_engine_on_fp8_kv_same_as_torch_backend(tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
+def test_decode_graph_buffers_give_the_same_tokens(make_llm, tiny_model):
     """The CUDA-graph decode path's static buffers, buckets and padding rows (slot -1,
     context 0), run eagerly here: greedy tokens equal the plain Triton path's."""
     import torch as _torch
 
-    from pagedllm import LLM, SamplingParams
+    from pagedllm import SamplingParams
     from pagedllm.runtime.cuda_graphs import DecodeGraphs
 
     prompts = ["Name a fruit:", "The sky is", "One plus one is"]  # 3 decodes -> bucket 4, one padding row
-    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+    llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=6, enforce_eager=True)
     r = llm.engine.runner
     assert r.graphs is None
@@ -126,14 +126,13 @@ def test_decode_graph_buffers_give_the_same_tokens(tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
+def test_graphed_decode_forward_never_waits_on_the_host(make_llm, tiny_model):
     """What a CUDA graph replays must not read tensor values on the host (.item(), nonzero,
     ...: capture fails or bakes one step's values in) nor build tensors from Python data.
     The decode forward over the graph buffers, every aten op recorded."""
     import torch as _torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from pagedllm import LLM
     from pagedllm.runtime.cuda_graphs import DecodeGraphs
 
     host_reads = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select", "aten::equal",
@@ -145,7 +144,7 @@ def test_graphed_decode_forward_never_waits_on_the_host(tiny_model):
             ops.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    llm = LLM(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+    llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=4, enforce_eager=True)
     r = llm.engine.runner
     g = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),

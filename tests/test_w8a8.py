@@ -8,16 +8,16 @@ from __future__ import annotations
 from hw import FAST_DTYPE
 import torch
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import SamplingParams
 from pagedllm.bench.quality import common_prefix, fixed_text_ids, perplexity
 
 
-def test_smoothing_leaves_the_float_model_unchanged():
+def test_smoothing_leaves_the_float_model_unchanged(make_llm):
     """SmoothQuant divides activations and multiplies weights by the same scales, folded
     into norms, up rows and v rows: in fp32 the logits stay what they were."""
     from pagedllm.models.smoothing import smooth
 
-    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
+    llm = make_llm(dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
     runner = llm.engine.runner
     model, cfg = runner.model, llm.engine.model_cfg
     ids = list(range(300, 340))
@@ -36,7 +36,7 @@ PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "def fibon
            "The three primary colors are", "A short story about a robot who"]
 
 
-def test_perplexity_and_greedy_agreement_stay_with_bf16():
+def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
     """Perplexity of the fixed text (1,000 tokens: at 256 the figure moves by +-1 % between
     alphas and calibrations) through the engine, 8 tokens a step. Measured: bf16 6.520,
     w8a8 6.600 (+1.2 %; without SmoothQuant +3.7 %). Greedy agreement over 8 prompts x 32
@@ -48,7 +48,7 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16():
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ppl, outs = {}, {}
     for q in (None, "w8a8"):
-        llm = LLM(dtype=FAST_DTYPE, quantization=q, max_model_len=1024, kv_cache_memory="64MiB")
+        llm = make_llm(dtype=FAST_DTYPE, quantization=q, max_model_len=1024, kv_cache_memory="64MiB")
         outs[q] = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
         llm.engine.scheduler.max_num_batched_tokens = 8   # the text scored 8 tokens a step: decode-sized matmuls
         ppl[q] = perplexity(llm, ids)
@@ -59,10 +59,10 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16():
     assert mean >= 5, (mean, whole)
 
 
-def test_w8a8_is_batch_invariant_in_the_engine():
+def test_w8a8_is_batch_invariant_in_the_engine(make_llm):
     """batch_invariant with w8a8: a prompt's greedy tokens alone equal those beside others."""
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, max_model_len=512, kv_cache_memory="64MiB")
+    llm = make_llm(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, max_model_len=512, kv_cache_memory="64MiB")
     assert "W8A8 matmuls" in llm.engine.runner.describe() or llm.engine.runner.batch_invariant
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:3]]
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)][:3]
@@ -70,13 +70,13 @@ def test_w8a8_is_batch_invariant_in_the_engine():
     llm.close()
 
 
-def test_w8a8_with_ngram_speculation_keeps_greedy_output():
+def test_w8a8_with_ngram_speculation_keeps_greedy_output(make_llm):
     """Verification runs k+1 rows a sequence through the same per-row matmuls."""
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "a b c d e f g h a b c d e f g h a b c d"]
     outs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        llm = LLM(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, speculative_config=spec,
+        llm = make_llm(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, speculative_config=spec,
                   max_model_len=512, kv_cache_memory="64MiB")
         outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if spec is not None:
@@ -85,7 +85,7 @@ def test_w8a8_with_ngram_speculation_keeps_greedy_output():
     assert outs[True] == outs[False]
 
 
-def test_w8a8_under_tensor_parallel(tmp_path, model_dir):
+def test_w8a8_under_tensor_parallel(make_llm, tmp_path, model_dir):
     """TP=2 on a tiny Llama: each rank quantizes its slice (scales per output channel of
     its columns, per token of its part of a row-parallel input). Greedy tokens against
     TP=1 w8a8: the row-parallel layers' per-rank scales differ from TP=1's whole-row one,
@@ -105,7 +105,7 @@ def test_w8a8_under_tensor_parallel(tmp_path, model_dir):
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 150))]
     outs = {}
     for tp in (1, 2):
-        llm = LLM(model=str(tmp_path), tensor_parallel_size=tp, dtype="float32", quantization="w8a8",
+        llm = make_llm(model=str(tmp_path), tensor_parallel_size=tp, dtype="float32", quantization="w8a8",
                   num_gpu_blocks_override=16, max_model_len=256, num_threads=1)
         outs[tp] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         llm.close()

@@ -72,6 +72,8 @@ class LLMEngine:
                              "(max_position_embeddings)")
         self._launcher = None
         self.runner = runner if runner is not None else self._model_runner(model_dir)
+        if runner is not None:
+            runner.reset_sequences()   # a runner that served another engine: its sequence ids mean nothing now
         self.kv = self._kv_manager()
         self.eos_token_ids = set(self.model_cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:

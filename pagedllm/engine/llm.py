@@ -22,6 +22,13 @@ class LLM:
         self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """The offline API over an engine built elsewhere (its own runner, a fake one)."""
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None,

@@ -42,3 +42,6 @@ class Runner(Protocol):
         """Write these (block, key) to the tier now and wait (a clean shutdown)."""
 
     def describe(self) -> str: ...
+
+    def reset_sequences(self) -> None:
+        """Forget what is kept per sequence: an engine starts numbering its sequences anew."""

@@ -268,6 +268,14 @@ class ModelRunner:
                         "and a full-attention layer reads every key)", why)
         return KVLayout.single(mc.num_layers, one.groups[0].window)
 
+    def reset_sequences(self) -> None:
+        """Forget what is kept per sequence (sampling RNGs, grammar matchers, drafts' state): a
+        new engine over this runner numbers its sequences from 0 again."""
+        self.generators.clear()
+        self.grammars = None
+        if self.proposer is not None:
+            self.proposer.seqs.clear()
+
     # -- what the engine reads of the runner -----------------------------------
     @property
     def num_blocks(self) -> int:

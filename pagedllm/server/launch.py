@@ -84,31 +84,54 @@ def api_keys(given: list[str] | None) -> list[str]:
     return keys
 
 
+@dataclass
+class Built:
+    """A server's parts before it listens: the engine it talks to, its state, its app, and
+    what was attached to the engine."""
+    async_engine: AsyncLLMEngine
+    state: ServerState
+    app: FastAPI
+    attached: Attachment | None = None
+
+
+def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
+          engine: LLMEngine | None = None) -> Built:
+    """The engine (`engine`, or one built from cfg; N replicas under data parallelism), its
+    state and the app, not yet served: `serve` runs it under uvicorn; the tests drive it in
+    process (httpx.ASGITransport). ValueError for a bad setting."""
+    keys = api_keys(opts.api_key)
+    isolation = opts.prefix_cache_isolation or ("per-key" if keys else "none")
+    if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the parser that reads calls from "
+                         "the model's text)")
+    async_engine, attached = _engines(cfg, opts, attach, engine)
+    try:
+        name = opts.served_model_name or async_engine.info.model_name
+        state = ServerState(async_engine, name, keys, isolation, opts.max_body_bytes,
+                            admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
+                            body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
+                            tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
+    except ValueError:
+        async_engine.shutdown()
+        raise
+    app = create_app(state)
+    if attached is not None:
+        attached.mount(app, state)
+    return Built(async_engine, state, app, attached)
+
+
 def serve(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
           on_start: OnStart | None = None) -> int:
     """Build the engine and serve it until a signal, or until the engine can never step
     again. `attach` is called on a single engine only (data parallelism has none to
     watch); on_start(state, attachment) runs as a task once serving. Returns the exit
     code: 0 stopped, 1 the engine failed, 2 a bad setting."""
-    keys = api_keys(opts.api_key)
-    isolation = opts.prefix_cache_isolation or ("per-key" if keys else "none")
-    if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
-        print("error: --enable-auto-tool-choice needs --tool-call-parser (the parser that reads calls from "
-              "the model's text)", file=sys.stderr)
-        return 2
     try:
-        async_engine, attached = _engines(cfg, opts, attach)
-        name = opts.served_model_name or async_engine.info.model_name
-        state = ServerState(async_engine, name, keys, isolation, opts.max_body_bytes,
-                            admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
-                            body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
-                            tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
+        built = build(cfg, opts, attach)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = create_app(state)
-    if attached is not None:
-        attached.mount(app, state)
+    async_engine, state, app, attached = built.async_engine, built.state, built.app, built.attached
     server = _uvicorn_server(app, state, opts, attached)
     fatal: list[BaseException] = []
 
@@ -118,7 +141,7 @@ def serve(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
 
     app.router.lifespan_context = _lifespan(state, async_engine, attached, on_start, stop)
     logger.info("serving %s on http://%s:%d (API keys: %d, prefix-cache isolation: %s, visualizer: %s)",
-                name, opts.host, opts.port, len(keys), isolation,
+                state.model_name, opts.host, opts.port, len(state.api_keys), state.isolation,
                 f"http://{opts.host}:{opts.port}{attached.path}" if attached else "off")
     server.run()
     if fatal:
@@ -128,15 +151,15 @@ def serve(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
     return 0
 
 
-def _engines(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None):
+def _engines(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None, engine: LLMEngine | None = None):
     """The async engine the server talks to (N replica processes behind one front under
     data parallelism), and what was attached to the single engine."""
-    if cfg.data_parallel_size > 1:
+    if cfg.data_parallel_size > 1 and engine is None:
         from ..dp.front import DataParallelEngine
 
         level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
         return DataParallelEngine(cfg, opts.max_queue_len, opts.log_interval, level), None
-    engine = LLMEngine(cfg)
+    engine = engine or LLMEngine(cfg)
     attached = attach(engine) if attach is not None else None
     async_engine = AsyncLLMEngine(engine, opts.max_queue_len, opts.log_interval,
                                   gate=attached.gate if attached is not None else None)

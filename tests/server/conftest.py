@@ -16,6 +16,8 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @dataclass
 class Server:
+    """A real `pagedllm serve` process on 127.0.0.1: for what needs a socket (slow clients,
+    disconnects, shutdown, other programs as clients). The same client helpers as InProcessServer."""
     url: str
     proc: subprocess.Popen
     log_path: str
@@ -23,6 +25,14 @@ class Server:
     def log(self) -> str:
         with open(self.log_path) as f:
             return f.read()
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, **{"timeout": 120, **kw})
+
+    def openai(self, api_key: str = "none", **kw):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, **kw)
 
 
 
@@ -59,23 +69,36 @@ def stop_server(server: Server) -> None:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory):
+def server():
+    """The default server, in process (httpx.ASGITransport): the API's answers need no socket."""
+    from .inproc import serve_in_process
+
+    s = serve_in_process()
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
+def socket_server(tmp_path_factory):
+    """The default server as a process of its own, for what needs a socket."""
     s = start_server(tmp_path_factory)
     yield s
     stop_server(s)
 
 
 @pytest.fixture(scope="session")
-def keyed_server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--api-key", "alice-key", "--api-key", "bob-key", name="keyed")
+def keyed_server():
+    from .inproc import serve_in_process
+
+    s = serve_in_process("--api-key", "alice-key", "--api-key", "bob-key")
     yield s
-    stop_server(s)
+    s.close()
 
 
-def metrics(url: str) -> dict[str, float]:
+def metrics(server) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = server.client().get("/metrics", timeout=10).text
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
@@ -84,14 +107,14 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
-def metric_sample(url: str, name: str, **labels: str) -> float:
+def metric_sample(server, name: str, **labels: str) -> float:
     """One labelled sample, e.g. metric_sample(url, "pagedllm:request_success_total", finished_reason="abort").
 
     `metrics()` sums a family over its labels; this reads only the samples whose labels include `labels`
     (0.0 when none exists yet, as a counter that has never moved is not exported)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = httpx.get(url + "/metrics", timeout=10).text
+    text = server.client().get("/metrics", timeout=10).text
     total = 0.0
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:

@@ -1,7 +1,6 @@
 """Bad input gets an OpenAI-shaped 4xx error, and the server stays healthy after each."""
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from .conftest import MODEL
@@ -43,7 +42,7 @@ CASES = [
 
 @pytest.mark.parametrize("name, path, body, status, param", CASES, ids=[c[0] for c in CASES])
 def test_bad_input(server, name, path, body, status, param):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with server.client(timeout=60) as c:
         kw = {"content": body} if isinstance(body, bytes) else {"json": body}
         r = c.post(path, headers={"content-type": "application/json"}, **kw)
         assert r.status_code == status, r.text
@@ -56,7 +55,7 @@ def test_bad_input(server, name, path, body, status, param):
 
 
 def test_oversized_body(server):
-    with httpx.Client(base_url=server.url, timeout=60) as c:
+    with server.client(timeout=60) as c:
         r = c.post(COMP, json={"model": MODEL, "prompt": "x" * (5 * 1024 * 1024)})
         assert r.status_code == 413 and r.json()["error"]["code"] == 413
         assert c.post(CHAT, json=OK_CHAT).status_code == 200

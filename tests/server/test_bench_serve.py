@@ -1,4 +1,4 @@
-"""`pagedllm bench serve` against the session server: vLLM's summary labels, JSON keys and flags,
+"""`pagedllm bench serve` against the session socket_server: vLLM's summary labels, JSON keys and flags,
 and the report built from the JSON it wrote."""
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ VLLM_LABELS = [
 ]
 
 
-def test_bench_serve_vllm_flags_labels_and_keys(server, tmp_path):
+def test_bench_serve_vllm_flags_labels_and_keys(socket_server, tmp_path):
     # Only vLLM's flag names: --dataset-name, --random-*, --result-dir/--result-filename, --save-result.
-    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--base-url", server.url,
+    cmd = [sys.executable, "-m", "pagedllm.cli", "bench", "serve", "--base-url", socket_server.url,
            "--dataset-name", "random", "--random-input-len", "12", "--random-output-len", "4", "--num-prompts", "4",
            "--request-rate", "50", "--save-result", "--result-dir", str(tmp_path), "--result-filename", "r.json"]
     p = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)

@@ -1,12 +1,11 @@
-"""Schema fuzzing: schemathesis generates bodies from the server's own /openapi.json,
-valid and invalid, and no response may be a 5xx; the server serves afterwards.
+"""Schema fuzzing: schemathesis generates bodies from the socket_server's own /openapi.json,
+valid and invalid, and no response may be a 5xx; the socket_server serves afterwards.
 
 The cases come from schemathesis's public Hypothesis strategies (`APIOperation.as_strategy`)
 under a plain `@given`, not from its pytest plugin: the plugin's lazy `from_fixture` path
 writes pytest's private `Node._nodeid`, which pytest 9.2 removed."""
 from __future__ import annotations
 
-import httpx
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,8 +34,8 @@ def _shorten(body: object) -> None:
         body["prompt"] = body["prompt"][:2]
 
 
-def test_no_server_errors(server):
-    schema = schemathesis.openapi.from_url(server.url + "/openapi.json").include(path_regex=FUZZED_PATHS)
+def test_no_server_errors(socket_server):
+    schema = schemathesis.openapi.from_url(socket_server.url + "/openapi.json").include(path_regex=FUZZED_PATHS)
     operations = [result.ok() for result in schema.get_all_operations()]
     labels = {op.label for op in operations}
     assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /tokenize"} <= labels, labels
@@ -56,6 +55,6 @@ def test_no_server_errors(server):
             raise AssertionError(f"{op.label}: {e}") from e
 
 
-def test_still_serves_after_fuzzing(server):
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
+def test_still_serves_after_fuzzing(socket_server):
+    r = socket_server.client().post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

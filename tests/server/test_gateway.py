@@ -16,13 +16,13 @@ from .conftest import MODEL
 
 
 def test_model_info_and_server_info_name_the_model_and_its_limits(server):
-    info = httpx.get(server.url + "/model_info", timeout=10).json()
+    info = server.client().get("/model_info", timeout=10).json()
     assert (info["model_type"], info["architectures"], info["is_generation"]) == ("llama", ["LlamaForCausalLM"], True)
     assert (Path(info["tokenizer_path"]) / "tokenizer.json").is_file()  # a gateway here can load it
     assert (Path(info["model_path"]) / "config.json").is_file()
-    assert httpx.get(server.url + "/get_model_info", timeout=10).json() == info  # SGLang's older path
-    s = httpx.get(server.url + "/server_info", timeout=10).json()
-    models = httpx.get(server.url + "/v1/models", timeout=10).json()["data"][0]
+    assert server.client().get("/get_model_info", timeout=10).json() == info  # SGLang's older path
+    s = server.client().get("/server_info", timeout=10).json()
+    models = server.client().get("/v1/models", timeout=10).json()["data"][0]
     assert s["served_model_name"] == models["id"] == MODEL
     assert s["context_length"] == models["max_model_len"] == 1024  # start_server's --max-model-len
     assert s["page_size"] == models["block_size"] == 16
@@ -33,17 +33,17 @@ def test_model_info_and_server_info_name_the_model_and_its_limits(server):
 
 def test_model_info_and_server_info_are_behind_the_keys_and_hold_none(keyed_server):
     for path in ("/model_info", "/server_info", "/get_server_info"):
-        assert httpx.get(keyed_server.url + path, timeout=10).status_code == 401
-        assert httpx.get(keyed_server.url + path, headers={"Authorization": "Bearer eve"}, timeout=10).status_code == 401
-        r = httpx.get(keyed_server.url + path, headers={"Authorization": "Bearer bob-key"}, timeout=10)
+        assert keyed_server.client().get(path, timeout=10).status_code == 401
+        assert keyed_server.client().get(path, headers={"Authorization": "Bearer eve"}, timeout=10).status_code == 401
+        r = keyed_server.client().get(path, headers={"Authorization": "Bearer bob-key"}, timeout=10)
         assert r.status_code == 200 and "key" not in r.text.lower()
 
 
 @pytest.fixture(scope="module")
-def gateway(server):
-    """sglang-router's gateway, cache_aware, in front of the session's server."""
-    gw = Gateway([server.url], "cache_aware")
-    yield gw.url, server.url
+def gateway(socket_server):
+    """sglang-router's gateway, cache_aware, in front of the session's server (on its socket)."""
+    gw = Gateway([socket_server.url], "cache_aware")
+    yield gw.url, socket_server.url
     gw.stop()
 
 

@@ -160,7 +160,7 @@ RAW_BAD = [
 
 
 def test_malformed_bodies_get_400_and_keep_the_connection(tenants):
-    with httpx.Client(base_url=tenants.url, headers={**auth(ALICE), "Content-Type": "application/json"},
+    with tenants.client(headers={**auth(ALICE), "Content-Type": "application/json"},
                       timeout=30) as c:
         for name, body, words in RAW_BAD:
             r = c.post("/v1/completions", content=body)
@@ -237,15 +237,15 @@ def test_short_request_is_not_stuck_behind_a_long_prefill(long_ctx):
 def test_abort_mid_prefill_frees_blocks_within_a_chunk(long_ctx):
     url = long_ctx.url
     body = {"model": MODEL, "prompt": long_prompt(), "max_tokens": 4, "stream": True}
-    before = metrics(url)["pagedllm:computed_prompt_tokens_total"]
+    before = metrics(long_ctx)["pagedllm:computed_prompt_tokens_total"]
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300):
         deadline = time.time() + 60
-        while metrics(url)["pagedllm:computed_prompt_tokens_total"] == before:
+        while metrics(long_ctx)["pagedllm:computed_prompt_tokens_total"] == before:
             assert time.time() < deadline
             time.sleep(0.05)
-        at_close = metrics(url)["pagedllm:computed_prompt_tokens_total"]
+        at_close = metrics(long_ctx)["pagedllm:computed_prompt_tokens_total"]
     deadline = time.time() + 60
-    while (m := metrics(url))["pagedllm:num_requests_running"] or m["pagedllm:kv_cache_usage_perc"]:
+    while (m := metrics(long_ctx))["pagedllm:num_requests_running"] or m["pagedllm:kv_cache_usage_perc"]:
         assert time.time() < deadline, "the aborted request still holds blocks"
         time.sleep(0.05)
     chunk = 1024 // 4  # the automatic long-prefill threshold: a quarter of the step budget

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import pytest
 
 from .conftest import MODEL
@@ -32,9 +31,9 @@ def task_manager(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model_paths(server) -> dict:
+def model_paths(socket_server) -> dict:
     """The directories the server read its weights and tokenizer from (its /model_info)."""
-    return httpx.get(server.url + "/model_info", timeout=30).json()
+    return socket_server.client().get("/model_info", timeout=30).json()
 
 
 def evaluate(task_manager, model: str, model_args: dict, tasks: list[str], **kw) -> dict:
@@ -51,9 +50,10 @@ def hf(task_manager, model_paths) -> dict:
     return evaluate(task_manager, "hf", args, [MC, PPL, GEN], batch_size=4)
 
 
-def completions(server, model_paths) -> dict:
+def completions(socket_server, model_paths) -> dict:
     """What an evaluator passes `--model local-completions` (the HF tokenizer counts each context's tokens)."""
-    return {"model": MODEL, "base_url": server.url + "/v1/completions", "tokenizer": model_paths["tokenizer_path"],
+    return {"model": MODEL, "base_url": socket_server.url + "/v1/completions",
+            "tokenizer": model_paths["tokenizer_path"],
             "tokenized_requests": True, "num_concurrent": 2, "max_retries": 1}
 
 
@@ -61,10 +61,10 @@ def samples(results: dict, task: str) -> list[dict]:
     return sorted(results["samples"][task], key=lambda s: s["doc_id"])
 
 
-def test_loglikelihood_tasks_match_hf(server, task_manager, model_paths, hf):
+def test_loglikelihood_tasks_match_hf(socket_server, task_manager, model_paths, hf):
     """Multiple choice behind a shared 3-shot prefix, and rolling perplexity: echo + logprobs=1 +
     max_tokens=1, four token-id prompts per request (batch_size 4), two requests in flight."""
-    ours = evaluate(task_manager, "local-completions", completions(server, model_paths), [MC, PPL], batch_size=4)
+    ours = evaluate(task_manager, "local-completions", completions(socket_server, model_paths), [MC, PPL], batch_size=4)
     for metric in ("acc,none", "acc_norm,none"):
         assert ours["results"][MC][metric] == hf["results"][MC][metric], metric
     mine, theirs = samples(ours, MC), samples(hf, MC)
@@ -81,16 +81,17 @@ def test_loglikelihood_tasks_match_hf(server, task_manager, model_paths, hf):
         assert ours["results"][PPL][metric] == pytest.approx(hf["results"][PPL][metric], rel=1e-4), metric
 
 
-def test_generate_until_matches_hf(server, task_manager, model_paths, hf):
+def test_generate_until_matches_hf(socket_server, task_manager, model_paths, hf):
     """Greedy answers under `until`, sent as token ids: the same text, the same exact match."""
-    ours = evaluate(task_manager, "local-completions", completions(server, model_paths), [GEN])
+    ours = evaluate(task_manager, "local-completions", completions(socket_server, model_paths), [GEN])
     assert [s["resps"] for s in samples(ours, GEN)] == [s["resps"] for s in samples(hf, GEN)]
     assert ours["results"][GEN]["exact_match,strip"] == hf["results"][GEN]["exact_match,strip"]
 
 
-def test_chat_completions_generate_until(server, task_manager):
+def test_chat_completions_generate_until(socket_server, task_manager):
     """`local-chat-completions` with apply_chat_template: the few shots go as turns of /v1/chat/completions."""
-    args = {"model": MODEL, "base_url": server.url + "/v1/chat/completions", "num_concurrent": 2, "max_retries": 1}
+    args = {"model": MODEL, "base_url": socket_server.url + "/v1/chat/completions", "num_concurrent": 2,
+            "max_retries": 1}
     ours = evaluate(task_manager, "local-chat-completions", args, [GEN], apply_chat_template=True)
     answers = [s["filtered_resps"][0] for s in samples(ours, GEN)]
     assert len(answers) == 4 and all(isinstance(a, str) and a for a in answers), answers

@@ -9,7 +9,7 @@ import time
 import httpx
 import pytest
 
-from .conftest import MODEL, metric_sample, metrics, start_server
+from .conftest import MODEL, metric_sample, metrics, start_server, stop_server
 
 LONG = ("Our return policy, in full: items may be returned within thirty days with a receipt; opened "
         "software, gift cards and perishable goods cannot be returned; refunds go to the original card "
@@ -40,10 +40,10 @@ async def stream_chat(client: httpx.AsyncClient, i: int, disconnect_after: int |
     return result
 
 
-def wait_idle(url: str, timeout: float = 60) -> dict:
+def wait_idle(server, timeout: float = 60) -> dict:
     deadline = time.time() + timeout
     while True:
-        m = metrics(url)
+        m = metrics(server)
         if m["pagedllm:num_requests_running"] == 0 and m["pagedllm:num_requests_waiting"] == 0 \
                 and m["pagedllm:kv_cache_usage_perc"] == 0:
             return m
@@ -57,9 +57,11 @@ GEN = "pagedllm:generation_tokens_total"
 SHORT, LONG_RUN = 20, 400  # tokens of a stream that completes; of one that is cut off after its first chunk
 
 
-def test_64_concurrent_streams_with_disconnects(server):
-    """48 streams complete, 16 leave after their first chunk. A leaver asks for 400 tokens (ignore_eos), so it
-    cannot finish before it leaves: exactly 48 successes and 16 aborts, and fewer than 400 tokens each for those."""
+def test_64_concurrent_streams_with_disconnects(socket_server):
+    """48 streams complete, 16 leave after their first chunk (sockets closed mid-stream). A leaver asks for 400
+    tokens (ignore_eos), so it cannot finish before it leaves: exactly 48 successes and 16 aborts, and fewer than
+    400 tokens each for those."""
+    server = socket_server
     async def run():
         limits = httpx.Limits(max_connections=100)
         async with httpx.AsyncClient(base_url=server.url, timeout=240, limits=limits) as c:
@@ -67,20 +69,20 @@ def test_64_concurrent_streams_with_disconnects(server):
                      for i in range(64)]
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=300)
 
-    before = metrics(server.url)
-    length0 = metric_sample(server.url, SUCCESS, finished_reason="length")
-    abort0 = metric_sample(server.url, SUCCESS, finished_reason="abort")
+    before = metrics(server)
+    length0 = metric_sample(server, SUCCESS, finished_reason="length")
+    abort0 = metric_sample(server, SUCCESS, finished_reason="abort")
     results = asyncio.run(run())
     for i, r in enumerate(results):
         if i % 4 == 0:
             assert r["disconnected"] and not r["done"] and r["finish"] is None, (i, r)
         else:
             assert r["done"] and r["finish"] == "length", (i, r)
-    m = wait_idle(server.url)
+    m = wait_idle(server)
     assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
         m["pagedllm:kv_cache_total_blocks"], "every block is free or cached: no leak"
-    assert metric_sample(server.url, SUCCESS, finished_reason="length") - length0 == 48
-    assert metric_sample(server.url, SUCCESS, finished_reason="abort") - abort0 == 16
+    assert metric_sample(server, SUCCESS, finished_reason="length") - length0 == 48
+    assert metric_sample(server, SUCCESS, finished_reason="abort") - abort0 == 16
     assert m[SUCCESS] - before.get(SUCCESS, 0) == 64, "no other finish reason"
     generated = m[GEN] - before[GEN]
     assert 48 * SHORT + 16 <= generated < 48 * SHORT + 16 * LONG_RUN, \
@@ -88,50 +90,51 @@ def test_64_concurrent_streams_with_disconnects(server):
     assert "running:" in server.log() and "KV usage" in server.log(), "periodic status line"
 
 
-def test_non_streaming_disconnect_aborts(server):
+def test_non_streaming_disconnect_aborts(socket_server):
+    server = socket_server
     body = {"model": MODEL, "prompt": "Count slowly:", "max_tokens": 400, "ignore_eos": True}
-    before = metrics(server.url)
-    abort0 = metric_sample(server.url, SUCCESS, finished_reason="abort")
+    before = metrics(server)
+    abort0 = metric_sample(server, SUCCESS, finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
-    m = wait_idle(server.url, timeout=20)  # aborted well before 400 tokens could finish
+        server.client().post("/v1/completions", json=body, timeout=1.5)
+    m = wait_idle(server, timeout=20)  # aborted well before 400 tokens could finish
     assert m["pagedllm:kv_cache_free_blocks"] + m["pagedllm:kv_cache_cached_free_blocks"] == \
         m["pagedllm:kv_cache_total_blocks"]
-    assert metric_sample(server.url, SUCCESS, finished_reason="abort") - abort0 == 1
+    assert metric_sample(server, SUCCESS, finished_reason="abort") - abort0 == 1
     assert m[SUCCESS] - before.get(SUCCESS, 0) == 1, "counted once, as an abort"
     generated = m[GEN] - before[GEN]
     assert generated < body["max_tokens"], f"aborted before its {body['max_tokens']} tokens: {generated}"
 
 
 def test_metrics_parse_and_move(server):
-    before = metrics(server.url)
-    r = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 5,
+    before = metrics(server)
+    r = server.client().post("/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 5,
                                                          "ignore_eos": True}, timeout=60)
     assert r.status_code == 200
-    after = metrics(server.url)
+    after = metrics(server)
     assert after["pagedllm:prefix_cache_queries_total"] >= before["pagedllm:prefix_cache_queries_total"] + 40
     assert after["pagedllm:generation_tokens_total"] == before["pagedllm:generation_tokens_total"] + 5
     assert after["pagedllm:prompt_tokens_total"] > before["pagedllm:prompt_tokens_total"]
     assert after["pagedllm:e2e_request_latency_seconds_count"] == before["pagedllm:e2e_request_latency_seconds_count"] + 1
     assert after["pagedllm:time_to_first_token_seconds_count"] > before["pagedllm:time_to_first_token_seconds_count"]
-    r2 = httpx.post(server.url + "/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 1},
+    r2 = server.client().post("/v1/completions", json={"model": MODEL, "prompt": LONG, "max_tokens": 1},
                     timeout=60)
-    hits = metrics(server.url)["pagedllm:prefix_cache_hits_total"] - after["pagedllm:prefix_cache_hits_total"]
+    hits = metrics(server)["pagedllm:prefix_cache_hits_total"] - after["pagedllm:prefix_cache_hits_total"]
     assert hits == r2.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-    assert metrics(server.url)["pagedllm:kv_cache_cached_free_blocks"] > 0, "idle but the cache is still warm"
+    assert metrics(server)["pagedllm:kv_cache_cached_free_blocks"] > 0, "idle but the cache is still warm"
 
 
 def test_api_keys_and_tenant_isolation(keyed_server):
-    url = keyed_server.url
+    client = keyed_server.client()
     body = {"model": MODEL, "prompt": LONG + "Summarize it.", "max_tokens": 1}
 
     def post(key, **extra):
         headers = {"Authorization": f"Bearer {key}"} if key else {}
-        return httpx.post(url + "/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
+        return client.post("/v1/completions", json={**body, **extra}, headers=headers, timeout=60)
 
     assert post(None).status_code == 401
     assert post("mallory-key").json()["error"]["type"] == "authentication_error"
-    assert httpx.get(url + "/v1/models").status_code == 401
+    assert client.get("/v1/models").status_code == 401
     cached = lambda r: r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]  # noqa: E731
     assert cached(post("alice-key")) == 0
     assert cached(post("bob-key")) == 0, "another tenant's blocks must never be hit"
@@ -173,10 +176,19 @@ def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
             srv.proc.kill()
 
 
-def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_server, server):
-    url = keyed_server.url
+@pytest.fixture(scope="module")
+def keyed_socket_server(tmp_path_factory):
+    """Keys, on a socket: an event stream (the visualizer's) never ends, so it is read off a real one."""
+    s = start_server(tmp_path_factory, "--api-key", "alice-key", "--api-key", "bob-key", name="keyed")
+    yield s
+    stop_server(s)
+
+
+def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_socket_server, server):
+    url = keyed_socket_server.url
     assert httpx.get(url + "/viz/", timeout=10).status_code == 401, "the page shows every request's text"
     assert httpx.get(url + "/viz/state", timeout=10).status_code == 401
+    assert httpx.get(url + "/viz/events", timeout=10).status_code == 401
     assert httpx.get(url + "/viz/?api_key=alice-key", timeout=10).status_code == 200
     assert httpx.get(url + "/viz/state", headers={"Authorization": "Bearer bob-key"}, timeout=30).json()["step"] >= 0
     with httpx.stream("GET", url + "/viz/events?api_key=alice-key", timeout=30) as r:  # SSE starts with a snapshot
@@ -185,9 +197,9 @@ def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_server, server):
     bad = [({"action": "explode"}, "action"), ({"action": "delay", "seconds": -1}, "seconds"),
            ({"action": "delay", "seconds": "slow"}, "seconds")]
     for body, param in bad:
-        r = httpx.post(server.url + "/viz/control", json=body, timeout=10)
+        r = server.client().post("/viz/control", json=body, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == param
-    r = httpx.post(server.url + "/viz/scenarios/nope/run", timeout=10)
+    r = server.client().post("/viz/scenarios/nope/run", timeout=10)
     assert r.status_code == 404 and "chat" in r.json()["error"]["message"]
-    assert {s["name"] for s in httpx.get(server.url + "/viz/scenarios", timeout=10).json()} >= {
+    assert {s["name"] for s in server.client().get("/viz/scenarios", timeout=10).json()} >= {
         "library", "chat", "parallel-n4", "beam", "preemption"}

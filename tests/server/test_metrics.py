@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import time
 
-import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .conftest import MODEL, metrics, start_server, stop_server
+from .conftest import MODEL, metrics
+from .inproc import serve_in_process
 
 # vLLM v1 families and their Prometheus types (counters without the _total the client adds).
 VLLM_FAMILIES = {
@@ -34,24 +34,24 @@ TIER = {"kv_tier_hits": "counter", "kv_tier_loaded_blocks": "counter", "kv_tier_
         "swap_out_blocks": "counter"}
 
 
-def families(url: str) -> dict:
-    return {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+def families(server) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(server.client().get("/metrics", timeout=10).text)}
 
 
 def buckets(fam) -> list[float]:
     return sorted({float(s.labels["le"]) for s in fam.samples if s.name.endswith("_bucket")})
 
 
-def complete(url: str, **body) -> dict:
-    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
-                                                  "ignore_eos": True, **body}, timeout=120)
+def complete(server, **body) -> dict:
+    r = server.client().post("/v1/completions", json={"model": MODEL, "prompt": "The capital of France is",
+                                                       "ignore_eos": True, **body}, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_names_types_and_buckets(server):
-    complete(server.url, max_tokens=4)
-    fams = families(server.url)
+    complete(server, max_tokens=4)
+    fams = families(server)
     for name, kind in {**VLLM_FAMILIES, **OURS, **TIER}.items():
         assert f"pagedllm:{name}" in fams, name
         assert fams[f"pagedllm:{name}"].type == kind, name
@@ -68,10 +68,10 @@ def test_names_types_and_buckets(server):
 
 
 def test_per_token_and_per_request_timings(server):
-    before = metrics(server.url)
+    before = metrics(server)
     # Streamed or not, 6 tokens of one sequence are 5 inter-token gaps.
-    complete(server.url, max_tokens=6)
-    after = metrics(server.url)
+    complete(server, max_tokens=6)
+    after = metrics(server)
 
     def delta(name: str) -> float:
         return after[f"pagedllm:{name}"] - before.get(f"pagedllm:{name}", 0.0)
@@ -91,51 +91,53 @@ def test_per_token_and_per_request_timings(server):
 
 
 def test_n_samples_count_as_one_request(server):
-    before = metrics(server.url)
-    out = complete(server.url, max_tokens=3, n=3, temperature=1.0, seed=1)
+    before = metrics(server)
+    out = complete(server, max_tokens=3, n=3, temperature=1.0, seed=1)
     assert len(out["choices"]) == 3
-    after = metrics(server.url)
+    after = metrics(server)
     assert after["pagedllm:request_success_total"] - before.get("pagedllm:request_success_total", 0) == 1
     assert after["pagedllm:e2e_request_latency_seconds_count"] - before["pagedllm:e2e_request_latency_seconds_count"] == 1
     assert after["pagedllm:request_params_n_sum"] - before.get("pagedllm:request_params_n_sum", 0) == 3
     assert after["pagedllm:request_generation_tokens_sum"] - before["pagedllm:request_generation_tokens_sum"] == 9
 
 
-def aborts(url: str) -> float:
-    for s in families(url)["pagedllm:request_success"].samples:
+def aborts(server) -> float:
+    for s in families(server)["pagedllm:request_success"].samples:
         if s.name.endswith("_total") and s.labels["finished_reason"] == "abort":
             return s.value
     return 0.0
 
 
-def test_disconnect_counts_as_abort(server):
-    before, total = aborts(server.url), metrics(server.url)["pagedllm:request_success_total"]
+def test_disconnect_counts_as_abort(socket_server):
+    """A client that leaves mid-stream (a real socket closed) is counted once, as an abort."""
+    server = socket_server
+    before, total = aborts(server), metrics(server).get("pagedllm:request_success_total", 0)
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+    with server.client().stream("POST", "/v1/completions", json=body, timeout=120) as r:
         for line in r.iter_lines():
             if line.startswith("data: "):
                 break  # one token arrived: leave
     deadline = time.time() + 30
-    while aborts(server.url) == before and time.time() < deadline:
+    while aborts(server) == before and time.time() < deadline:
         time.sleep(0.2)
-    assert aborts(server.url) == before + 1
-    assert metrics(server.url)["pagedllm:request_success_total"] == total + 1, "counted once"
+    assert aborts(server) == before + 1
+    assert metrics(server)["pagedllm:request_success_total"] == total + 1, "counted once"
 
 
 @pytest.fixture(scope="module")
-def vllm_server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--metrics-prefix", "vllm", name="vllm-prefix")
+def vllm_server():
+    s = serve_in_process("--metrics-prefix", "vllm")
     yield s
-    stop_server(s)
+    s.close()
 
 
 def test_metrics_prefix_vllm(vllm_server):
-    complete(vllm_server.url, max_tokens=2)
-    fams = families(vllm_server.url)
+    complete(vllm_server, max_tokens=2)
+    fams = families(vllm_server)
     assert not [n for n in fams if n.startswith("pagedllm:")]
     for name, kind in VLLM_FAMILIES.items():
         assert fams[f"vllm:{name}"].type == kind, name
-    m = metrics(vllm_server.url)
+    m = metrics(vllm_server)
     assert m["vllm:request_success_total"] == 1 and m["vllm:generation_tokens_total"] == 2
 
 

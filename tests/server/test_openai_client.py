@@ -13,7 +13,7 @@ SYSTEM = ("You are the reference desk of the city library. The library opens at 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai(api_key="unused", max_retries=0, timeout=120)
 
 
 def test_completion_and_usage(client):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 
@@ -19,7 +18,7 @@ MSGS = [{"role": "user", "content": "Name a colour."}]
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120)
+    return server.client().post(path, json=body, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +89,7 @@ def test_echo_logprobs_of_token_id_prompts_as_lm_eval_reads_them(server, tokeniz
 
 
 def test_max_tokens_zero_with_echo_is_the_prompt_alone_through_the_openai_client(server, tokenizer):
-    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    client = server.openai(api_key="unused", max_retries=0, timeout=120)
     ids = tokenizer.encode("One, two, three", add_special_tokens=False)
     r = client.completions.create(model=MODEL, prompt=[ids], echo=True, logprobs=1, max_tokens=0)
     c = r.choices[0]
@@ -110,7 +109,7 @@ def test_streamed_echo_equals_the_response(server):
     whole = post(server, COMP, body).json()["choices"][0]
     for max_tokens in (3, 0):
         text, lp, finish = "", {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}, None
-        with httpx.stream("POST", server.url + COMP, json={**body, "max_tokens": max_tokens, "stream": True},
+        with server.client().stream("POST", COMP, json={**body, "max_tokens": max_tokens, "stream": True},
                           timeout=120) as r:
             assert r.status_code == 200
             for line in r.iter_lines():

@@ -67,7 +67,7 @@ def test_stalled_and_trickled_headers_are_cut(guarded):
         except OSError:
             pass
     threading.Thread(target=dribble, daemon=True).start()
-    r = httpx.post(guarded.url + "/v1/completions", content=OK, headers={"content-type": "application/json"},
+    r = guarded.client().post("/v1/completions", content=OK, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, "others are served meanwhile"
     try:
@@ -124,7 +124,7 @@ def test_slow_but_timely_clients_and_keep_alive_are_unaffected(guarded):
         s.close()
     t0 = time.monotonic()
     data = []
-    with httpx.stream("POST", guarded.url + "/v1/completions", timeout=120,
+    with guarded.client().stream("POST", "/v1/completions", timeout=120,
                       json={"model": MODEL, "prompt": "Count:", "max_tokens": 120, "ignore_eos": True,
                             "stream": True, "stream_options": {"include_usage": True}}) as r:
         data = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -139,7 +139,7 @@ def test_slow_but_timely_clients_and_keep_alive_are_unaffected(guarded):
 
 def test_limit_concurrency_answers_503_beyond_the_limit(guarded):
     body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 60, "ignore_eos": True, "stream": True}
-    with httpx.Client(base_url=guarded.url, timeout=120) as c:
+    with guarded.client(timeout=120) as c:
         streams = [c.stream("POST", "/v1/completions", json=body) for _ in range(2)]
         responses = [s.__enter__() for s in streams]
         try:
@@ -147,18 +147,18 @@ def test_limit_concurrency_answers_503_beyond_the_limit(guarded):
             for it in lines:  # both are in flight: each has sent its first token
                 assert next(x for x in it if x.startswith("data: {"))
             t0 = time.monotonic()
-            third = httpx.post(guarded.url + "/v1/completions", json={**body, "stream": False}, timeout=60)
+            third = guarded.client().post("/v1/completions", json={**body, "stream": False}, timeout=60)
             assert time.monotonic() - t0 < 2.0, "refused at once, not queued"
             assert third.status_code == 503
             err = third.json()["error"]
             assert err["code"] == 503 and err["type"] == "service_unavailable" and "limit of 2" in err["message"]
-            assert httpx.get(guarded.url + "/health", timeout=10).status_code == 200, "probes stay reachable"
-            assert httpx.get(guarded.url + "/metrics", timeout=10).status_code == 200
+            assert guarded.client().get("/health", timeout=10).status_code == 200, "probes stay reachable"
+            assert guarded.client().get("/metrics", timeout=10).status_code == 200
             assert [[x for x in it if x.startswith("data: ")][-1] for it in lines] == ["data: [DONE]"] * 2
         finally:
             for s in streams:
                 s.__exit__(None, None, None)
-    r = httpx.post(guarded.url + "/v1/completions", content=OK, headers={"content-type": "application/json"},
+    r = guarded.client().post("/v1/completions", content=OK, headers={"content-type": "application/json"},
                    timeout=60)
     assert r.status_code == 200, "the slots come back"
 
@@ -171,7 +171,7 @@ def test_shutdown_ends_running_streams_cleanly_and_exits_0(tmp_path_factory):
 
     def stream() -> None:
         try:
-            with httpx.stream("POST", srv.url + "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
+            with srv.client().stream("POST", "/v1/completions", json={**long, "stream": True}, timeout=60) as r:
                 for line in r.iter_lines():  # raises on a torn chunked body
                     if line:
                         events.append((time.monotonic(), line))
@@ -181,7 +181,7 @@ def test_shutdown_ends_running_streams_cleanly_and_exits_0(tmp_path_factory):
 
     def plain() -> None:
         try:
-            result["plain"] = httpx.post(srv.url + "/v1/completions", json=long, timeout=60)
+            result["plain"] = srv.client().post("/v1/completions", json=long, timeout=60)
         except httpx.HTTPError as e:
             result["plain"] = repr(e)
 
@@ -197,7 +197,7 @@ def test_shutdown_ends_running_streams_cleanly_and_exits_0(tmp_path_factory):
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.5)
         with pytest.raises(httpx.ConnectError):
-            httpx.get(srv.url + "/health", timeout=5)  # no new connections while draining
+            srv.client().get("/health", timeout=5)  # no new connections while draining
         for t in threads:
             t.join(30)
         assert srv.proc.wait(30) == 0

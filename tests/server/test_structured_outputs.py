@@ -10,11 +10,11 @@ from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel
 
-from .conftest import MODEL, start_server, stop_server
+from .conftest import MODEL
+from .inproc import serve_in_process
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
@@ -31,19 +31,19 @@ PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
 
 
 @pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--enable-auto-tool-choice", "--tool-call-parser", "hermes", name="tools")
+def tool_server():
+    s = serve_in_process("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     yield s
-    stop_server(s)
+    s.close()
 
 
 @pytest.fixture(scope="module")
 def client(tool_server):
-    return openai.OpenAI(base_url=tool_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return tool_server.openai(api_key="unused", max_retries=0, timeout=120)
 
 
 def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json={"model": MODEL, **body}, timeout=120)
+    return server.client().post(path, json={"model": MODEL, **body}, timeout=120)
 
 
 class Forecast(BaseModel):

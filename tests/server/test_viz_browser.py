@@ -108,7 +108,7 @@ def test_live_page_matches_block_manager(server, model_dir):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     poem = "Write a short poem about a library at night"
     assert len(tok.encode(poem, add_special_tokens=False)) % 16, "n=2 must share a partial block to copy on write"
-    ctl = lambda action, **kw: httpx.post(server.url + "/viz/control", json={"action": action, **kw}).raise_for_status()  # noqa: E731
+    ctl = lambda action, **kw: server.client().post("/viz/control", json={"action": action, **kw}).raise_for_status()  # noqa: E731
 
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
@@ -135,7 +135,7 @@ def test_live_page_matches_block_manager(server, model_dir):
         page.wait_for_selector("#log li[data-type=cow]", timeout=120_000)
         page.wait_for_selector("#log li[data-type=hit]", timeout=60_000)
         ctl("pause")
-        state = httpx.get(server.url + "/viz/state", timeout=30).json()
+        state = server.client().get("/viz/state", timeout=30).json()
         assert state["paused"]
         _settled(page, f"document.getElementById('fig-step').textContent === '{state['step']}'")
         fig = state["figures"]
@@ -162,9 +162,9 @@ def test_live_page_matches_block_manager(server, model_dir):
             t.join(300)
         assert not errors, errors
         deadline = time.time() + 30
-        while httpx.get(server.url + "/viz/state").json()["figures"]["used"] and time.time() < deadline:
+        while server.client().get("/viz/state").json()["figures"]["used"] and time.time() < deadline:
             time.sleep(0.2)
-        assert httpx.get(server.url + "/viz/state").json()["figures"]["used"] == 0, "KV blocks leaked"
+        assert server.client().get("/viz/state").json()["figures"]["used"] == 0, "KV blocks leaked"
         page.wait_for_function("document.getElementById('fig-used').textContent === '0'", timeout=10_000)
 
         # The library example replayed in the page, at full speed.

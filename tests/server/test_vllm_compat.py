@@ -9,7 +9,8 @@ import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, start_server, stop_server
+from .conftest import MODEL
+from .inproc import serve_in_process
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -17,12 +18,12 @@ MSGS = [{"role": "user", "content": "Name a colour."}]
 
 
 def post(server, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=120, **kw)
+    return server.client().post(path, json=body, timeout=120, **kw)
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return server.openai(api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -38,16 +39,16 @@ def test_dotted_model_name_served_whole(tmp_path_factory):
 
     link = tmp_path_factory.mktemp("models") / "Smol.LM2-v1.5-Instruct.gguf"
     os.symlink(default_gguf_path(), link)
-    s = start_server(tmp_path_factory, "--model", str(link), "--kv-cache-memory", "32MiB", name="dotted")
+    s = serve_in_process("--model", str(link), "--kv-cache-memory", "32MiB")
     try:
-        models = httpx.get(s.url + "/v1/models", timeout=30).json()["data"]
+        models = s.client().get("/v1/models", timeout=30).json()["data"]
         assert [m["id"] for m in models] == ["Smol.LM2-v1.5-Instruct"]
         for name in ("Smol.LM2-v1.5-Instruct", str(link)):  # the name, or --model as given
             r = post(s, COMP, {"model": name, "prompt": "Hi", "max_tokens": 1})
             assert r.status_code == 200 and r.json()["model"] == "Smol.LM2-v1.5-Instruct", r.text
         assert post(s, COMP, {"model": "Smol", "prompt": "Hi", "max_tokens": 1}).status_code == 404
     finally:
-        stop_server(s)
+        s.close()
 
 
 def test_request_without_model_means_the_served_one(server):
@@ -166,7 +167,7 @@ def test_tokenize_needs_the_key(keyed_server):
 
 
 def test_tokenize_routes_in_openapi(server):
-    schema = httpx.get(server.url + "/openapi.json", timeout=30).json()
+    schema = server.client().get("/openapi.json", timeout=30).json()
     body = schema["paths"]["/tokenize"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert {ref["$ref"].rsplit("/", 1)[1] for ref in body["anyOf"]} == {"TokenizeCompletionRequest",
                                                                         "TokenizeChatRequest"}
@@ -191,7 +192,7 @@ def test_beam_search_over_the_api(server, llm_fp32):
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
     # Streamed, the beams arrive when the search ends (a beam's tokens can still be dropped before).
     texts: dict[int, str] = {}
-    with httpx.stream("POST", server.url + COMP, json={"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 8,
+    with server.client().stream("POST", COMP, json={"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 8,
                                                        "use_beam_search": True, "length_penalty": 0.8,
                                                        "early_stopping": True, "stream": True}, timeout=120) as r:
         assert r.status_code == 200

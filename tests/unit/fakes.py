@@ -148,6 +148,9 @@ class FakeRunner:
     def describe(self) -> str:
         return "fake runner (KV of token ids)"
 
+    def reset_sequences(self) -> None:
+        self.generators.clear()
+
     def move_blocks(self, plan: StepPlan) -> None:
         pass
 

@@ -43,6 +43,13 @@ def parse_offload_size(value: int | float | str) -> int:
     return parse_bytes(value, "kv_offload_size")
 
 
+def parse_score_cache(value: int | float | str) -> int:
+    """prompt_logprobs_cache_memory: a size, or 0 (keep none)."""
+    if str(value).strip() in ("0", "0B", "0b"):
+        return 0
+    return parse_bytes(value, "prompt_logprobs_cache_memory")
+
+
 def canonical_dtype(name: str) -> str:
     """float32, bfloat16 or float16 from any of their names (fp32, bf16, fp16 too)."""
     name = DTYPE_ALIASES.get(name, name)
@@ -130,7 +137,7 @@ class EngineConfig:
         None, "most bytes of prompt logprobs kept beside cached KV blocks for later requests over the same prefix "
         "(they live outside the KV pool; least recently used go first; 0 keeps none; default: 5%% of the KV pool, "
         "at least 64 MiB)",
-        type=lambda v: parse_bytes(v, "prompt_logprobs_cache_memory") if str(v).strip() not in ("0", "0B") else 0)
+        type=parse_score_cache)
     grammar_compile_timeout: float = knob(10.0, "seconds one structured-outputs grammar may take to compile "
                                           "(in a worker process, killed past it: the request fails with a 400)",
                                           type=float)
@@ -238,9 +245,8 @@ class EngineConfig:
         self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
         if self.kv_cache_memory is not None:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if self.prompt_logprobs_cache_memory is not None and self.prompt_logprobs_cache_memory != 0:
-            self.prompt_logprobs_cache_memory = parse_bytes(self.prompt_logprobs_cache_memory,
-                                                            "prompt_logprobs_cache_memory")
+        if self.prompt_logprobs_cache_memory is not None:
+            self.prompt_logprobs_cache_memory = parse_score_cache(self.prompt_logprobs_cache_memory)
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
         if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):

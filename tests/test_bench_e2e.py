@@ -1,5 +1,6 @@
-"""`bench compare` (ours against HF generate) and `bench memory` run end to end through the CLI
-on tiny workloads, with no warm-up pass; the report is built from the JSON they wrote."""
+"""The benchmarks' `compare` (ours against HF generate) and `memory` run end to end through their
+entry point (python -m benchmarks) on tiny workloads, with no warm-up pass; the report is built
+from the JSON they wrote; every result file records where it was measured."""
 from __future__ import annotations
 
 import json
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.__main__ import main as benchmarks
 from benchmarks.lib.report import write_report
 from pagedllm.cli import main
 
@@ -24,7 +26,7 @@ def compare_json(out_dir) -> Path:
     """Three random prompts of 4..12 tokens, 2..6 output tokens each; HF in static batches of
     2 (left padding, a last batch of one), each engine in its own process."""
     out = out_dir / "compare.json"
-    assert main(["bench", "compare", "--workload", "random", "--num-prompts", "3", "--input-len", "8",
+    assert benchmarks(["compare", "--workload", "random", "--num-prompts", "3", "--input-len", "8",
                  "--output-len", "4", "--range-ratio", "0.5", *ENGINE, "--hf-batch-sizes", "2",
                  "--skip", "variants,vllm,hf-batch,llama.cpp", "--warmup", "0", "--out", str(out)]) == 0
     return out
@@ -35,7 +37,7 @@ def memory_json(out_dir) -> Path:
     """Paged vs reserve-max, prefix sharing on the three shared-prefix workloads, n = 4,
     beam search k = 2, 4, 6."""
     out = out_dir / "memory.json"
-    assert main(["bench", "memory", "--num-prompts", "3", "--max-output-len", "3", "--max-prompt-len", "48",
+    assert benchmarks(["memory", "--num-prompts", "3", "--max-output-len", "3", "--max-prompt-len", "48",
                  "--truncate-prompts", "--system-tokens", "40", "--doc-tokens", "48", "--max-model-len", "512",
                  *ENGINE, "--parts", "reserve,prefix,n,beam", "--out", str(out)]) == 0
     return out
@@ -106,16 +108,17 @@ def test_report_from_real_results(compare_json, memory_json, tmp_path):
 
 
 @pytest.mark.parametrize("command", [
-    ["throughput", "--workload", "random", "--num-prompts", "2", "--input-len", "6", "--output-len", "2", *ENGINE,
-     "--warmup", "0"],
+    ["bench", "throughput", "--workload", "random", "--num-prompts", "2", "--input-len", "6", "--output-len", "2",
+     *ENGINE, "--warmup", "0"],
     ["attention", "--batches", "1", "--contexts", "32", "--no-reference"]])
 def test_every_result_file_records_commit_torch_and_threads(command, tmp_path):
     """The other writers (latency: test_bench.py, serve: tests/server/test_bench_serve.py)."""
     out = tmp_path / "r.json"
-    assert main(["bench", *command, "--out", str(out)]) == 0
+    run = main if command[0] == "bench" else benchmarks
+    assert run([*command, "--out", str(out)]) == 0
     r = json.loads(out.read_text())
     _provenance_ok(r["provenance"])
-    if command[0] == "throughput":
+    if command[1] == "throughput":
         assert r["output_tokens"] == 4 and r["cold_over_warm"] is None, "--warmup 0: the cold pass alone"
 
 

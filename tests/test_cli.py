@@ -89,9 +89,12 @@ def _subparser(parser, *path: str):
 
 
 def test_every_engine_config_field_has_one_flag_with_its_default_and_help():
+    from benchmarks.__main__ import parser as benchmarks_parser
+
     parser = build_parser()
-    for path in [("generate",), ("serve",), ("viz",), ("bench", "throughput"), ("bench", "compare")]:
-        flags = _flags(_subparser(parser, *path))
+    for top, path in [(parser, ("generate",)), (parser, ("serve",)), (parser, ("viz",)),
+                      (parser, ("bench", "throughput")), (benchmarks_parser(), ("compare",))]:
+        flags = _flags(_subparser(top, *path))
         for f in dataclasses.fields(EngineConfig):
             action = flags["--" + f.name.replace("_", "-")]
             assert action.dest == f.name and action.default == f.default, (path, f.name)
@@ -161,7 +164,7 @@ def test_version_and_log_level_after_the_subcommand():
     assert parser.parse_args(["demo", "library"]).log_level == "INFO"
     assert parser.parse_args(["--log-level", "debug", "demo", "library"]).log_level == "DEBUG"
     assert parser.parse_args(["demo", "library", "--log-level", "warning"]).log_level == "WARNING"
-    assert parser.parse_args(["--log-level", "debug", "bench", "report", "x.json", "--log-level", "error"]
+    assert parser.parse_args(["--log-level", "debug", "bench", "latency", "--log-level", "error"]
                              ).log_level == "ERROR"
     r = run("demo", "library", "--log-level", "loud")
     assert r.returncode == 2 and "--log-level" in r.stderr

@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 from server.conftest import MODEL, metric_sample, metrics, start_server, stop_server
+from server.inproc import serve_in_process
 
 # Two system prompts, each well past the router's first blocks; user turns that share no
 # first word, so two prompts share exactly their system prompt (and the template around it).
@@ -93,11 +94,10 @@ def test_echo_logprobs_come_back_from_the_replicas(dp_server):
 
 
 def _replay(server) -> tuple[float, float]:
-    url = server.url
     """Three chats behind system prompt A, then three behind B, one at a time; the
     change in (prefix-cache hits, queries) they caused."""
     before = metrics(server)
-    client = _client(url)
+    client = server.openai(max_retries=0, timeout=120)
     for k, name in enumerate("AAABBB"):
         client.chat.completions.create(model=MODEL, max_tokens=2, temperature=0, messages=[
             {"role": "system", "content": SYSTEMS[name]}, {"role": "user", "content": QUESTIONS[k]}])
@@ -116,11 +116,11 @@ def test_affinity_keeps_the_one_replica_hit_rate_round_robin_halves_it(dp_server
     total = metrics(dp_server)
     assert sum(metric_sample(dp_server, "pagedllm:replica_prefix_cache_hits_total", replica=str(i))
                for i in range(2)) == total["pagedllm:prefix_cache_hits_total"]
-    one = start_server(tmp_path_factory, name="dp1")
+    one = serve_in_process()   # one replica: the engine in this process
     try:
         hits_one, queries_one = _replay(one)
     finally:
-        stop_server(one)
+        one.close()
     rr = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "round-robin", name="rr")
     try:
         hits_rr, queries_rr = _replay(rr)

@@ -45,16 +45,31 @@ def test_prefix_hits_serve_the_shared_prompt_and_change_no_token(layers):
 
 
 @pytest.mark.parametrize("layers", LAYOUTS)
-def test_speculation_keeps_the_greedy_tokens(layers):
-    """Drafts (the fake proposes every third one wrong) are verified, accepted or rolled back:
-    the output is the one decoding without speculation gives."""
+@pytest.mark.parametrize("num_blocks", [64, 20])
+def test_speculation_keeps_the_greedy_tokens(layers, num_blocks):
+    """Drafts (the fake proposes every third one wrong) are verified, accepted or rolled back,
+    and in a pool too small for the batch dropped before anyone is preempted: the output is the
+    one decoding without speculation gives, and every block comes back."""
     spec = {"method": "ngram", "num_speculative_tokens": 3}
-    engine = fake_engine(layers, num_blocks=64, max_num_batched_tokens=64, speculative_config=spec)
-    ps = prompts(5, 40, 90)
+    engine = fake_engine(layers, num_blocks=num_blocks, max_num_batched_tokens=64, speculative_config=spec)
+    ps = prompts(5, 40, 90, 60)
     outs = run(engine, ps, [greedy(50)] * len(ps))
     assert [o.outputs[0].token_ids for o in outs] == [reference(p, 50, layers, stop_ids=()) for p in ps]
-    st = engine.stats().spec
-    assert 0 < st.num_accepted_tokens < st.num_draft_tokens
+    st = engine.stats()
+    assert 0 < st.spec.num_accepted_tokens < st.spec.num_draft_tokens
+    assert (st.preemptions > 0) == (num_blocks == 20) or layers == (32, 32)
+    assert engine.kv.pool.num_used == 0
+
+
+def test_disable_by_batch_size_turns_drafts_off_in_big_batches():
+    """With as many sequences running as disable_by_batch_size, nobody drafts; alone, it does."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 3}
+    engine = fake_engine(num_blocks=64, speculative_config=spec)
+    [p] = prompts(30)
+    run(engine, [p] * 3, [greedy(24)] * 3)
+    assert engine.stats().spec.num_drafts == 0
+    assert run(engine, [p], [greedy(24)])[0].outputs[0].token_ids == reference(p, 24, stop_ids=())
+    assert engine.stats().spec.num_drafts > 0
 
 
 def test_sampled_tokens_are_the_same_alone_and_in_a_batch_with_forks():
@@ -188,3 +203,33 @@ def test_priority_engine_admits_the_urgent_request_first():
     assert order == [low[0], urgent] + low[1:]
     with pytest.raises(ValueError, match="priority"):
         fake_engine().add_request(None, prompts(5)[0], greedy(3), priority=1)
+
+
+def test_each_layer_groups_blocks_show_in_the_report_metrics_and_totals():
+    """A model whose layers mix attention types: the KV report, /metrics and the totals over
+    data-parallel replicas (walked or not) carry each layer group's blocks."""
+    import pickle
+
+    from pagedllm.cli import kv_report
+    from pagedllm.dp.stats import counters_only, sum_stats, zero_stats
+    from pagedllm.server.metrics import EngineCollector
+
+    engine = fake_engine((0, 32), num_blocks=64)
+    run(engine, prompts(120), [greedy(40)])
+    engine.add_request(None, prompts(90)[0], greedy(20))
+    for _ in range(4):   # the prompt, then decodes: the window leaves the prompt's first blocks behind
+        engine.step()
+    st = engine.stats()
+    full, window = st.kv.groups
+    assert (full.kind, window.kind) == ("full", "sliding_window(32)") and window.released > 0
+    assert full.held_blocks > window.held_blocks > 0
+    line = [x for x in kv_report(st).splitlines() if "layer groups" in x]
+    assert line == [f"  layer groups (2, a block holds one group's layers): full {full.held_blocks} held, "
+                    f"sliding_window(32) {window.held_blocks} held ({window.released} released)"]
+    fams = {f.name: f for f in EngineCollector(lambda: st, "m", "pagedllm").collect()}
+    held = {s.labels["kind"]: s.value for s in fams["pagedllm:kv_cache_group_blocks"].samples}
+    assert held == {"full": full.held_blocks, "sliding_window(32)": window.held_blocks}
+    replica = pickle.loads(pickle.dumps(engine.stats(walk=False)))   # a replica's view, over the pipe
+    total = sum_stats([zero_stats(16), replica, counters_only(st)])
+    assert [g.window for g in total.kv.groups] == [0, 32] and total.kv.groups[1].held_blocks is None
+    assert total.kv.groups[1].released == 2 * window.released

@@ -9,7 +9,7 @@ runs).
 --match also counts, for the mode off and on, how many of --match-prompts greedy requests
 run in one batch under a KV pool small enough to preempt give the same tokens as alone.
 
-    python benchmarks/batch_invariant.py --match --out benchmarks/results/batch_invariant.json
+    python -m benchmarks batch_invariant --match --out benchmarks/results/batch_invariant.json
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ its own venv; beam search runs on top of its engine there). Same ShareGPT prompt
 beams, every beam runs max_tokens (EOS ignored: equal work for all), bf16, each engine
 in its own process, cold pass then warm pass.
 
-    python benchmarks/beam_search.py --num-prompts 16 --beam-width 4 --max-tokens 128 \\
+    python -m benchmarks beam_search --num-prompts 16 --beam-width 4 --max-tokens 128 \\
         --out benchmarks/results/beam_search.json
 """
 from __future__ import annotations

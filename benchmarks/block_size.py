@@ -1,7 +1,7 @@
 """Block size on CPU: the same ShareGPT run at each --block-sizes, each in a fresh
 process: output tok/s, and the waste (eta) and KV usage the block size costs.
 
-    python benchmarks/block_size.py --block-sizes 16,32,64,128 --out benchmarks/results/block_size.json
+    python -m benchmarks block_size --block-sizes 16,32,64,128 --out benchmarks/results/block_size.json
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 kept busy), with the thread governor on (the default) and off (PAGEDLLM_ADAPT_THREADS=0:
 the engine keeps one thread per core whatever happens). Each run in a fresh process.
 
-    python benchmarks/busy_neighbour.py --out benchmarks/results/busy_neighbour.json
+    python -m benchmarks busy_neighbour --out benchmarks/results/busy_neighbour.json
 """
 from __future__ import annotations
 

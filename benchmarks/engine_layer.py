@@ -1,8 +1,8 @@
 """The engine layer before and after (issue 24), side by side in one command: two trees of
 this repository, each measured in fresh processes with its own `pagedllm` first on PYTHONPATH.
 
-    python benchmarks/engine_layer.py --before 530b530 --rates 2,4 --num-prompts 200 --rounds 2
-    python benchmarks/engine_layer.py --quick --after 7bdaeda     # a smoke run, ~2 minutes
+    python -m benchmarks engine_layer --before 530b530 --rates 2,4 --num-prompts 200 --rounds 2
+    python -m benchmarks engine_layer --quick --after 7bdaeda     # a smoke run, ~2 minutes
 
 On 2 quiet cores the first takes about 25 minutes (serving ~5 minutes a server, 4 servers).
 

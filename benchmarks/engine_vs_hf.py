@@ -1,7 +1,7 @@
 """Offline throughput: PagedLLM against HF transformers `generate` on the same model,
 dtype, machine and ShareGPT sample, in one run. Prints ratios, writes JSON.
 
-    python benchmarks/engine_vs_hf.py --num-prompts 100 --dtype bfloat16
+    python -m benchmarks engine_vs_hf --num-prompts 100 --dtype bfloat16
 
 HF runs static batches (left padding, its contiguous KV cache) at each size in
 --hf-batch-sizes; its best is the baseline. Only the output tokens each request asked

@@ -1,7 +1,7 @@
 """Two engines behind one address, side by side in one run: the SGLang Model Gateway in front
 of two `pagedllm serve` workers, against one `pagedllm serve --data-parallel-size 2`.
 
-    python benchmarks/gateway_vs_dp.py --num-prompts 48 --max-concurrency 8 --rounds 2 \\
+    python -m benchmarks gateway_vs_dp --num-prompts 48 --max-concurrency 8 --rounds 2 \\
         --out benchmarks/results/gateway_vs_dp.json
 
 gateway: two workers, each with cores / 2 threads (as a replica gets), behind sglang-router

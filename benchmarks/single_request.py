@@ -12,7 +12,7 @@ Figure: output tokens / wall time over the workload (prefill included), and the 
 llama.cpp's in the same run. PagedLLM's variants: weights (bf16, or a --quantization) and
 speculative decoding (ngram k=4) on or off.
 
-    python benchmarks/single_request.py --variants bf16,bf16+ngram,gguf,gguf+ngram \\
+    python -m benchmarks single_request --variants bf16,bf16+ngram,gguf,gguf+ngram \\
         --out benchmarks/results/single_request_spec_quant.json
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ prompts, long ones cut to 256 tokens, up to 128 new tokens, greedy, bf16, all su
 once), without speculation, with it (k=4), and with it turned off while 8 or more sequences
 run (disable_by_batch_size=8). Each engine in its own process; ratios to the first.
 
-    python benchmarks/speculative_batched.py --out benchmarks/results/speculative_batched.json
+    python -m benchmarks speculative_batched --out benchmarks/results/speculative_batched.json
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@ requests, then --steps steps run under torch's profiler. Op times are grouped (m
 attention, norms, RoPE, SiLU, sampling, the rest); what the ops do not cover is Python:
 scheduling, the KV manager, building the step's tensors.
 
-    python benchmarks/step_profile.py --batch 96 --out benchmarks/results/step_profile.json
+    python -m benchmarks step_profile --batch 96 --out benchmarks/results/step_profile.json
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ the schema, and the time to first token of one request (offline: generate with
 max_tokens=1) with a grammar never seen (cold) and with a cached one. Each engine runs in
 its own process, warmed with one tiny request first; ratios are to our unconstrained run.
 
-    python benchmarks/structured_outputs.py --out benchmarks/results/structured_outputs.json
+    python -m benchmarks structured_outputs --out benchmarks/results/structured_outputs.json
 """
 from __future__ import annotations
 

@@ -3,17 +3,14 @@ at batch 32 (greedy, bf16, <= 256 new tokens), unconstrained then with the form 
 one engine, with the time spent filling and applying the bitmasks (GrammarMatchers.mask) and
 advancing the matchers (GrammarMatchers.advance) summed per step beside the whole step's.
 
-    python benchmarks/structured_step_cost.py --out benchmarks/results/structured_step_cost.json
+    python -m benchmarks structured_step_cost --out benchmarks/results/structured_step_cost.json
 """
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from structured_outputs import MAX_TOKENS, SCHEMA, chat_prompts  # noqa: E402
+from benchmarks.structured_outputs import MAX_TOKENS, SCHEMA, chat_prompts
 
 
 def _timed(cls, name: str, acc: dict) -> None:

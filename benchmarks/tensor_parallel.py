@@ -9,7 +9,7 @@
    warm pass; rank 0 times every collective it waits in, so the result splits each step
    into communication and the rest.
 
-    python benchmarks/tensor_parallel.py --num-prompts 16 --max-tokens 64 \\
+    python -m benchmarks tensor_parallel --num-prompts 16 --max-tokens 64 \\
         --out benchmarks/results/tensor_parallel.json
 """
 from __future__ import annotations

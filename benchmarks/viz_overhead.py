@@ -5,7 +5,7 @@ workload, three ways, interleaved over several rounds in one process:
   idle      a VizHub attached, as `pagedllm serve` does by default, with no subscriber
   watching  the hub active and recording every message (what a page costs while open)
 
-    python benchmarks/viz_overhead.py --workload chat-shared-system --num-prompts 48 --rounds 3
+    python -m benchmarks viz_overhead --workload chat-shared-system --num-prompts 48 --rounds 3
 
 Prints output tok/s per mode (median over rounds) and the ratios idle/absent and
 watching/absent; writes JSON.

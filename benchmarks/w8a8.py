@@ -14,7 +14,7 @@ Greedy, EOS ignored, each engine in its own process, cold (nothing runs before t
 pass but the engine's own start-up), settings alternating for `--rounds` rounds, medians
 compared with bf16 measured in the same command.
 
-    python benchmarks/w8a8.py --rounds 1 --out benchmarks/results/w8a8.json
+    python -m benchmarks w8a8 --rounds 1 --out benchmarks/results/w8a8.json
 """
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ by benchmarks.lib.int8_checkpoint). Each engine in its own process, cold (vLLM's
 as §24), settings alternating for --rounds rounds, medians; ratios against vLLM's bf16 and
 its W8A8 measured in the same command.
 
-    python benchmarks/w8a8_vs_vllm.py --rounds 1 --out benchmarks/results/w8a8_vs_vllm.json
+    python -m benchmarks w8a8_vs_vllm --rounds 1 --out benchmarks/results/w8a8_vs_vllm.json
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import statistics
 
 from pagedllm.bench.throughput import in_own_process, save
 from pagedllm.bench.workloads import sharegpt_truncated
-from w8a8 import speed, vllm_cold  # benchmarks/w8a8.py: the same runs, §24's settings
+from benchmarks.w8a8 import speed, vllm_cold  # the same runs, §24's settings
 
 
 def main() -> None:

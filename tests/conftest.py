@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import importlib.util
 import os
 import platform
@@ -159,19 +160,46 @@ SHARED_POOL = "512MiB"   # the shared runners' pool: an engine uses what its con
 
 class PoolView:
     """A runner seen with fewer blocks than it holds: the engine's KV manager hands out only
-    block ids below `num_blocks` (the pool's other rows stay unused)."""
+    block ids below `num_blocks` (the pool's other rows stay unused).
+
+    Engines over one runner share its pool rows, so one engine's step overwrites what another's
+    prefix cache points at. The view that steps the runner claims it: the engine that stepped
+    it last drops its prefix cache (its blocks' KV is about to change) and the runner forgets
+    its sequences; that engine must have no request in flight, or the test fails here."""
 
     def __init__(self, runner, num_blocks: int) -> None:
-        self._runner, self.num_blocks = runner, num_blocks
+        object.__setattr__(self, "_runner", runner)
+        object.__setattr__(self, "num_blocks", num_blocks)
+        object.__setattr__(self, "engine", None)
 
     def __getattr__(self, name):
         return getattr(self._runner, name)
 
     def __setattr__(self, name, value):
-        if name in ("_runner", "num_blocks"):
+        if name == "engine":
             object.__setattr__(self, name, value)
         else:
             setattr(self._runner, name, value)
+
+    def _claim(self) -> None:
+        last = self._runner.__dict__.get("_test_view")
+        if last is self:
+            return
+        if last is not None and last.engine is not None:
+            if last.engine.has_unfinished_requests():
+                raise RuntimeError("two engines interleave steps over one shared runner: give one of them "
+                                   "a runner of its own (another runner setting, or a bigger pool)")
+            last.engine.kv.reset_prefix_cache()
+        self._runner.reset_sequences()
+        self._runner.__dict__["_test_view"] = self
+
+    def execute(self, plan):
+        self._claim()
+        return self._runner.execute(plan)
+
+    def move_blocks(self, plan):
+        self._claim()
+        return self._runner.move_blocks(plan)
 
 
 class LLMCache:
@@ -179,8 +207,12 @@ class LLMCache:
     prefix cache and counters) over a model runner shared by every engine of the same runner
     configuration. Tensor parallelism, a KV tier and data parallelism get engines of their own."""
 
+    KEEP = 3   # runners kept warm (a runner holds its weights and a 512 MiB pool: all of them do not fit)
+
     def __init__(self) -> None:
-        self.runners: dict[tuple, object] = {}
+        from collections import OrderedDict
+
+        self.runners: OrderedDict[tuple, object] = OrderedDict()
 
     def __call__(self, model: str | None = None, **kw):
         from pagedllm import LLM
@@ -193,15 +225,21 @@ class LLMCache:
         key = tuple(repr(getattr(cfg, f)) for f in RUNNER_FIELDS)
         runner = self.runners.get(key)
         if runner is None:
+            while len(self.runners) >= self.KEEP:   # the least recently asked for goes (fixtures holding it keep it)
+                self.runners.popitem(last=False)
+                gc.collect()
             base = EngineConfig(**{f: getattr(cfg, f) for f in ("model",) + RUNNER_FIELDS[1:]},
                                 kv_cache_memory=SHARED_POOL)
             runner = self.runners[key] = LLMEngine(base).runner
+        self.runners.move_to_end(key)
         per_block = runner.bytes_per_block + (runner.draft.bytes_per_token * cfg.block_size if runner.draft else 0)
         want = cfg.num_gpu_blocks_override or (parse_bytes(cfg.kv_cache_memory) // per_block if cfg.kv_cache_memory
                                                else runner.num_blocks)
         if want > runner.num_blocks:   # more than the shared pool: a runner of its own
             return LLM(model, **kw)
-        return LLM.from_engine(LLMEngine(cfg, runner=PoolView(runner, want)))
+        view = PoolView(runner, want)
+        view.engine = LLMEngine(cfg, runner=view)
+        return LLM.from_engine(view.engine)
 
 
 @pytest.fixture(scope="session")

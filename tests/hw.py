@@ -7,14 +7,7 @@ runs it in FAST_DTYPE, so its checks hold on the dtype this machine actually ser
 from __future__ import annotations
 
 
-def native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+from pagedllm.runtime.model_runner import cpu_has_native_bf16
 
-
-NATIVE_BF16 = native_bf16()
+NATIVE_BF16 = cpu_has_native_bf16()
 FAST_DTYPE = "bfloat16" if NATIVE_BF16 else "float32"

@@ -1,6 +1,5 @@
-"""The compiled CPU kernels against the torch reference: paged attention (its own block
-layout) equals the reference backend on the same logical KV, and the fused norm / SiLU /
-RoPE ops equal the torch expressions they replace."""
+"""The AVX2 copy of the compiled CPU kernels, built in its own cache and checked in its own
+process against the torch reference (the checks themselves: tests/unit/test_cpu_kernels.py)."""
 from __future__ import annotations
 
 import os
@@ -8,61 +7,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
-
-from pagedllm.attention import StepLayout, get_backend
-from pagedllm.kernels import load_ops
-
-
-def build_step(seqs, heads, block_size, dtype, g, pad_rows_to=0):
-    """KV pools for both backends holding each sequence's cached prefix, and the step's
-    inputs: seqs = [(cached, new)], decodes ordered first as the runner does."""
-    h, kvh, d = heads
-    ref, cpu = get_backend("torch"), get_backend("cpu")
-    ref.decode_group = 4  # several decode groups in one step
-    num_blocks = sum(-(-(c + n) // block_size) for c, n in seqs) + 3
-    # Stale data everywhere: a kernel reading outside its blocks or slots would show.
-    ref_k = torch.randn(ref.cache_shapes(num_blocks, block_size, kvh, d, dtype)[0], generator=g).to(dtype)
-    ref_v = torch.randn(ref.cache_shapes(num_blocks, block_size, kvh, d, dtype)[1], generator=g).to(dtype)
-    cpu_k = torch.randn(cpu.cache_shapes(num_blocks, block_size, kvh, d, dtype)[0], generator=g).to(dtype)
-    cpu_v = torch.randn(cpu.cache_shapes(num_blocks, block_size, kvh, d, dtype)[1], generator=g).to(dtype)
-    free = torch.randperm(num_blocks, generator=g).tolist()  # scattered physical blocks
-    order = sorted(range(len(seqs)), key=lambda i: (seqs[i][1] != 1, sum(seqs[i])))
-    qs, ks, vs, slots, tables, lens, starts = [], [], [], [], [], [], [0]
-    for i in order:
-        cached, new = seqs[i]
-        n = cached + new
-        table = [free.pop() for _ in range(-(-n // block_size))]
-        k_all = torch.randn(n, kvh, d, generator=g).to(dtype)
-        v_all = torch.randn(n, kvh, d, generator=g).to(dtype)
-        if cached:  # the prefix's KV is already in both pools, written by each backend's own writer
-            pre = [table[j // block_size] * block_size + j % block_size for j in range(cached)]
-            from pagedllm.attention.torch_ref import write_kv
-            write_kv(k_all[:cached], v_all[:cached], ref_k, ref_v, torch.tensor(pre))
-            load_ops().write_kv(k_all[:cached], v_all[:cached], cpu_k, cpu_v, torch.tensor(pre))
-        qs.append(torch.randn(new, h, d, generator=g).to(dtype))
-        ks.append(k_all[cached:])
-        vs.append(v_all[cached:])
-        slots += [table[j // block_size] * block_size + j % block_size for j in range(cached, n)]
-        tables.append(table)
-        lens.append(n)
-        starts.append(starts[-1] + new)
-    q, k, v = torch.cat(qs), torch.cat(ks), torch.cat(vs)
-    pad = pad_rows_to - len(q) if pad_rows_to else 0
-    nd = sum(1 for i in order if seqs[i][1] == 1)
-    layout = StepLayout(slots + [-1] * pad, tables, lens, starts, nd)
-    return (ref, ref_k, ref_v), (cpu, cpu_k, cpu_v), q, k, v, layout, pad
-
-
-def attend(backend, q, k, v, k_cache, v_cache, layout: StepLayout, scale: float):
-    """The backend's attention over the step, through its own metadata."""
-    return backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout, "cpu"), scale)
-
-
-# (cached prefix, new tokens): decodes (one at context 1), a fresh prefill, a chunk over
-# a cached prefix, a chunk longer than a query tile, a long decode.
-SEQS = [(40, 1), (7, 1), (0, 1), (300, 1), (0, 23), (33, 9), (64, 64), (5, 2), (17, 70)]
-
 
 AVX2_CHECK = """
 import torch, sys

@@ -1,57 +1,8 @@
-"""Incremental detokenization equals a full decode: token by token over real text and
-random ids (multi-byte characters split across tokens, special tokens), streamed text
-never shows a broken character, and stop strings are found in the new text."""
+"""Detokenization in the engine: streamed text never shows a broken character, and stop
+strings are found in the new text (the detokenizer alone: tests/unit/test_detokenizer.py)."""
 from __future__ import annotations
 
-
-import pytest
-
 from pagedllm import SamplingParams
-
-TEXTS = [
-    "Hello, world! How are you today?",
-    "naïve café — déjà vu, ¿qué tal? Größe",
-    "日本語のテキストと中文文本，还有한국어 문장。",
-    "emoji: 🙂🚀👩‍👩‍👧‍👦 flags 🇫🇷🇯🇵 and 🤖 mixed with text",
-    "  leading spaces\n\ttabs and\r\nnewlines   ",
-    "code: def f(x):\n    return x ** 2  # ∑ ∫ √ π",
-    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 𝒎𝒂𝒕𝒉 and ᚠᛇᚻ runes, Ελληνικά, עברית, العربية",
-]
-
-
-@pytest.fixture(scope="module", params=["byte-level", "sentencepiece"])
-def tokenizer(request, model_dir):
-    from pagedllm.loader import load_tokenizer
-
-    return load_tokenizer(model_dir) if request.param == "byte-level" else sentencepiece_like()
-
-
-def sentencepiece_like():
-    """A Llama-2-style tokenizer (Metaspace, byte-fallback tokens, the first space stripped)
-    built here: its text depends on context, which SmolLM2's byte-level one's does not."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<unk>", "<s>", "</s>"]
-    normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    base = Tokenizer(models.BPE(unk_token="<unk>"))
-    base.normalizer = normalizer
-    base.train_from_iterator(["hello world the quick brown fox jumps over the lazy dog " * 5, TEXTS[0]],
-                             trainers.BpeTrainer(vocab_size=300, special_tokens=special,
-                                                 initial_alphabet=list("▁abcdefghijklmnopqrstuvwxyz")))
-    model = json.loads(base.to_str())["model"]
-    vocab = model["vocab"]
-    for i in range(256):  # byte tokens are ordinary vocabulary, as in Llama 2's
-        vocab.setdefault(f"<0x{i:02X}>", len(vocab))
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split()) for m in model["merges"]]
-    tok = Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True))
-    tok.normalizer = normalizer
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    tok.add_special_tokens(special)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def test_engine_streams_the_full_decode_and_stops_on_new_text(llm_fp32):

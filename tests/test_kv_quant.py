@@ -6,62 +6,8 @@ from __future__ import annotations
 
 import pytest
 from hw import FAST_DTYPE
-import torch
 
-from pagedllm.attention import StepLayout
-from pagedllm.attention.kv_quant import cpu_pool_values, rotate
-from pagedllm.kv_dtype import KV_DTYPES, canonical_kv_dtype
-
-# (cached prefix, new tokens): decodes (one at context 1), a fresh prefill, a chunk over a
-# cached prefix, a chunk longer than a query tile, a long decode (split across threads).
-
-
-def int8_dot() -> bool:
-    """Whether the kernel (built for this CPU) takes int8 and int4 blocks' integer path
-    (AVX512_VNNI): it then rounds the rotated query to int8 per row, and P times V's scales
-    to int16."""
-    try:
-        return "avx512_vnni" in open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-
-
-def round_query(q: torch.Tensor, kind: str) -> torch.Tensor:
-    """The integer path's query: rotated, int8 of its row's max (int4: plus a second int8
-    code of the residual, in 1/254 steps), rotated back."""
-    r = rotate(q)
-    s = r.abs().amax(-1, keepdim=True) / 127
-    y = r / torch.where(s > 0, s, torch.ones_like(s))
-    code = torch.round(y)
-    if kind == "int4":
-        code = code + torch.round((y - code) * 254) / 254
-    return rotate(code * s)
-
-
-def reference(kind, kc, vc, q, layout: StepLayout, block_size: int, scale: float, window: int = 0):
-    """Plain attention, in fp32, over what the quantized pools dequantize to (float32:
-    the plain pools, K [nb, KVH, D, B, 1] and V [nb, KVH, B, D, 1])."""
-    d = q.shape[-1]
-    if kind == "float32":
-        k, v = kc.squeeze(-1).permute(0, 3, 1, 2), vc.squeeze(-1).transpose(1, 2)
-    else:
-        k, v = cpu_pool_values(kc, vc, KV_DTYPES[kind], block_size, d)
-    if kind in ("int8", "int4") and int8_dot():
-        q = round_query(q.float(), kind)
-    out = torch.zeros(q.shape, dtype=torch.float32)
-    group = q.shape[1] // k.shape[2]
-    for s, (table, n) in enumerate(zip(layout.block_tables, layout.seq_lens)):
-        q0, q1 = layout.query_starts[s], layout.query_starts[s + 1]
-        keys = k[table].reshape(-1, *k.shape[2:])[:n].repeat_interleave(group, 1)  # [n, H, D]
-        vals = v[table].reshape(-1, *v.shape[2:])[:n].repeat_interleave(group, 1)
-        pos = torch.arange(n - (q1 - q0), n)[:, None]
-        j = torch.arange(n)[None, :]
-        mask = (j <= pos) & ((j > pos - window) if window else True)
-        scores = torch.einsum("thd,jhd->htj", q[q0:q1].float(), keys) * scale
-        p = scores.masked_fill(~mask, float("-inf")).softmax(-1)
-        out[q0:q1] = torch.einsum("htj,jhd->thd", p, vals)
-    return out
-
+from pagedllm.kv_dtype import canonical_kv_dtype
 
 # Greedy agreement with the unquantized KV (the dtype the CPU runs fast: bf16, else fp32) over
 # 32 tokens on 16 ShareGPT prompts cut to 128 tokens (mean common prefix; prompts whose first

@@ -22,12 +22,6 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
 # -- the proposer ---------------------------------------------------------------
 
 
-# -- lookahead slots and rollback in the KV manager ---------------------------------
-
-
-# -- the rejection sampler -------------------------------------------------------------
-
-
 # -- the engine ----------------------------------------------------------------------
 # A real function of ours, as code-editing prompts carry.
 CODE = textwrap.dedent(inspect.getsource(BlockTable.slots))

@@ -3,9 +3,6 @@ lookahead slots and their rollback in the KV manager, the rejection sampler's ex
 and the engine's output with speculation against its output without."""
 from __future__ import annotations
 
-import inspect
-import textwrap
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -13,10 +10,9 @@ from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from pagedllm.config import EngineConfig
-from pagedllm.runtime.ngram import NgramIndex
 from pagedllm.kv import KVCacheManager
-from pagedllm.kv.block_table import BlockTable
 from pagedllm.plan import SampleTarget
+from pagedllm.runtime.ngram import NgramIndex
 from pagedllm.runtime.rejection import Verify, verify
 from pagedllm.sampling_params import SamplingParams
 
@@ -153,26 +149,6 @@ def test_one_bad_request_fails_alone_in_verification():
     bad = Verify(2, _target(1, SamplingParams(temperature=0.7, logit_bias={99: 1.0}), 0), [1])
     accepted, tokens, errors = verify(logits, [good, bad], frozenset(), {})
     assert 0 in tokens and 1 not in tokens and 1 not in accepted and "logit_bias" in errors[1]
-
-
-# -- the engine ----------------------------------------------------------------------
-# A real function of ours, as code-editing prompts carry.
-CODE = textwrap.dedent(inspect.getsource(BlockTable.slots))
-PROMPTS = [
-    "Rewrite this function, renaming `out` to `result`:\n" + CODE,
-    "Repeat after me three times: the quick brown fox jumps over the lazy dog.",
-    "Count from 1 to 40, separated by commas.",
-    "What is the capital of France?",
-    "Write a haiku about paging.",
-    "Summarize: " + "The library lends loose-leaf pages to readers who share books. " * 6,
-]
-
-
-@pytest.fixture(scope="module")
-def prompts():
-    from pagedllm.bench.workloads import sharegpt_truncated
-
-    return PROMPTS + [r.prompt for r in sharegpt_truncated(10, 256, 64)]
 
 
 @pytest.mark.parametrize("bad, message", [

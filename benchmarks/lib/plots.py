@@ -212,6 +212,20 @@ def plot_batch_invariant(ax, data: dict) -> None:
     ax.set_xlabel("output tokens/s (bar: median round, dots: every round)")
 
 
+def plot_before_after(ax, data: dict) -> None:
+    """A commit against an earlier one, per part: the median round's bar, every round's dot."""
+    key = {"offline": "output_tok_s", "serve": "output_throughput"}
+    labels, values, colours, points = [], [], [], []
+    for part, med in data["summary"].items():
+        for side in ("before", "after"):
+            labels.append(f"{part}: {side}")
+            values.append(med[f"{side}_tok_s"])
+            colours.append(OTHER_COLOUR if side == "before" else family_colour("pagedllm"))
+            points.append([r[key[part]] for r in data["rounds"][part][side]])
+    _bars(ax, labels, values, colours, "{:.1f}", points=points)
+    ax.set_xlabel(f"output tokens/s (before: {data['base_commit'][:7]}; bar: median round, dots: every round)")
+
+
 def plot_viz_overhead(ax, data: dict) -> None:
     keys = list(data["median"])
     _bars(ax, keys, [data["median"][k] for k in keys], [OTHER_COLOUR] * len(keys),
@@ -432,6 +446,8 @@ PLOTTERS: list[Plotter] = [
      True),
     (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
+    (lambda d: d.get("benchmark") == "before_after", plot_before_after,
+     "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,

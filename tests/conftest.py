@@ -211,8 +211,12 @@ class LLMCache:
 
     def __init__(self) -> None:
         from collections import OrderedDict
+        from weakref import WeakValueDictionary
 
-        self.runners: OrderedDict[tuple, object] = OrderedDict()
+        # Every live runner, found again while any engine (a fixture's) still holds it; the last
+        # KEEP asked for are held here too, so a later test finds them warm.
+        self.runners: WeakValueDictionary[tuple, object] = WeakValueDictionary()
+        self.warm: OrderedDict[tuple, object] = OrderedDict()
 
     def __call__(self, model: str | None = None, **kw):
         from pagedllm import LLM
@@ -225,13 +229,14 @@ class LLMCache:
         key = tuple(repr(getattr(cfg, f)) for f in RUNNER_FIELDS)
         runner = self.runners.get(key)
         if runner is None:
-            while len(self.runners) >= self.KEEP:   # the least recently asked for goes (fixtures holding it keep it)
-                self.runners.popitem(last=False)
-                gc.collect()
+            while len(self.warm) >= self.KEEP:   # the least recently asked for goes cold
+                self.warm.popitem(last=False)
+            gc.collect()   # engines and their views hold each other: free the cold runners' memory now
             base = EngineConfig(**{f: getattr(cfg, f) for f in ("model",) + RUNNER_FIELDS[1:]},
                                 kv_cache_memory=SHARED_POOL)
             runner = self.runners[key] = LLMEngine(base).runner
-        self.runners.move_to_end(key)
+        self.warm[key] = runner
+        self.warm.move_to_end(key)
         per_block = runner.bytes_per_block + (runner.draft.bytes_per_token * cfg.block_size if runner.draft else 0)
         want = cfg.num_gpu_blocks_override or (parse_bytes(cfg.kv_cache_memory) // per_block if cfg.kv_cache_memory
                                                else runner.num_blocks)

@@ -4,7 +4,8 @@ The scheduler batches: it admits, chunks, budgets, preempts and plans. Features 
 part in a step (speculative decoding, prompt logprobs kept with cached blocks, the KV tier's
 loads, beam search) each implement the few StepHook points they need and keep their state
 to themselves; every method's default does nothing. The scheduler calls its hooks in order
-at each point; a hook the engine does not need is not registered, so it costs nothing.
+at each point. Prompt scoring and beams are always registered (any request may ask for
+them); the tier's loads and speculation only when the engine has them.
 """
 from __future__ import annotations
 

@@ -321,15 +321,21 @@ class KVCacheManager:
         """The figures, each part from its owner. Counters are kept as blocks move, so
         walk=False costs O(groups); the slot figures (used slots, eta, blocks without sharing,
         each group's held blocks) walk every table, and are computed only when asked."""
+        held: list[int | None] = [None] * len(self.groups)
+        fill: dict[int, int] = {}   # block -> slots holding a token (a block is one group's)
+        without_sharing = 0
+        if walk:
+            for i, g in enumerate(self.groups):
+                before = len(fill)
+                without_sharing += g.walk_slots(fill)
+                held[i] = len(fill) - before   # every block a table holds enters `fill` once
         s = KVStats(self.block_size, self.pool.figures(),
-                    [GroupFigures(g.window, g.held_blocks() if walk else None, g.released) for g in self.groups],
+                    [GroupFigures(g.window, n, g.released) for g, n in zip(self.groups, held)],
                     self.scores.figures(), self.prefix_queries, self.prefix_hits,
                     sum(g.cow_copies for g in self.groups), self.forks,
                     tier=self.connector.figures() if self.connector is not None else None)
         if walk:
-            fill: dict[int, int] = {}
-            s.blocks_without_sharing = sum(g.walk_slots(fill) for g in self.groups)
-            s.used_slots = sum(fill.values())
+            s.blocks_without_sharing, s.used_slots = without_sharing, sum(fill.values())
             alloc_slots = s.pool.used_blocks * self.block_size
             s.waste = (alloc_slots - s.used_slots) / alloc_slots if alloc_slots else 0.0
         return s

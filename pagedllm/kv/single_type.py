@@ -272,10 +272,6 @@ class GroupManager:
                     fill[b] = f
         return without_sharing
 
-    def held_blocks(self) -> int:
-        """Distinct blocks this group's tables hold now."""
-        return len({b for t in self.tables.values() for b in t.held})
-
     def count_refs(self, refs: list[int]) -> None:
         """Add this group's table references to `refs` (the integrity check)."""
         for t in self.tables.values():

@@ -239,6 +239,8 @@ class KVManagerMachine(RuleBasedStateMachine):
         assert len(used) + len(free) == NUM_BLOCKS
         cached_free = {b for b in free if pool.blocks[b].block_hash is not None}
         assert len(cached_free) == pool.num_cached_free
+        held = [len({b for s in self.tokens for b in self.kv.block_table(s, g).held}) for g in range(len(self.windows))]
+        assert [f.held_blocks for f in self.kv.stats().groups] == held
 
     @invariant()
     def events_rebuild_state(self) -> None:

@@ -28,6 +28,13 @@ def test_passes():
 '''
 
 
+@pytest.fixture(autouse=True)
+def no_outside_plugins(monkeypatch):
+    # The inner runs need no installed plugin, and some (pytest-benchmark) spawn git at load,
+    # which this tier refuses: keep whatever the machine has installed out of them.
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
+
 @pytest.fixture
 def tiny(pytester):
     pytester.makeconftest(CONFTEST)

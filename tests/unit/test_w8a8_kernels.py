@@ -77,3 +77,20 @@ def test_bad_combinations_are_refused_with_the_reason():
         LLM(quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(quantization="w4a4")
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 576), (8, 1536, 1100), (5, 2049, 64), (3, 64, 2500)])
+def test_float32_int_matmul_is_the_exact_integer_product(m, k, n):
+    """The sgemm path of CPUs without int8 dot products: the same int32 sums as torch._int_mm,
+    at the extremes too (rows where every product is 127 x 127 or -128 x -128), with K across
+    several exact slices and N across row blocks."""
+    from pagedllm.models.w8a8 import int_matmul_f32
+
+    g = torch.Generator().manual_seed(m * k + n)
+    xq = torch.randint(-128, 128, (m, k), dtype=torch.int8, generator=g)
+    wq = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    xq[0], wq[0] = 127, 127
+    if m > 1:
+        xq[1], wq[1] = -128, -128
+    want = xq.long() @ wq.long().t()   # int64: no rounding at all
+    assert torch.equal(int_matmul_f32(xq, wq).long(), want)

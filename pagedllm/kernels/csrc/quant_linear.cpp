@@ -38,23 +38,27 @@ constexpr int NB = 4;  // output rows unpacked together
 constexpr int64_t GRAIN_BLOCKS = 512 / NB;
 constexpr int MR = 6;  // activation rows per tile (with NB: 24 accumulators, 4 blocks, x)
 
-// 16 bytes widened to 16 int32 lanes (GCC's generic conversion goes byte by byte).
+// 16 bytes widened to 16 int32 lanes. Elsewhere than AVX-512 a whole-vector conversion, which
+// GCC turns into two vpmovsxbd/vpmovzxbd on AVX2 (filling the lanes one by one, as this did
+// before, made the block kernels 3-4x slower than fp32 sgemm on an AVX2 CPU).
+typedef int8_t vb __attribute__((vector_size(16)));
+typedef uint8_t vub __attribute__((vector_size(16)));
 inline vi widen(const int8_t* p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  vi v;
-  for (int i = 0; i < L; ++i) v[i] = p[i];
-  return v;
+  vb b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
 #endif
 }
 inline vi widen(const uint8_t* p) {
 #ifdef __AVX512F__
   return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  vi v;
-  for (int i = 0; i < L; ++i) v[i] = p[i];
-  return v;
+  vub b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, vi);
 #endif
 }
 

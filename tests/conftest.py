@@ -13,6 +13,14 @@ from pathlib import Path
 import pytest
 
 
+# Under pytest-xdist each worker runs on one thread: two workers then fill the two cores, with no
+# matmul barrier waiting on a core that the other worker holds (the engine's governor reacts only
+# after a second; the HF references and kernels called directly have no governor at all).
+WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if WORKER:
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
 def _ci() -> bool:
     return os.environ.get("CI", "").strip().lower() == "true"
 
@@ -108,7 +116,8 @@ AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
 def pytest_collection_modifyitems(session, config, items):
     wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
     for job in BACKGROUND:
-        if job.applies and job.fixture in wanted:
+        # every worker collects every test: the first starts the jobs, another starts one when its test asks
+        if job.applies and job.fixture in wanted and WORKER in (None, "gw0"):
             job.start()
 
 
@@ -207,7 +216,9 @@ class LLMCache:
     prefix cache and counters) over a model runner shared by every engine of the same runner
     configuration. Tensor parallelism, a KV tier and data parallelism get engines of their own."""
 
-    KEEP = 3   # runners kept warm (a runner holds its weights and a 512 MiB pool: all of them do not fit)
+    # runners kept warm (a runner holds its weights and a 512 MiB pool: all of them do not fit; two
+    # workers hold theirs side by side)
+    KEEP = 2 if WORKER else 3
 
     def __init__(self) -> None:
         from collections import OrderedDict

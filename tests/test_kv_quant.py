@@ -10,16 +10,16 @@ from hw import FAST_DTYPE
 from pagedllm.kv_dtype import canonical_kv_dtype
 
 # Greedy agreement with the unquantized KV (the dtype the CPU runs fast: bf16, else fp32) over
-# 32 tokens on 16 ShareGPT prompts cut to 128 tokens (mean common prefix; prompts whose first
-# token agrees). Measured in fp32 on a 2-core AMD EPYC without AVX-512: int8 27.3, 15/16; fp8
-# 19.5, 16; int4 5.3, 13. Earlier, bf16 on an AVX-512 BF16 machine, 64 tokens x 50 prompts:
+# 32 tokens on 8 ShareGPT prompts cut to 128 tokens (mean common prefix; prompts whose first
+# token agrees). Measured in fp32 on a 2-core AMD EPYC without AVX-512: int8 28.1, 8/8; fp8
+# 16.4, 8; int4 4.6, 7 (on 16 prompts: 27.3, 15/16; 19.5, 16; 5.3, 13). Earlier, bf16 on an AVX-512 BF16 machine, 64 tokens x 50 prompts:
 # int8 43.4, fp8 25.9, int4 10.9 of 64. Perplexity of the fixed 256-token text, 8 tokens a
 # step: bf16 8.361 -> int8 8.352, fp8 8.409 (+0.6 %), int4 8.665 (+3.6 %); fp32 8.355 -> int8
 # 8.356, fp8 8.299, int4 8.764 (+4.9 %, the AVX2 kernel and an fp32 reference). The floors sit
 # under both with a margin and far above what a wrong layout, scale or rotation gives (~0
 # agreement, perplexity several times higher).
 # (fp8_e5m2 is fp8_e4m3's kernel with other constants, checked against the reference above.)
-AGREEMENT_FLOORS = {"int8": (14, 12), "fp8": (10, 12), "int4": (2, 9)}
+AGREEMENT_FLOORS = {"int8": (14, 6), "fp8": (10, 6), "int4": (2, 5)}
 PPL_FLOORS = {"int8": 1.01, "fp8": 1.01, "int4": 1.06}
 
 
@@ -30,7 +30,7 @@ def test_quality_stays_with_bf16_kv(make_llm):
     from pagedllm.loader import load_tokenizer, resolve_model_dir
 
     ids = fixed_text_ids(load_tokenizer(resolve_model_dir(None)), 256)
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in sharegpt_truncated(16, 128, 32)]
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in sharegpt_truncated(8, 128, 32)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs, ppl = {}, {}
     for kind in ("auto", *AGREEMENT_FLOORS):

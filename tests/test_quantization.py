@@ -33,8 +33,8 @@ def test_gguf_blocks_equal_the_converted_weights():
 @pytest.fixture(scope="module")
 def quantized(make_llm):
     """One engine per weight format (None: unquantized), in the dtype this CPU runs fast, shared
-    by the greedy and the perplexity checks: at most 8 sequences a step, so decode runs the
-    block kernels' small-M paths and prefill their tiled one."""
+    by the greedy and the perplexity checks: decode runs the block kernels' paths of up to 6 rows
+    (4 sequences), prefill and the scored text their tiled one."""
     llms = {q: make_llm(dtype=FAST_DTYPE, quantization=q, max_model_len=1024, kv_cache_memory="128MiB", max_num_seqs=8)
             for q in (None, "gguf", "int4", "int8")}
     yield llms
@@ -43,14 +43,14 @@ def quantized(make_llm):
 
 
 def test_greedy_stays_with_unquantized(quantized):
-    """8 ShareGPT prompts cut to 128 tokens, 32 greedy tokens against the unquantized weights'.
-    Measured (common prefix, mean; first tokens equal), fp32 on an AVX2 CPU: gguf 32.0, 8/8;
-    int4 32.0, 8/8; int8 23.3, 8/8. Earlier, bf16 on an AVX-512 BF16 CPU, 16 prompts: gguf and
+    """4 ShareGPT prompts cut to 128 tokens, 32 greedy tokens against the unquantized weights'.
+    Measured (common prefix, mean; first tokens equal), fp32 on an AVX2 CPU, of 8 prompts: gguf
+    32.0, 8/8; int4 32.0, 8/8; int8 23.3, 8/8. Earlier, bf16 on an AVX-512 BF16 CPU, 16 prompts: gguf and
     int4 23.3, int8 21.3, 16/16; bf16 against fp32 itself shares 37 of 64. A wrong layout,
     scale or row order would share next to nothing."""
     from pagedllm.bench.workloads import sharegpt_truncated
 
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in sharegpt_truncated(8, 128, 32)]
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in sharegpt_truncated(4, 128, 32)]
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     outs = {}
     for q, llm in quantized.items():
@@ -61,7 +61,7 @@ def test_greedy_stays_with_unquantized(quantized):
     for q, floor in floors.items():
         same = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), 32) for x, y in zip(outs[None], outs[q])]
         assert sum(same) / len(same) >= floor, (q, same)
-        assert sum(s > 0 for s in same) >= 6, (q, same)
+        assert sum(s > 0 for s in same) >= 3, (q, same)
 
 
 def test_perplexity_of_a_fixed_text_stays_with_unquantized(quantized):

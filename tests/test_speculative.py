@@ -4,6 +4,7 @@ and the engine's output with speculation against its output without."""
 from __future__ import annotations
 
 import inspect
+import os
 import random
 import textwrap
 
@@ -171,18 +172,25 @@ def _derived_model(src, dst, layers: int | None = None, extra_token: str | None 
 
     from safetensors.torch import load_file, save_file
 
-    shutil.copytree(src, dst)
+    # Links to the source's files (its weights are hundreds of MB); a file changed here is
+    # unlinked first and written anew, so the source (the shared model cache) is never written.
+    shutil.copytree(src, dst, copy_function=os.symlink)
+
+    def rewrite(name: str, write) -> None:
+        (dst / name).unlink()
+        write(dst / name)
+
     if layers is not None:
         cfg = json.loads((dst / "config.json").read_text())
         cfg["num_hidden_layers"] = layers
-        (dst / "config.json").write_text(json.dumps(cfg))
+        rewrite("config.json", lambda out: out.write_text(json.dumps(cfg)))
         w = load_file(dst / "model.safetensors")
         keep = {k: v for k, v in w.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
-        save_file(keep, dst / "model.safetensors")
+        rewrite("model.safetensors", lambda out: save_file(keep, out))
     if extra_token is not None:
         tok = json.loads((dst / "tokenizer.json").read_text())
         tok["model"]["vocab"][extra_token] = len(tok["model"]["vocab"])
-        (dst / "tokenizer.json").write_text(json.dumps(tok))
+        rewrite("tokenizer.json", lambda out: out.write_text(json.dumps(tok)))
     return dst
 
 

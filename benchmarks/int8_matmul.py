@@ -10,10 +10,9 @@ script shows what that choice is worth on the machine it runs on.
 from __future__ import annotations
 
 import argparse
-import time
-
 import torch
 
+from benchmarks.lib.attention import median_time
 from pagedllm.bench.throughput import save
 from pagedllm.models.w8a8 import cpu_has_int8_dot, int_matmul_f32
 
@@ -22,14 +21,8 @@ SHAPES = [(576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576)]
 ROWS = [1, 8, 64, 256]
 
 
-def best_ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times) * 1e3
+def ms(fn, reps: int) -> float:
+    return median_time(fn, reps) * 1e3
 
 
 def main() -> None:
@@ -47,9 +40,9 @@ def main() -> None:
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
             xf = xq.float()
             assert torch.equal(int_matmul_f32(xq, wq), torch._int_mm(xq, wq.t()))
-            t = {"onednn_int8": best_ms(lambda: torch._int_mm(xq, wq.t()), args.reps),
-                 "f32_slices": best_ms(lambda: int_matmul_f32(xq, wq), args.reps),
-                 "f32_sgemm": best_ms(lambda: xf @ wf.t(), args.reps)}
+            t = {"onednn_int8": ms(lambda: torch._int_mm(xq, wq.t()), args.reps),
+                 "f32_slices": ms(lambda: int_matmul_f32(xq, wq), args.reps),
+                 "f32_sgemm": ms(lambda: xf @ wf.t(), args.reps)}
             rows.append({"n": n, "k": k, "m": m, **{f"{key}_ms": v for key, v in t.items()},
                          "slices_vs_onednn": t["onednn_int8"] / t["f32_slices"],
                          "slices_vs_sgemm": t["f32_sgemm"] / t["f32_slices"]})

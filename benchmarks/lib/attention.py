@@ -33,7 +33,7 @@ def copy_bandwidth(nbytes: int, reps: int = 9) -> float:
     return 2 * 4 * n / statistics.median(ts)
 
 
-def _time(fn, reps: int) -> float:
+def median_time(fn, reps: int) -> float:
     fn()
     ts = []
     for _ in range(reps):
@@ -76,7 +76,7 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
         vc.copy_(torch.randn(vc.shape, generator=g))
     ops = cpu.ops
     res = torch.empty_like(q)
-    out["kernel_s"] = _time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,
+    out["kernel_s"] = median_time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,
                                                          meta.query_start_loc, d ** -0.5, True, fmt), reps)
     kc = vc = None  # free the pools before the next ones
     if reference:
@@ -88,7 +88,7 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
 
         def run_ref():  # attention only: the reference's write of zero new tokens is free
             ref.forward(q, k0, k0, rk, rv, meta, d ** -0.5)
-        out["reference_s"] = _time(run_ref, max(3, reps // 3))
+        out["reference_s"] = median_time(run_ref, max(3, reps // 3))
         rk = rv = None
     bw = copy_bandwidth(kv_bytes)
     out["copy_bandwidth_gbs"] = bw / 1e9

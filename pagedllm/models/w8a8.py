@@ -93,8 +93,11 @@ def int_matmul_f32(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
 
 
 def int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
-    """int32 [M, N] = xq [M, K] @ wq [N, K]^T, exact."""
-    if xq.device.type == "cpu" and not cpu_has_int8_dot():
+    """int32 [M, N] = xq [M, K] @ wq [N, K]^T, exact (either path: the same integers). One row
+    stays on oneDNN even without int8 dot products: its matrix-vector path is 2.5x the slices'
+    speed over a layer's matmuls there, which pay a float32 copy of the weight for one row
+    (benchmarks/int8_matmul.py)."""
+    if xq.device.type == "cpu" and xq.shape[0] > 1 and not cpu_has_int8_dot():
         return int_matmul_f32(xq, wq)
     return torch._int_mm(xq, wq.t())
 

@@ -10,6 +10,7 @@ script shows what that choice is worth on the machine it runs on.
 from __future__ import annotations
 
 import argparse
+
 import torch
 
 from benchmarks.lib.attention import median_time
@@ -40,9 +41,9 @@ def main() -> None:
             xq = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=g)
             xf = xq.float()
             assert torch.equal(int_matmul_f32(xq, wq), torch._int_mm(xq, wq.t()))
-            t = {"onednn_int8": ms(lambda: torch._int_mm(xq, wq.t()), args.reps),
-                 "f32_slices": ms(lambda: int_matmul_f32(xq, wq), args.reps),
-                 "f32_sgemm": ms(lambda: xf @ wf.t(), args.reps)}
+            t = {"onednn_int8": ms(lambda xq=xq, wq=wq: torch._int_mm(xq, wq.t()), args.reps),
+                 "f32_slices": ms(lambda xq=xq, wq=wq: int_matmul_f32(xq, wq), args.reps),
+                 "f32_sgemm": ms(lambda xf=xf, wf=wf: xf @ wf.t(), args.reps)}
             rows.append({"n": n, "k": k, "m": m, **{f"{key}_ms": v for key, v in t.items()},
                          "slices_vs_onednn": t["onednn_int8"] / t["f32_slices"],
                          "slices_vs_sgemm": t["f32_sgemm"] / t["f32_slices"]})

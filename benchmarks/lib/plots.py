@@ -420,7 +420,26 @@ def plot_engine_layer(fig, data: dict) -> None:
 
 # (test on the file's JSON, plotter, title, whether the plotter lays out the whole figure)
 Plotter = tuple[Callable[[Any], bool], Callable[..., None], str, bool]
+def plot_int8_matmul(ax, data: dict) -> None:
+    """W8A8's f32 slices against oneDNN's int8 GEMM (solid) and plain fp32 sgemm (dashed), by rows."""
+    shapes = sorted({(r["n"], r["k"]) for r in data["results"]})
+    for i, (n, k) in enumerate(shapes):
+        rs = sorted((r for r in data["results"] if (r["n"], r["k"]) == (n, k)), key=lambda r: r["m"])
+        color = f"C{i}"
+        ax.plot([r["m"] for r in rs], [r["slices_vs_onednn"] for r in rs], "o-", color=color, label=f"{n}x{k}")
+        ax.plot([r["m"] for r in rs], [r["slices_vs_sgemm"] for r in rs], "s--", color=color, alpha=0.6)
+    ax.axhline(1, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rows M")
+    ax.set_ylabel("f32 slices' speed, x")
+    ax.set_title("solid: vs oneDNN int8; dashed: vs plain fp32 sgemm", fontsize=9)
+    ax.legend(fontsize=7, title="N x K", title_fontsize=7)
+
+
 PLOTTERS: list[Plotter] = [
+    (lambda d: "int8_dot" in d and isinstance(d.get("results"), list), plot_int8_matmul,
+     "W8A8's integer matmul without int8 dot products", False),
     (lambda d: any(d.get(key) for key, _ in MEMORY_PANELS), plot_memory,
      "Memory: paged vs reserve-max, sharing, block size", True),
     (lambda d: isinstance(d.get("results"), list) and d["results"] and "server" in d["results"][0]

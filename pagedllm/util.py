@@ -15,6 +15,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def cpu_flags() -> set[str] | None:
+    """This CPU's feature flags from /proc/cpuinfo (None where there is none: not Linux)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(next((ln for ln in f if ln.startswith("flags")), "").split())
+    except OSError:
+        return None
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for integers, e.g. the blocks that hold a tokens: cdiv(a, block_size)."""
     return -(-a // b)

@@ -13,8 +13,8 @@ half of bf16's bytes, which is what one request's decode streams.
 The matmul is torch._int_mm (oneDNN's int8 GEMM) where the CPU has int8 dot products (VNNI,
 AMX) or on a GPU. Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm
 (measured on a Zen 3 EPYC, AVX2: 112 ms against 20 ms for 8 rows of the 576 x 49152 head), so
-there the same integer sums go through sgemm in float32, exactly (int_matmul). The kernels (kernels/csrc/w8a8.cpp) quantize
-the rows in one pass and scale the int32 sums into the output dtype with the bias in
+there the same integer sums go through sgemm in float32, exactly (int_matmul). The kernels
+(kernels/csrc/w8a8.cpp) quantize the rows in one pass and scale the int32 sums into the output dtype with the bias in
 another. Without the kernels the same steps run as torch expressions.
 """
 from __future__ import annotations
@@ -23,6 +23,8 @@ from functools import lru_cache
 
 import torch
 from torch import nn
+
+from ..util import cpu_flags
 
 W8A8 = "w8a8"
 
@@ -64,12 +66,8 @@ def quantize_rows(x: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torch.Te
 @lru_cache(maxsize=1)
 def cpu_has_int8_dot() -> bool:
     """VNNI or AMX-INT8: what oneDNN's int8 GEMM needs to beat float32 on a CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(next((ln for ln in f if ln.startswith("flags")), "").split())
-    except OSError:
-        return True   # not Linux: leave it to oneDNN
-    return bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    flags = cpu_flags()
+    return flags is None or bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})  # not Linux: oneDNN
 
 
 # |int8 x int8| <= 2^14, so any float32 sum of at most 1024 such products is an integer of at most

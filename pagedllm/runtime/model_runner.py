@@ -22,7 +22,7 @@ from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
-from ..util import cdiv
+from ..util import cdiv, cpu_flags
 from .build import build_model
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
@@ -39,12 +39,7 @@ SCORE_ROWS = 256
 
 
 def cpu_has_native_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool((cpu_flags() or set()) & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_device(name: str) -> torch.device:

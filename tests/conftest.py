@@ -19,6 +19,11 @@ import pytest
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
+# No huge-page advice for the KV pools of the suite's engines, servers and their subprocesses:
+# after a few dozen start-ups memory is fragmented, and the kernel's compaction for each new
+# pool cost seconds of system time per engine (minutes over the suite). The advice itself is
+# checked in tests/unit/test_kv_budget.py.
+os.environ["PAGEDLLM_HUGE_PAGES"] = "0"
 
 
 def _ci() -> bool:
@@ -148,6 +153,43 @@ def model_dir():
     from pagedllm.loader import resolve_model_dir
 
     return resolve_model_dir(None)  # the default SmolLM2 GGUF, converted once into the cache
+
+
+def build_tiny_llama(out: Path, model_dir: Path) -> Path:
+    """A 2-layer random Llama with the default model's tokenizer and chat template, for the tests
+    whose subject is a mechanism (preemption, speculation, chunking, swapping, seeds, routing)
+    rather than the model: the engine runs it ~30x faster than SmolLM2's 30 layers.
+
+    Untied, with the input embedding added into the output head: the model leans towards
+    tokens it has seen, so greedy output mixes fresh tokens with repeats (n-gram drafts are
+    both accepted and rejected), and its logits are far from ties."""
+    import torch
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         tie_word_embeddings=False, initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    model = tf.LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        model.lm_head.weight.add_(model.model.embed_tokens.weight * 1.5)
+    model.save_pretrained(out, safe_serialization=True)
+    for f in model_dir.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, model_dir) -> str:
+    """The path of the tiny model (build_tiny_llama), built once per test run (per worker)."""
+    return str(build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), model_dir))
+
+
+@pytest.fixture(scope="session")
+def tiny_fp32(make_llm, tiny_model):
+    """The tiny model's engine in float32: what llm_fp32 is for the real model."""
+    return make_llm(model=tiny_model, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
 
 
 @pytest.fixture(scope="session")

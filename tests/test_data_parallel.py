@@ -1,6 +1,7 @@
 """`pagedllm serve --data-parallel-size 2`: real servers with replica processes, driven by
 the official openai client; prefix-aware routing measured against one replica and against
-round-robin; a replica killed under load."""
+round-robin; a replica killed under load. On the tiny model: the subject is the processes,
+the routing and the pipes, not the text."""
 from __future__ import annotations
 
 import asyncio
@@ -15,7 +16,7 @@ import time
 import httpx
 import openai
 import pytest
-from server.conftest import MODEL, metric_sample, metrics, start_server, stop_server
+from server.conftest import metric_sample, metrics, start_server, stop_server
 from server.inproc import serve_in_process
 
 # Two system prompts, each well past the router's first blocks; user turns that share no
@@ -30,13 +31,21 @@ QUESTIONS = ["When does the dome open?", "Which lens is cleanest?", "Could ice d
              "How heavy can crates be?", "Why was Tuesday cancelled?", "Are bicycles allowed aboard?"]
 
 
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny_flags(tiny_model) -> tuple[str, ...]:
+    return "--model", tiny_model, "--served-model-name", MODEL
+
+
 def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
-def dp_server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "prefix", "--max-logprobs", "24",
+def dp_server(tmp_path_factory, tiny_flags):
+    s = start_server(tmp_path_factory, *tiny_flags, "--data-parallel-size", "2", "--router-policy", "prefix", "--max-logprobs", "24",
                      name="dp2")
     yield s
     stop_server(s)
@@ -106,7 +115,7 @@ def _replay(server) -> tuple[float, float]:
     return tuple(after[key.format(x)] - before[key.format(x)] for x in ("hits", "queries"))
 
 
-def test_affinity_keeps_the_one_replica_hit_rate_round_robin_halves_it(dp_server, tmp_path_factory):
+def test_affinity_keeps_the_one_replica_hit_rate_round_robin_halves_it(dp_server, tmp_path_factory, tiny_flags):
     routed0 = [metric_sample(dp_server, "pagedllm:replica_routed_requests_total", replica=str(i))
                for i in range(2)]
     hits_dp, queries_dp = _replay(dp_server)
@@ -116,12 +125,13 @@ def test_affinity_keeps_the_one_replica_hit_rate_round_robin_halves_it(dp_server
     total = metrics(dp_server)
     assert sum(metric_sample(dp_server, "pagedllm:replica_prefix_cache_hits_total", replica=str(i))
                for i in range(2)) == total["pagedllm:prefix_cache_hits_total"]
-    one = serve_in_process()   # one replica: the engine in this process
+    one = serve_in_process(*tiny_flags)   # one replica: the engine in this process
     try:
         hits_one, queries_one = _replay(one)
     finally:
         one.close()
-    rr = start_server(tmp_path_factory, "--data-parallel-size", "2", "--router-policy", "round-robin", name="rr")
+    rr = start_server(tmp_path_factory, *tiny_flags, "--data-parallel-size", "2", "--router-policy", "round-robin",
+                      name="rr")
     try:
         hits_rr, queries_rr = _replay(rr)
     finally:
@@ -169,7 +179,8 @@ def test_killed_replica_fails_its_requests_cleanly_and_comes_back(dp_server):
     prompts = [f"{w} " * 70 for w in ("river", "mountain", "forest", "desert", "ocean", "valley", "island", "canyon")]
 
     async def load() -> list[str]:
-        tasks = [asyncio.create_task(_stream_until_done(url, p, 120) if i % 2 else _plain(url, p, 120))
+        # 800 tokens each: on the tiny model, still running when the kill lands
+        tasks = [asyncio.create_task(_stream_until_done(url, p, 800) if i % 2 else _plain(url, p, 800))
                  for i, p in enumerate(prompts)]
         deadline = time.time() + 60
         while time.time() < deadline:  # kill once both replicas are generating

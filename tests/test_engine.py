@@ -69,11 +69,11 @@ def test_stop_conditions(llm_fp32):
     assert out.finish_reason == "stop" and out.token_ids[-1] == tok and len(out.token_ids) <= 6
 
 
-def test_chunked_prefill_same_as_whole(make_llm, llm_fp32):
+def test_chunked_prefill_same_as_whole(make_llm, tiny_fp32, tiny_model):
     long_prompt = " ".join(f"item {i} costs {i * 3} coins;" for i in range(60))
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    whole = llm_fp32.generate([long_prompt], p, use_tqdm=False)[0]
-    chunked = make_llm(dtype="float32", kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=48,
+    whole = tiny_fp32.generate([long_prompt], p, use_tqdm=False)[0]
+    chunked = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=1024, max_num_batched_tokens=48,
                   enable_prefix_caching=False)
     assert len(whole.prompt_token_ids) > 3 * 48
     out = chunked.generate([long_prompt, "Hi"], p, use_tqdm=False)
@@ -81,10 +81,10 @@ def test_chunked_prefill_same_as_whole(make_llm, llm_fp32):
     assert chunked.get_stats().steps > len(whole.prompt_token_ids) // 48
 
 
-def test_reserve_max_same_tokens_more_waste(make_llm):
+def test_reserve_max_same_tokens_more_waste(make_llm, tiny_model):
     prompts = [PROMPT, "Hello, my name is", "The weather today"]
     p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    kw = dict(dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
+    kw = dict(model=tiny_model, dtype="float32", num_gpu_blocks_override=64, max_model_len=256)
     paged = make_llm(**kw)
     reserve = make_llm(allocation="reserve-max", **kw)
     a = paged.generate(prompts, p, use_tqdm=False)
@@ -290,14 +290,14 @@ def test_served_model_name_is_the_whole_name():
 _SEED_SCRIPT = """
 import json, sys
 from pagedllm import LLM, SamplingParams
-llm = LLM(dtype="float32", kv_cache_memory="64MiB", max_model_len=256, seed=int(sys.argv[1]))
+llm = LLM(sys.argv[2], dtype="float32", kv_cache_memory="64MiB", max_model_len=256, seed=int(sys.argv[1]))
 p = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
 outs = llm.generate(["Once upon a time", "Once upon a time"], p, use_tqdm=False)
 print(json.dumps([o.outputs[0].text for o in outs]))
 """
 
 
-def test_engine_seed_reproduces_sampling_in_a_new_process():
+def test_engine_seed_reproduces_sampling_in_a_new_process(tiny_model):
     import json
     import os
     import subprocess
@@ -306,7 +306,7 @@ def test_engine_seed_reproduces_sampling_in_a_new_process():
     def run(seed: int) -> list[str]:
         # A fresh hash salt per process, as a real second run has.
         env = {**os.environ, "PYTHONHASHSEED": "random"}
-        out = subprocess.run([sys.executable, "-c", _SEED_SCRIPT, str(seed)], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", _SEED_SCRIPT, str(seed), tiny_model], capture_output=True, text=True,
                              env=env, timeout=300, check=True)
         return json.loads(out.stdout.strip().splitlines()[-1])
 

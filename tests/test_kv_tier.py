@@ -1,4 +1,4 @@
-"""The second tier of the prefix cache (--kv-offload-dir) on the real model, in float32:
+"""The second tier of the prefix cache (--kv-offload-dir) on the tiny model, in float32:
 greedy output equals a run without the tier when blocks come back from it after an
 eviction, after a restart and after a swap-out; corrupted, truncated and foreign block
 files are skipped (with a warning) and recomputed; a SIGKILL in the middle of writes never
@@ -27,9 +27,9 @@ QUESTIONS = [f"\nQuestion: how many crates does record {i} hold? Answer: record 
 FILLER = [" ".join(f"Filler text {j}-{i} about nothing in particular." for i in range(28)) for j in range(2)]
 
 
-def tier_llm(path: Path, **kw) -> LLM:
+def tier_llm(model: str, path: Path, **kw) -> LLM:
     kw.setdefault("num_gpu_blocks_override", 32)
-    return LLM(dtype="float32", max_model_len=2048, kv_offload_dir=str(path), **kw)
+    return LLM(model, dtype="float32", max_model_len=2048, kv_offload_dir=str(path), **kw)
 
 
 def texts(llm: LLM, prompts: list[str], **kw) -> list[list[int]]:
@@ -37,10 +37,10 @@ def texts(llm: LLM, prompts: list[str], **kw) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(llm_fp32) -> dict[str, list[int]]:
+def reference(tiny_fp32) -> dict[str, list[int]]:
     """Greedy tokens of every prompt here, by an engine without a tier."""
     prompts = [DOC + q for q in QUESTIONS] + FILLER
-    return dict(zip(prompts, texts(llm_fp32, prompts)))
+    return dict(zip(prompts, texts(tiny_fp32, prompts)))
 
 
 def doc_keys(llm: LLM, question: str, salt: str | None = None) -> list[int]:
@@ -53,9 +53,9 @@ def block_files(llm: LLM) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine_a(tmp_path_factory) -> LLM:
+def engine_a(tmp_path_factory, tiny_model) -> LLM:
     """An engine with a fresh tier (the first tests share it)."""
-    llm = tier_llm(tmp_path_factory.mktemp("tier"))
+    llm = tier_llm(tiny_model, tmp_path_factory.mktemp("tier"))
     yield llm
     llm.close()
 
@@ -68,8 +68,8 @@ def warm_tier(engine_a) -> Path:
 
 
 @pytest.fixture(scope="module")
-def restarted(warm_tier) -> LLM:
-    llm = tier_llm(warm_tier)
+def restarted(warm_tier, tiny_model) -> LLM:
+    llm = tier_llm(tiny_model, warm_tier)
     yield llm
     llm.close()
 
@@ -141,12 +141,12 @@ def test_bad_block_files_are_skipped_and_recomputed(restarted, warm_tier, refere
     kv.check_integrity()
 
 
-def test_salts_do_not_cross_through_the_tier(tmp_path):
-    llm = tier_llm(tmp_path)
+def test_salts_do_not_cross_through_the_tier(tmp_path, tiny_model):
+    llm = tier_llm(tiny_model, tmp_path)
     q = DOC + QUESTIONS[0]
     a = texts(llm, [q], cache_salt="tenant-a")
     llm.close()
-    llm = tier_llm(tmp_path)          # a restart: only the tier holds tenant a's blocks
+    llm = tier_llm(tiny_model, tmp_path)          # a restart: only the tier holds tenant a's blocks
     assert texts(llm, [q], cache_salt="tenant-b") == a
     assert llm.engine.kv.connector.hits == 0, "tenant b was served tenant a's blocks"
     assert llm.engine.kv.prefix_hits == 0
@@ -156,14 +156,14 @@ def test_salts_do_not_cross_through_the_tier(tmp_path):
     llm.close()
 
 
-def test_swap_preemption_gives_the_same_tokens(tmp_path, llm_fp32):
+def test_swap_preemption_gives_the_same_tokens(tmp_path, tiny_fp32, tiny_model):
     """A pool too small for the batch: sequences are preempted by swap (their blocks saved
     to the tier, write-back so nothing else writes), resume by loading them, and the greedy
     tokens are those of a run without preemption."""
     prompts = [f"Q{i}. " + DOC[:250 + 40 * i] for i in range(4)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in llm_fp32.generate(prompts, params, use_tqdm=False)]
-    llm = tier_llm(tmp_path, num_gpu_blocks_override=24, preemption_mode="swap", kv_offload_write_policy="write_back")
+    want = [o.outputs[0].token_ids for o in tiny_fp32.generate(prompts, params, use_tqdm=False)]
+    llm = tier_llm(tiny_model, tmp_path, num_gpu_blocks_override=24, preemption_mode="swap", kv_offload_write_policy="write_back")
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     st = llm.get_stats()
     assert st.preemptions > 0 and st.kv.tier.swap_outs == st.preemptions
@@ -191,16 +191,16 @@ class SlowFile:
         return self.f.write(b)
 
 ts.open = lambda p, m: SlowFile(open(p, m))
-llm = LLM(dtype="float32", max_model_len=2048, num_gpu_blocks_override=32, kv_offload_dir=sys.argv[1])
+llm = LLM(sys.argv[3], dtype="float32", max_model_len=2048, num_gpu_blocks_override=32, kv_offload_dir=sys.argv[1])
 llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
 print("GENERATED", flush=True)
 time.sleep(60)
 """
 
 
-def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path, reference):
+def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path, reference, tiny_model):
     q = DOC + QUESTIONS[1]
-    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), q], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(tmp_path), q, tiny_model], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "GENERATED"
         deadline = time.time() + 60
@@ -214,7 +214,7 @@ def test_sigkill_mid_write_never_serves_a_torn_block(tmp_path, reference):
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait()
-    llm = tier_llm(tmp_path)
+    llm = tier_llm(tiny_model, tmp_path)
     assert not list(tmp_path.rglob(".tmp-*")), "the killed writer's temporary file should be gone"
     assert texts(llm, [q]) == [reference[q]]
     st = llm.get_stats().kv

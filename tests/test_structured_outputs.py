@@ -156,13 +156,13 @@ def test_n2_samples_each_follow_the_grammar_and_match_n1(llm):
         _valid(SCHEMAS[4], c.text)
 
 
-def test_equal_with_ngram_speculation(make_llm, llm):
-
-    spec = make_llm(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
-               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
-    prompts = [_prompt(llm, t) for t in TOPICS[:6]]
+def test_equal_with_ngram_speculation(make_llm, tiny_fp32, tiny_model):
+    """On the tiny model (the subject is the drafts' path through the matcher, not the text)."""
+    spec = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="256MiB", max_model_len=2048,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    prompts = [_prompt(tiny_fp32, t) for t in TOPICS[:6]]
     params = [_json_params(s, temperature=0) for s in SCHEMAS[:6]]
-    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in tiny_fp32.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
     assert got == want
     s = spec.get_stats().spec
@@ -171,11 +171,12 @@ def test_equal_with_ngram_speculation(make_llm, llm):
     spec.engine.kv.check_integrity()
 
 
-def test_equal_under_preemption_batch_invariant(make_llm):
+def test_equal_under_preemption_batch_invariant(make_llm, tiny_model):
     """A pool too small for the batch: sequences are preempted and recomputed, their
-    matchers rebuilt from their tokens; batch-invariant fp32 makes the runs comparable."""
+    matchers rebuilt from their tokens; batch-invariant fp32 makes the runs comparable.
+    On the tiny model: the subject is the matchers' rebuild."""
 
-    llm = make_llm(dtype="float32", batch_invariant=True, num_gpu_blocks_override=5, max_model_len=128,
+    llm = make_llm(model=tiny_model, dtype="float32", batch_invariant=True, num_gpu_blocks_override=5, max_model_len=128,
               max_num_batched_tokens=128)
     prompts = [_prompt(llm, t) for t in (TOPICS[3], TOPICS[10], TOPICS[11])]
     params = [_json_params(s, temperature=0, max_tokens=16) for s in (SCHEMAS[3], SCHEMAS[10], SCHEMAS[11])]

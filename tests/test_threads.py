@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -74,14 +75,16 @@ def _parents() -> dict[int, int]:
     return out
 
 
-@pytest.fixture
-def siblings_niced():
-    """Under pytest-xdist the other worker (and what it started) is real load on our CPUs, which the
-    governor rightly counts: for the test's few seconds it runs at nice 19, as a compile would,
-    and gets its priority back after."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        yield
-        return
+def _tasks(pid: int) -> list[int]:
+    """Every thread of a process: on Linux a nice value belongs to one thread, not the process."""
+    try:
+        return [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []   # gone meanwhile
+
+
+def _renice_siblings(old: dict[int, int]) -> None:
+    """The other worker's whole tree to nice 19, every thread; ``old`` keeps first-seen values."""
     parents = _parents()
 
     def below(pid: int) -> set[int]:
@@ -89,17 +92,41 @@ def siblings_niced():
         return kids.union(*(below(k) for k in kids)) if kids else set()
 
     others = below(os.getppid()) - below(os.getpid()) - {os.getpid()}
-    old = {}
-    for pid in others:
+    for tid in (t for pid in others for t in _tasks(pid)):
         try:
-            old[pid] = os.getpriority(os.PRIO_PROCESS, pid)
-            os.setpriority(os.PRIO_PROCESS, pid, 19)
+            prio = os.getpriority(os.PRIO_PROCESS, tid)
+            if prio < 19:
+                old.setdefault(tid, prio)
+                os.setpriority(os.PRIO_PROCESS, tid, 19)
         except OSError:
             pass   # ended meanwhile
+
+
+@pytest.fixture
+def siblings_niced():
+    """Under pytest-xdist the other worker (and what it started) is real load on our CPUs, which the
+    governor rightly counts: for the test's few seconds it runs at nice 19, as a compile would,
+    and gets its priority back after. Every thread is reniced, and the tree is swept again while
+    the test runs, since the other worker may start a thread or a process at any moment."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        yield
+        return
+    old: dict[int, int] = {}
+    done = threading.Event()
+
+    def sweep() -> None:
+        while not done.wait(0.2):
+            _renice_siblings(old)
+
+    _renice_siblings(old)
+    sweeper = threading.Thread(target=sweep, daemon=True)
+    sweeper.start()
     yield
-    for pid, prio in old.items():
+    done.set()
+    sweeper.join()
+    for tid, prio in old.items():
         try:
-            os.setpriority(os.PRIO_PROCESS, pid, prio)
+            os.setpriority(os.PRIO_PROCESS, tid, prio)
         except OSError:
             pass   # ended, or not ours to raise again (not root): it finishes at nice 19
 

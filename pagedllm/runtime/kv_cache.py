@@ -63,11 +63,19 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     blocks are read in table order, all over the pool, and 4 KiB pages then cost a TLB
     miss per block (decode attention measured 1.2-1.4x faster with huge pages)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu":
+    if device.type == "cpu" and huge_pages_wanted():
         _advise_huge_pages(t)
     # Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN from
     # uninitialised memory would still poison the output.
     return t.zero_()
+
+
+def huge_pages_wanted() -> bool:
+    """PAGEDLLM_HUGE_PAGES=0 turns the advice off. Where memory is fragmented (a machine that has
+    run for long, a test suite that starts dozens of engines) the kernel compacts memory to find
+    huge pages at first touch: seconds of system time per start-up, which a short-lived engine
+    never wins back (measured: a 256 MiB pool's first touch 0.05 s without, up to 5 s with)."""
+    return os.environ.get("PAGEDLLM_HUGE_PAGES", "1").strip() != "0"
 
 
 def _advise_huge_pages(t: torch.Tensor) -> None:

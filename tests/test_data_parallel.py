@@ -18,6 +18,7 @@ import openai
 import pytest
 from server.conftest import metric_sample, metrics, start_server, stop_server
 from server.inproc import serve_in_process
+from tiny import TINY_NAME as MODEL
 
 # Two system prompts, each well past the router's first blocks; user turns that share no
 # first word, so two prompts share exactly their system prompt (and the template around it).
@@ -29,14 +30,6 @@ SYSTEMS = {
 }
 QUESTIONS = ["When does the dome open?", "Which lens is cleanest?", "Could ice damage mirrors?",
              "How heavy can crates be?", "Why was Tuesday cancelled?", "Are bicycles allowed aboard?"]
-
-
-MODEL = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny_flags(tiny_model) -> tuple[str, ...]:
-    return "--model", tiny_model, "--served-model-name", MODEL
 
 
 def _client(url: str) -> openai.OpenAI:

@@ -51,11 +51,13 @@ def follow_tier(messages: list[dict]) -> tuple[set[str], list[str]]:
 
 
 @pytest.fixture(scope="module")
-def engine():
+def engine(tiny_model):
     from pagedllm.engine.engine import LLMEngine
 
-    # A tight pool so the run has prefix hits, forks, copy-on-write, evictions and preemptions.
-    return LLMEngine(EngineConfig(dtype="float32", num_gpu_blocks_override=12, max_model_len=256, block_size=8))
+    # A tight pool so the run has prefix hits, forks, copy-on-write, evictions and preemptions
+    # (the tiny model's: the subject is the events, not the text).
+    return LLMEngine(EngineConfig(model=tiny_model, dtype="float32", num_gpu_blocks_override=12, max_model_len=256,
+                                  block_size=8))
 
 
 def test_events_rebuild_manager_state_every_step(engine):
@@ -235,15 +237,15 @@ def test_lookahead_slots_and_rollbacks_replay():
     assert "spec_drafted" in trace[-1]["figures"]
 
 
-def test_tier_events_replay_and_figures(tmp_path):
+def test_tier_events_replay_and_figures(tmp_path, tiny_model):
     """With a second tier (write-through, swap preemption): pins, unpins, tier loads, offloads
     and a swap-out replay into the manager's own state after every step; blocks loaded back are
     ones that went to the tier; the figures, the stats dict and the KV report carry the tier."""
     from pagedllm.cli import kv_report
     from pagedllm.engine.engine import LLMEngine
 
-    eng = LLMEngine(EngineConfig(dtype="float32", num_gpu_blocks_override=12, max_model_len=256, block_size=4,
-                                 kv_offload_dir=str(tmp_path), preemption_mode="swap"))
+    eng = LLMEngine(EngineConfig(model=tiny_model, dtype="float32", num_gpu_blocks_override=12, max_model_len=256,
+                                 block_size=4, kv_offload_dir=str(tmp_path), preemption_mode="swap"))
     hub = VizHub(eng)
     eng.observers.append(hub)
     hub.start_recording()

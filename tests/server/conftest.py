@@ -79,6 +79,16 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def tiny_server(tiny_flags):
+    """The tiny model's server, in process: for what the model's text does not matter to."""
+    from .inproc import serve_in_process
+
+    s = serve_in_process(*tiny_flags)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
 def socket_server(tmp_path_factory):
     """The default server as a process of its own, for what needs a socket."""
     s = start_server(tmp_path_factory)

@@ -1,6 +1,6 @@
 """Issue 12's probes, each against a real server: tenants in the visualizer, requests
 that used to crash a shared step, malformed bodies, work on the event loop, and long
-prompts ahead of short ones."""
+prompts ahead of short ones (the one probe of timing on the real model, the rest on the tiny one)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 from hw import FAST_DTYPE
+from tiny import TINY_NAME
 
 from .conftest import MODEL, metrics, start_server, stop_server
 
@@ -22,8 +23,9 @@ def auth(key: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tenants(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--api-key", ALICE, "--api-key", BOB, "--admin-key", ADMIN,
+def tenants(tmp_path_factory, tiny_flags):
+    """The tiny model's server: the probes are of the HTTP layer, the step and the visualizer."""
+    s = start_server(tmp_path_factory, *tiny_flags, "--api-key", ALICE, "--api-key", BOB, "--admin-key", ADMIN,
                      "--dtype", FAST_DTYPE, name="tenants")
     yield s
     stop_server(s)
@@ -83,7 +85,7 @@ def texts(msg: dict) -> list[str]:
 
 
 def complete(url: str, key: str, prompt: str, **kw) -> httpx.Response:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, **kw}
+    body = {"model": TINY_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0, **kw}
     return httpx.post(url + "/v1/completions", json=body, headers=auth(key), timeout=120)
 
 
@@ -147,15 +149,15 @@ def test_extreme_sampling_params_fail_nobody(tenants, params):
 
 RAW_BAD = [
     ("deep-array", b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
-    ("deep-prompt", b'{"model": "%s", "prompt": ' % MODEL.encode() + b"[" * 10_000 + b"]" * 10_000 + b"}",
+    ("deep-prompt", b'{"model": "%s", "prompt": ' % TINY_NAME.encode() + b"[" * 10_000 + b"]" * 10_000 + b"}",
      "nested too deeply"),
-    ("nan", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % MODEL.encode(), "NaN"),
-    ("infinity", b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}' % MODEL.encode(), "Infinity"),
-    ("overflow", b'{"model": "%s", "prompt": "hi", "temperature": 1e999}' % MODEL.encode(), "float range"),
-    ("huge-int", b'{"model": "%s", "prompt": "hi", "seed": 1%s}' % (MODEL.encode(), b"0" * 5000), "valid JSON"),
-    ("surrogate-prompt", b'{"model": "%s", "prompt": "a\\ud800b"}' % MODEL.encode(), "surrogate"),
+    ("nan", b'{"model": "%s", "prompt": "hi", "temperature": NaN}' % TINY_NAME.encode(), "NaN"),
+    ("infinity", b'{"model": "%s", "prompt": "hi", "top_p": -Infinity}' % TINY_NAME.encode(), "Infinity"),
+    ("overflow", b'{"model": "%s", "prompt": "hi", "temperature": 1e999}' % TINY_NAME.encode(), "float range"),
+    ("huge-int", b'{"model": "%s", "prompt": "hi", "seed": 1%s}' % (TINY_NAME.encode(), b"0" * 5000), "valid JSON"),
+    ("surrogate-prompt", b'{"model": "%s", "prompt": "a\\ud800b"}' % TINY_NAME.encode(), "surrogate"),
     ("surrogate-model", b'{"model": "\\udfff", "prompt": "a"}', "surrogate"),
-    ("surrogate-key", b'{"model": "%s", "prompt": "a", "\\ud83d": 1}' % MODEL.encode(), "surrogate"),
+    ("surrogate-key", b'{"model": "%s", "prompt": "a", "\\ud83d": 1}' % TINY_NAME.encode(), "surrogate"),
 ]
 
 
@@ -166,13 +168,13 @@ def test_malformed_bodies_get_400_and_keep_the_connection(tenants):
             r = c.post("/v1/completions", content=body)
             assert r.status_code == 400, (name, r.status_code, r.text[:200])
             assert words in r.json()["error"]["message"], (name, r.json())
-        chat = {"model": MODEL, "messages": [{"role": "user", "content": "x\ud800"}]}
+        chat = {"model": TINY_NAME, "messages": [{"role": "user", "content": "x\ud800"}]}
         r = c.post("/v1/chat/completions", content=json.dumps(chat).encode())
         assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"]
-        parts = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}
+        parts = {"model": TINY_NAME, "messages": [{"role": "user", "content": [{"type": "text", "text": 7}]}]}
         assert c.post("/v1/chat/completions", json=parts).status_code == 400
         # the same keep-alive connection still serves
-        assert c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}).status_code == 200
+        assert c.post("/v1/completions", json={"model": TINY_NAME, "prompt": "Hi", "max_tokens": 2}).status_code == 200
 
 
 def test_health_stays_fast_while_huge_prompts_arrive(tenants):
@@ -196,7 +198,10 @@ def test_health_stays_fast_while_huge_prompts_arrive(tenants):
             time.sleep(0.01)
     assert done == [400] * 5
     lat.sort()
-    assert lat[len(lat) // 2] < 0.05 and lat[-1] < 0.25, f"/health latency while tokenizing: {lat[-5:]}"
+    # Tokenizing one huge prompt takes ~4.5 s here: on the event loop it would hold /health that
+    # long. The worst reading is allowed 1 s, since the suite's other worker and its servers share
+    # the two cores (0.43 s seen once under that load); the median shows the loop is free.
+    assert lat[len(lat) // 2] < 0.05 and lat[-1] < 1.0, f"/health latency while tokenizing: {lat[-5:]}"
 
 
 @pytest.fixture(scope="module")

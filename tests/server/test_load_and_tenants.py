@@ -8,6 +8,7 @@ import time
 
 import httpx
 import pytest
+from tiny import TINY_NAME
 
 from .conftest import MODEL, metric_sample, metrics, start_server, stop_server
 
@@ -143,12 +144,12 @@ def test_api_keys_and_tenant_isolation(keyed_server):
     assert cached(post("bob-key")) > 0
 
 
-def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
-    srv = start_server(tmp_path_factory, "--max-queue-len", "2", "--max-num-seqs", "1", name="small")
+def test_queue_limit_and_graceful_shutdown(tmp_path_factory, tiny_flags):
+    srv = start_server(tmp_path_factory, *tiny_flags, "--max-queue-len", "2", "--max-num-seqs", "1", name="small")
     try:
         async def run():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True}
+                body = {"model": TINY_NAME, "prompt": "Once upon a time", "max_tokens": 30, "ignore_eos": True}
                 rs = await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(8)])
                 return [r.status_code for r in rs], [r.json() for r in rs]
         codes, bodies = asyncio.run(run())
@@ -157,7 +158,7 @@ def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
 
         async def in_flight():
             async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c:
-                body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
+                body = {"model": TINY_NAME, "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True,
                         "stream": True}
                 text = []
                 async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -177,9 +178,10 @@ def test_queue_limit_and_graceful_shutdown(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def keyed_socket_server(tmp_path_factory):
-    """Keys, on a socket: an event stream (the visualizer's) never ends, so it is read off a real one."""
-    s = start_server(tmp_path_factory, "--api-key", "alice-key", "--api-key", "bob-key", name="keyed")
+def keyed_socket_server(tmp_path_factory, tiny_flags):
+    """Keys, on a socket: an event stream (the visualizer's) never ends, so it is read off a real one.
+    The tiny model's: only the keys are checked here."""
+    s = start_server(tmp_path_factory, *tiny_flags, "--api-key", "alice-key", "--api-key", "bob-key", name="keyed")
     yield s
     stop_server(s)
 

@@ -1,4 +1,5 @@
-"""`pagedllm viz` end to end: it serves the page and plays its scenario on the live engine."""
+"""`pagedllm viz` end to end: it serves the page and plays its scenario on the live engine (the
+tiny model's: the subject is the blocks and the processes, not the text)."""
 from __future__ import annotations
 
 import os
@@ -11,12 +12,12 @@ import httpx
 from .conftest import free_port
 
 
-def test_viz_command_plays_its_scenario(tmp_path):
+def test_viz_command_plays_its_scenario(tmp_path, tiny_flags):
     port = free_port()
     log = tmp_path / "viz.log"
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pagedllm.cli", "viz", "--scenario", "parallel-n4", "--no-wait",
-                                 "--step-delay", "0", "--dtype", "float32", "--port", str(port)],
+                                 "--step-delay", "0", "--dtype", "float32", "--port", str(port), *tiny_flags],
                                 stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
@@ -39,13 +40,13 @@ def test_viz_command_plays_its_scenario(tmp_path):
         proc.wait(60)
 
 
-def test_open_viz_stream_does_not_hold_up_shutdown(tmp_path_factory):
+def test_open_viz_stream_does_not_hold_up_shutdown(tmp_path_factory, tiny_flags):
     import signal
     import threading
 
     from .conftest import start_server
 
-    server = start_server(tmp_path_factory, name="viz-shutdown")
+    server = start_server(tmp_path_factory, *tiny_flags, name="viz-shutdown")
     got: list[str] = []
 
     def watch() -> None:

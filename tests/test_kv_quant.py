@@ -62,15 +62,16 @@ def test_bad_kv_cache_dtypes_are_refused_at_start_up(make_llm, tmp_path, model_d
         make_llm(kv_cache_dtype="int4", attention_backend="triton", kv_cache_memory="16MiB", dtype="float32")
 
 
-def test_a_quantized_block_is_still_a_block(make_llm):
+def test_a_quantized_block_is_still_a_block(make_llm, tiny_model):
     """int8 blocks through the block manager's every path: a prefix hit reads blocks another
     request wrote, n = 2 forks and copies on write, beams share blocks, and speculative
-    decoding rolls rejected drafts back: greedy tokens as without each mechanism."""
+    decoding rolls rejected drafts back: greedy tokens as without each mechanism. On the tiny
+    model: the subject is the blocks' paths (the quality of int8 KV is checked above)."""
     from pagedllm import BeamSearchParams, SamplingParams
     from pagedllm.bench.workloads import sharegpt_truncated
 
     prompts = [list(r.prompt) for r in sharegpt_truncated(4, 200, 24)]
-    kw = dict(dtype="float32", kv_cache_dtype="int8", max_model_len=1024, kv_cache_memory="32MiB")  # fp32: no bf16 noise
+    kw = dict(model=tiny_model, dtype="float32", kv_cache_dtype="int8", max_model_len=1024, kv_cache_memory="32MiB")  # fp32: no bf16 noise
     llm = make_llm(**kw)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     first = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]

@@ -62,10 +62,12 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
     assert mean >= 5, (mean, whole)
 
 
-def test_w8a8_is_batch_invariant_in_the_engine(make_llm):
-    """batch_invariant with w8a8: a prompt's greedy tokens alone equal those beside others."""
+def test_w8a8_is_batch_invariant_in_the_engine(make_llm, tiny_model):
+    """batch_invariant with w8a8: a prompt's greedy tokens alone equal those beside others (on
+    the tiny model: the subject is the per-row matmuls, not the quality)."""
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = make_llm(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, max_model_len=512, kv_cache_memory="64MiB")
+    llm = make_llm(model=tiny_model, dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, max_model_len=512,
+                   kv_cache_memory="64MiB")
     assert "W8A8 matmuls" in llm.engine.runner.describe() or llm.engine.runner.batch_invariant
     alone = [llm.generate([p], greedy, use_tqdm=False)[0].outputs[0].token_ids for p in PROMPTS[:3]]
     together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)][:3]
@@ -73,14 +75,14 @@ def test_w8a8_is_batch_invariant_in_the_engine(make_llm):
     llm.close()
 
 
-def test_w8a8_with_ngram_speculation_keeps_greedy_output(make_llm):
-    """Verification runs k+1 rows a sequence through the same per-row matmuls."""
+def test_w8a8_with_ngram_speculation_keeps_greedy_output(make_llm, tiny_model):
+    """Verification runs k+1 rows a sequence through the same per-row matmuls (tiny model)."""
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "a b c d e f g h a b c d e f g h a b c d"]
     outs = {}
     for spec in (None, {"method": "ngram", "num_speculative_tokens": 4}):
-        llm = make_llm(dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True, speculative_config=spec,
-                  max_model_len=512, kv_cache_memory="64MiB")
+        llm = make_llm(model=tiny_model, dtype=FAST_DTYPE, quantization="w8a8", batch_invariant=True,
+                       speculative_config=spec, max_model_len=512, kv_cache_memory="64MiB")
         outs[spec is None] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         if spec is not None:
             assert llm.engine.stats().spec.num_accepted_tokens > 0

@@ -125,14 +125,17 @@ def test_disconnect_counts_as_abort(socket_server):
 
 
 @pytest.fixture(scope="module")
-def vllm_server():
-    s = serve_in_process("--metrics-prefix", "vllm")
+def vllm_server(tiny_flags):
+    """The tiny model's: only the metric names are checked."""
+    s = serve_in_process(*tiny_flags, "--metrics-prefix", "vllm")
     yield s
     s.close()
 
 
 def test_metrics_prefix_vllm(vllm_server):
-    complete(vllm_server, max_tokens=2)
+    from tiny import TINY_NAME
+
+    complete(vllm_server, max_tokens=2, model=TINY_NAME)
     fams = families(vllm_server)
     assert not [n for n in fams if n.startswith("pagedllm:")]
     for name, kind in VLLM_FAMILIES.items():

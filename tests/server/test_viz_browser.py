@@ -12,8 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from tiny import TINY_NAME
 
-from .conftest import MODEL, start_server, stop_server
+from .conftest import start_server, stop_server
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 ARTIFACTS = Path(os.environ.get("PAGEDLLM_TEST_ARTIFACTS", Path(__file__).resolve().parents[2] / "test-artifacts"))
@@ -35,8 +36,9 @@ def _browser():
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = start_server(tmp_path_factory, "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", name="viz")
+def server(tmp_path_factory, tiny_flags):
+    """The tiny model's: the page shows blocks, whose text does not matter here."""
+    s = start_server(tmp_path_factory, *tiny_flags, "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", name="viz")
     yield s
     stop_server(s)
 
@@ -45,7 +47,7 @@ def _stream(url: str, body: dict, first: threading.Event, errors: list, hang_up:
     """Streams until the request ends or `hang_up` is set: then the client goes away mid-stream,
     and the server aborts the request and frees its blocks."""
     try:
-        with httpx.stream("POST", url + "/v1/completions", json={**body, "model": MODEL, "stream": True},
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "model": TINY_NAME, "stream": True},
                           timeout=300) as r:
             r.raise_for_status()
             for line in r.iter_lines():

@@ -123,13 +123,15 @@ def test_bad_beam_settings_are_refused(kw, message):
         BeamSearchParams(**kw)
 
 
-def test_beam_width_above_max_num_seqs_and_reserve_max_are_refused(make_llm):
-    llm = make_llm(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, max_num_seqs=4)
+def test_beam_width_above_max_num_seqs_and_reserve_max_are_refused(make_llm, tiny_model):
+    # The tiny model's engines: refusals need no real model (nor a reserve-max load of it).
+    llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="32MiB", max_model_len=128, max_num_seqs=4)
     with pytest.raises(ValueError, match="exceeds max_num_seqs"):
         llm.beam_search("Hello", BeamSearchParams(beam_width=5, max_tokens=4))
     assert not llm.engine.has_unfinished_requests()
     with pytest.raises(ValueError, match="best_of must be an integer >= n"):
         SamplingParams(n=3, best_of=2)
-    reserve = make_llm(dtype="float32", kv_cache_memory="32MiB", max_model_len=128, allocation="reserve-max")
+    reserve = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="32MiB", max_model_len=128,
+                       allocation="reserve-max")
     with pytest.raises(ValueError, match="needs allocation 'paged'"):
         reserve.beam_search("Hello", BeamSearchParams(beam_width=2, max_tokens=4))

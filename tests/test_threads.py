@@ -136,16 +136,24 @@ def siblings_niced():
 @pytest.mark.parametrize("nice", [0, 19])
 def test_governor_sees_a_real_busy_process_but_not_a_niced_one(nice, siblings_niced):
     """A busy loop pinned to one of two watched CPUs: the governor drops to one thread; the same
-    loop at nice 19 yields its core to us whenever we want it, and the governor keeps two."""
+    loop at nice 19 yields its core to us whenever we want it, and the governor keeps two.
+
+    Under the suite's other worker, niced or not, its system time still counts (as it should),
+    and now and then it tips a 2-second window: the niced case passes if the governor keeps
+    two threads in one of three windows. Were niced time counted, the loop alone (a whole core,
+    past the 0.75 that drops a thread) would tip every window."""
     cpus = th.allowed_cpus()[:2]
     before = torch.get_num_threads()
     busy = _neighbour(cpus[1], nice)
     try:
-        gov = th.ThreadGovernor(2, interval=0.3, cpus=cpus)
-        deadline = time.monotonic() + (10 if nice == 0 else 2)
-        while gov.threads == 2 and time.monotonic() < deadline:
-            time.sleep(0.1)
-            gov.tick()
+        for _ in range(1 if nice == 0 else 3):
+            gov = th.ThreadGovernor(2, interval=0.3, cpus=cpus)
+            deadline = time.monotonic() + (10 if nice == 0 else 2)
+            while gov.threads == 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
+                gov.tick()
+            if gov.threads == (1 if nice == 0 else 2):
+                break
         assert gov.threads == (1 if nice == 0 else 2)
     finally:
         busy.kill()

@@ -97,10 +97,11 @@ def socket_server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def keyed_server():
+def keyed_server(tiny_flags):
+    """Keys, on the tiny model's server: what is checked is who may ask, not the answers."""
     from .inproc import serve_in_process
 
-    s = serve_in_process("--api-key", "alice-key", "--api-key", "bob-key")
+    s = serve_in_process(*tiny_flags, "--api-key", "alice-key", "--api-key", "bob-key")
     yield s
     s.close()
 

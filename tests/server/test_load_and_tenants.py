@@ -127,7 +127,7 @@ def test_metrics_parse_and_move(server):
 
 def test_api_keys_and_tenant_isolation(keyed_server):
     client = keyed_server.client()
-    body = {"model": MODEL, "prompt": LONG + "Summarize it.", "max_tokens": 1}
+    body = {"model": TINY_NAME, "prompt": LONG + "Summarize it.", "max_tokens": 1}
 
     def post(key, **extra):
         headers = {"Authorization": f"Bearer {key}"} if key else {}

@@ -53,34 +53,28 @@ def test_cpu_budget_is_a_share_of_free_ram(monkeypatch):
     assert kv_budget(EngineConfig(model="m"), torch.device("cpu")) == 2 * GiB
 
 
-def _huge_kib(t: torch.Tensor) -> int:
-    """AnonHugePages of the mappings over the tensor's bytes, from /proc/self/smaps (the advice
-    splits the tensor's mapping at the 2 MiB boundaries)."""
+def _advised(t: torch.Tensor) -> bool:
+    """Whether a mapping over the tensor's bytes carries MADV_HUGEPAGE ("hg" in its VmFlags in
+    /proc/self/smaps). The advice, not the pages: whether the kernel finds free 2 MiB pages
+    depends on how fragmented memory is at that moment."""
     start, end = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-    kib, inside = 0, False
+    inside, advised = False, False
     with open("/proc/self/smaps") as f:
         for line in f:
             head = line.split()[0]
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(x, 16) for x in head.split("-"))
                 inside = lo < end and start < hi
-            elif inside and head == "AnonHugePages:":
-                kib += int(line.split()[1])
-    return kib
+            elif inside and head == "VmFlags:":
+                advised |= "hg" in line.split()[1:]
+    return advised
 
 
 @pytest.mark.parametrize("wanted", ["1", "0"])
-def test_pool_pages_follow_the_huge_pages_setting(monkeypatch, wanted):
+def test_pool_is_advised_to_huge_pages_unless_turned_off(monkeypatch, wanted):
     """The pool is advised to 2 MiB pages unless PAGEDLLM_HUGE_PAGES=0 (the test suite's
-    setting: see tests/conftest.py); where the kernel gives no transparent huge pages at all,
-    neither pool gets any."""
+    setting: see tests/conftest.py)."""
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", wanted)
     pool = kv_cache.allocate_pool((16, 2**20), torch.float32, torch.device("cpu"))   # 64 MiB
     assert pool.abs().sum().item() == 0
-    with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
-        thp = f.read().split("[")[1].split("]")[0]
-    advised = wanted == "1" and thp != "never"
-    if thp == "always":
-        assert _huge_kib(pool) > 0   # the kernel's choice, whatever we advise
-    else:
-        assert (_huge_kib(pool) > 0) == advised
+    assert _advised(pool) == (wanted == "1")

@@ -23,12 +23,12 @@ DEV = "cuda" if CUDA else "cpu"
 
 
 @pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory, model_dir):
-    """A 2-layer random Llama with the default model's tokenizer: the interpreter runs the
-    whole engine on it in seconds, where the real 30 layers take minutes."""
-    import shutil
-
+def attention_model(tmp_path_factory, model_dir):
+    """A 2-layer random Llama with the default model's tokenizer whose attention dominates: the
+    interpreter runs the whole engine on it in seconds, where the real 30 layers take minutes.
+    (The suite's `tiny_model` leans on its output head instead, for n-gram drafts.)"""
     import transformers as tf
+    from tiny import copy_tokenizer
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -40,15 +40,13 @@ def tiny_model(tmp_path_factory, model_dir):
         for layer in model.model.layers:  # attention must dominate the residual stream, or the
             for proj, k in (("q_proj", 3), ("k_proj", 3), ("v_proj", 6), ("o_proj", 6)):  # test
                 getattr(layer.self_attn, proj).weight.mul_(k)  # could not see an attention bug
-    out = tmp_path_factory.mktemp("tiny-llama")
+    out = tmp_path_factory.mktemp("attention-llama")
     model.save_pretrained(out)
-    for f in model_dir.iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
-            shutil.copy(f, out / f.name)
+    copy_tokenizer(model_dir, out)
     return str(out)
 
 
-def test_engine_greedy_output_same_as_torch_backend(make_llm, tiny_model):
+def test_engine_greedy_output_same_as_torch_backend(make_llm, attention_model):
     """The whole engine on the Triton backend (interpreted on CPU): prefill, a prefix hit,
     n=2 fork with copy-on-write, decode; greedy tokens equal the torch backend's."""
     from pagedllm import SamplingParams
@@ -57,7 +55,7 @@ def test_engine_greedy_output_same_as_torch_backend(make_llm, tiny_model):
     prompts = [system + "The capital of France is", system + "The longest river is", "List three colors:"]
     outs = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
+        llm = make_llm(model=attention_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=256,
                   attention_backend=backend, device=DEV)
         assert llm.engine.runner.backend_name == backend
         greedy = [llm.generate(p, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0),
@@ -73,7 +71,7 @@ def test_engine_greedy_output_same_as_torch_backend(make_llm, tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_engine_on_fp8_kv_same_as_torch_backend(make_llm, tiny_model):
+def test_engine_on_fp8_kv_same_as_torch_backend(make_llm, attention_model):
     """--kv-cache-dtype fp8 through the whole engine on both backends: uint8 pools of the
     torch layout, a prefix hit and copy-on-write over their bytes, the rotated query and
     output. Both quantize each new row alike, so greedy tokens and logprobs agree."""
@@ -82,7 +80,7 @@ def test_engine_on_fp8_kv_same_as_torch_backend(make_llm, tiny_model):
     system = "You are a helpful assistant who answers questions about geography in one short sentence. "
     outs = {}
     for backend in ("torch", "triton"):
-        llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
+        llm = make_llm(model=attention_model, dtype="float32", kv_cache_memory="16MiB", max_model_len=128,
                   attention_backend=backend, device=DEV, kv_cache_dtype="fp8")
         assert llm.engine.runner.backend.kv.name == "fp8_e4m3"
         run = [llm.generate(system + p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0, n=n,
@@ -96,7 +94,7 @@ def test_engine_on_fp8_kv_same_as_torch_backend(make_llm, tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_decode_graph_buffers_give_the_same_tokens(make_llm, tiny_model):
+def test_decode_graph_buffers_give_the_same_tokens(make_llm, attention_model):
     """The CUDA-graph decode path's static buffers, buckets and padding rows (slot -1,
     context 0), run eagerly here: greedy tokens equal the plain Triton path's."""
     import torch as _torch
@@ -105,7 +103,7 @@ def test_decode_graph_buffers_give_the_same_tokens(make_llm, tiny_model):
     from pagedllm.runtime.cuda_graphs import DecodeGraphs
 
     prompts = ["Name a fruit:", "The sky is", "One plus one is"]  # 3 decodes -> bucket 4, one padding row
-    llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+    llm = make_llm(model=attention_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=6, enforce_eager=True)
     r = llm.engine.runner
     assert r.graphs is None
@@ -126,7 +124,7 @@ def test_decode_graph_buffers_give_the_same_tokens(make_llm, tiny_model):
         assert a == pytest.approx(b, rel=1e-5, abs=1e-4)  # logprobs: relative to their size
 
 
-def test_graphed_decode_forward_never_waits_on_the_host(make_llm, tiny_model):
+def test_graphed_decode_forward_never_waits_on_the_host(make_llm, attention_model):
     """What a CUDA graph replays must not read tensor values on the host (.item(), nonzero,
     ...: capture fails or bakes one step's values in) nor build tensors from Python data.
     The decode forward over the graph buffers, every aten op recorded."""
@@ -144,7 +142,7 @@ def test_graphed_decode_forward_never_waits_on_the_host(make_llm, tiny_model):
             ops.append(func._schema.name)
             return func(*args, **(kwargs or {}))
 
-    llm = make_llm(model=tiny_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
+    llm = make_llm(model=attention_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=4, enforce_eager=True)
     r = llm.engine.runner
     g = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),

@@ -26,7 +26,12 @@ def build_tiny_llama(out: Path, model_dir: Path) -> Path:
     with torch.no_grad():
         model.lm_head.weight.add_(model.model.embed_tokens.weight * 1.5)
     model.save_pretrained(out, safe_serialization=True)
+    copy_tokenizer(model_dir, out)
+    return out
+
+
+def copy_tokenizer(model_dir: Path, out: Path) -> None:
+    """The default model's tokenizer files and chat template, into a random model's folder."""
     for f in model_dir.iterdir():
         if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
             shutil.copy(f, out / f.name)
-    return out

@@ -171,18 +171,17 @@ def test_prompt_at_max_model_len_is_scored_whole(tiny_server, tokenizer, tiny_fp
 
     from pagedllm import SamplingParams
 
-    server = tiny_server
     ids = (tokenizer.encode("Pages are lent to readers, and shared. ", add_special_tokens=False) * 200)[:1023]
-    r = post(server, COMP, {"model": TINY_NAME, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0,
-                            "temperature": 0})
+    r = post(tiny_server, COMP, {"model": TINY_NAME, "prompt": ids, "max_tokens": 1, "echo": True, "logprobs": 0,
+                                 "temperature": 0})
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 1024 and lp["tokens"][:1023] == [text_of(tokenizer)(t) for t in ids]
     want = tiny_fp32.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
                              use_tqdm=False)[0].prompt_logprobs
     assert max(abs(lp["token_logprobs"][j] - want[j][ids[j]].logprob) for j in range(1, 1023)) < 1e-3
-    r = post(server, COMP, {"model": TINY_NAME, "prompt": ids + [ids[0]], "max_tokens": 0, "echo": True,
-                            "logprobs": 0})
+    r = post(tiny_server, COMP, {"model": TINY_NAME, "prompt": ids + [ids[0]], "max_tokens": 0, "echo": True,
+                                 "logprobs": 0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
 
 

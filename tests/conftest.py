@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -56,41 +57,68 @@ def pytest_make_collect_report(collector):
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# One id per test run, set by the process that loads this file first (pytest-xdist's controller,
+# or a run without workers) and inherited by the workers it spawns: the background jobs' folders
+# are named by it, so that every worker finds the one job of the run.
+RUN_ID = os.environ.setdefault("PAGEDLLM_TEST_RUN", uuid.uuid4().hex[:12])
+
+
 class BackgroundRun:
     """A long, self-contained job that some tests check (a compiler run), started as soon as the
     tests are collected, in a process at the lowest priority, so that it fills the CPU time the
     suite leaves idle (on 2 cores, much of a core while servers start and clients wait) instead
-    of holding up the tests that need it. It runs once per run, in a folder of its own; a test
-    asks for it through a fixture and waits for it to end."""
+    of holding up the tests that need it. It runs once per run, whichever worker asks, in a
+    folder named by the run: the worker that creates the folder starts the job, the others wait
+    for its exit code to appear there (a second copy of a compile, as each worker once started,
+    doubled its cost). The process that started the run cleans it up at the end."""
 
     def __init__(self, fixture: str, argv: list[str], env: dict[str, str], applies: bool = True) -> None:
         self.fixture, self.argv, self.env = fixture, argv, env  # "{dir}" in them: the job's folder
         self.applies = applies  # False where its tests skip (another CPU, triton not installed)
-        self.dir: Path | None = None
-        self.proc: subprocess.Popen | None = None
+        self.dir = Path(tempfile.gettempdir()) / f"pagedllm-{fixture}-{RUN_ID}"
 
     def start(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix=f"pagedllm-{self.fixture}-"))
+        """Starts the job unless this run's job is started already (by this or another worker)."""
+        try:
+            self.dir.mkdir()
+        except FileExistsError:
+            return
         fill = lambda v: v.replace("{dir}", str(self.dir))  # noqa: E731
+        # The exit code is written (atomically) when the job ends: the waiters poll for it.
+        wrapper = ("import os, subprocess, sys\n"
+                   "code = subprocess.call(sys.argv[2:])\n"
+                   "open(sys.argv[1] + '.tmp', 'w').write(str(code))\n"
+                   "os.replace(sys.argv[1] + '.tmp', sys.argv[1])\n")
         with open(self.dir / "output.log", "w") as log:
-            self.proc = subprocess.Popen([fill(a) for a in self.argv], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **{k: fill(v) for k, v in self.env.items()}},
-                                         preexec_fn=lambda: os.nice(19))
+            proc = subprocess.Popen([sys.executable, "-c", wrapper, str(self.dir / "exit_code"),
+                                     *(fill(a) for a in self.argv)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, **{k: fill(v) for k, v in self.env.items()}},
+                                    preexec_fn=lambda: os.nice(19), start_new_session=True)
+        (self.dir / "pid").write_text(str(proc.pid))
 
     def wait(self, timeout: float = 900) -> tuple[int, str, Path]:
-        """(exit code, output, folder), started here if the run did not start it."""
-        if self.proc is None:
-            self.start()
-        assert self.proc is not None and self.dir is not None
-        code = self.proc.wait(timeout)
-        return code, (self.dir / "output.log").read_text(), self.dir
+        """(exit code, output, folder), started here if no worker started it."""
+        import time
+
+        self.start()
+        done = self.dir / "exit_code"
+        deadline = time.monotonic() + timeout
+        while not done.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.fixture}: no exit code after {timeout} s ({self.dir})")
+            time.sleep(0.5)
+        return int(done.read_text()), (self.dir / "output.log").read_text(), self.dir
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        if self.dir is not None:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        """At the end of the run, in the process that started it (not in a worker, whose tests may
+        end while another worker still waits for the job)."""
+        if WORKER:
+            return
+        try:
+            os.killpg(int((self.dir / "pid").read_text()), 9)
+        except (OSError, ValueError):
+            pass  # never started, or ended already
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def has_avx512() -> bool:
@@ -106,11 +134,13 @@ def has_avx512() -> bool:
 AVX2_SEPARATE = platform.machine() == "x86_64" and has_avx512()
 
 AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
-    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels (~25 s of compiling on an AVX-512
-    # machine), in a cache of its own; the tests of CPUs without AVX-512 load and check it in
-    # processes of their own.
+    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels, in a cache of its own; the tests of
+    # CPUs without AVX-512 load and check it in processes of their own. Built for head dim 64
+    # only, the one its check runs: 2 CPU-minutes instead of 5 (the attention kernel's
+    # instantiations per head dim are most of the compile).
     BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
-                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}"}, AVX2_SEPARATE),
+                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}", "PAGEDLLM_KERNEL_HEAD_DIMS": "64"},
+                  AVX2_SEPARATE),
     # The Triton kernels compiled for sm_80 and sm_90 by Triton's own compiler and ptxas.
     BackgroundRun("triton_compile_check", [sys.executable, str(ROOT / "scripts" / "triton_compile_check.py"),
                                            "--quick", "--json", "{dir}/kernels.json"], {},
@@ -121,7 +151,7 @@ AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
 def pytest_collection_modifyitems(session, config, items):
     wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
     for job in BACKGROUND:
-        # every worker collects every test: the first starts the jobs, another starts one when its test asks
+        # every worker collects every test: gw0 starts the jobs (should a test ask first, its worker does)
         if job.applies and job.fixture in wanted and WORKER in (None, "gw0"):
             job.start()
 
@@ -139,7 +169,8 @@ def avx2_kernel_cache() -> dict[str, str]:
     which is that code already."""
     if not AVX2_SEPARATE:
         return {}
-    return {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(AVX2_KERNELS.wait()[2])}
+    return {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(AVX2_KERNELS.wait()[2]),
+            "PAGEDLLM_KERNEL_HEAD_DIMS": "64"}
 
 
 @pytest.fixture(scope="session")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import load_ops
+from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
 
@@ -32,10 +33,6 @@ class CpuMetadata:
     block_tables: torch.Tensor     # [S, W] int32, zero-padded
     seq_lens: torch.Tensor         # [S] int32: keys after this step
     query_start_loc: torch.Tensor  # [S + 1] int32: first query row of each sequence
-
-
-# Head dims the kernel is compiled for.
-HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
 
 
 @register
@@ -55,8 +52,9 @@ class CpuPagedAttention(AttentionBackend):
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        if head_dim not in HEAD_DIMS:
-            raise ValueError(f"attention backend cpu supports head_dim in {HEAD_DIMS}, not {head_dim}; "
+        dims = compiled_head_dims()
+        if head_dim not in dims:
+            raise ValueError(f"attention backend cpu supports head_dim in {dims}, not {head_dim}; "
                              "use --attention-backend torch")
 
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):

@@ -41,7 +41,32 @@ def _arch_flags() -> list[str]:
     return []
 
 
-CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-unused-function", *_arch_flags()]
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 256)
+
+
+def compiled_head_dims() -> tuple[int, ...]:
+    """The head dims the attention kernel is built for. PAGEDLLM_KERNEL_HEAD_DIMS=64,128 builds
+    those only: each is about a seventh of the build's compile time (the test suite builds its
+    AVX2-only copy so, for the one head dim that copy's check runs)."""
+    raw = os.environ.get("PAGEDLLM_KERNEL_HEAD_DIMS", "").strip()
+    if not raw:
+        return HEAD_DIMS
+    try:
+        dims = tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+    except ValueError:
+        dims = ()
+    if not dims or any(d not in HEAD_DIMS for d in dims):
+        raise ValueError(f"PAGEDLLM_KERNEL_HEAD_DIMS must be a comma list of {HEAD_DIMS}, got {raw!r}")
+    return dims
+
+
+def _head_dim_flags() -> list[str]:
+    dims = compiled_head_dims()
+    return [] if dims == HEAD_DIMS else [f"-DPAGEDLLM_HEAD_DIMS={','.join(map(str, dims))}"]
+
+
+CFLAGS = ["-O3", "-std=c++17", "-fopenmp", "-ffp-contract=fast", "-Wno-unused-function", *_arch_flags(),
+          *_head_dim_flags()]
 
 
 def _cpu_signature() -> str:
@@ -67,24 +92,36 @@ def _key() -> str:
 def load_ops():
     """torch.ops.pagedllm_cpu, building the library first if this machine has no copy.
     Raises RuntimeError saying why when it cannot be built (no compiler, say)."""
+    import fcntl
+
     key = _key()
     name = f"pagedllm_cpu_{key}"
     build_dir = cache_root() / "ext" / name
     lib = build_dir / f"{name}.so"
-    if not lib.exists():
-        build_dir.mkdir(parents=True, exist_ok=True)
+    if lib.exists():
+        torch.ops.load_library(str(lib))
+        return torch.ops.pagedllm_cpu
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # One build at a time per copy, under a lock the kernel drops when its holder dies: torch's
+    # own lock file stays behind when a build is killed, and every later start then waited on
+    # it forever. Holding ours, any such file is stale.
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if lib.exists():  # built by another process while this one waited
+            torch.ops.load_library(str(lib))
+            return torch.ops.pagedllm_cpu
+        (build_dir / "lock").unlink(missing_ok=True)
         t0 = time.perf_counter()
-        logger.info("compiling the CPU kernels once (about a minute on 2 cores) into %s", build_dir)
+        logger.info("compiling the CPU kernels once (a few minutes on 2 cores) into %s", build_dir)
         try:
             from torch.utils.cpp_extension import load
             load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_dir), is_python_module=False, verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
+                 build_directory=str(build_dir), is_python_module=False,
+                 verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
         except Exception as e:  # compiler missing, headers missing, ninja missing...
             raise RuntimeError(f"could not build the CPU kernels ({type(e).__name__}: {e}); "
                                "install g++ and ninja, or use --attention-backend torch") from e
         logger.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
-    else:
-        torch.ops.load_library(str(lib))
     return torch.ops.pagedllm_cpu
 
 

@@ -63,22 +63,25 @@ def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devi
     blocks are read in table order, all over the pool, and 4 KiB pages then cost a TLB
     miss per block (decode attention measured 1.2-1.4x faster with huge pages)."""
     t = torch.empty(shape, dtype=dtype, device=device)
-    if device.type == "cpu" and huge_pages_wanted():
-        _advise_huge_pages(t)
+    if device.type == "cpu":
+        _advise_huge_pages(t, huge_pages_wanted())
     # Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN from
     # uninitialised memory would still poison the output.
     return t.zero_()
 
 
 def huge_pages_wanted() -> bool:
-    """PAGEDLLM_HUGE_PAGES=0 turns the advice off. Where memory is fragmented (a machine that has
-    run for long, a test suite that starts dozens of engines) the kernel compacts memory to find
-    huge pages at first touch: seconds of system time per start-up, which a short-lived engine
-    never wins back (measured: a 256 MiB pool's first touch 0.05 s without, up to 5 s with)."""
+    """PAGEDLLM_HUGE_PAGES=0 asks for 4 KiB pages instead. Where memory is fragmented (a machine
+    that has run for long, a test suite that starts dozens of engines) the kernel compacts memory
+    to find huge pages at first touch: seconds of system time per start-up, which a short-lived
+    engine never wins back (measured: a 256 MiB pool's first touch 0.05 s without, up to 5 s with)."""
     return os.environ.get("PAGEDLLM_HUGE_PAGES", "1").strip() != "0"
 
 
-def _advise_huge_pages(t: torch.Tensor) -> None:
+def _advise_huge_pages(t: torch.Tensor, huge_pages: bool) -> None:
+    """MADV_HUGEPAGE, or MADV_NOHUGEPAGE when they are not wanted: "not asked for" is not
+    enough, since with transparent huge pages set to "always" the kernel would still compact
+    for them, and memory reused from an advised mapping would keep its advice."""
     import ctypes
     import sys
 
@@ -89,7 +92,8 @@ def _advise_huge_pages(t: torch.Tensor) -> None:
     end = (t.data_ptr() + t.numel() * t.element_size()) // huge * huge
     if end > start:
         try:
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), 14)  # MADV_HUGEPAGE
+            advice = 14 if huge_pages else 15  # MADV_HUGEPAGE, MADV_NOHUGEPAGE
+            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
         except (OSError, AttributeError):
             pass  # advice only
 

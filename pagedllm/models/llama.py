@@ -17,6 +17,7 @@ from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
+from .prepack import packed_linear, prepack_linears
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
@@ -52,6 +53,7 @@ class Ops:
         self.k = kernels
         self.batch_invariant = False
         self.quant: str | None = None  # the linear layers hold quantized weights (quantization.py, w8a8.py)
+        self.packed = False  # the float linear layers' weights are reordered for oneDNN (prepack.py)
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         fmt = getattr(layer, "qformat", None) if self.quant is not None else None
@@ -59,7 +61,9 @@ class Ops:
             return w8a8_linear(layer, x, self.k)
         if fmt is not None:
             return block_linear(layer, x, self.k)
-        return invariant_linear(layer, x, self.k) if self.batch_invariant else layer(x)
+        if self.batch_invariant:
+            return invariant_linear(layer, x, self.k)
+        return packed_linear(layer, x) if self.packed and hasattr(layer, "packed") else layer(x)
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.k is not None and x.device.type == "cpu" and x.shape[-1] % 16 == 0
@@ -225,6 +229,15 @@ class LlamaForCausalLM(nn.Module):
         if packed == 0:
             return f"matmuls on {ROW_TILE}-row tiles"
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
+
+    def prepack(self) -> int:
+        """Reorders the float matmuls' weights for oneDNN (prepack.py), once the weights are loaded,
+        in their dtype, quantized and made batch-invariant (whose row tiles then run on them).
+        A tied LM head's weight stays plain too: the embedding looks its rows up in it.
+        Returns how many were reordered."""
+        n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
+        self.ops.packed = n > 0
+        return n
 
     def quantize(self, method: str, gguf: GGUFBlocks | None = None,
                  maxima: dict[str, torch.Tensor] | None = None) -> str:

@@ -21,6 +21,7 @@ from ..kv.groups import merged
 from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
+from ..models.prepack import prepack_wanted
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
 from .build import build_model
@@ -210,10 +211,12 @@ class ModelRunner:
                 logger.info("quantized: %s", done)
         # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
+        packed = model.prepack() if self.device.type == "cpu" and prepack_wanted() else 0
         self.model = model
         log = logger.info if tp.is_driver else logger.debug
-        log("model loaded in %.1f s (%s, %s, %s attention%s)", time.perf_counter() - t0, self.dtype, self.device,
-            backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "")
+        log("model loaded in %.1f s (%s, %s, %s attention%s%s)", time.perf_counter() - t0, self.dtype, self.device,
+            backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "",
+            f"; {packed} matmuls on weights reordered for oneDNN" if packed else "")
         spec = cfg.speculative_config
         self.draft = None
         if spec is not None and spec.method == "draft_model":

@@ -7,10 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_ops
-from pagedllm.models.batch_invariant import ROW_TILE, can_pack, pack_weight, tiled_linear
+from pagedllm.models.batch_invariant import ROW_TILE, can_pack, invariant_linear, pack_weight, tiled_linear
+from pagedllm.models.prepack import can_prepack, prepack_linears
 
 
 # ShareGPT-like: questions, instructions, pasted text and code, many short, a few long.
@@ -24,6 +26,17 @@ SHAPES = [(576, 960), (1536, 576), (576, 4096)]   # SmolLM2's qkv and down_proj;
 def _linears(kernels, dtype: torch.dtype):
     """(name, f(x, w, packed w)) for each batch-invariant matmul this machine runs in dtype."""
     out = [("tiled", lambda x, w, p: tiled_linear(x, w))]
+    if can_prepack(torch.zeros(32, 32, dtype=dtype)):
+        layers: dict[int, nn.Linear] = {}
+
+        def reordered(x, w, p):  # the same tiles on the weight reordered for oneDNN (models/prepack.py)
+            if w.data_ptr() not in layers:
+                layer = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+                layer.weight = nn.Parameter(w.clone(), requires_grad=False)
+                prepack_linears(layer, keep=set())
+                layers[w.data_ptr()] = layer
+            return invariant_linear(layers[w.data_ptr()], x, kernels)
+        out.append(("tiled, reordered", reordered))
     if can_pack(torch.zeros(32, 32, dtype=dtype), kernels):
         def amx(x, w, p):
             y = x.new_empty(x.shape[0], w.shape[0])

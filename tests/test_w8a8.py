@@ -12,15 +12,17 @@ from pagedllm import SamplingParams
 from pagedllm.bench.quality import common_prefix, fixed_text_ids, perplexity
 
 
-def test_smoothing_leaves_the_float_model_unchanged(make_llm, monkeypatch):
+def test_smoothing_leaves_the_float_model_unchanged(monkeypatch):
     """SmoothQuant divides activations and multiplies weights by the same scales, folded
     into norms, up rows and v rows: in fp32 the logits stay what they were."""
+    from pagedllm import LLM
     from pagedllm.models.smoothing import smooth
 
-    # Plain weights, as the runner calibrates and smooths them at load, before it reorders
-    # what stays float for oneDNN (models/prepack.py; this engine is this test's own).
+    # An engine of its own (not make_llm's shared runner: smoothing rewrites its weights), on
+    # plain weights, as the runner calibrates and smooths them at load before it reorders what
+    # stays float for oneDNN (models/prepack.py).
     monkeypatch.setenv("PAGEDLLM_PREPACK", "0")
-    llm = make_llm(dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
+    llm = LLM(dtype="float32", max_model_len=512, kv_cache_memory="32MiB")
     runner = llm.engine.runner
     model, cfg = runner.model, llm.engine.model_cfg
     ids = list(range(300, 340))

@@ -1,0 +1,47 @@
+"""Offline throughput with the float matmuls on weights reordered for oneDNN (the default on
+CPU, models/prepack.py) against plain weights (PAGEDLLM_PREPACK=0), alternately, each run in
+a fresh process on the same ShareGPT requests; the ratio of the medians.
+
+    python -m benchmarks prepack_ab --rounds 2 --out benchmarks/results/prepack_ab.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+
+from pagedllm.bench.throughput import in_own_process, run_engine, save
+from pagedllm.bench.workloads import sharegpt_truncated
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-prompts", type=int, default=96)
+    ap.add_argument("--max-prompt-len", type=int, default=256)
+    ap.add_argument("--max-output-len", type=int, default=128)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--out", default="benchmarks/results/prepack_ab.json")
+    args = ap.parse_args()
+    reqs = sharegpt_truncated(args.num_prompts, args.max_prompt_len, args.max_output_len)
+    kwargs = {"dtype": args.dtype, "max_model_len": 2048}
+    runs: dict[str, list[dict]] = {"plain": [], "reordered": []}
+    for _ in range(args.rounds):
+        for name, env in (("plain", "0"), ("reordered", "1")):
+            os.environ["PAGEDLLM_PREPACK"] = env  # the spawned engine process reads it at load
+            r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name} weights", use_tqdm=False)
+            runs[name].append(r)
+            print(f"{r['engine']:<32}{r['output_tok_s']:8.1f} output tok/s warm, "
+                  f"{r['cold']['output_tok_s']:8.1f} cold")
+    med = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
+    cold = {k: statistics.median(r["cold"]["output_tok_s"] for r in v) for k, v in runs.items()}
+    print(f"reordered / plain: warm {med['reordered'] / med['plain']:.2f}x ({med['reordered']:.1f} / "
+          f"{med['plain']:.1f}), cold {cold['reordered'] / cold['plain']:.2f}x")
+    save({"args": vars(args), "median_warm": med, "median_cold": cold,
+          "warm_ratio": med["reordered"] / med["plain"], "cold_ratio": cold["reordered"] / cold["plain"],
+          "results": [r for v in runs.values() for r in v]}, args.out)
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()

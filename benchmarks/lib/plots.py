@@ -437,7 +437,25 @@ def plot_int8_matmul(ax, data: dict) -> None:
     ax.legend(fontsize=7, title="N x K", title_fontsize=7)
 
 
+def plot_linear_prepack(ax, data: dict) -> None:
+    """GFLOP/s by rows M, the mean over a model's matmuls: weights reordered for oneDNN (solid)
+    against F.linear on plain weights (dashed), under the machine's measured GEMM peak."""
+    for i, model in enumerate(sorted({r["model"] for r in data["results"]})):
+        rows = [r for r in data["results"] if r["model"] == model]
+        ms = sorted({r["m"] for r in rows})
+        for key, style in (("packed_gflops", "o-"), ("plain_gflops", "s--")):
+            mean = [sum(r[key] for r in rows if r["m"] == m) / sum(1 for r in rows if r["m"] == m) for m in ms]
+            ax.plot(ms, mean, style, color=f"C{i}", label=f"{model}, {'reordered' if key == 'packed_gflops' else 'F.linear'}")
+    ax.axhline(data["peak_gflops"], color="gray", lw=0.8, ls=":", label=f"GEMM peak {data['peak_gflops']:.0f}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows M")
+    ax.set_ylabel(f"{data.get('dtype', '')} GFLOP/s (mean of matmuls)")
+    ax.legend(fontsize=7)
+
+
 PLOTTERS: list[Plotter] = [
+    (lambda d: "peak_gflops" in d and isinstance(d.get("results"), list), plot_linear_prepack,
+     "Matmuls on weights reordered for oneDNN", False),
     (lambda d: "int8_dot" in d and isinstance(d.get("results"), list), plot_int8_matmul,
      "W8A8's integer matmul without int8 dot products", False),
     (lambda d: any(d.get(key) for key, _ in MEMORY_PANELS), plot_memory,

@@ -10,7 +10,6 @@ the niced one.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 
 from pagedllm.bench.provenance import provenance
@@ -19,11 +18,8 @@ from pagedllm.bench.workloads import sharegpt_truncated
 
 
 def run(reqs, adapt: bool) -> dict:
-    os.environ["PAGEDLLM_ADAPT_THREADS"] = "1" if adapt else "0"
-    try:
-        r = in_own_process(run_engine, reqs, {"dtype": "bfloat16", "max_model_len": 2048}, use_tqdm=False)
-    finally:
-        os.environ.pop("PAGEDLLM_ADAPT_THREADS", None)
+    r = in_own_process(run_engine, reqs, {"dtype": "bfloat16", "max_model_len": 2048}, use_tqdm=False,
+                       env={"PAGEDLLM_ADAPT_THREADS": "1" if adapt else "0"})
     r.pop("steps")
     return r
 

@@ -7,7 +7,6 @@ a fresh process on the same ShareGPT requests; the ratio of the medians.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 
 from pagedllm.bench.throughput import in_own_process, run_engine, save
@@ -28,8 +27,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {"plain": [], "reordered": []}
     for _ in range(args.rounds):
         for name, env in (("plain", "0"), ("reordered", "1")):
-            os.environ["PAGEDLLM_PREPACK"] = env  # the spawned engine process reads it at load
-            r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name} weights", use_tqdm=False)
+            r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name} weights", use_tqdm=False,
+                               env={"PAGEDLLM_PREPACK": env})
             runs[name].append(r)
             print(f"{r['engine']:<32}{r['output_tok_s']:8.1f} output tok/s warm, "
                   f"{r['cold']['output_tok_s']:8.1f} cold")

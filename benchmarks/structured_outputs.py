@@ -94,7 +94,7 @@ def run_vllm(prompts: list[list[int]], python: Path, reserved: str | None) -> di
         json.dump(spec, f)
     # reserved "0": both cores for vLLM's model as for ours; None: vLLM's default, which on
     # this 2-CPU machine reserves one for its front-end process (its log: core ids=[0]).
-    env = _env(2 << 30) if reserved is None else {**_env(2 << 30), "VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
+    env = _env(2 << 30, None if reserved is None else int(reserved))
     try:
         p = subprocess.run([str(python), str(worker), f.name], capture_output=True, text=True, timeout=3600, env=env)
     finally:

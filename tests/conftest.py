@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -98,8 +99,6 @@ class BackgroundRun:
 
     def wait(self, timeout: float = 900) -> tuple[int, str, Path]:
         """(exit code, output, folder), started here if no worker started it."""
-        import time
-
         self.start()
         done = self.dir / "exit_code"
         deadline = time.monotonic() + timeout
@@ -133,14 +132,15 @@ def has_avx512() -> bool:
 # the AVX2-only tests check it, and no second copy is compiled.
 AVX2_SEPARATE = platform.machine() == "x86_64" and has_avx512()
 
+# The AVX2-only copy's build: -march=x86-64-v3, head dim 64 only (the one its check runs; the
+# attention kernel's instantiations per head dim are most of the compile: 2 CPU-minutes, not 5).
+AVX2_ENV = {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_KERNEL_HEAD_DIMS": "64"}
+
 AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
-    # The AVX2-only (-march=x86-64-v3) copy of the CPU kernels, in a cache of its own; the tests of
-    # CPUs without AVX-512 load and check it in processes of their own. Built for head dim 64
-    # only, the one its check runs: 2 CPU-minutes instead of 5 (the attention kernel's
-    # instantiations per head dim are most of the compile).
+    # The AVX2-only copy of the CPU kernels, in a cache of its own; the tests of CPUs without
+    # AVX-512 load and check it in processes of their own.
     BackgroundRun("avx2_kernel_cache", [sys.executable, "-c", "from pagedllm.kernels import load_ops; load_ops()"],
-                  {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": "{dir}", "PAGEDLLM_KERNEL_HEAD_DIMS": "64"},
-                  AVX2_SEPARATE),
+                  {**AVX2_ENV, "PAGEDLLM_CACHE": "{dir}"}, AVX2_SEPARATE),
     # The Triton kernels compiled for sm_80 and sm_90 by Triton's own compiler and ptxas.
     BackgroundRun("triton_compile_check", [sys.executable, str(ROOT / "scripts" / "triton_compile_check.py"),
                                            "--quick", "--json", "{dir}/kernels.json"], {},
@@ -169,8 +169,7 @@ def avx2_kernel_cache() -> dict[str, str]:
     which is that code already."""
     if not AVX2_SEPARATE:
         return {}
-    return {"PAGEDLLM_CPU_ARCH": "x86-64-v3", "PAGEDLLM_CACHE": str(AVX2_KERNELS.wait()[2]),
-            "PAGEDLLM_KERNEL_HEAD_DIMS": "64"}
+    return {**AVX2_ENV, "PAGEDLLM_CACHE": str(AVX2_KERNELS.wait()[2])}
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from pagedllm.config import EngineConfig
 from pagedllm.loader import default_gguf_path, resolve_model_dir
 from .baselines import (hf_generate, hf_generate_batch, llama_cpp_available, llama_cpp_batched,
                         llama_cpp_sequential)
@@ -43,20 +44,18 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
         else:
             logger.info("%-48s skipped: %s", r["engine"], r.get("skipped"))
 
-    def own(name: str, fn, *args, **kw) -> None:
+    def peer(name: str, fn, *args, **kw) -> None:
+        """fn's results (a list of runs) added; its failure added as a skip."""
         try:
-            add(in_own_process(fn, *args, **kw))
+            for r in fn(*args, **kw):
+                add(r)
         except Exception as e:  # one baseline failing must not lose the others' figures
             logger.exception("%s failed", name)
             add({"engine": name, "skipped": f"failed: {type(e).__name__}: {e}"})
 
-    def peer(name: str, fn, *args, **kw) -> None:
-        try:
-            for r in fn(*args, **kw):
-                add(r)
-        except Exception as e:  # as own(): the other engines' figures stand
-            logger.exception("%s failed", name)
-            add({"engine": name, "skipped": f"failed: {type(e).__name__}: {e}"})
+    def own(name: str, fn, *args, **kw) -> None:
+        """fn's one run, in a fresh process of its own."""
+        peer(name, lambda: [in_own_process(fn, *args, **kw)])
 
     model_dir = resolve_model_dir(engine_kwargs.get("model"))
     dtype = engine_kwargs.get("dtype", "bfloat16")
@@ -65,6 +64,7 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
     ov_python, ov_why = (None, None) if {"openvino", "openvino-u8"} <= skip else \
         openvino_python(openvino_venv, create=setup_openvino)
     kv_dtype = engine_kwargs.get("kv_cache_dtype", "auto")
+    cfg = EngineConfig(**engine_kwargs)  # the batch limits ours runs with, for OpenVINO's scheduler too
     for round_no in range(1, rounds + 1):
         if "pagedllm" not in skip:
             own("pagedllm", run_engine, reqs, engine_kwargs, label="pagedllm", use_tqdm=False, passes=passes)
@@ -88,8 +88,7 @@ def run_compare(reqs, workload: str, engine_kwargs: dict, hf_batch_sizes: list[i
                 skip = skip | {"openvino", "openvino-u8"}
                 continue
             peer(f"openvino-genai ({kv} KV)", run_openvino_offline, reqs, model_dir, ov_python,
-                 _kv_bytes(engine_kwargs), engine_kwargs.get("max_num_batched_tokens") or 2048,
-                 engine_kwargs.get("max_num_seqs") or 256, kv=kv,
+                 _kv_bytes(engine_kwargs), cfg.max_num_batched_tokens, cfg.max_num_seqs, kv=kv,
                  inference_precision="bf16" if dtype == "bfloat16" else "f32")
     round_no = 1
     if "variants" not in skip:
@@ -123,7 +122,6 @@ def _kv_bytes(engine_kwargs: dict) -> int:
     """Our KV budget, handed to vLLM too (VLLM_CPU_KVCACHE_SPACE)."""
     import torch
 
-    from pagedllm.config import EngineConfig
     from pagedllm.runtime.kv_cache import kv_budget
 
     return kv_budget(EngineConfig(**engine_kwargs), torch.device("cpu"))

@@ -59,14 +59,23 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     }
 
 
-def in_own_process(fn, *args, **kwargs):
+def in_own_process(fn, *args, env: dict[str, str] | None = None, **kwargs):
     """fn(*args, **kwargs) in a fresh process (spawned, not forked): every engine of a
-    comparison starts cold, with its own oneDNN kernel cache and thread pool."""
+    comparison starts cold, with its own oneDNN kernel cache and thread pool. env: variables
+    set in that process before fn runs (engine knobs read at load: PAGEDLLM_PREPACK, ...),
+    not in this one."""
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn")) as ex:
+    with ProcessPoolExecutor(max_workers=1, mp_context=mp.get_context("spawn"),
+                             initializer=_set_env, initargs=(env or {},)) as ex:
         return ex.submit(fn, *args, **kwargs).result()
+
+
+def _set_env(env: dict[str, str]) -> None:
+    import os
+
+    os.environ.update(env)
 
 
 def print_throughput(r: dict) -> None:

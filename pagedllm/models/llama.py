@@ -17,7 +17,7 @@ from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
-from .prepack import packed_linear, prepack_linears
+from .prepack import packed_linear, prepack_linears, prepack_wanted
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
@@ -234,7 +234,10 @@ class LlamaForCausalLM(nn.Module):
         """Reorders the float matmuls' weights for oneDNN (prepack.py), once the weights are loaded,
         in their dtype, quantized and made batch-invariant (whose row tiles then run on them).
         A tied LM head's weight stays plain too: the embedding looks its rows up in it.
-        Returns how many were reordered."""
+        Returns how many were reordered: none where the weights are not on a CPU oneDNN takes
+        them on, or with PAGEDLLM_PREPACK=0."""
+        if not prepack_wanted():
+            return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
         self.ops.packed = n > 0
         return n

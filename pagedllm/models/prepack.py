@@ -3,9 +3,9 @@
 `F.linear` hands oneDNN a plain [out, in] weight on every call, and oneDNN reorders it into
 the blocked layout its kernels read before it multiplies: at decode batch sizes that reorder
 costs as much as the matmul. Reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`,
-what torch's own compiler does for frozen CPU graphs) the same products run 1.05-1.3x faster
-at 32-256 rows and 1.4-2.5x at 1-8, bf16 and fp32 alike (benchmarks/linear_prepack.py on
-SmolLM2's and TinyLlama's shapes; BENCHMARKS.md). The results are the same numbers: the
+what torch's own compiler does for frozen CPU graphs) the same products run 1.26-3.2x faster
+at one row, 1.14-1.3x at 32 and 1.01-1.16x at 96-256 in bf16, more in fp32
+(benchmarks/linear_prepack.py on SmolLM2's and TinyLlama's shapes; BENCHMARKS.md §30). The results are the same numbers: the
 reordered weight holds the same values, only where they lie in memory differs.
 
 The plain weight is then dropped (a layer keeps one copy), except where it is shared with

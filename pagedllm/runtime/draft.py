@@ -20,7 +20,6 @@ from ..distributed import TPGroup
 from ..kv.block_table import RELEASED
 from ..loader import load_config
 from ..models import ModelConfig
-from ..models.prepack import prepack_wanted
 from .build import build_model
 from .kv_cache import allocate_layers, copy_blocks
 from .spec_decode import Proposal
@@ -34,8 +33,7 @@ class DraftRunner:
         self.cfg = ModelConfig.from_hf(load_config(model_dir))
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype)
-        if device.type == "cpu" and prepack_wanted():
-            self.model.prepack()  # drafts run at a few rows a step, where reordered weights gain most
+        self.model.prepack()  # drafts run at a few rows a step, where reordered weights gain most
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len
         self.bytes_per_token = self.cfg.kv_bytes_per_token(backend.kv_dtype_of(dtype))

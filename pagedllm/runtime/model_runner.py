@@ -21,7 +21,6 @@ from ..kv.groups import merged
 from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
-from ..models.prepack import prepack_wanted
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
 from .build import build_model
@@ -211,7 +210,7 @@ class ModelRunner:
                 logger.info("quantized: %s", done)
         # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
-        packed = model.prepack() if self.device.type == "cpu" and prepack_wanted() else 0
+        packed = model.prepack()
         self.model = model
         log = logger.info if tp.is_driver else logger.debug
         log("model loaded in %.1f s (%s, %s, %s attention%s%s)", time.perf_counter() - t0, self.dtype, self.device,

@@ -4,6 +4,10 @@ a share of free RAM. The CUDA arithmetic is checked with the device's memory fig
 stubbed, since this machine has no GPU."""
 from __future__ import annotations
 
+import gc
+import os
+import sys
+
 import pytest
 import torch
 
@@ -82,3 +86,28 @@ def test_pool_is_advised_to_huge_pages_unless_turned_off(monkeypatch, wanted):
         assert pool.abs().sum().item() == 0
         assert _advised(pool, "hg") == (wanted == "1") and _advised(pool, "nh") == (wanted == "0")
         del pool
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_pool_costs_memory_only_where_blocks_are_written():
+    """A CPU pool is zeroed by the kernel page by page at first touch, not written whole at
+    start-up: a 256 MiB pool holds no RAM until written, the pages written are held, reading
+    untouched ones gives zeros, and the memory goes back when the pool does."""
+    before = _rss()
+    pool = kv_cache.allocate_pool((64, 2**20), torch.float32, torch.device("cpu"))   # 64 blocks of 4 MiB
+    assert _rss() - before < 16 * 2**20, "allocating the pool wrote it"
+    pool[:16] = 1.0
+    assert _rss() - before >= 60 * 2**20, "a written quarter of the pool holds no memory"
+    assert pool[16:].abs().max().item() == 0 and pool[:16].min().item() == 1
+    view = pool[20]
+    del pool
+    gc.collect()
+    assert _rss() - before >= 60 * 2**20, "a view of the pool lost the memory under it"
+    del view
+    gc.collect()
+    assert _rss() - before < 16 * 2**20, "the pool's memory was not given back"

@@ -4,7 +4,9 @@ a bad constraint fails alone with a message naming it."""
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 
 import jsonschema
 import pytest
@@ -243,13 +245,17 @@ def test_a_compile_past_its_deadline_is_killed_and_cached_as_failed(llm):
     from pagedllm.structured import GrammarCompiler
 
     engine = llm.engine
-    slow = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids, timeout=0.005)
+    slow = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids, timeout=0.05)
+    # 1000 random 58-character values (62 KB, under the size limit): about 1 s to compile here,
+    # 20x the deadline. ("value-0".."value-999" compiled in 5 to 14 ms, and beat a 5 ms deadline
+    # on a quiet machine.)
+    rng = random.Random(0)
+    values = ["".join(rng.choice(string.ascii_letters + string.digits + " ") for _ in range(58)) for _ in range(1000)]
     try:
-        so = StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(1000)]})
-        with pytest.raises(ValueError, match="took more than 0.005 s"):
-            slow.compile(so)
+        with pytest.raises(ValueError, match="took more than 0.05 s"):
+            slow.compile(StructuredOutputsParams(json={"enum": values}))
         with pytest.raises(ValueError, match="took more than"):  # cached: refused at once
-            slow.compile(StructuredOutputsParams(json={"enum": [f"value-{i}" for i in range(1000)]}))
+            slow.compile(StructuredOutputsParams(json={"enum": list(values)}))
         stats = slow.snapshot()
         assert stats.failures == 1 and stats.cache_hits == 1
         slow.timeout = 60.0  # a new worker compiles the next job

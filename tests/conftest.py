@@ -29,6 +29,9 @@ if WORKER:
 # pool cost seconds of system time per engine (minutes over the suite). The advice itself is
 # checked in tests/unit/test_kv_budget.py.
 os.environ["PAGEDLLM_HUGE_PAGES"] = "0"
+# Nor are the pools faulted in whole at start-up: an engine here writes a few blocks of a
+# 256-512 MiB pool and is gone (tests/unit/test_kv_budget.py checks both ways).
+os.environ["PAGEDLLM_KV_POPULATE"] = "0"
 
 
 def _ci() -> bool:

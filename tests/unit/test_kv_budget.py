@@ -94,13 +94,23 @@ def _rss() -> int:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_pool_costs_memory_only_where_blocks_are_written():
-    """A CPU pool is zeroed by the kernel page by page at first touch, not written whole at
-    start-up: a 256 MiB pool holds no RAM until written, the pages written are held, reading
-    untouched ones gives zeros, and the memory goes back when the pool does."""
+def test_pool_is_faulted_in_at_start_up_unless_left_lazy(monkeypatch):
+    """A CPU pool is memory the kernel zeroes page by page. By default it is all faulted in at
+    start-up; with PAGEDLLM_KV_POPULATE=0 (the test suite's setting) a 256 MiB pool holds no RAM
+    until written, the pages written are held, reading untouched ones gives zeros, and the
+    memory goes back when the last view of the pool does."""
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
     before = _rss()
+    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "1")
     pool = kv_cache.allocate_pool((64, 2**20), torch.float32, torch.device("cpu"))   # 64 blocks of 4 MiB
-    assert _rss() - before < 16 * 2**20, "allocating the pool wrote it"
+    assert _rss() - before >= 250 * 2**20, "the pool was not faulted in at start-up"
+    assert pool.abs().max().item() == 0
+    del pool
+    gc.collect()
+    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "0")
+    before = _rss()
+    pool = kv_cache.allocate_pool((64, 2**20), torch.float32, torch.device("cpu"))
+    assert _rss() - before < 16 * 2**20, "allocating the lazy pool wrote it"
     pool[:16] = 1.0
     assert _rss() - before >= 60 * 2**20, "a written quarter of the pool holds no memory"
     assert pool[16:].abs().max().item() == 0 and pool[:16].min().item() == 1

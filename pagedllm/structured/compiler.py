@@ -24,8 +24,8 @@ from typing import Any
 
 from ..sampling_params import StructuredOutputsParams
 from .spec import GrammarSpec, grammar_spec
+from .compiling import compile_spec, error_message
 from .frames import read_frame, write_frame
-from .worker import compile_spec, error_message
 
 logger = logging.getLogger(__name__)
 

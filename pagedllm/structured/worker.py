@@ -14,6 +14,7 @@ from __future__ import annotations
 import sys
 import time
 
+from .compiling import compile_spec, error_message
 from .frames import read_frame, write_frame
 
 # A compile may use this much memory beyond what the process holds after its imports.
@@ -23,29 +24,6 @@ MEMORY_LIMIT = 4 << 30
 # costs less than the JSON's round trip. Longer ones cross as JSON: the engine never spends
 # more than this on a tenant's grammar.
 REBUILD_SECONDS = 0.1
-
-
-def compile_spec(compiler, kind: str, text: str, any_whitespace: bool):
-    """The xgrammar compile of one job (the kinds of spec.GrammarSpec)."""
-    if kind == "json":
-        return compiler.compile_json_schema(text, any_whitespace=any_whitespace)
-    if kind == "json_object":  # any object: strict mode would forbid its properties
-        return compiler.compile_json_schema('{"type": "object"}', any_whitespace=any_whitespace, strict_mode=False)
-    if kind == "regex":
-        return compiler.compile_regex(text)
-    if kind == "grammar":
-        return compiler.compile_grammar(text)
-    raise ValueError(f"unknown grammar kind {kind!r}")
-
-
-def error_message(e: BaseException) -> str:
-    """xgrammar's message without its C++ source location prefix."""
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    if "] " in text and text.startswith("["):
-        text = text.split("] ", 1)[1]
-    if ".cc:" in text.split(": ", 1)[0]:
-        text = text.split(": ", 1)[1]
-    return text
 
 
 def main() -> None:

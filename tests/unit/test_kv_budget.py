@@ -121,3 +121,15 @@ def test_pool_is_faulted_in_at_start_up_unless_left_lazy(monkeypatch):
     del view
     gc.collect()
     assert _rss() - before < 16 * 2**20, "the pool's memory was not given back"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_pools_are_faulted_in_together(monkeypatch):
+    """An engine's pools (a K and a V per layer) are faulted in on a few threads at once."""
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "0")
+    pools = [kv_cache.allocate_pool((16, 2**20), torch.float32, torch.device("cpu")) for _ in range(4)]  # 4 x 64 MiB
+    before = _rss()
+    kv_cache.populate_all(pools)
+    assert _rss() - before >= 250 * 2**20, "the pools were not faulted in"
+    assert all(p.abs().max().item() == 0 for p in pools)

@@ -11,6 +11,7 @@ import logging
 import math
 import mmap
 import os
+import sys
 from typing import Callable
 
 import torch
@@ -62,29 +63,41 @@ def kv_budget(cfg: EngineConfig, device: torch.device, profile: Callable[[], int
     return min(_CPU_DEFAULT_CAP, available_ram() // 4)
 
 
-def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                  populate: bool | None = None) -> torch.Tensor:
-    """A zeroed pool. Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN
+def allocate_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """One zeroed pool (allocate_pools)."""
+    return allocate_pools([shape], dtype, device)[0]
+
+
+def allocate_pools(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """Zeroed pools. Zeroed, not empty: attention masks padded slots to weight 0, but 0 * NaN
     from uninitialised memory would still poison the output.
 
-    On CPU, a private anonymous mapping of its own, which the kernel hands out zeroed (no pool
-    reuses another's freed memory). Its pages are asked to be 2 MiB huge pages before first
+    On CPU, each a private anonymous mapping of its own, which the kernel hands out zeroed (no
+    pool reuses another's freed memory). Its pages are asked to be 2 MiB huge pages before first
     touch: blocks are read in table order, all over the pool, and 4 KiB pages then cost a TLB
-    miss per block (decode attention measured 1.2-1.4x faster with huge pages). Then it is
-    faulted in whole, at start-up (see populate_wanted), unless `populate` is False: the
-    caller's to do (populate_all, for many pools at once)."""
+    miss per block (decode attention measured 1.2-1.4x faster with huge pages). Then they are
+    faulted in, all at once, at start-up (see populate_wanted)."""
+    if device.type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
+    pools = [_mapped(shape, dtype) for shape in shapes]
+    if populate_wanted():
+        populate_all(pools)
+    return pools
+
+
+def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * dtype.itemsize
-    if device.type != "cpu" or nbytes == 0:
-        return torch.zeros(shape, dtype=dtype, device=device)
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
     # A 2 MiB-aligned start, so that every huge page of the pool lies wholly inside it.
     buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    start = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    offset = -start % _HUGE
+    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % _HUGE
     # frombuffer holds a reference to the mapping: it is unmapped when the last view of it goes.
     t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
-    _advise_huge_pages(t, huge_pages_wanted())
-    if populate_wanted() if populate is None else populate:
-        _populate(t)
+    start, end = t.data_ptr(), t.data_ptr() + nbytes
+    # MADV_HUGEPAGE, or MADV_NOHUGEPAGE when they are not wanted: "not asked for" is not enough,
+    # since with transparent huge pages set to "always" the kernel would still compact for them.
+    _madvise(cdiv(start, _HUGE) * _HUGE, end // _HUGE * _HUGE, 14 if huge_pages_wanted() else 15)
     return t
 
 
@@ -112,18 +125,19 @@ def populate_wanted() -> bool:
 def _populate(t: torch.Tensor) -> None:
     """Faults every page of t in: MADV_POPULATE_WRITE (Linux 5.14) in one call, the kernel
     zeroing each page once; elsewhere a write of zeros over it."""
-    import sys
+    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
+    if not _madvise(start, t.data_ptr() + t.numel() * t.element_size(), 23):  # MADV_POPULATE_WRITE
+        t.zero_()
 
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-            length = t.data_ptr() + t.numel() * t.element_size() - start
-            if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), 23) == 0:  # MADV_POPULATE_WRITE
-                return
-        except (OSError, AttributeError):
-            pass
-    t.zero_()
+
+def _madvise(start: int, end: int, advice: int) -> bool:
+    """madvise over [start, end) (page-aligned start); False where it failed or is not Linux."""
+    if end <= start or not sys.platform.startswith("linux"):
+        return False
+    try:
+        return ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def huge_pages_wanted() -> bool:
@@ -133,24 +147,6 @@ def huge_pages_wanted() -> bool:
     short-lived engine never wins back (measured: a 256 MiB pool's first touch 0.05 s without, up
     to 5 s with; a default 2 GiB pool 9.3 s with, on a machine up for five hours)."""
     return os.environ.get("PAGEDLLM_HUGE_PAGES", "1").strip() != "0"
-
-
-def _advise_huge_pages(t: torch.Tensor, huge_pages: bool) -> None:
-    """MADV_HUGEPAGE, or MADV_NOHUGEPAGE when they are not wanted: "not asked for" is not
-    enough, since with transparent huge pages set to "always" the kernel would still compact
-    for them at first touch."""
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    start = cdiv(t.data_ptr(), _HUGE) * _HUGE
-    end = (t.data_ptr() + t.numel() * t.element_size()) // _HUGE * _HUGE
-    if end > start:
-        try:
-            advice = 14 if huge_pages else 15  # MADV_HUGEPAGE, MADV_NOHUGEPAGE
-            ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)
-        except (OSError, AttributeError):
-            pass  # advice only
 
 
 class KVCache:
@@ -205,13 +201,8 @@ def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: to
                     num_slots: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A (K, V) pool of num_blocks blocks per layer slot (default: per layer of `mc`), in the backend's layout."""
     k_shape, v_shape = cache_shapes(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
-    together = device.type == "cpu" and populate_wanted()   # every pool faulted in below, at once
-    populate = False if together else None
-    layers = [(allocate_pool(k_shape, dtype, device, populate), allocate_pool(v_shape, dtype, device, populate))
-              for _ in range(mc.num_layers if num_slots is None else num_slots)]
-    if together:
-        populate_all([t for pair in layers for t in pair])
-    return layers
+    pools = allocate_pools([k_shape, v_shape] * (mc.num_layers if num_slots is None else num_slots), dtype, device)
+    return list(zip(pools[::2], pools[1::2]))
 
 
 def copy_blocks(layers: list[tuple[torch.Tensor, torch.Tensor]], pairs: list[tuple[int, int]]) -> None:

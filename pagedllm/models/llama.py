@@ -21,7 +21,7 @@ from .prepack import packed_linear, prepack_linears, prepack_wanted
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
-from .w8a8 import W8A8, w8a8_linear
+from .w8a8 import W8A8, pack_w8a8_linears, w8a8_linear
 from .w8a8 import quantize_linears as w8a8_linears
 
 logger = logging.getLogger(__name__)
@@ -231,8 +231,9 @@ class LlamaForCausalLM(nn.Module):
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
     def prepack(self) -> int:
-        """Reorders the float matmuls' weights for oneDNN (prepack.py), once the weights are loaded,
-        in their dtype, quantized and made batch-invariant (whose row tiles then run on them).
+        """Reorders the float matmuls' weights for oneDNN (prepack.py), and W8A8's int8 ones
+        (w8a8.py), once the weights are loaded, in their dtype, quantized and made
+        batch-invariant (whose row tiles then run on them).
         A tied LM head's weight stays plain too: the embedding looks its rows up in it.
         Returns how many were reordered: none where the weights are not on a CPU oneDNN takes
         them on, or with PAGEDLLM_PREPACK=0."""
@@ -240,7 +241,8 @@ class LlamaForCausalLM(nn.Module):
             return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
         self.ops.packed = n > 0
-        return n
+        # W8A8's int8 weights too; a tied head whose embedding was dropped keeps its rows to look up.
+        return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set())
 
     def quantize(self, method: str, gguf: GGUFBlocks | None = None,
                  maxima: dict[str, torch.Tensor] | None = None) -> str:

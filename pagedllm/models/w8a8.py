@@ -10,8 +10,14 @@ so the whole matmul is batch-invariant bit for bit. On a CPU with AVX512-VNNI an
 product runs at twice the bf16 rate (AMX-INT8 several times more), and the weights are
 half of bf16's bytes, which is what one request's decode streams.
 
-The matmul is torch._int_mm (oneDNN's int8 GEMM) where the CPU has int8 dot products (VNNI,
-AMX) or on a GPU. Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm
+The matmul is oneDNN's int8 GEMM where the CPU has int8 dot products (VNNI, AMX) or on a GPU:
+on a CPU on weights reordered once at load into oneDNN's blocked layout (`pack_w8a8`,
+onednn::qlinear_pointwise), as the float weights are (prepack.py), else torch._int_mm, which
+reorders the plain weight on every call: measured on the 2-core Zen 4 over TinyLlama-1.1B's
+shapes, the reordered weights run 2.2x at 8 rows, 2.0x at 32, 1.3x at 96-256, and 0.8-0.9x at
+one row (benchmarks/linear_prepack.py --dtype int8). VNNI multiplies unsigned activations by
+signed weights, so the reordered path takes each code plus 128 as uint8 with a zero point of
+128: oneDNN subtracts 128 * sum(w) in int32, and the sums are the same integers. Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm
 (measured on a Zen 3 EPYC, AVX2: 112 ms against 20 ms for 8 rows of the 576 x 49152 head), so
 there the same integer sums go through sgemm in float32, exactly (int_matmul). The kernels
 (kernels/csrc/w8a8.cpp) quantize the rows in one pass and scale the int32 sums into the output dtype with the bias in
@@ -53,14 +59,59 @@ def set_w8a8(layer: nn.Linear, dtype: torch.dtype) -> None:
     layer.weight = None
 
 
-def quantize_rows(x: torch.Tensor, kernels=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8 rows and fp32 scales [M]: symmetric per row (per token)."""
+def quantize_rows(x: torch.Tensor, kernels=None, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 rows and fp32 scales [M]: symmetric per row (per token). offset: the same codes
+    plus 128, as uint8 (what the reordered weights' kernels take)."""
     if kernels is not None and x.dtype in (torch.bfloat16, torch.float32) and x.shape[1] % 16 == 0:
-        q = torch.empty(x.shape, dtype=torch.int8)
+        q = torch.empty(x.shape, dtype=torch.uint8 if offset else torch.int8)
         s = torch.empty(x.shape[0], dtype=torch.float32)
-        kernels.quantize_rows_int8(q, s, x)
+        (kernels.quantize_rows_u8 if offset else kernels.quantize_rows_int8)(q, s, x)
         return q, s
-    return _symmetric_rows(x)
+    q, s = _symmetric_rows(x)
+    return ((q.to(torch.int16) + ZERO_POINT).to(torch.uint8) if offset else q), s
+
+
+ZERO_POINT = 128  # of the uint8 activations the reordered weights' kernels take
+# Smaller int8 weights stay plain: onednn::qlinear_pointwise costs ~20 us a call before it
+# multiplies (torch._int_mm ~2 us), and reordering a weight of a few hundred KiB on each call
+# costs less than that (SmolLM2's 576-wide layers: the reordered path 0.5x at one row, level
+# at 8-256 rows; its 28M-weight LM head 1.4x at one row, 1.65x at 8).
+PACK_MIN_WEIGHTS = 4 << 20
+
+
+def can_pack_w8a8() -> bool:
+    """oneDNN's int8 kernels on reordered weights: where the CPU has int8 dot products."""
+    return torch.backends.mkldnn.is_available() and cpu_has_int8_dot() and \
+        hasattr(torch.ops.onednn, "qlinear_prepack")
+
+
+@lru_cache(maxsize=64)
+def _unit_scales(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # The reordered matmul applies no scale (ones) and no weight zero point: it returns the float
+    # of each int32 sum, and scale_float applies the per-token and per-channel scales as scale_int32 does.
+    return torch.ones(n), torch.zeros(n, dtype=torch.long)
+
+
+def pack_w8a8(layer: nn.Linear, keep_plain: bool = False) -> None:
+    """Reorder a W8A8 layer's int8 weight once for oneDNN (`layer.wq_packed`); the plain
+    copy goes unless keep_plain (a tied LM head: the embedding looks its rows up in it)."""
+    layer.wq_packed = torch.ops.onednn.qlinear_prepack(layer.wq, None)
+    if not keep_plain:
+        layer.wq = None
+
+
+def pack_w8a8_linears(model: nn.Module, keep: set[int]) -> int:
+    """pack_w8a8 on every W8A8 layer (those whose id() is in `keep` keep their plain weight
+    too); how many. None where the CPU has no int8 dot products."""
+    if not can_pack_w8a8():
+        return 0
+    n = 0
+    for mod in model.modules():
+        if getattr(mod, "qformat", None) == W8A8 and mod.wq is not None and mod.wq.device.type == "cpu" \
+                and mod.wq.numel() >= PACK_MIN_WEIGHTS and not hasattr(mod, "wq_packed"):
+            pack_w8a8(mod, keep_plain=id(mod) in keep)
+            n += 1
+    return n
 
 
 @lru_cache(maxsize=1)
@@ -100,13 +151,22 @@ def int_matmul(xq: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
     return torch._int_mm(xq, wq.t())
 
 
+def packed_int_matmul(xu: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
+    """float32 [M, N]: the float of each int32 sum of (xu - 128) [M, K] @ wq [N, K]^T, on the
+    reordered weight."""
+    ones, zeros = _unit_scales(layer.out_features)
+    return torch.ops.onednn.qlinear_pointwise(xu, 1.0, ZERO_POINT, layer.wq_packed, ones, zeros, None, 1.0, 0,
+                                              torch.float32, "none", [], "")
+
+
 def w8a8_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    xq, sx = quantize_rows(x2, kernels)
-    acc = int_matmul(xq, layer.wq)
+    packed = getattr(layer, "wq_packed", None) is not None and x2.device.type == "cpu"
+    xq, sx = quantize_rows(x2, kernels, offset=packed)
+    acc = packed_int_matmul(xq, layer) if packed else int_matmul(xq, layer.wq)
     if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32) and acc.shape[1] % 16 == 0:
         out = x2.new_empty(acc.shape)
-        kernels.scale_int32(out, acc, sx, layer.ws, layer.bias)
+        (kernels.scale_float if packed else kernels.scale_int32)(out, acc, sx, layer.ws, layer.bias)
     else:
         out = (acc.float() * sx[:, None] * layer.ws[None, :]).to(x2.dtype)
         if layer.bias is not None:

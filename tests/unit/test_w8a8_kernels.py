@@ -11,7 +11,17 @@ from torch import nn
 
 from pagedllm import LLM
 from pagedllm.kernels import load_ops
-from pagedllm.models.w8a8 import embed_rows, quantize_rows, quantize_weight, set_w8a8, w8a8_linear
+from pagedllm.models.w8a8 import (
+    can_pack_w8a8,
+    embed_rows,
+    pack_w8a8,
+    quantize_rows,
+    quantize_weight,
+    set_w8a8,
+    w8a8_linear,
+)
+
+needs_packing = pytest.mark.skipif(not can_pack_w8a8(), reason="oneDNN's reordered int8 path needs int8 dot products")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -23,6 +33,9 @@ def test_row_quantization_kernel_is_the_torch_expression(dtype):
     q, s = quantize_rows(x, load_ops())
     q_ref, s_ref = quantize_rows(x, None)
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+    for kernels in (load_ops(), None):  # the reordered path's uint8 codes: the same plus 128
+        u, su = quantize_rows(x, kernels, offset=True)
+        assert u.dtype == torch.uint8 and torch.equal(u.int() - 128, q.int()) and torch.equal(su, s)
     assert s[3] == 0 and not q[3].any() and q.abs().max() == 127
     assert ((q.float() * s[:, None] - x.float()).abs() <= s[:, None] / 2 + 1e-6).all()  # round to nearest
 
@@ -58,11 +71,51 @@ def test_w8a8_linear_is_the_float_product_of_its_int8_operands(dtype, bias):
     torch.testing.assert_close(rows.float()[0], (wq.float() * ws[:, None])[[3, 0]].to(dtype).float())
 
 
-def test_a_rows_result_is_the_same_alone_and_in_any_batch():
+@needs_packing
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_reordered_int8_weights_give_the_plain_paths_output_bit_for_bit(dtype, bias):
+    """oneDNN's kernels on the reordered weight (uint8 activations, zero point 128) sum the
+    same integers as torch._int_mm on the plain one, at the extremes too (every product
+    127 x 127 over K = 5632: sums past 2^24, which float32 rounds the same way on both paths)."""
+    g = torch.Generator().manual_seed(3)
+    k = 5632
+    layer = nn.Linear(k, 80, bias=bias).to(dtype)
+    set_w8a8(layer, dtype)
+    layer.wq[0], layer.wq[1] = 127, -127
+    plain = nn.Linear(k, 80, bias=bias).to(dtype)
+    set_w8a8(plain, dtype)
+    plain.wq.copy_(layer.wq), plain.ws.copy_(layer.ws)
+    if bias:
+        plain.bias = layer.bias
+    pack_w8a8(layer)
+    assert layer.wq is None and layer.wq_packed is not None
+    for m in (1, 3, 17, 64):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        x[0] = 1.0  # every code 127
+        for kernels in (load_ops(), None):
+            assert torch.equal(w8a8_linear(layer, x, kernels), w8a8_linear(plain, x, kernels)), (m, kernels)
+
+
+@needs_packing
+def test_a_packed_tied_head_keeps_its_rows_for_the_embedding():
+    layer = nn.Linear(64, 32, bias=False)
+    set_w8a8(layer, torch.float32)
+    want = embed_rows(layer, torch.tensor([5, 1]))
+    pack_w8a8(layer, keep_plain=True)
+    assert torch.equal(embed_rows(layer, torch.tensor([5, 1])), want)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_rows_result_is_the_same_alone_and_in_any_batch(packed):
     """Per-token scales and exact int32 sums: what batch-invariant mode needs, bit for bit."""
+    if packed and not can_pack_w8a8():
+        pytest.skip("oneDNN's reordered int8 path needs int8 dot products")
     g = torch.Generator().manual_seed(2)
     layer = nn.Linear(576, 1536, bias=False).to(torch.bfloat16)
     set_w8a8(layer, torch.bfloat16)
+    if packed:
+        pack_w8a8(layer)
     x = torch.randn(64, 576, generator=g).to(torch.bfloat16)
     ops = load_ops()
     full = w8a8_linear(layer, x, ops)

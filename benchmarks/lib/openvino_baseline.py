@@ -46,16 +46,23 @@ def _create(venv: Path) -> None:
                        f"openvino-tokenizers=={OPENVINO_VERSION}"])
 
 
-def exported_ir(python: Path, model_dir: Path) -> Path:
-    """The model's OpenVINO IR (fp32 weights), exported once by optimum-cli and cached
-    under the venv, keyed by the HF directory's name (which carries its content digest)."""
-    out = python.parents[1] / "ir" / Path(model_dir).name
+WEIGHT_FORMATS = ("fp32", "int8")  # optimum-cli's --weight-format: int8 is OpenVINO's weight compression
+
+
+def exported_ir(python: Path, model_dir: Path, weight_format: str = "fp32") -> Path:
+    """The model's OpenVINO IR (fp32 weights, or int8-compressed), exported once by optimum-cli
+    and cached under the venv, keyed by the HF directory's name (which carries its content
+    digest) and the weight format."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
+    name = Path(model_dir).name + ("" if weight_format == "fp32" else f"-{weight_format}")
+    out = python.parents[1] / "ir" / name
     if (out / "openvino_model.xml").is_file():
         return out
     cli = python.parent / "optimum-cli"
     logger.info("exporting %s to OpenVINO IR at %s", model_dir, out)
     p = subprocess.run([str(cli), "export", "openvino", "--model", str(model_dir), "--task", "text-generation-with-past",
-                        "--weight-format", "fp32", str(out)], capture_output=True, text=True, timeout=1800, check=False)
+                        "--weight-format", weight_format, str(out)], capture_output=True, text=True, timeout=1800, check=False)
     if p.returncode != 0 or not (out / "openvino_model.xml").is_file():
         raise RuntimeError(f"optimum-cli export openvino failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
     return out
@@ -63,14 +70,16 @@ def exported_ir(python: Path, model_dir: Path) -> Path:
 
 def run_openvino_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
                          max_num_batched_tokens: int, max_num_seqs: int, kv: str = "bf16",
-                         inference_precision: str = "bf16", timeout: int = 3600) -> list[dict]:
+                         inference_precision: str = "bf16", timeout: int = 3600,
+                         weight_format: str = "fp32") -> list[dict]:
     """OpenVINO GenAI's ContinuousBatchingPipeline on the same token ids, in its own process:
-    the cold pass (right after start-up) and the warm one. kv: "bf16", "u8" or "f32"."""
+    the cold pass (right after start-up) and the warm one. kv: "bf16", "u8" or "f32";
+    weight_format: the IR's weights, "fp32" or "int8" (its weight compression)."""
     if kv not in KV_PRECISIONS:
         raise ValueError(f"kv must be one of {sorted(KV_PRECISIONS)}, got {kv!r}")
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the OpenVINO baseline takes token-id prompts (the sharegpt and random workloads)")
-    spec = {"ir": str(exported_ir(python, model_dir)), "prompts": [list(r.prompt) for r in reqs],
+    spec = {"ir": str(exported_ir(python, model_dir, weight_format)), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "kv_cache_precision": KV_PRECISIONS[kv],
             "inference_precision": inference_precision, "cache_gb": max(1, round(kv_bytes / 2**30)),
             "max_num_batched_tokens": max_num_batched_tokens, "max_num_seqs": max_num_seqs}
@@ -80,10 +89,12 @@ def run_openvino_offline(reqs: list[BenchRequest], model_dir: Path, python: Path
     out = []
     for ps in res["passes"]:
         dt, n = ps["elapsed_s"], ps["output_tokens"]
-        out.append({"engine": f"openvino-genai {res['genai']} ({inference_precision}, {kv} KV, {ps['pass']})",
+        weights = "" if weight_format == "fp32" else f"{weight_format} weights, "
+        out.append({"engine": f"openvino-genai {res['genai']} ({weights}{inference_precision}, {kv} KV, {ps['pass']})",
                     "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
                     "output_tokens": n, "prompt_tokens": prompt_tok, "output_tok_s": n / dt,
                     "total_tok_s": (n + prompt_tok) / dt, "pass": ps["pass"], "startup_s": res["startup_s"],
                     "openvino": res["openvino"], "kv_cache_precision": kv,
-                    "inference_precision": inference_precision, "first_tokens": res["tokens"][:4]})
+                    "inference_precision": inference_precision, "weight_format": weight_format,
+                    "first_tokens": res["tokens"][:4]})
     return out

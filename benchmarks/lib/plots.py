@@ -14,7 +14,7 @@ from typing import Any
 # An engine family keeps its colour across plots, so "vLLM is orange" holds everywhere.
 OURS = "#1f77b4"
 FAMILY_COLOURS = [("reserve-max", "#8c564b"), ("pagedllm", OURS), ("vllm", "#ff7f0e"),
-                  ("hf-transformers", "#2ca02c"), ("llama.cpp", "#d62728")]
+                  ("hf-transformers", "#2ca02c"), ("llama.cpp", "#d62728"), ("openvino", "#9467bd")]
 OTHER_COLOUR = "#7f7f7f"
 
 

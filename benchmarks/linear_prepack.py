@@ -54,15 +54,15 @@ def measured(model: str, name: str, m: int, n: int, k: int, plain_s: float, pack
 
 def int8_layers(n: int, k: int) -> tuple:
     """A W8A8 layer on the plain int8 weight and one on the same weight reordered."""
+    import copy
+
     from torch import nn
 
     from pagedllm.models.w8a8 import pack_w8a8, set_w8a8
 
     plain = nn.Linear(k, n, bias=False).to(torch.bfloat16)
     set_w8a8(plain, torch.bfloat16)
-    reordered = nn.Linear(k, n, bias=False).to(torch.bfloat16)
-    set_w8a8(reordered, torch.bfloat16)
-    reordered.wq.copy_(plain.wq), reordered.ws.copy_(plain.ws)
+    reordered = copy.deepcopy(plain)
     pack_w8a8(reordered)
     return plain, reordered
 

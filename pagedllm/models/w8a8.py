@@ -10,18 +10,23 @@ so the whole matmul is batch-invariant bit for bit. On a CPU with AVX512-VNNI an
 product runs at twice the bf16 rate (AMX-INT8 several times more), and the weights are
 half of bf16's bytes, which is what one request's decode streams.
 
-The matmul is oneDNN's int8 GEMM where the CPU has int8 dot products (VNNI, AMX) or on a GPU:
-on a CPU on weights reordered once at load into oneDNN's blocked layout (`pack_w8a8`,
-onednn::qlinear_pointwise), as the float weights are (prepack.py), else torch._int_mm, which
-reorders the plain weight on every call: measured on the 2-core Zen 4 over TinyLlama-1.1B's
-shapes, the reordered weights run 2.2x at 8 rows, 2.0x at 32, 1.3x at 96-256, and 0.8-0.9x at
-one row (benchmarks/linear_prepack.py --dtype int8). VNNI multiplies unsigned activations by
-signed weights, so the reordered path takes each code plus 128 as uint8 with a zero point of
-128: oneDNN subtracts 128 * sum(w) in int32, and the sums are the same integers. Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm
-(measured on a Zen 3 EPYC, AVX2: 112 ms against 20 ms for 8 rows of the 576 x 49152 head), so
-there the same integer sums go through sgemm in float32, exactly (int_matmul). The kernels
-(kernels/csrc/w8a8.cpp) quantize the rows in one pass and scale the int32 sums into the output dtype with the bias in
-another. Without the kernels the same steps run as torch expressions.
+The matmul is oneDNN's int8 GEMM where the CPU has int8 dot products (VNNI, AMX) or on a GPU.
+Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm (measured on a Zen 3 EPYC,
+AVX2: 112 ms against 20 ms for 8 rows of the 576 x 49152 head), so there the same integer sums
+go through sgemm in float32, exactly (int_matmul).
+
+On a CPU, weights of 4M entries and more are reordered once at load into oneDNN's blocked
+layout (`pack_w8a8`, onednn::qlinear_pointwise), as the float weights are (prepack.py);
+torch._int_mm reorders the plain weight on every call. Measured on the 2-core Zen 4 over
+TinyLlama-1.1B's shapes (benchmarks/linear_prepack.py --dtype int8), the reordered weights run
+1.7-3.3x at 8 rows, 1.35-1.9x at 32, 1.05-1.37x at 96-256, and 0.7-1.6x at one row. VNNI
+multiplies unsigned activations by signed weights, so the reordered path takes each code plus
+128 as uint8 with a zero point of 128: oneDNN subtracts 128 * sum(w) in int32, and the sums
+are the same integers.
+
+The kernels (kernels/csrc/w8a8.cpp) quantize the rows in one pass and scale the sums into the
+output dtype with the bias in another. Without the kernels the same steps run as torch
+expressions.
 """
 from __future__ import annotations
 
@@ -59,6 +64,9 @@ def set_w8a8(layer: nn.Linear, dtype: torch.dtype) -> None:
     layer.weight = None
 
 
+ZERO_POINT = 128  # of the uint8 activations the reordered weights' kernels take
+
+
 def quantize_rows(x: torch.Tensor, kernels=None, offset: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 rows and fp32 scales [M]: symmetric per row (per token). offset: the same codes
     plus 128, as uint8 (what the reordered weights' kernels take)."""
@@ -71,7 +79,6 @@ def quantize_rows(x: torch.Tensor, kernels=None, offset: bool = False) -> tuple[
     return ((q.to(torch.int16) + ZERO_POINT).to(torch.uint8) if offset else q), s
 
 
-ZERO_POINT = 128  # of the uint8 activations the reordered weights' kernels take
 # Smaller int8 weights stay plain: onednn::qlinear_pointwise costs ~20 us a call before it
 # multiplies (torch._int_mm ~2 us), and reordering a weight of a few hundred KiB on each call
 # costs less than that (SmolLM2's 576-wide layers: the reordered path 0.5x at one row, level
@@ -161,7 +168,7 @@ def packed_int_matmul(xu: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 def w8a8_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    packed = getattr(layer, "wq_packed", None) is not None and x2.device.type == "cpu"
+    packed = getattr(layer, "wq_packed", None) is not None  # only ever set on a CPU layer
     xq, sx = quantize_rows(x2, kernels, offset=packed)
     acc = packed_int_matmul(xq, layer) if packed else int_matmul(xq, layer.wq)
     if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32) and acc.shape[1] % 16 == 0:

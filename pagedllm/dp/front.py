@@ -81,7 +81,8 @@ class DataParallelEngine:
         # the tokenizer and model config load while the replicas load their weights.
         model_dir = resolve_model_dir(cfg.model)
         model_cfg = ModelConfig.from_hf(load_config(model_dir))
-        tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer))
+        tokenizer = load_tokenizer(model_dir if cfg.tokenizer is None else resolve_model_dir(cfg.tokenizer),
+                                   cfg.chat_template)
         for r in self.replicas:
             self._spawn(r)
         try:
@@ -90,7 +91,7 @@ class DataParallelEngine:
             self.shutdown()
             raise
         self.info = _front_info(cfg, model_dir, model_cfg, tokenizer, infos)
-        self.grammars = GrammarCompiler(tokenizer, model_cfg.vocab_size, _eos_ids(model_cfg, tokenizer),
+        self.grammars = GrammarCompiler(tokenizer, model_cfg.vocab_size, model_cfg.stop_ids(tokenizer),
                                         timeout=cfg.grammar_compile_timeout)
         # A record larger than a replica's pool would remember blocks the replica has reused.
         self.router = Router(n, cfg.router_policy, cfg.block_size,
@@ -357,14 +358,6 @@ def _put(commands: mp.Queue, cmd: tuple) -> None:
         commands.put(cmd)
     except (ValueError, OSError):
         pass
-
-
-def _eos_ids(model_cfg: ModelConfig, tokenizer) -> set[int]:
-    """The tokens that end an output, as the replicas' engines take them."""
-    ids = set(model_cfg.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return ids
 
 
 def _front_info(cfg: EngineConfig, model_dir, model_cfg: ModelConfig, tokenizer,

@@ -60,7 +60,7 @@ class LLMEngine:
         else:
             self.model_dir = self.tokenizer_dir = model_dir = Path(cfg.model or ".")
         self.model_cfg = model_cfg or ModelConfig.from_hf(load_config(model_dir))
-        self.tokenizer = tokenizer or load_tokenizer(self.tokenizer_dir)
+        self.tokenizer = tokenizer or load_tokenizer(self.tokenizer_dir, cfg.chat_template)
         if cfg.speculative_config is not None and cfg.speculative_config.method == "draft_model":
             check_draft_tokenizer(self.tokenizer, cfg.speculative_config.model)
         # A windowed model's layers attend within their windows (the attention backends
@@ -75,9 +75,7 @@ class LLMEngine:
         if runner is not None:
             runner.reset_sequences()   # a runner that served another engine: its sequence ids mean nothing now
         self.kv = self._kv_manager()
-        self.eos_token_ids = set(self.model_cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self._scheduler()
         self.processor = OutputProcessor(self.tokenizer)

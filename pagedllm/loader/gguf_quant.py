@@ -2,9 +2,9 @@
 file, no dequantize-requantize: Q4_1 and Q8_0 as they are, Q4_0 as Q4_1 with m = -8 d.
 
 Names follow transformers' GGUF mapping (blk.N.attn_q -> model.layers.N.self_attn.q_proj
-...). llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE layout
-(convert_hf_to_gguf.py, LlamaModel.permute); transformers' loader undoes it and so do we:
-whole output rows move, so blocks stay intact. Other tensor types (F16, F32, K-quants...)
+...). llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE layout in
+Llama-architecture files (convert_hf_to_gguf.py, LlamaModel.permute); transformers' loader
+undoes it and so do we: whole output rows move, so blocks stay intact. Other tensor types (F16, F32, K-quants...)
 are left out with a note: those layers run on the float weights that the bf16 conversion
 of the same file holds (model_files.py), which are their exact values.
 """
@@ -20,7 +20,7 @@ import torch
 
 from ..models import ModelConfig
 from ..models.quantization import Q4_1, Q8_0, Blocks, GGUFBlocks
-from .model_files import default_gguf_path
+from .model_files import model_path
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -72,13 +72,20 @@ RUNNABLE = ("Q4_0", "Q4_1", "Q8_0")
 
 
 @lru_cache(maxsize=2)
-def _gguf_tensors(path: str, size: int, mtime_ns: int) -> list:
-    """The file's tensors (memory-mapped, nothing copied), read once per process for a file that
-    has not changed: GGUFReader parses every metadata field, the tokenizer's 49k strings and merges
-    too, which takes seconds; benchmarks and tests start several engines on one file."""
+def _gguf_tensors(path: str, size: int, mtime_ns: int) -> tuple[str, list]:
+    """The file's architecture and tensors (memory-mapped, nothing copied), read once per process
+    for a file that has not changed: GGUFReader parses every metadata field, the tokenizer's 49k
+    strings and merges too, which takes seconds; benchmarks and tests start several engines on one file."""
     from gguf import GGUFReader
 
-    return list(GGUFReader(path).tensors)
+    reader = GGUFReader(path)
+    arch = reader.fields.get("general.architecture")
+    return (arch.contents() if arch is not None else "llama"), list(reader.tensors)
+
+
+# llama.cpp's converter permutes q/k rows for these architectures only (its LlamaModel: Llama,
+# Mistral, SmolLM2); Qwen2/3, Gemma 3 and Phi-3 files keep HF's row order.
+PERMUTED_QK = ("llama",)
 
 
 def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFBlocks:
@@ -88,7 +95,8 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
     blocks: dict[str, Blocks] = {}
     skipped: list[str] = []
     stat = os.stat(path)
-    for t in _gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns):
+    arch, tensors = _gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns)
+    for t in tensors:
         name = hf_name(t.name)
         if name is None:
             continue
@@ -98,7 +106,7 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
             continue
         k, n = int(t.shape[0]), int(t.shape[1])  # ggml lists ne0 (K, along a row) first
         b = _blocks(kind, t.data, n, k)
-        if ".q_proj." in name or ".k_proj." in name:
+        if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             b = b.rows(unpermute_rows(n, num_heads if ".q_proj." in name else num_kv_heads))
         blocks[name] = b
     return blocks, skipped
@@ -107,5 +115,4 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
 def model_gguf_blocks(model: str | None, mc: ModelConfig) -> GGUFBlocks:
     """The blocks of the GGUF file an engine was given (`model`; None: the default SmolLM2),
     for the model's quantize("gguf")."""
-    path = Path(model).expanduser() if model else default_gguf_path()
-    return read_gguf_blocks(path, mc.num_heads, mc.num_kv_heads)
+    return read_gguf_blocks(model_path(model), mc.num_heads, mc.num_kv_heads)

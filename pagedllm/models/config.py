@@ -1,4 +1,8 @@
-"""The decoder's shape, read from a Hugging Face config.json (Llama family)."""
+"""The decoder's shape, read from a Hugging Face config.json.
+
+One decoder runs every family here (llama.py); a family is a row of FAMILIES: which of the
+decoder's options its checkpoints use. A new family that differs from Llama only by such
+options costs one row, and the few config keys of its own that from_hf reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
@@ -6,7 +10,44 @@ from typing import Any
 
 from ..kv_dtype import KVDtype
 
-SUPPORTED = ("llama", "mistral", "qwen2")
+# How a family's layers get their sliding windows (layer_windows).
+EVERY_LAYER, QWEN_LAYERS, LAYER_TYPES_ONLY, NO_WINDOWS = "every", "qwen", "layer_types", "none"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one model_type changes in the shared decoder."""
+    qkv_bias: bool = False       # q/k/v biases when the config does not say (attention_bias)
+    qk_norm: bool = False        # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma 3)
+    norm_offset: float = 0.0     # checkpoints store RMSNorm weights as w - offset (Gemma: x * (1 + w))
+    embed_scale: bool = False    # embeddings times sqrt(hidden_size) (Gemma)
+    windows: str = NO_WINDOWS
+    stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens its chat format ends a reply with (beside EOS)
+    # The checkpoints' module names -> ours, where they differ.
+    renames: tuple[tuple[str, str], ...] = ()
+
+
+# Gemma 3 calls its pre-MLP norm pre_feedforward_layernorm, and its post_attention_layernorm
+# normalises the attention's output; ours keep Llama's meaning of post_attention_layernorm.
+_GEMMA_NORMS = (("post_attention_layernorm", "attn_output_norm"),
+                ("pre_feedforward_layernorm", "post_attention_layernorm"),
+                ("post_feedforward_layernorm", "mlp_output_norm"))
+
+FAMILIES: dict[str, Family] = {
+    "llama": Family(),
+    "mistral": Family(windows=EVERY_LAYER),
+    "qwen2": Family(qkv_bias=True, windows=QWEN_LAYERS),
+    "qwen3": Family(qk_norm=True, windows=QWEN_LAYERS),
+    "smollm3": Family(windows=QWEN_LAYERS),          # NoPE layers: from_hf reads no_rope_layers
+    "phi3": Family(windows=EVERY_LAYER),             # fused qkv/gate_up checkpoints, partial rotary, LongRoPE
+    "gemma3_text": Family(qk_norm=True, sandwich_norms=True, norm_offset=1.0, embed_scale=True,
+                          windows=LAYER_TYPES_ONLY, renames=_GEMMA_NORMS,
+                          stop_tokens=("<end_of_turn>",)),
+}
+SUPPORTED = tuple(FAMILIES)
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -30,31 +71,89 @@ class ModelConfig:
     # Each layer's window W (a query at p sees keys p - W < j <= p), 0 for full attention;
     # empty: every layer full.
     layer_windows: tuple[int, ...] = field(default=())
+    family: Family = field(default_factory=Family)
+    activation: str = "silu"          # the MLP's gate: silu or gelu_tanh
+    attn_scale: float = 0.0           # softmax scale of q.k (0: head_dim ** -0.5)
+    rotary_dim: int = 0               # RoPE on the first rotary_dim dims of a head (0: all of them)
+    local_rope_theta: float = 0.0     # RoPE base of the windowed layers, where theirs differs (Gemma 3)
+    # Each layer's RoPE: 0 the global one, 1 the local one, -1 none (SmolLM3's NoPE layers); empty: all 0.
+    layer_ropes: tuple[int, ...] = field(default=())
+    final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         mt = cfg.get("model_type", "llama")
-        if mt not in SUPPORTED:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {SUPPORTED}")
-        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if mt == "gemma3" and isinstance(cfg.get("text_config"), dict):
+            raise ValueError("model_type 'gemma3' is Gemma 3's image-text checkpoint; its language model alone "
+                             "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
+        if mt not in FAMILIES:
+            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
+        fam = FAMILIES[mt]
+        if cfg.get("use_bidirectional_attention"):
+            raise ValueError(f"{mt}: use_bidirectional_attention (an embedding model) is not supported")
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError("attn_logit_softcapping is not supported (Gemma 2's attention); Gemma 3 has none")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
+        if act not in ACTIVATIONS:
+            raise ValueError(f"{mt}: activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        (theta, scaling), local = rope_parameters(cfg, mt)
+        partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         windows = layer_windows(cfg, mt)
+        n = cfg["num_hidden_layers"]
+        if local is not None:
+            ropes = tuple(1 if w else 0 for w in windows) if any(windows) else ()
+        else:
+            ropes = tuple(0 if use else -1 for use in cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else ()
+        if ropes and len(ropes) != n:
+            raise ValueError(f"no_rope_layers has {len(ropes)} entries for {n} layers (num_hidden_layers)")
+        scalar = cfg.get("query_pre_attn_scalar")
         return cls(
-            model_type=mt, hidden_size=cfg["hidden_size"], num_layers=cfg["num_hidden_layers"],
-            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            model_type=mt, hidden_size=cfg["hidden_size"], num_layers=n,
+            num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            qkv_bias=cfg.get("attention_bias", mt == "qwen2"), eos_token_ids=eos,
-            sliding_window=max(windows, default=0) or None, layer_windows=windows if any(windows) else ())
+            qkv_bias=cfg.get("attention_bias", fam.qkv_bias), eos_token_ids=eos,
+            sliding_window=max(windows, default=0) or None, layer_windows=windows if any(windows) else (),
+            family=fam, activation=ACTIVATIONS[act], attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
+            rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
+            local_rope_theta=local or 0.0, layer_ropes=ropes if any(r != 0 for r in ropes) else (),
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+
+    @property
+    def rotary(self) -> int:
+        """How many of a head's dims RoPE turns."""
+        return self.rotary_dim or self.head_dim
+
+    @property
+    def scale(self) -> float:
+        return self.attn_scale or self.head_dim ** -0.5
+
+    def ropes(self) -> list[tuple[float, dict[str, Any] | None]]:
+        """(base, scaling) of each RoPE table that layer_ropes indexes: the global one, and the
+        windowed layers' own where they have one."""
+        return [(self.rope_theta, self.rope_scaling)] + ([(self.local_rope_theta, None)] if self.local_rope_theta else [])
+
+    def stop_ids(self, tokenizer) -> set[int]:
+        """The tokens that end an output: the config's EOS, the tokenizer's, and the family's
+        end-of-turn tokens that the tokenizer has (Gemma's <end_of_turn>)."""
+        ids = set(self.eos_token_ids)
+        if tokenizer.eos_token_id is not None:
+            ids.add(tokenizer.eos_token_id)
+        unk = getattr(tokenizer, "unk_token_id", None)
+        for token in self.family.stop_tokens:
+            tid = tokenizer.convert_tokens_to_ids(token)
+            if isinstance(tid, int) and tid != unk:
+                ids.add(tid)
+        return ids
+
+    def rope_of(self, layer: int) -> int:
+        return self.layer_ropes[layer] if self.layer_ropes else 0
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s attention window (0: full attention)."""
@@ -74,6 +173,9 @@ class ModelConfig:
 
     def check_tensor_parallel(self, n: int) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows."""
+        if n > 1 and self.model_type == "phi3":
+            raise ValueError("tensor_parallel_size > 1 is not supported for phi3: its checkpoints fuse q/k/v and "
+                             "gate/up into one tensor each, which the loader does not cut by rank")
         parts = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
                  "intermediate size": self.intermediate_size, "vocab size": self.vocab_size}
         bad = [f"{name} ({count})" for name, count in parts.items() if count % n]
@@ -94,21 +196,62 @@ class ModelConfig:
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
+def rope_parameters(cfg: dict[str, Any], model_type: str) -> tuple[tuple[float, dict | None], float | None]:
+    """((base, scaling) of the global RoPE, the windowed layers' base or None), from a config in
+    either layout: transformers >= 5 folds rope_theta and rope_scaling into rope_parameters, per
+    layer type where they differ (Gemma 3); older configs keep rope_theta, rope_scaling and
+    Gemma's rope_local_base_freq. Scaling None: plain RoPE."""
+    params = cfg.get("rope_parameters") or {}
+    local = None
+    if "full_attention" in params or "sliding_attention" in params:
+        sliding = params.get("sliding_attention") or {}
+        if sliding.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_parameters.sliding_attention: rope_type {sliding['rope_type']!r} is not supported "
+                             "on windowed layers (default is)")
+        local = sliding.get("rope_theta")
+        params = params.get("full_attention") or {}
+    elif model_type == "gemma3_text":
+        local = cfg.get("rope_local_base_freq", 10_000.0)
+    rope = {**(cfg.get("rope_scaling") or {}), **params}
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0 if model_type == "gemma3_text" else 10_000.0)))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind in ("su", "yarn") and model_type == "phi3":
+        kind = "longrope"  # Phi-3's early configs name LongRoPE so, as transformers reads them
+    if kind not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
+    scaling = None
+    if kind != "default" or rope.get("partial_rotary_factor", 1.0) != 1.0:
+        scaling = {**rope, "rope_type": kind}
+        for key in ("original_max_position_embeddings", "partial_rotary_factor"):  # top-level in older configs
+            if key not in scaling and key in cfg:
+                scaling[key] = cfg[key]
+        scaling.setdefault("max_position_embeddings", cfg.get("max_position_embeddings", 4096))
+    return (theta, scaling), (float(local) if local is not None else None)
+
+
 def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
-    """Each layer's window from an HF config, as transformers reads it: Mistral windows
-    every layer by `sliding_window` (its config has no per-layer pattern); Qwen2 windows the
-    layers `layer_types` marks "sliding_attention" (transformers 5), or else those from
-    `max_window_layers` on, and only when `use_sliding_window` is set. 0: full attention."""
+    """Each layer's window from an HF config, as transformers reads it (0: full attention):
+    - Mistral and Phi-3 window every layer by `sliding_window`;
+    - Qwen2/3 and SmolLM3 window the layers `layer_types` marks "sliding_attention", or else
+      those from `max_window_layers` on, and only when `use_sliding_window` is set;
+    - Gemma 3 windows the layers `layer_types` marks so (or, in older configs, all but every
+      `sliding_window_pattern`-th), always."""
     n = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") or 0
-    if not cfg.get("use_sliding_window", model_type == "mistral") or not window:
+    how = FAMILIES[model_type].windows
+    if how == NO_WINDOWS or not window:
+        return (0,) * n
+    if how in (QWEN_LAYERS, EVERY_LAYER) and not cfg.get("use_sliding_window", how == EVERY_LAYER):
         return (0,) * n
     if window < 1:
         raise ValueError(f"sliding_window must be a positive number of tokens, got {window}")
-    if model_type == "mistral":
+    if how == EVERY_LAYER:
         return (window,) * n
     types = cfg.get("layer_types")
     if types is None:
+        if how == LAYER_TYPES_ONLY:
+            every = cfg.get("sliding_window_pattern", 6)
+            return tuple(window if (i + 1) % every else 0 for i in range(n))
         first = cfg.get("max_window_layers", n)
         return tuple(window if i >= first else 0 for i in range(n))
     unknown = sorted(set(types) - LAYER_TYPES.keys())

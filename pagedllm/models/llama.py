@@ -1,4 +1,7 @@
-"""Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen2) over a flat token batch.
+"""The decoder of every family here (SmolLM2, Llama 2/3, Mistral, Qwen2/3, SmolLM3, Phi-3/4,
+Gemma 3) over a flat token batch. The families differ by options of the one layer below
+(config.py: FAMILIES): q/k biases or norms, partial rotary and the RoPE scalings, NoPE layers,
+per-layer windows and RoPE bases, Gemma's sandwich norms, scaled embeddings and GELU gate.
 
 All scheduled tokens of all sequences run as one [num_tokens, hidden] batch: no
 padding in the linear layers. Only attention needs to know where sequences begin.
@@ -83,19 +86,24 @@ class Ops:
         self.k.add_rms_norm(x, residual, norm.weight, norm.eps)  # in place: both were ours to reuse
         return x, residual
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        if not self.fused(gate_up):
+    def act_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+        """activation(gate) * up, of gate_up = [gate | up]: silu (fused where compiled), or
+        GELU's tanh form (Gemma; torch's ops)."""
+        if activation != "silu" or not self.fused(gate_up):
             gate, up = gate_up.chunk(2, dim=-1)
-            return F.silu(gate) * up
+            return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
         self.k.silu_and_mul(out, gate_up)
         return out
 
-    def rotary(self, rope: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
-        """A function rotating (q, k) for this step's positions, tables looked up once."""
-        if self.k is not None and positions.device.type == "cpu" and rope.cos.shape[1] % 16 == 0:
+    def rotary(self, rope: RotaryEmbedding | None, positions: torch.Tensor, dtype: torch.dtype):
+        """A function rotating (q, k) for this step's positions, tables looked up once; over
+        the first rope.dim dims of each head (partial rotary); None: no RoPE (NoPE layers)."""
+        if rope is None:
+            return lambda q, k: (q, k)
+        if self.k is not None and positions.device.type == "cpu" and rope.dim % 32 == 0:
             def rotate(q, k):
-                self.k.rope(q, k, positions, rope.cos, rope.sin)  # in place, fp32 tables
+                self.k.rope(q[..., :rope.dim], k[..., :rope.dim], positions, rope.cos, rope.sin)  # in place
                 return q, k
             return rotate
         cos, sin = rope(positions, dtype)
@@ -109,14 +117,19 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
         self.backend = backend
-        self.scale = self.d ** -0.5
+        self.scale = cfg.scale
         self.window = window  # this layer's sliding window (0: full attention)
+        if cfg.family.qk_norm:  # over each head's d dims, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps), RMSNorm(self.d, cfg.rms_norm_eps)
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
         qkv = ops.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
-        q, k = rotate(q.view(t, self.h, self.d), k.view(t, self.kvh, self.d))
+        q, k = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotate(q, k)
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
                                  window=self.window)
         return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
@@ -127,9 +140,10 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.activation = cfg.activation
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.linear(self.down_proj, ops.silu_mul(ops.linear(self.gate_up_proj, x)))
+        return ops.linear(self.down_proj, ops.act_mul(ops.linear(self.gate_up_proj, x), self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -137,8 +151,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, cfg.window(index))
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
         self.mlp = MLP(cfg)
+        if cfg.family.sandwich_norms:  # Gemma: each sublayer's output is normed before the residual add
+            self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.family.sandwich_norms
 
     def forward(self, x, residual, ops: Ops, rotate, k_cache, v_cache, meta, tp: TPGroup):
         """x: the previous layer's output (not yet added to the residual stream), or the
@@ -150,8 +168,11 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = ops.add_norm(x, residual, self.input_layernorm)
         x = tp.all_reduce(self.self_attn(x, ops, rotate, k_cache, v_cache, meta))
+        if self.sandwich:
+            x = ops.norm(x, self.attn_output_norm)
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
-        return tp.all_reduce(self.mlp(x, ops)), residual
+        x = tp.all_reduce(self.mlp(x, ops))
+        return (ops.norm(x, self.mlp_output_norm) if self.sandwich else x), residual
 
 
 # Tensor parallelism: the HF weights split along which dimension. Column-parallel
@@ -167,6 +188,17 @@ def tp_split_dim(name: str) -> int | None:
     loads it whole)."""
     parts = name.split(".")
     return _SPLIT_DIM.get(parts[-2]) if len(parts) >= 2 else None
+
+
+def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
+    """A checkpoint name in ours: its module's own name through the family's renames, once
+    (Gemma's chain: its post_attention_layernorm is our attn_output_norm, and its
+    pre_feedforward_layernorm our post_attention_layernorm)."""
+    if not renames or "." not in name:
+        return name
+    head, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
+    module = dict(renames).get(module, module)
+    return f"{head}.{module}.{kind}" if head else f"{module}.{kind}"
 
 
 class LlamaForCausalLM(nn.Module):
@@ -185,8 +217,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        # Not a parameter: build_model computes the tables once the model is off the meta device.
-        self.rope: RotaryEmbedding | None = None
+        # Not parameters: build_model computes the tables once the model is off the meta device
+        # (cfg.ropes(): the global one, and the windowed layers' own where they have one).
+        self.ropes: list[RotaryEmbedding] = []
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
@@ -194,11 +227,15 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: each layer's K and V pools; meta: the attention backend's step metadata,
         or per layer in `layer_meta` (a model whose layer groups have block tables of their own)."""
         x = self.embed(input_ids)
-        rotate = self.ops.rotary(self.rope, positions, x.dtype)
+        if self.cfg.family.embed_scale:  # by sqrt(hidden) rounded to the dtype, as transformers does
+            x = x.mul_(float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)))
+        rotates = [self.ops.rotary(r, positions, x.dtype) for r in self.ropes]
+        no_rope = self.ops.rotary(None, positions, x.dtype)
         residual = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches)):
             m = meta if layer_meta is None else layer_meta[i]
-            x, residual = layer(x, residual, self.ops, rotate, k_cache, v_cache, m, self.tp)
+            r = self.cfg.rope_of(i)
+            x, residual = layer(x, residual, self.ops, rotates[r] if r >= 0 else no_rope, k_cache, v_cache, m, self.tp)
         return self.ops.add_norm(x, residual, self.norm)[0]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -308,16 +345,22 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples.
         Under tensor parallelism, this rank's slice of the vocabulary."""
-        return self.ops.linear(self.lm_head, hidden)
+        logits = self.ops.linear(self.lm_head, hidden)
+        cap = self.cfg.final_logit_softcap
+        return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into single matmuls."""
         own = self.state_dict()
         loaded: dict[str, torch.Tensor] = {}
+        fam = self.cfg.family
         for name, t in weights.items():
             name = name.removeprefix("model.")
             if "rotary_emb" in name or (name == "lm_head.weight" and self.cfg.tie_word_embeddings):
                 continue
+            name = _rename(name, fam.renames)
+            if fam.norm_offset and name.endswith("norm.weight"):  # Gemma's x * (1 + w): one weight to multiply
+                t = t.float() + fam.norm_offset
             loaded[name] = t
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."

@@ -24,5 +24,6 @@ def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, ker
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
     model = model.to(dtype).eval()
-    model.rope = RotaryEmbedding(mc.head_dim, mc.max_position_embeddings, mc.rope_theta, mc.rope_scaling).to(device)
+    model.ropes = [RotaryEmbedding(mc.rotary, mc.max_position_embeddings, theta, scaling).to(device)
+                   for theta, scaling in mc.ropes()]
     return model

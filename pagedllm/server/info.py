@@ -23,7 +23,9 @@ from ..loader import load_config
 
 # What a config.json without `architectures` (a GGUF's converted one) holds: the class
 # transformers would load for the model type.
-ARCHITECTURES = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"], "qwen2": ["Qwen2ForCausalLM"]}
+ARCHITECTURES = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
+                 "qwen3": ["Qwen3ForCausalLM"], "smollm3": ["SmolLM3ForCausalLM"], "phi3": ["Phi3ForCausalLM"],
+                 "gemma3_text": ["Gemma3ForCausalLM"]}
 
 
 def _paths(info: EngineInfo) -> dict[str, str]:

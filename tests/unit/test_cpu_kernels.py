@@ -164,6 +164,14 @@ def test_fused_elementwise_equal_torch(dtype, rows):
     with pytest.raises(RuntimeError, match="outside the table"):
         ops.rope(q, k, torch.full((rows,), 4096), rope.cos, rope.sin)
 
+    # Partial rotary (Phi-4-mini turns 3/4 of a head): the kernel on views of the first 32 dims.
+    part = RotaryEmbedding(32, 4096, 10000.0, None)
+    cos, sin = part(pos, torch.float32)
+    want_q, want_k = apply_rope(q.float(), cos, sin), apply_rope(k.float(), cos, sin)
+    ops.rope(q[..., :32], k[..., :32], pos, part.cos, part.sin)
+    torch.testing.assert_close(q.float(), want_q, **tol)
+    torch.testing.assert_close(k.float(), want_k, **tol)
+
 
 @pytest.mark.parametrize("k", [0, 1, 20])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,0 +1,97 @@
+"""The family table (models/config.py) read from HF configs in both layouts, and our RoPE
+tables (models/rope.py) against transformers' own for every scaling we take. No model loads."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.models import ModelConfig
+from pagedllm.models.rope import RotaryEmbedding
+
+GEMMA = dict(model_type="gemma3_text", hidden_size=640, num_hidden_layers=18, num_attention_heads=4,
+             num_key_value_heads=1, head_dim=256, intermediate_size=2048, vocab_size=262144,
+             hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=256, sliding_window=512,
+             tie_word_embeddings=True)
+FULL_AT = (5, 11, 17)
+
+
+def test_gemma3_old_and_new_layouts_agree():
+    """A Hub config.json (rope_theta, rope_local_base_freq, sliding_window_pattern) and the one
+    transformers 5 writes (rope_parameters per layer type, layer_types) give the same model."""
+    old = ModelConfig.from_hf({**GEMMA, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6})
+    types = ["full_attention" if i in FULL_AT else "sliding_attention" for i in range(18)]
+    new = ModelConfig.from_hf({**GEMMA, "layer_types": types, "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6}}})
+    assert old == new
+    assert [i for i in range(18) if new.window(i) == 0] == list(FULL_AT)
+    assert [i for i in range(18) if new.rope_of(i) == 0] == list(FULL_AT)  # the global base on full layers
+    assert new.ropes() == [(1e6, None), (1e4, None)]
+    assert new.scale == 256 ** -0.5 and new.activation == "gelu_tanh" and new.family.sandwich_norms
+
+
+def test_gemma3_4b_scales_its_global_rope_only():
+    cfg = ModelConfig.from_hf({**GEMMA, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                               "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    assert cfg.ropes()[0][1]["factor"] == 8.0 and cfg.ropes()[1] == (1e4, None)
+
+
+def test_qwen3_smollm3_phi3_options():
+    base = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=512, vocab_size=1000)
+    q3 = ModelConfig.from_hf({**base, "model_type": "qwen3", "head_dim": 128})
+    assert q3.family.qk_norm and not q3.qkv_bias and q3.head_dim == 128
+    s3 = ModelConfig.from_hf({**base, "model_type": "smollm3", "no_rope_layers": [1, 1, 1, 0]})
+    assert [s3.rope_of(i) for i in range(4)] == [0, 0, 0, -1]
+    phi = ModelConfig.from_hf({**base, "model_type": "phi3", "partial_rotary_factor": 0.75, "sliding_window": 2047,
+                               "rope_scaling": {"type": "su", "short_factor": [1.0] * 24, "long_factor": [2.0] * 24},
+                               "original_max_position_embeddings": 4096, "max_position_embeddings": 131072})
+    assert phi.rotary == 48 and phi.rope_scaling["rope_type"] == "longrope"
+    assert phi.rope_scaling["original_max_position_embeddings"] == 4096
+    assert phi.layer_windows == (2047,) * 4
+    with pytest.raises(ValueError, match="phi3"):
+        phi.check_tensor_parallel(2)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"model_type": "gpt2"}, r"model_type 'gpt2' is not supported; supported: llama, .*gemma3_text"),
+    ({"model_type": "gemma3", "text_config": {}}, "gemma3_text"),
+    ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
+    ({"model_type": "llama", "hidden_act": "relu2"}, "activation 'relu2'"),
+    ({**GEMMA, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+])
+def test_unsupported_fails_at_load_naming_what(bad, match):
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
+           "vocab_size": 100, **bad}
+    with pytest.raises(ValueError, match=match):
+        ModelConfig.from_hf(cfg)
+
+
+SCALINGS = [
+    ("linear", {"rope_type": "linear", "factor": 4.0}),
+    ("llama3", {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64}),
+    ("yarn", {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}),
+    ("yarn-mscale", {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                     "mscale_all_dim": 0.5, "beta_fast": 24, "beta_slow": 2}),
+    ("longrope", {"rope_type": "longrope", "original_max_position_embeddings": 128,
+                  "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [3.0 + 0.2 * i for i in range(8)]}),
+]
+
+
+@pytest.mark.parametrize("name, scaling", SCALINGS, ids=[s[0] for s in SCALINGS])
+def test_rope_tables_equal_transformers(name, scaling):
+    """cos and sin at each position equal transformers' RoPE of the same config (for
+    LongRoPE: its short factors below the original context, its long ones from it on)."""
+    import transformers as tf
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    cfg = tf.LlamaConfig(hidden_size=64, num_attention_heads=4, max_position_embeddings=512,
+                         rope_parameters={**scaling, "rope_theta": 10000.0})
+    ours = RotaryEmbedding(16, 512, 10000.0, {**scaling, "max_position_embeddings": 512})
+    for seq_len, positions in ((1, torch.arange(0, 128)), (512, torch.arange(128, 512))):
+        inv, attn = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](cfg, "cpu", seq_len=seq_len)
+        angles = positions[:, None].double() * inv.double()[None, :]
+        # transformers' frequencies are float32 (ours float64): 1e-7 relative, times angles up to ~500
+        torch.testing.assert_close(ours.cos[positions], (angles.cos() * attn).float(), atol=1e-4, rtol=0)
+        torch.testing.assert_close(ours.sin[positions], (angles.sin() * attn).float(), atol=1e-4, rtol=0)

@@ -115,6 +115,10 @@ def parse_speculative_config(value: "str | dict | SpeculativeConfig | None") -> 
     return SpeculativeConfig(**value)
 
 
+# The short names `model` takes for the GGUF models that ship on PyPI (loader.model_files finds their files).
+SHIPPED_GGUF_MODELS = ("SmolLM2-135M-Instruct", "gemma-3-270m")
+
+
 def knob(default, help: str, **cli) -> Any:
     """A field with its command-line flag: the help text and any argparse options beyond
     name, default and type, so `pagedllm.cli` builds each flag from here and nowhere else."""
@@ -301,7 +305,8 @@ class EngineConfig:
         if self.quantization not in (None, "w8a8") and self.tensor_parallel_size > 1:
             raise ValueError(f"quantization {self.quantization} with tensor_parallel_size > 1 is not supported: the "
                              "ranks would split the weights' blocks; use w8a8, or drop one of them")
-        if self.quantization == "gguf" and self.model is not None and not str(self.model).lower().endswith(".gguf"):
+        if self.quantization == "gguf" and self.model is not None and not str(self.model).lower().endswith(".gguf") \
+                and self.model not in SHIPPED_GGUF_MODELS:
             raise ValueError(f"quantization 'gguf' runs a .gguf file's own blocks, but model is {str(self.model)!r}; "
                              "use int8 or int4 to quantize a safetensors model")
         if self.batch_invariant and self.tensor_parallel_size > 1:

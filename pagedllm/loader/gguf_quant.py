@@ -1,26 +1,32 @@
 """A GGUF file's linear weights as blocks (`quantization="gguf"`), read straight from the
-file, no dequantize-requantize: Q4_1 and Q8_0 as they are, Q4_0 as Q4_1 with m = -8 d.
+file, no dequantize-requantize: Q4_1 and Q8_0 as they are, Q4_0 as Q4_1 with m = -8 d, and
+Q5_0, Q5_1 and the K-quants Q4_K, Q5_K, Q6_K as the file's bytes (RawBlocks: a Q4_K_M file
+stays ~4.5-5 bits a weight in memory).
 
 Names follow transformers' GGUF mapping (blk.N.attn_q -> model.layers.N.self_attn.q_proj
 ...). llama.cpp's converter permutes the rows of attn_q / attn_k for its RoPE layout in
 Llama-architecture files (convert_hf_to_gguf.py, LlamaModel.permute); transformers' loader
-undoes it and so do we: whole output rows move, so blocks stay intact. Other tensor types (F16, F32, K-quants...)
-are left out with a note: those layers run on the float weights that the bf16 conversion
-of the same file holds (model_files.py), which are their exact values.
+undoes it and so do we: whole output rows move, so blocks stay intact. Other tensor types
+(F16, F32, IQ-quants...) are left out with a note: those layers run on the float weights that
+the conversion of the same file holds (model_files.py), which are their exact values.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from ..models import ModelConfig
-from ..models.quantization import Q4_1, Q8_0, Blocks, GGUFBlocks
-from .model_files import model_path
+from ..models.quantization import Q4_1, Q8_0, RAW_TYPES, Blocks, GGUFBlocks, RawBlocks
+from .model_files import model_path, resolve_model_dir
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -48,8 +54,11 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
     return torch.arange(n_rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
-    """Blocks of one tensor from its raw bytes [N, K/32 * block bytes]."""
+def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks | RawBlocks:
+    """Blocks of one tensor from its raw bytes [N, K/32 * block bytes] (copied: the file is
+    memory-mapped read-only)."""
+    if kind in RAW_TYPES:
+        return RawBlocks(kind, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)))
     nblk = k // 32
     b = np.asarray(raw, dtype=np.uint8).reshape(n, nblk, -1)
     d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
@@ -68,19 +77,46 @@ def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks:
     return Blocks(Q4_1, torch.from_numpy(q), d, m)
 
 
-RUNNABLE = ("Q4_0", "Q4_1", "Q8_0")
+RUNNABLE = ("Q4_0", "Q4_1", "Q8_0", *RAW_TYPES)
+
+
+@dataclass(frozen=True)
+class MatmulTensor:
+    """A matmul weight of a GGUF file: its GGUF name and type, K (along a row), N, and bytes."""
+    name: str
+    kind: str
+    k: int
+    n: int
+    data: np.ndarray  # [N, row bytes] uint8 (or the float values of an unquantized type)
 
 
 @lru_cache(maxsize=2)
-def _gguf_tensors(path: str, size: int, mtime_ns: int) -> tuple[str, list]:
-    """The file's architecture and tensors (memory-mapped, nothing copied), read once per process
-    for a file that has not changed: GGUFReader parses every metadata field, the tokenizer's 49k
-    strings and merges too, which takes seconds; benchmarks and tests start several engines on one file."""
+def _gguf_tensors(path: str, size: int, mtime_ns: int) -> tuple[str, list[MatmulTensor]]:
+    """The file's architecture and matmul tensors, read once per process for a file that has not
+    changed. GGUFReader parses every metadata field, the tokenizer's strings and merges too: 13 s
+    for Gemma 3's 262k-token vocabulary. So the bytes of the matmul tensors that run as blocks are
+    kept once beside the file's conversion (model_files.py, keyed by the file's hash) and read
+    from there after."""
+    cache = resolve_model_dir(path) / "gguf" / "matmuls.safetensors"  # not beside the weights: their loader globs
+    if cache.is_file():
+        with safe_open(str(cache), framework="numpy") as f:
+            meta = json.loads(f.metadata()["tensors"])
+            return f.metadata()["arch"], [MatmulTensor(name, kind, k, n, f.get_tensor(name))
+                                          for name, kind, k, n in meta]
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
     arch = reader.fields.get("general.architecture")
-    return (arch.contents() if arch is not None else "llama"), list(reader.tensors)
+    arch = arch.contents() if arch is not None else "llama"
+    tensors = [MatmulTensor(t.name, t.tensor_type.name, int(t.shape[0]), int(t.shape[1]), t.data)  # ne0 (K) first
+               for t in reader.tensors if hf_name(t.name) is not None]
+    meta = json.dumps([(t.name, t.kind, t.k, t.n) for t in tensors])
+    cache.parent.mkdir(exist_ok=True)
+    tmp = cache.with_suffix(f".tmp-{os.getpid()}")
+    kept = {t.name: np.ascontiguousarray(t.data) if t.kind in RUNNABLE else np.zeros(0, np.uint8) for t in tensors}
+    save_file(kept, str(tmp), metadata={"arch": arch, "tensors": meta})
+    os.replace(tmp, cache)  # whole or absent: a reader never sees half a file
+    return arch, tensors
 
 
 # llama.cpp's converter permutes q/k rows for these architectures only (its LlamaModel: Llama,
@@ -98,14 +134,11 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
     arch, tensors = _gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns)
     for t in tensors:
         name = hf_name(t.name)
-        if name is None:
+        if t.kind not in RUNNABLE:
+            skipped.append(f"{t.name}: {t.kind}")
             continue
-        kind = t.tensor_type.name
-        if kind not in RUNNABLE:
-            skipped.append(f"{t.name}: {kind}")
-            continue
-        k, n = int(t.shape[0]), int(t.shape[1])  # ggml lists ne0 (K, along a row) first
-        b = _blocks(kind, t.data, n, k)
+        n = t.n
+        b = _blocks(t.kind, t.data, n, t.k)
         if arch in PERMUTED_QK and (".q_proj." in name or ".k_proj." in name):
             b = b.rows(unpermute_rows(n, num_heads if ".q_proj." in name else num_kv_heads))
         blocks[name] = b

@@ -17,11 +17,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config import SHIPPED_GGUF_MODELS
 from ..util import cache_root
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# GGUF architectures that transformers converts and our decoder runs (general.architecture).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -63,7 +66,7 @@ def gemma3_270m_path() -> Path:
 
 
 # Models that ship on PyPI, by the short name that `--model` takes for them.
-SHIPPED_MODELS = {DEFAULT_MODEL_NAME: default_gguf_path, "gemma-3-270m": gemma3_270m_path}
+SHIPPED_MODELS = dict(zip(SHIPPED_GGUF_MODELS, (default_gguf_path, gemma3_270m_path)))
 
 
 def model_path(model: str | os.PathLike | None) -> Path:
@@ -102,6 +105,10 @@ def _gguf_cache_dir(path: Path) -> Path:
     done = next(iter(sorted(cache_root().glob(f"*-{digest}/complete"))), None)
     if done is not None:
         return done.parent
+    arch, add_bos = _gguf_fields(path, "general.architecture", "tokenizer.ggml.add_bos_token")
+    if arch not in GGUF_ARCHITECTURES:  # before a conversion that could only fail later
+        raise ValueError(f"model: {path.name} holds a GGUF of architecture {arch!r}, which is not supported; "
+                         f"supported: {', '.join(GGUF_ARCHITECTURES)}")
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -109,8 +116,7 @@ def _gguf_cache_dir(path: Path) -> Path:
     hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     # transformers' GGUF tokenizer leaves out the BOS that the file asks for (Gemma's): without
     # it a Gemma model's first tokens are garbage.
-    bos = {"add_bos_token": True} if _gguf_field(path, "tokenizer.ggml.add_bos_token") else {}
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **bos)
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **({"add_bos_token": True} if add_bos else {}))
     cfg = hf.config.to_dict()
     cfg.pop("quantization_config", None)
     cfg["architectures"] = [type(hf).__name__]  # a GGUF's config has none: other engines need it to load the dir
@@ -135,12 +141,12 @@ def _gguf_cache_dir(path: Path) -> Path:
     return out
 
 
-def _gguf_field(path: Path, key: str):
-    """A metadata value of a GGUF file (None: absent)."""
+def _gguf_fields(path: Path, *keys: str) -> list:
+    """Metadata values of a GGUF file (None: absent)."""
     from gguf import GGUFReader
 
-    field = GGUFReader(str(path)).fields.get(key)
-    return None if field is None else field.contents()
+    fields = GGUFReader(str(path)).fields
+    return [fields[k].contents() if k in fields else None for k in keys]
 
 
 def load_config(model_dir: Path) -> dict:

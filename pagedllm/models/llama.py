@@ -78,6 +78,13 @@ class Ops:
         self.k.rms_norm(out, x, norm.weight, norm.eps)
         return out
 
+    def head_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """norm over the last dim of [T, H, D] heads (QK-norm); x may be a strided view of qkv."""
+        t, h, d = x.shape
+        if not self.fused(x):
+            return norm(x)
+        return self.norm(x.reshape(t * h, d).contiguous(), norm).view(t, h, d)  # one copy: rows contiguous
+
     def add_norm(self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual)."""
         if not self.fused(x):
@@ -128,7 +135,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
         q, k = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d)
         if hasattr(self, "q_norm"):
-            q, k = self.q_norm(q), self.k_norm(k)
+            q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
         q, k = rotate(q, k)
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
                                  window=self.window)
@@ -330,11 +337,16 @@ class LlamaForCausalLM(nn.Module):
                 layers, i, sub = name.split(".", 2)
                 names = [f"model.{layers}.{i}.{t}.weight" for t in FUSED.get(sub, (sub,))]
             have = [blocks.get(n) for n in names]
-            if any(b is None for b in have) or len({b.fmt for b in have}) > 1:
+            if any(b is None for b in have):
                 floats.append(name)
                 continue
-            set_blocks(layer, cat_rows(have) if len(have) > 1 else have[0], dtype)
-            kinds[have[0].fmt] += 1
+            try:
+                fused = cat_rows(have) if len(have) > 1 else have[0]
+            except ValueError:  # parts of formats with no common exact form (cat_rows)
+                floats.append(name)
+                continue
+            set_blocks(layer, fused, dtype)
+            kinds[fused.fmt] += 1
         if skipped or floats:
             logger.info(
                 "gguf: %d matmuls keep float weights (tensor types without a kernel here: %s)",

@@ -3,7 +3,9 @@ kernels in kernels/csrc/quant_linear.cpp (activations and accumulation in the mo
 dtype / fp32):
 
   q4_1: w = d * q + m, q in 0..15, d and m fp16 per block (5 bits a weight);
-  q8_0: w = d * q, q in -127..127, d fp16 per block (8.5 bits a weight).
+  q8_0: w = d * q, q in -127..127, d fp16 per block (8.5 bits a weight);
+  GGUF's Q5_0, Q5_1 (5.5, 6 bits) and K-quants Q4_K, Q5_K, Q6_K (4.5, 5.5, 6.56 bits): the
+  file's own bytes (RawBlocks), unpacked block by block inside the same GEMM loop.
 
 `quantization="gguf"` runs a GGUF file's own blocks (loader/gguf_quant.py), "int4" makes
 q4_1 blocks from float weights (llama.cpp's rounding), "int8" q8_0 blocks. A decode step
@@ -53,16 +55,60 @@ class Blocks:
         return w.reshape(self.shape)
 
 
-# A GGUF file's matmul weights as the loader reads them (loader/gguf_quant.py): Blocks by HF
-# parameter name, and a note for each weight left out ("blk.0.ffn_down.weight: Q6_K").
-GGUFBlocks = tuple[dict[str, Blocks], list[str]]
+# GGUF block types kept as the file's bytes: ggml's type id, bytes per block, weights per block.
+RAW_TYPES = {"Q5_0": (6, 22, 32), "Q5_1": (7, 24, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256),
+             "Q6_K": (14, 210, 256)}
 
 
-def cat_rows(parts: list[Blocks]) -> Blocks:
-    """The blocks of torch.cat([w...]) (fused q/k/v, gate/up); one format for all parts."""
-    fmt = parts[0].fmt
-    if any(p.fmt != fmt for p in parts):
+@dataclass
+class RawBlocks:
+    """One weight [N, K] as a GGUF file stores it in one of RAW_TYPES: raw uint8 [N, row bytes]."""
+    fmt: str
+    raw: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        _, nbytes, weights = RAW_TYPES[self.fmt]
+        return self.raw.shape[0], self.raw.shape[1] // nbytes * weights
+
+    def rows(self, index: torch.Tensor) -> RawBlocks:
+        return RawBlocks(self.fmt, self.raw[index])
+
+    def dequantize(self) -> torch.Tensor:
+        from gguf import GGMLQuantizationType, quants
+
+        return torch.from_numpy(quants.dequantize(self.raw.numpy(), GGMLQuantizationType[self.fmt]))
+
+    def as_q8_0(self) -> Blocks:
+        """Q5_0 as q8_0, exactly (w = d (q - 16), q - 16 in -16..15): to fuse with a q8_0 part."""
+        if self.fmt != "Q5_0":
+            raise ValueError(f"{self.fmt} blocks have no exact q8_0 form")
+        b = self.raw.reshape(self.raw.shape[0], -1, 22)
+        d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].float()
+        qh = b[..., 2:6].contiguous().view(torch.int32)[..., 0]
+        high = (qh[..., None] >> torch.arange(32, dtype=torch.int32)) & 1
+        nib = b[..., 6:22].to(torch.int32)
+        q = torch.cat([nib & 15, nib >> 4], dim=-1) | (high << 4)
+        return Blocks(Q8_0, (q - 16).to(torch.int8), d)
+
+
+# A GGUF file's matmul weights as the loader reads them (loader/gguf_quant.py): blocks by HF
+# parameter name, and a note for each weight left out ("blk.0.ffn_down.weight: IQ4_XS").
+GGUFBlocks = tuple[dict[str, "Blocks | RawBlocks"], list[str]]
+
+
+def cat_rows(parts: list[Blocks | RawBlocks]) -> Blocks | RawBlocks:
+    """The blocks of torch.cat([w...]) (fused q/k/v, gate/up). Parts of one format keep it;
+    Q5_0 beside q8_0 parts becomes q8_0 (exactly); other mixes cannot fuse (ValueError)."""
+    fmts = {p.fmt for p in parts}
+    if fmts == {Q8_0, "Q5_0"}:
+        parts = [p.as_q8_0() if isinstance(p, RawBlocks) else p for p in parts]
+        fmts = {Q8_0}
+    if len(fmts) > 1:
         raise ValueError(f"cannot fuse blocks of formats {[p.fmt for p in parts]}")
+    fmt = parts[0].fmt
+    if isinstance(parts[0], RawBlocks):
+        return RawBlocks(fmt, torch.cat([p.raw for p in parts]))
     m = None if fmt == Q8_0 else torch.cat([p.m for p in parts])
     return Blocks(fmt, torch.cat([p.q for p in parts]), torch.cat([p.d for p in parts]), m)
 
@@ -93,13 +139,18 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(Q8_0, q, d)
 
 
-def set_blocks(layer: nn.Linear, blocks: Blocks, dtype: torch.dtype) -> None:
+def set_blocks(layer: nn.Linear, blocks: Blocks | RawBlocks, dtype: torch.dtype) -> None:
     """Give `layer` the kernels' layout of `blocks` (packed once here) and drop its float
     weight. q4_1 goes in pairs of blocks, one byte holding element i of both
-    (quant_linear.cpp); an odd last block pairs with an empty one."""
+    (quant_linear.cpp); an odd last block pairs with an empty one. RawBlocks stay as they are."""
     n, k = blocks.shape
     if (n, k) != (layer.out_features, layer.in_features):
         raise ValueError(f"blocks of shape {(n, k)} for a layer of shape {(layer.out_features, layer.in_features)}")
+    if isinstance(blocks, RawBlocks):
+        layer.register_buffer("qraw", blocks.raw.contiguous(), persistent=False)
+        layer.qformat, layer.qdtype = blocks.fmt, dtype
+        layer.weight = None
+        return
     d = blocks.d.half()  # scales are fp16 values (GGUF's, or rounded so by quantize_*)
     if blocks.fmt == Q4_1:
         q, m = blocks.q, blocks.m.half()
@@ -122,6 +173,8 @@ def layer_blocks(layer: nn.Linear, rows: torch.Tensor | None = None) -> Blocks:
     """The blocks a layer runs (output rows `rows`, default all), unpacked again (tests,
     embedding lookups: only the looked-up rows)."""
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])
+    if layer.qformat in RAW_TYPES:
+        return RawBlocks(layer.qformat, pick(layer.qraw))
     if layer.qformat == Q8_0:
         return Blocks(Q8_0, pick(layer.qs), pick(layer.qd))
     nblk = layer.in_features // G
@@ -143,6 +196,8 @@ def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tenso
         out = x2.new_empty((x2.shape[0], layer.out_features))
         if layer.qformat == Q4_1:
             kernels.q4_1_linear(out, x2.contiguous(), layer.qs, layer.qd, layer.qm)
+        elif layer.qformat in RAW_TYPES:
+            kernels.ggml_linear(out, x2.contiguous(), layer.qraw, RAW_TYPES[layer.qformat][0])
         else:
             kernels.q8_0_linear(out, x2.contiguous(), layer.qs, layer.qd)
     else:

@@ -95,3 +95,21 @@ def test_rope_tables_equal_transformers(name, scaling):
         # transformers' frequencies are float32 (ours float64): 1e-7 relative, times angles up to ~500
         torch.testing.assert_close(ours.cos[positions], (angles.cos() * attn).float(), atol=1e-4, rtol=0)
         torch.testing.assert_close(ours.sin[positions], (angles.sin() * attn).float(), atol=1e-4, rtol=0)
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_path):
+    import numpy as np
+    from gguf import GGUFWriter
+
+    from pagedllm.loader import resolve_model_dir
+
+    path = tmp_path / "tiny-gpt2.gguf"
+    w = GGUFWriter(str(path), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match=r"tiny-gpt2.gguf holds a GGUF of architecture 'gpt2', which is not "
+                                         r"supported; supported: llama, .*gemma3"):
+        resolve_model_dir(path)

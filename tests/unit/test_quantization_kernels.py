@@ -1,5 +1,5 @@
 """Weight-only quantization on llama.cpp blocks (`quantization="gguf" | "int8" | "int4"`): the
-block kernels against the dequantized matmul, the GGUF file's blocks against its bf16
+block kernels against the dequantized matmul (GGUF's Q5 and K-quant types against gguf-py's reader), the GGUF file's blocks against its bf16
 conversion, greedy output against bf16's, and bad settings refused."""
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from torch import nn
 
 from pagedllm import LLM
 from pagedllm.kernels import load_ops
-from pagedllm.models.quantization import (Q4_1, Q8_0, Blocks, block_linear, dequantize, embed_rows,
-                                          layer_blocks, quantize_q4_1, quantize_q8_0, set_blocks)
+from pagedllm.models.quantization import (Q4_1, Q8_0, RAW_TYPES, Blocks, RawBlocks, block_linear, cat_rows,
+                                          dequantize, embed_rows, layer_blocks, quantize_q4_1, quantize_q8_0,
+                                          set_blocks)
 
 
 def random_blocks(fmt: str, n: int, k: int, g: torch.Generator) -> Blocks:
@@ -95,3 +96,63 @@ def test_bad_quantization_settings_are_refused(tmp_path):
         LLM(quantization="gguf", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="quantization 'gguf' runs a .gguf file's own blocks"):
         LLM(quantization="gguf", model=str(tmp_path))
+
+
+def random_raw(fmt: str, n: int, k: int, g: torch.Generator) -> RawBlocks:
+    """A [n, k] weight in GGUF type `fmt`: random bytes (every bit pattern of quants and scales is
+    a valid block), with sane fp16 d (and dmin) where the type keeps them."""
+    _, nbytes, weights = RAW_TYPES[fmt]
+    raw = torch.randint(0, 256, (n, k // weights, nbytes), generator=g, dtype=torch.uint8)
+
+    def fp16_at(offset: int, scale: float) -> None:
+        v = (torch.rand(n, k // weights, generator=g) * scale + scale / 10).half()
+        raw[..., offset:offset + 2] = v.view(torch.uint8).reshape(n, k // weights, 2)
+    if fmt in ("Q5_0", "Q5_1"):
+        fp16_at(0, 0.02)
+        if fmt == "Q5_1":
+            fp16_at(2, -0.1)
+    elif fmt in ("Q4_K", "Q5_K"):
+        fp16_at(0, 0.002)
+        fp16_at(2, 0.002)
+    else:  # Q6_K: d last
+        fp16_at(208, 0.001)
+    return RawBlocks(fmt, raw.reshape(n, -1))
+
+
+@pytest.mark.parametrize("fmt", sorted(RAW_TYPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_block_kernels_are_gguf_pys_dequantized_matmul(fmt, dtype):
+    """Q5_0, Q5_1, Q4_K, Q5_K and Q6_K from the file's bytes (ggml_linear) equal gguf-py's own
+    dequantization (the reference reader of the format) times x, at every path's M."""
+    g = torch.Generator().manual_seed(1)
+    k = 512  # two K-quant super-blocks, 16 blocks of 32
+    blocks = random_raw(fmt, 37, k, g)
+    w = blocks.dequantize()
+    assert w.shape == (37, k) and torch.isfinite(w).all()
+    layer = layer_with(blocks, dtype)
+    assert layer.weight is None and layer.qraw.shape == (37, k // RAW_TYPES[fmt][2] * RAW_TYPES[fmt][1])
+    ops = load_ops()
+    for m in (1, 4, 7, 40):
+        x = torch.randn(m, k, generator=g).to(dtype)
+        want = x.float() @ w.T
+        tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \
+            dict(atol=1e-2 * want.abs().max().item(), rtol=1e-2)
+        out = block_linear(layer, x, ops)
+        torch.testing.assert_close(out.float(), want, **tol)
+        torch.testing.assert_close(block_linear(layer, x, None).float(), want, **tol)
+    assert torch.equal(layer_blocks(layer, torch.tensor([3, 0])).dequantize(), w[[3, 0]])  # a tied embedding's rows
+    with pytest.raises(RuntimeError, match="raw must be contiguous uint8"):
+        ops.ggml_linear(torch.empty(1, 37, dtype=dtype), torch.zeros(1, k + 256, dtype=dtype), layer.qraw,
+                        RAW_TYPES[fmt][0])
+
+
+def test_q5_0_fuses_with_q8_0_exactly():
+    """Gemma's attn_v is Q8_0 where its q and k are Q5_0: the fused qkv runs as q8_0, the Q5_0
+    parts converted without changing a weight."""
+    g = torch.Generator().manual_seed(2)
+    q5, q8 = random_raw("Q5_0", 8, 64, g), random_blocks(Q8_0, 4, 64, g)
+    fused = cat_rows([q5, q5, q8])
+    assert fused.fmt == Q8_0
+    assert torch.equal(fused.dequantize(), torch.cat([q5.dequantize(), q5.dequantize(), q8.dequantize()]))
+    with pytest.raises(ValueError, match="cannot fuse"):
+        cat_rows([random_raw("Q4_K", 4, 256, g), random_raw("Q6_K", 4, 256, g)])

@@ -3,6 +3,8 @@
 //   q4_1: qs uint8 [N, ceil(K/64), 32] (byte i of pair p: element i of block 2p in the low
 //         nibble, of block 2p + 1 in the high one), d, m fp16 [N, 2 ceil(K/64)]; w = d * q + m.
 //   q8_0: qs int8 [N, K/32, 32], d fp16 [N, K/32]; w = d * q.
+//   GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the file's own bytes [N, row bytes] (ggml_linear),
+//         unpacked block by block like the others: a Q4_K_M file stays ~4.5 bits a weight.
 // out [M, N] = x [M, K] . W^T, x and out bf16 or fp32, fp32 accumulation.
 //
 // Every M runs here. Each block is read and unpacked once and applied to every row: up to
@@ -106,6 +108,108 @@ struct Q80 {
     const vf dd = splat(h2f(d[i]));
     lo = __builtin_convertvector(widen(qs + i * G), vf) * dd;
     hi = __builtin_convertvector(widen(qs + i * G + 16), vf) * dd;
+  }
+};
+
+// GGUF's other block types, read as the file stores them: `raw` [N, row bytes], each row the
+// file's blocks one after another (ggml-common.h's layouts; gguf-py's quants.py reads them the
+// same way). block(n, b) gives the 32 weights b*32.. of row n; K-quants keep 256 along K in a
+// super-block of 8 (Q4_K, Q5_K: a 6-bit scale and min per 32) or 16 (Q6_K: an int8 scale per
+// 16: lo and hi get their own) sub-blocks, with fp16 d (and dmin) per super-block.
+struct Raw {
+  const uint8_t* raw;
+  int64_t row_bytes;
+  const uint8_t* at(int64_t n, int64_t blk, int64_t bytes) const { return raw + n * row_bytes + blk * bytes; }
+};
+inline float f16(const uint8_t* p) {
+  c10::Half h;
+  std::memcpy(&h, p, 2);
+  return h2f(h);
+}
+// Q5_0 / Q5_1's 32 five-bit quants: 4 bytes of fifth bits at qh (bit i: element i's), then 16
+// bytes of nibbles at qs (byte i: element i low, element 16 + i high). a: elements 0-15, c: 16-31.
+inline void five_bits(const uint8_t* qh, const uint8_t* qs, vi& a, vi& c) {
+  const vi lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const vi q = widen(qs);
+  a = (q & 15) | ((((vi{} + int32_t(h & 0xFFFF)) >> lane) & 1) << 4);
+  c = (q >> 4) | ((((vi{} + int32_t(h >> 16)) >> lane) & 1) << 4);
+}
+
+struct Q50 : Raw {  // 22 bytes / 32: d, fifth bits, nibbles; w = d (q - 16)
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const uint8_t* p = at(n, b, 22);
+    vi a, c;
+    five_bits(p + 2, p + 6, a, c);
+    const vf d = splat(f16(p));
+    lo = __builtin_convertvector(a - 16, vf) * d;
+    hi = __builtin_convertvector(c - 16, vf) * d;
+  }
+};
+
+struct Q51 : Raw {  // 24 bytes / 32: d, m, fifth bits, nibbles; w = d q + m
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const uint8_t* p = at(n, b, 24);
+    vi a, c;
+    five_bits(p + 4, p + 8, a, c);
+    const vf d = splat(f16(p)), m = splat(f16(p + 2));
+    lo = __builtin_convertvector(a, vf) * d + m;
+    hi = __builtin_convertvector(c, vf) * d + m;
+  }
+};
+
+// Q4_K / Q5_K's 12 bytes of scales: sub-block j's 6-bit scale and min.
+inline void scale_min(const uint8_t* s, int j, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Sub-block j of a Q4_K (144 bytes: d, dmin, scales, nibbles) or Q5_K (176 bytes: the same with
+// 32 bytes of fifth bits before the nibbles, bit j of byte i for sub-block j's element i) super-block
+// at p. The nibbles' 32-byte group g holds sub-blocks 2g (low) and 2g + 1 (high). w = d sc q - dmin mn.
+template <bool FIFTH>
+inline void k_sub(const uint8_t* p, int j, vf& lo, vf& hi) {
+  int sc, mn;
+  scale_min(p + 4, j, sc, mn);
+  const vf d = splat(f16(p) * float(sc)), m = splat(f16(p + 2) * float(mn));
+  const uint8_t* q = p + (FIFTH ? 48 : 16) + (j / 2) * 32;
+  const int shift = (j & 1) * 4;
+  vi a = (widen(q) >> shift) & 15, c = (widen(q + 16) >> shift) & 15;
+  if constexpr (FIFTH) {
+    a |= ((widen(p + 16) >> j) & 1) << 4;
+    c |= ((widen(p + 32) >> j) & 1) << 4;
+  }
+  lo = __builtin_convertvector(a, vf) * d - m;
+  hi = __builtin_convertvector(c, vf) * d - m;
+}
+
+struct Q4K : Raw {
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const { k_sub<false>(at(n, b / 8, 144), int(b % 8), lo, hi); }
+};
+
+struct Q5K : Raw {
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const { k_sub<true>(at(n, b / 8, 176), int(b % 8), lo, hi); }
+};
+
+struct Q6K : Raw {  // 210 bytes / 256: ql 128, qh 64, int8 scales 16 (one per 16), d; w = d sc (q - 32)
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const uint8_t* p = at(n, b / 8, 210);
+    const int t = int(b % 8), h = t / 4;
+    const uint8_t* ql = p + h * 64 + (t % 2) * 32;   // low 4 bits: nibble (t / 2) % 2 of these bytes
+    const uint8_t* qh = p + 128 + h * 32;            // high 2 bits: bits 2 (t % 4) of these
+    const int8_t* sc = reinterpret_cast<const int8_t*>(p + 192) + 2 * t;
+    const float d = f16(p + 208);
+    const int ls = ((t / 2) % 2) * 4, hs = (t % 4) * 2;
+    lo = __builtin_convertvector((((widen(ql) >> ls) & 15) | (((widen(qh) >> hs) & 3) << 4)) - 32, vf) *
+         splat(d * float(sc[0]));
+    hi = __builtin_convertvector((((widen(ql + 16) >> ls) & 15) | (((widen(qh + 16) >> hs) & 3) << 4)) - 32, vf) *
+         splat(d * float(sc[1]));
   }
 };
 
@@ -482,14 +586,49 @@ void q8_0_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, cons
   dispatch(out, x, Q80{qs.data_ptr<int8_t>(), d.data_ptr<c10::Half>(), qs.size(1)});
 }
 
+// GGUF's block types that run from the file's own bytes, by ggml's type ids: bytes per block of
+// how many weights.
+struct GGMLType {
+  int64_t id, bytes, weights;
+  const char* name;
+};
+constexpr GGMLType GGML_TYPES[] = {{6, 22, 32, "Q5_0"}, {7, 24, 32, "Q5_1"}, {12, 144, 256, "Q4_K"},
+                                   {13, 176, 256, "Q5_K"}, {14, 210, 256, "Q6_K"}};
+
+void ggml_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& raw, int64_t type) {
+  const GGMLType* t = nullptr;
+  for (const auto& g : GGML_TYPES)
+    if (g.id == type) t = &g;
+  TORCH_CHECK(t != nullptr, "ggml_linear: ggml type ", type, " has no kernel (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14 do)");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "ggml_linear: x must be contiguous bf16 or fp32 [M, K]");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(k % t->weights == 0, "ggml_linear: ", t->name, " needs K a multiple of ", t->weights, ", got ", k);
+  const int64_t row_bytes = k / t->weights * t->bytes;
+  TORCH_CHECK(raw.dim() == 2 && raw.is_contiguous() && raw.scalar_type() == at::kByte && raw.size(1) == row_bytes,
+              "ggml_linear: raw must be contiguous uint8 [N, ", row_bytes, "] (", t->name, " rows of K = ", k, ")");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.size(0) == x.size(0) &&
+                  out.size(1) == raw.size(0), "ggml_linear: out must be contiguous [M, N] in x's dtype");
+  const Raw r{raw.data_ptr<uint8_t>(), row_bytes};
+  switch (type) {
+    case 6: return dispatch(out, x, Q50{r});
+    case 7: return dispatch(out, x, Q51{r});
+    case 12: return dispatch(out, x, Q4K{r});
+    case 13: return dispatch(out, x, Q5K{r});
+    default: return dispatch(out, x, Q6K{r});
+  }
+}
+
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("q4_1_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d, Tensor m) -> ()");
   m.def("q8_0_linear(Tensor(a!) out, Tensor x, Tensor qs, Tensor d) -> ()");
+  m.def("ggml_linear(Tensor(a!) out, Tensor x, Tensor raw, int type) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("q4_1_linear", &pagedllm::q4_1_linear);
   m.impl("q8_0_linear", &pagedllm::q8_0_linear);
+  m.impl("ggml_linear", &pagedllm::ggml_linear);
 }

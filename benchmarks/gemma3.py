@@ -1,0 +1,182 @@
+"""The real Gemma 3 270M (Q4_K_M GGUF from PyPI) against llama.cpp on the same file (issue 39's
+targets), and the KV blocks a 4k-token generation holds.
+
+Parts (each engine in its own process, one after another, the same token ids, greedy, EOS ignored):
+  single  one request: a ShareGPT prompt (cut to 256 tokens) and 128 new tokens; decode tok/s
+          (after the first token) and the process's peak resident memory, with a context of
+          2,048 tokens for both (llama.cpp's n_ctx; our KV pool sized to the same tokens)
+  batch   32 ShareGPT prompts cut to 256 tokens, fixed 64 new tokens: ours in one batch against
+          llama.cpp's continuous batching over 32 sequence slots (llama_batch, its best mode
+          here), and its one-at-a-time high-level API
+  kv4k    one sequence of 2,048 prompt tokens grown to 4,096: the pool blocks it holds at the
+          end against what full attention on every layer would hold (kv.groups.held_blocks)
+Ours runs the file's own blocks (`quantization="gguf"`: Q4_K, Q5_0, Q6_K and Q8_0 in the
+compiled block kernels, activations bf16), and for reference its values as bf16 weights.
+
+    python -m benchmarks gemma3 --out benchmarks/results/gemma3_270m.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import time
+
+from pagedllm.bench.throughput import in_own_process, save
+
+GEMMA = "gemma-3-270m"
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def _rss_mib() -> float:
+    """Resident memory now (after the run: the engine's steady state, load-time copies gone)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _requests(num: int, prompt_len: int, output_len: int):
+    from pagedllm.bench.sharegpt import BenchRequest, sample_sharegpt
+    from pagedllm.loader import load_tokenizer, resolve_model_dir
+
+    tok = load_tokenizer(resolve_model_dir(GEMMA))
+    reqs = sample_sharegpt(tok, num, max_prompt_len=prompt_len, truncate=True, fixed_output_len=output_len)
+    # The file asks for a BOS first (its text prompts get one): the same ids for every engine.
+    return [BenchRequest([tok.bos_token_id] + list(r.prompt), r.prompt_len + 1, r.output_len) for r in reqs]
+
+
+def ours_single(ids: list[int], new: int, dtype: str, quantization: str | None) -> dict:
+    import torch
+
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(GEMMA, dtype=dtype, max_model_len=2048, kv_cache_memory=f"{2048 * _bytes_per_token()}",
+              quantization=quantization)
+    llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    eng = llm.engine
+    eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    t0 = time.perf_counter()
+    eng.step()  # the prefill and the first token
+    t1 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    t2 = time.perf_counter()
+    return {"engine": f"pagedllm {dtype}" + (f" {quantization}" if quantization else ""), "runner": eng.runner.describe(),
+            "ttft_s": t1 - t0, "decode_tok_s": (new - 1) / (t2 - t1), "rss_mib": _rss_mib(),
+            "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads()}
+
+
+def _bytes_per_token() -> int:
+    from pagedllm.kv_dtype import resolve_kv_dtype
+    from pagedllm.loader import load_config, resolve_model_dir
+    from pagedllm.models import ModelConfig
+
+    mc = ModelConfig.from_hf(load_config(resolve_model_dir(GEMMA)))
+    return mc.kv_bytes_per_token(resolve_kv_dtype("auto", "bfloat16"))
+
+
+def llama_single(gguf: str, ids: list[int], new: int) -> dict:
+    from benchmarks.lib.baselines import _llama
+
+    llm = _llama(gguf, n_ctx=2048)
+    for _ in zip(range(4), llm.generate([2, 3, 4], temp=0.0)):
+        pass  # warm-up
+    llm.reset()
+    n, t0, t1 = 0, time.perf_counter(), None
+    for _ in llm.generate(ids, temp=0.0, reset=True):
+        n += 1
+        if n == 1:
+            t1 = time.perf_counter()
+        if n >= new:
+            break
+    t2 = time.perf_counter()
+    return {"engine": "llama.cpp (llama-cpp-python)", "ttft_s": t1 - t0, "decode_tok_s": (new - 1) / (t2 - t1),
+            "rss_mib": _rss_mib(), "peak_rss_mib": _peak_rss_mib(), "threads": os.cpu_count()}
+
+
+def ours_batch(reqs, dtype: str, quantization: str | None) -> dict:
+    from pagedllm.bench.throughput import run_engine
+
+    r = run_engine(reqs, {"model": GEMMA, "dtype": dtype, "max_model_len": 2048, "quantization": quantization},
+                   use_tqdm=False, label="pagedllm" + (f" {quantization}" if quantization else ""))
+    r.pop("steps"), r.pop("stats")
+    return r
+
+
+def kv_4k() -> dict:
+    """Held blocks of one sequence at 4,096 tokens, counted in the running engine."""
+    import torch
+
+    from pagedllm import SamplingParams
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.engine import LLMEngine
+    from pagedllm.kv.groups import held_blocks
+
+    eng = LLMEngine(EngineConfig(model=GEMMA, dtype="bfloat16", max_model_len=4096, kv_cache_memory="256MiB"))
+    ids = torch.randint(10, 200_000, (2048,), generator=torch.Generator().manual_seed(0)).tolist()
+    eng.add_request(None, ids, SamplingParams(max_tokens=2048, ignore_eos=True))
+    peak = 0
+    while eng.has_unfinished_requests():
+        eng.step()
+        peak = max(peak, eng.kv.pool.num_used)
+    windows = [g.window for g in eng.kv.groups]
+    B = eng.cfg.block_size
+    full = held_blocks([0] * len(windows), 4096, B)
+    return {"groups": windows, "block_size": B, "peak_blocks_held": peak, "full_attention_blocks": full,
+            "ratio": peak / full, "formula_at_4096": held_blocks(windows, 4096, B)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.lib.baselines import llama_cpp_batched, llama_cpp_sequential
+    from pagedllm.loader.model_files import model_path
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="single,batch,kv4k")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--variants", default="gguf,bf16", help="ours: gguf (the file's blocks) and/or bf16 (its values)")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    parts = set(a.parts.split(","))
+    gguf = str(model_path(GEMMA))
+    res: dict = {"model": GEMMA, "gguf": gguf}
+    variants = [None if v == "bf16" else v for v in a.variants.split(",")]
+    if "single" in parts:
+        req = _requests(1, 256, 128)[0]
+        theirs = in_own_process(llama_single, gguf, req.prompt, 128)
+        res["single"] = {"prompt_tokens": req.prompt_len, "new_tokens": 128, "llama_cpp": theirs, "ours": []}
+        for q in variants:
+            ours = in_own_process(ours_single, req.prompt, 128, a.dtype, q)
+            ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+            ours["rss_ratio"] = ours["rss_mib"] / theirs["rss_mib"]
+            res["single"]["ours"].append(ours)
+            print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode, {ours['rss_mib']:.0f} MiB "
+                  f"resident; llama.cpp {theirs['decode_tok_s']:.1f} tok/s, {theirs['rss_mib']:.0f} MiB: "
+                  f"{ours['decode_ratio']:.2f}x speed, {ours['rss_ratio']:.2f}x memory")
+    if "batch" in parts:
+        reqs = _requests(32, 256, 64)
+        batched = in_own_process(llama_cpp_batched, reqs, gguf, 32)
+        seq = in_own_process(llama_cpp_sequential, reqs, gguf)
+        for r in (batched, seq):
+            r["quant"] = "Q4_K_M GGUF"
+        best = max(batched["output_tok_s"], seq["output_tok_s"])
+        res["batch"] = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
+        for q in variants:
+            ours = in_own_process(ours_batch, reqs, a.dtype, q)
+            ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
+            res["batch"]["ours"].append(ours)
+            print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
+                  f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
+                  f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+    if "kv4k" in parts:
+        res["kv4k"] = in_own_process(kv_4k)
+        k = res["kv4k"]
+        print(f"kv4k: {k['peak_blocks_held']} blocks held at most against {k['full_attention_blocks']} "
+              f"with full attention on every layer ({k['ratio']:.1%})")
+    if a.out:
+        save(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

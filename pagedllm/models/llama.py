@@ -94,13 +94,12 @@ class Ops:
         return x, residual
 
     def act_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
-        """activation(gate) * up, of gate_up = [gate | up]: silu (fused where compiled), or
-        GELU's tanh form (Gemma; torch's ops)."""
-        if activation != "silu" or not self.fused(gate_up):
+        """activation(gate) * up, of gate_up = [gate | up]: silu, or GELU's tanh form (Gemma)."""
+        if not self.fused(gate_up):
             gate, up = gate_up.chunk(2, dim=-1)
             return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
-        self.k.silu_and_mul(out, gate_up)
+        (self.k.silu_and_mul if activation == "silu" else self.k.gelu_tanh_and_mul)(out, gate_up)
         return out
 
     def rotary(self, rope: RotaryEmbedding | None, positions: torch.Tensor, dtype: torch.dtype):

@@ -63,8 +63,10 @@ def _sample_batch(logits: torch.Tensor, rows: list[list[SampleTarget]], kernels,
     out: dict[int, int] = {}
     picks = [(i, seq) for i, seqs in enumerate(rows) for seq in seqs if not seq.params.greedy]
     if len(picks) < sum(map(len, rows)):
-        # max(dim).indices: the first maximal index like argmax, but vectorized on CPU (2x faster).
-        greedy = logits.max(dim=-1).indices.tolist()
+        if kernels is not None and logits.device.type == "cpu" and logits.is_contiguous():
+            greedy = kernels.argmax_rows(logits).tolist()  # torch's max(dim) below, in vector lanes, rows in parallel
+        else:  # max(dim).indices: the first maximal index like argmax, but vectorized on CPU (2x faster).
+            greedy = logits.max(dim=-1).indices.tolist()
         for i, seqs in enumerate(rows):
             for seq in seqs:
                 if seq.params.greedy:

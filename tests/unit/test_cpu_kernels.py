@@ -149,6 +149,8 @@ def test_fused_elementwise_equal_torch(dtype, rows):
     ops.silu_and_mul(act, gu)
     gate, up = gu.float().chunk(2, dim=-1)
     torch.testing.assert_close(act.float(), F.silu(gate) * up, **tol)
+    ops.gelu_tanh_and_mul(act, gu)  # Gemma's gate
+    torch.testing.assert_close(act.float(), F.gelu(gate, approximate="tanh") * up, **tol)
 
     rope = RotaryEmbedding(64, 4096, 10000.0, None)
     pos = torch.randint(0, 4096, (rows,), generator=g)
@@ -200,3 +202,19 @@ def test_score_rows_equal_log_softmax(dtype, k):
     assert all(torch.equal(a[0], b[5]) for a, b in zip(alone, (lp, rank, ids, vals)))
     with pytest.raises(RuntimeError, match="outside"):
         ops.score_rows(x, torch.full((37,), V), k)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_equal_torch_max_indices(dtype):
+    """Greedy's argmax: torch's max(dim=-1).indices, ties to the first, a NaN wins, a row of -inf
+    gives 0; V not a multiple of 16 (the tail lanes)."""
+    ops, g = load_ops(), torch.Generator().manual_seed(5)
+    x = torch.randint(-20, 20, (9, 1000 + 3), generator=g).to(dtype)  # small integers: many ties
+    x[3, 1001] = 100                  # the maximum in the tail
+    x[4, 7] = float("nan")
+    x[4, 500] = float("nan")
+    x[5] = float("-inf")
+    x[6, 17] = float("inf")
+    assert ops.argmax_rows(x).tolist() == x.max(dim=-1).indices.tolist()
+    wide = torch.randn(3, 262144, generator=g).to(dtype)  # Gemma 3's vocabulary
+    assert ops.argmax_rows(wide).tolist() == wide.max(dim=-1).indices.tolist()

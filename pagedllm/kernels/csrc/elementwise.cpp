@@ -54,18 +54,25 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
   });
 }
 
-// out = silu(x[:, :n]) * x[:, n:]
-template <typename T>
-void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
+// silu(a) = a / (1 + e^-a)
+inline vf silu(vf a) { return a / (1.f + expv(-a)); }
+
+// The tanh form of GELU (torch's approximate="tanh", Gemma's gelu_pytorch_tanh):
+// 0.5 a (1 + tanh(u)) with u = sqrt(2/pi) (a + 0.044715 a^3), which is a sigmoid(2u).
+inline vf gelu_tanh(vf a) {
+  const vf u2 = (a + 0.044715f * a * a * a) * 1.5957691216057308f;  // 2 sqrt(2/pi)
+  return a / (1.f + expv(-u2));
+}
+
+// out = act(x[:, :n]) * x[:, n:]
+template <typename T, typename Act>
+void act_and_mul_impl(at::Tensor& out, const at::Tensor& x, Act act) {
   const int64_t n = out.size(1);
   T* o = out.data_ptr<T>();
   const T* xs = x.data_ptr<T>();
   for_rows(x.size(0), n, [&](int64_t r) {
     const T* g = xs + r * 2 * n;
-    for (int64_t i = 0; i < n; i += L) {
-      const vf a = load16(g + i);
-      store16(o + r * n + i, a / (1.f + expv(-a)) * load16(g + n + i));  // silu(a) = a / (1 + e^-a)
-    }
+    for (int64_t i = 0; i < n; i += L) store16(o + r * n + i, act(load16(g + i)) * load16(g + n + i));
   });
 }
 
@@ -128,12 +135,21 @@ void add_rms_norm(at::Tensor x, at::Tensor residual, const at::Tensor& w, double
   by_dtype(x, "add_rms_norm", [&](auto t) { add_rms_norm_impl<decltype(t)>(x, residual, w, eps); });
 }
 
-void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+void check_act(const at::Tensor& out, const at::Tensor& x, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.dim() == 2 && out.is_contiguous() &&
                   out.size(0) == x.size(0) && 2 * out.size(1) == x.size(1) && out.size(1) % L == 0 &&
                   out.scalar_type() == x.scalar_type(),
-              "silu_and_mul: x [T, 2n] and out [T, n] contiguous, n a multiple of 16");
-  by_dtype(x, "silu_and_mul", [&](auto t) { silu_and_mul_impl<decltype(t)>(out, x); });
+              op, ": x [T, 2n] and out [T, n] contiguous, n a multiple of 16");
+}
+
+void silu_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_act(out, x, "silu_and_mul");
+  by_dtype(x, "silu_and_mul", [&](auto t) { act_and_mul_impl<decltype(t)>(out, x, silu); });
+}
+
+void gelu_tanh_and_mul(at::Tensor out, const at::Tensor& x) {
+  check_act(out, x, "gelu_tanh_and_mul");
+  by_dtype(x, "gelu_tanh_and_mul", [&](auto t) { act_and_mul_impl<decltype(t)>(out, x, gelu_tanh); });
 }
 
 void rope(at::Tensor q, at::Tensor k, const at::Tensor& pos, const at::Tensor& cos, const at::Tensor& sin) {
@@ -159,6 +175,7 @@ TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.def("gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.def("rope(Tensor(a!) q, Tensor(b!) k, Tensor positions, Tensor cos, Tensor sin) -> ()");
 }
 
@@ -166,5 +183,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rms_norm", &pagedllm::rms_norm);
   m.impl("add_rms_norm", &pagedllm::add_rms_norm);
   m.impl("silu_and_mul", &pagedllm::silu_and_mul);
+  m.impl("gelu_tanh_and_mul", &pagedllm::gelu_tanh_and_mul);
   m.impl("rope", &pagedllm::rope);
 }

@@ -24,6 +24,17 @@ namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
 
+// run(T{}) for the logits' float type.
+template <typename F>
+void by_dtype(const at::Tensor& logits, const char* op, F run) {
+  switch (logits.scalar_type()) {
+    case at::kFloat: run(float{}); break;
+    case at::kBFloat16: run(c10::BFloat16{}); break;
+    case at::kHalf: run(c10::Half{}); break;
+    default: TORCH_CHECK(false, op, ": dtype ", logits.scalar_type(), " is not supported");
+  }
+}
+
 // lowbias32 (Wellons): a well-mixed 32-bit hash, in vector lanes.
 inline vu mix(vu x) {
   x ^= x >> 16;
@@ -163,12 +174,52 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
       for (int64_t r = b; r < e; ++r) o[r] = sample_row(x + r * V, V, t[r], k[r], p[r], uint64_t(sd[r]), s, w, idx);
     });
   };
-  switch (logits.scalar_type()) {
-    case at::kFloat: run(float{}); break;
-    case at::kBFloat16: run(c10::BFloat16{}); break;
-    case at::kHalf: run(c10::Half{}); break;
-    default: TORCH_CHECK(false, "sample: dtype ", logits.scalar_type(), " is not supported");
+  by_dtype(logits, "sample", run);
+  return out;
+}
+
+// The first index of a row's largest value, as torch.max(dim=-1).indices gives it (a NaN counts
+// as the largest: the first NaN wins). Two passes: the maximum in vector lanes, then its first
+// index. torch's reduction took 7 ms for 32 rows of Gemma 3's 262k logits here, ~9 % of a step.
+template <typename T>
+int64_t argmax_row(const T* x, int64_t V) {
+  vf m = splat(NEG_INF);
+  vi nan{};
+  int64_t i = 0;
+  for (; i + L <= V; i += L) {
+    const vf v = load16(x + i);
+    nan |= (v != v);
+    m = v > m ? v : m;
   }
+  float best = hmax(m);
+  bool any_nan = false;
+  for (int j = 0; j < L; ++j) any_nan |= nan[j] != 0;
+  for (int64_t t = i; t < V; ++t) {
+    const float v = float(x[t]);
+    any_nan |= v != v;
+    best = v > best ? v : best;
+  }
+  for (int64_t t = 0; t < V; ++t) {
+    const float v = float(x[t]);
+    if (any_nan ? v != v : v == best) return t;
+  }
+  return 0;  // a row of -inf only: index 0, as torch
+}
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax_rows: logits must be contiguous [R, V], V > 0");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  at::Tensor out = at::empty({R}, logits.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  auto run = [&](auto zero) {
+    using T = decltype(zero);
+    const T* x = logits.data_ptr<T>();
+    at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) o[r] = argmax_row(x + r * V, V);
+    });
+  };
+  by_dtype(logits, "argmax_rows", run);
   return out;
 }
 
@@ -177,6 +228,10 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("sample(Tensor logits, Tensor temperature, Tensor top_k, Tensor top_p, Tensor seeds) -> Tensor");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("sample", &pagedllm::sample); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("sample", &pagedllm::sample);
+  m.impl("argmax_rows", &pagedllm::argmax_rows);
+}

@@ -104,7 +104,7 @@ def ours_batch(reqs, dtype: str, quantization: str | None) -> dict:
     from pagedllm.bench.throughput import run_engine
 
     r = run_engine(reqs, {"model": GEMMA, "dtype": dtype, "max_model_len": 2048, "quantization": quantization},
-                   use_tqdm=False, label="pagedllm" + (f" {quantization}" if quantization else ""))
+                   use_tqdm=False, label="pagedllm " + (quantization or "bf16"))
     r.pop("steps"), r.pop("stats")
     return r
 
@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
     gguf = str(model_path(GEMMA))
-    res: dict = {"model": GEMMA, "gguf": gguf}
+    res: dict = {"benchmark": "gemma3", "model": GEMMA, "gguf": gguf}
     variants = [None if v == "bf16" else v for v in a.variants.split(",")]
     if "single" in parts:
         req = _requests(1, 256, 128)[0]

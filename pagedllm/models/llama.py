@@ -200,11 +200,10 @@ def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     """A checkpoint name in ours: its module's own name through the family's renames, once
     (Gemma's chain: its post_attention_layernorm is our attn_output_norm, and its
     pre_feedforward_layernorm our post_attention_layernorm)."""
-    if not renames or "." not in name:
-        return name
-    head, module, kind = name.rsplit(".", 2) if name.count(".") >= 2 else ("", *name.split("."))
-    module = dict(renames).get(module, module)
-    return f"{head}.{module}.{kind}" if head else f"{module}.{kind}"
+    parts = name.split(".")  # ..., module, weight|bias
+    if len(parts) >= 2:
+        parts[-2] = dict(renames).get(parts[-2], parts[-2])
+    return ".".join(parts)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -55,10 +55,11 @@ def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
 
 
 def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks | RawBlocks:
-    """Blocks of one tensor from its raw bytes [N, K/32 * block bytes] (copied: the file is
-    memory-mapped read-only)."""
+    """Blocks of one tensor from its raw bytes [N, K/32 * block bytes] (copied where they are the
+    read-only memory map of the file; the block cache's arrays are fresh)."""
     if kind in RAW_TYPES:
-        return RawBlocks(kind, torch.from_numpy(np.array(raw, dtype=np.uint8).reshape(n, -1)))
+        own = raw if raw.flags.writeable else np.array(raw)
+        return RawBlocks(kind, torch.from_numpy(own.view(np.uint8).reshape(n, -1)))
     nblk = k // 32
     b = np.asarray(raw, dtype=np.uint8).reshape(n, nblk, -1)
     d = torch.from_numpy(b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))

@@ -22,7 +22,7 @@ from ..util import cache_root
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MODEL_NAME = SHIPPED_GGUF_MODELS[0]
 # GGUF architectures that transformers converts and our decoder runs (general.architecture).
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

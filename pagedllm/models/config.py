@@ -26,6 +26,7 @@ class Family:
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens its chat format ends a reply with (beside EOS)
     # The checkpoints' module names -> ours, where they differ.
     renames: tuple[tuple[str, str], ...] = ()
+    architecture: str = "LlamaForCausalLM"  # transformers' class (a GGUF's converted config may lack it)
 
 
 # Gemma 3 calls its pre-MLP norm pre_feedforward_layernorm, and its post_attention_layernorm
@@ -36,14 +37,16 @@ _GEMMA_NORMS = (("post_attention_layernorm", "attn_output_norm"),
 
 FAMILIES: dict[str, Family] = {
     "llama": Family(),
-    "mistral": Family(windows=EVERY_LAYER),
-    "qwen2": Family(qkv_bias=True, windows=QWEN_LAYERS),
-    "qwen3": Family(qk_norm=True, windows=QWEN_LAYERS),
-    "smollm3": Family(windows=QWEN_LAYERS),          # NoPE layers: from_hf reads no_rope_layers
-    "phi3": Family(windows=EVERY_LAYER),             # fused qkv/gate_up checkpoints, partial rotary, LongRoPE
+    "mistral": Family(windows=EVERY_LAYER, architecture="MistralForCausalLM"),
+    "qwen2": Family(qkv_bias=True, windows=QWEN_LAYERS, architecture="Qwen2ForCausalLM"),
+    "qwen3": Family(qk_norm=True, windows=QWEN_LAYERS, architecture="Qwen3ForCausalLM"),
+    # NoPE layers: from_hf reads no_rope_layers
+    "smollm3": Family(windows=QWEN_LAYERS, architecture="SmolLM3ForCausalLM"),
+    # fused qkv/gate_up checkpoints, partial rotary, LongRoPE
+    "phi3": Family(windows=EVERY_LAYER, architecture="Phi3ForCausalLM"),
     "gemma3_text": Family(qk_norm=True, sandwich_norms=True, norm_offset=1.0, embed_scale=True,
-                          windows=LAYER_TYPES_ONLY, renames=_GEMMA_NORMS,
-                          stop_tokens=("<end_of_turn>",)),
+                          windows=LAYER_TYPES_ONLY, renames=_GEMMA_NORMS, stop_tokens=("<end_of_turn>",),
+                          architecture="Gemma3ForCausalLM"),
 }
 SUPPORTED = tuple(FAMILIES)
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each

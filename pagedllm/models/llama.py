@@ -9,6 +9,7 @@ padding in the linear layers. Only attention needs to know where sequences begin
 from __future__ import annotations
 
 import logging
+from functools import lru_cache
 from typing import Any
 
 import torch
@@ -196,6 +197,12 @@ def tp_split_dim(name: str) -> int | None:
     return _SPLIT_DIM.get(parts[-2]) if len(parts) >= 2 else None
 
 
+@lru_cache(maxsize=8)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as transformers scales Gemma's embeddings (sqrt(640) is 25.25 in bf16)."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
 def _rename(name: str, renames: tuple[tuple[str, str], ...]) -> str:
     """A checkpoint name in ours: its module's own name through the family's renames, once
     (Gemma's chain: its post_attention_layernorm is our attn_output_norm, and its
@@ -232,8 +239,8 @@ class LlamaForCausalLM(nn.Module):
         """kv_caches: each layer's K and V pools; meta: the attention backend's step metadata,
         or per layer in `layer_meta` (a model whose layer groups have block tables of their own)."""
         x = self.embed(input_ids)
-        if self.cfg.family.embed_scale:  # by sqrt(hidden) rounded to the dtype, as transformers does
-            x = x.mul_(float(torch.tensor(self.cfg.hidden_size ** 0.5, dtype=x.dtype)))
+        if self.cfg.family.embed_scale:
+            x = x.mul_(_rounded(self.cfg.hidden_size ** 0.5, x.dtype))
         rotates = [self.ops.rotary(r, positions, x.dtype) for r in self.ropes]
         no_rope = self.ops.rotary(None, positions, x.dtype)
         residual = None

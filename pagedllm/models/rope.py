@@ -23,6 +23,11 @@ def _llama3(inv: torch.Tensor, s: dict) -> torch.Tensor:
     return torch.where(wavelen > low_wl, inv / factor, torch.where(wavelen < high_wl, inv, mid))
 
 
+def _factor(s: dict) -> float:
+    """YaRN's and LongRoPE's context factor: the config's, else max / original positions."""
+    return s.get("factor") or s["max_position_embeddings"] / s["original_max_position_embeddings"]
+
+
 def _yarn_mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
@@ -31,8 +36,7 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     """YaRN (Peng et al., 2023): dims that turn fewer than beta_slow times over the original
     context are interpolated by `factor`, those turning more than beta_fast times keep their
     frequency, a linear ramp between; cos and sin are scaled by the attention factor."""
-    orig = s["original_max_position_embeddings"]
-    factor = s.get("factor") or s["max_position_embeddings"] / orig
+    orig, factor = s["original_max_position_embeddings"], _factor(s)
     attn = s.get("attention_factor")
     if attn is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
@@ -53,8 +57,7 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
 
 
 def _longrope_attention(s: dict) -> float:
-    orig = s["original_max_position_embeddings"]
-    factor = s.get("factor") or s["max_position_embeddings"] / orig
+    orig, factor = s["original_max_position_embeddings"], _factor(s)
     attn = s.get("attention_factor")
     if attn is None:
         attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))

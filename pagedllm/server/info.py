@@ -19,13 +19,7 @@ from typing import Any
 from .. import __version__
 from ..engine.client import EngineInfo
 from ..loader import load_config
-
-
-# What a config.json without `architectures` (a GGUF's converted one) holds: the class
-# transformers would load for the model type.
-ARCHITECTURES = {"llama": ["LlamaForCausalLM"], "mistral": ["MistralForCausalLM"], "qwen2": ["Qwen2ForCausalLM"],
-                 "qwen3": ["Qwen3ForCausalLM"], "smollm3": ["SmolLM3ForCausalLM"], "phi3": ["Phi3ForCausalLM"],
-                 "gemma3_text": ["Gemma3ForCausalLM"]}
+from ..models.config import FAMILIES
 
 
 def _paths(info: EngineInfo) -> dict[str, str]:
@@ -38,7 +32,8 @@ def _paths(info: EngineInfo) -> dict[str, str]:
 @lru_cache(maxsize=4)
 def _architectures(model_dir: Path, model_type: str) -> list[str]:
     """config.json's, read once (a client polling /model_info reads no file)."""
-    return load_config(model_dir).get("architectures") or ARCHITECTURES.get(model_type, [])
+    fam = FAMILIES.get(model_type)  # a config.json without them (a GGUF's converted one): the family's class
+    return load_config(model_dir).get("architectures") or ([fam.architecture] if fam else [])
 
 
 def model_info(info: EngineInfo) -> dict[str, Any]:

@@ -47,3 +47,17 @@ def json_object(value, name: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"{name} must be a JSON object, got {type(value).__name__}")
     return value
+
+
+def release_freed_heap() -> None:
+    """Hand the heap that loading freed back to the OS (glibc's malloc_trim). Loading parses JSON,
+    reads checkpoints and converts blocks through short-lived buffers; glibc keeps the freed
+    pages, and the process looks that much bigger for its whole life: 520 MiB of Gemma 3 270M's
+    1,274 MiB after load. Elsewhere than glibc, nothing."""
+    import ctypes
+    import gc
+
+    gc.collect()  # cycles first: their buffers are freed heap too
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the process's own symbols: libc's where it is glibc
+    if trim is not None:
+        trim(0)

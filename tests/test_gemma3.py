@@ -60,6 +60,29 @@ def test_greedy_tokens_match_transformers(gemma, hf_gemma):
     assert outs[0].outputs[0].text.startswith(" the capital of the country of France")
 
 
+def test_tokenizer_is_transformers_gemma_tokenizer(gemma):
+    """Loaded as the generic class from tokenizer.json (model_files.py: _REBUILT_FROM_JSON), it is
+    transformers' GemmaTokenizer: the same ids and decodes of ShareGPT's first 800 turns and a
+    few edge cases, and the same special tokens."""
+    from transformers import GemmaTokenizer
+
+    from pagedllm.bench.sharegpt import records
+
+    ours, theirs = gemma.tokenizer, GemmaTokenizer.from_pretrained(gemma.engine.model_dir)
+    assert type(ours).__name__ == "TokenizersBackend"
+    texts = [c.get("value", "") for r in records()[:400] for c in r.get("conversations", [])][:800]
+    texts += ["  two spaces", "tab\tand\nnewline", "emoji \U0001F999 \u00fcn\u00efc\u00f6d\u00e9", "",
+              "<start_of_turn>user\nhi<end_of_turn>"]
+    for text in texts:
+        ids = theirs(text).input_ids
+        assert ours(text).input_ids == ids, text
+        assert ours.decode(ids) == theirs.decode(ids) and \
+            ours.decode(ids, skip_special_tokens=True) == theirs.decode(ids, skip_special_tokens=True), text
+    assert ours.added_tokens_decoder == theirs.added_tokens_decoder and len(ours) == len(theirs)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (theirs.bos_token_id, theirs.eos_token_id,
+                                                                        theirs.pad_token_id)
+
+
 def test_windowed_layers_release_their_blocks(gemma):
     """15 layers windowed at 512 in 5 groups of 3, 3 full layers in one: after each decode
     step a sequence holds exactly held_blocks' count, and at 4k tokens that is 27 % of what

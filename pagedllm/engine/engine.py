@@ -22,6 +22,7 @@ from ..models import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import GrammarCompiler, checked, mark_checked
+from ..util import release_freed_heap
 from .beam import BeamGroup
 from .beam_search import BeamSearch
 from .observer import EngineObserver
@@ -101,6 +102,7 @@ class LLMEngine:
         # The figures after the latest step, built when first read (an offline run reads none).
         self._view: EngineStats = self.stats()
         self._view_step = 0
+        release_freed_heap()
 
     def _model_runner(self, model_dir: Path) -> Runner:
         from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts

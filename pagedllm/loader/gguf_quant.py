@@ -16,7 +16,6 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -91,13 +90,13 @@ class MatmulTensor:
     data: np.ndarray  # [N, row bytes] uint8 (or the float values of an unquantized type)
 
 
-@lru_cache(maxsize=2)
-def _gguf_tensors(path: str, size: int, mtime_ns: int) -> tuple[str, list[MatmulTensor]]:
-    """The file's architecture and matmul tensors, read once per process for a file that has not
-    changed. GGUFReader parses every metadata field, the tokenizer's strings and merges too: 13 s
-    for Gemma 3's 262k-token vocabulary. So the bytes of the matmul tensors that run as blocks are
-    kept once beside the file's conversion (model_files.py, keyed by the file's hash) and read
-    from there after."""
+def _gguf_tensors(path: str) -> tuple[str, list[MatmulTensor]]:
+    """The file's architecture and matmul tensors. GGUFReader parses every metadata field, the
+    tokenizer's strings and merges too: 13 s for Gemma 3's 262k-token vocabulary. So the bytes of
+    the matmul tensors that run as blocks are kept once beside the file's conversion
+    (model_files.py, keyed by the file's hash) and read from there after. Nothing is kept in the
+    process: the model's blocks hold what they need, and a cache of these arrays kept Gemma's
+    178 MB Q8_0 head alive a second time beside its split copy."""
     cache = resolve_model_dir(path) / "gguf" / "matmuls.safetensors"  # not beside the weights: their loader globs
     if cache.is_file():
         with safe_open(str(cache), framework="numpy") as f:
@@ -131,8 +130,7 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
     kernel here ("blk.0.ffn_down.weight: Q6_K")."""
     blocks: dict[str, Blocks] = {}
     skipped: list[str] = []
-    stat = os.stat(path)
-    arch, tensors = _gguf_tensors(str(path), stat.st_size, stat.st_mtime_ns)
+    arch, tensors = _gguf_tensors(str(path))
     for t in tensors:
         name = hf_name(t.name)
         if t.kind not in RUNNABLE:

@@ -156,3 +156,43 @@ def test_q5_0_fuses_with_q8_0_exactly():
     assert torch.equal(fused.dequantize(), torch.cat([q5.dequantize(), q5.dequantize(), q8.dequantize()]))
     with pytest.raises(ValueError, match="cannot fuse"):
         cat_rows([random_raw("Q4_K", 4, 256, g), random_raw("Q6_K", 4, 256, g)])
+
+
+def vnni() -> bool:
+    """Whether the kernels (built for this CPU) take up to 4 bf16 rows against blocks in int8
+    arithmetic (AVX512_VNNI), as llama.cpp computes one request."""
+    try:
+        return "avx512_vnni" in open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+
+
+def x_codes(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8 path sees it: each 32 values int8 codes of max |x| / 127, to nearest."""
+    xb = x.float().reshape(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(xb / torch.where(d > 0, d, 1)) * d).reshape(x.shape)
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, *sorted(RAW_TYPES)])
+def test_few_bf16_rows_are_int8_codes_times_the_blocks(fmt):
+    """Up to 4 bf16 rows (one request's decode) on a VNNI CPU: x in int8 codes per 32 values
+    times the blocks, to bf16's rounding of the result; the exact path elsewhere. Also K of an
+    odd number of blocks (a half chunk of 64 at the end) and columns past a group of 4."""
+    g = torch.Generator().manual_seed(3)
+    ops = load_ops()
+    off_codes = off_exact = 0.0
+    for k in ((96, 512) if fmt in (Q8_0, "Q5_0", "Q5_1") else (512,)):
+        blocks = random_blocks(fmt, 37, k, g) if fmt == Q8_0 else random_raw(fmt, 37, k, g)
+        layer, w = layer_with(blocks, torch.bfloat16), blocks.dequantize().double()
+        for m in (1, 2, 4):
+            x = torch.randn(m, k, generator=g).bfloat16()
+            want = (x_codes(x) if vnni() else x.float()).double() @ w.T
+            exact = x.double() @ w.T
+            out = block_linear(layer, x, ops).double()
+            scale = want.abs().max().item()
+            torch.testing.assert_close(out, want, atol=1e-3 * scale, rtol=2 ** -8)
+            off_codes += (out - want).abs().mean().item()
+            off_exact += (exact - want).abs().mean().item()
+    if vnni():  # the codes are what was computed: it is closer to them than x itself is
+        assert off_codes < 0.6 * off_exact, (off_codes, off_exact)

@@ -15,12 +15,16 @@
 // 48 rows (2 cores, weights hot in cache), about bf16 oneDNN's time; at 256+ rows
 // 0.85-0.95x of it; and a third of bf16's bytes to read when the weights come from memory.
 // Paths: q4_1 x bf16 on AVX512-BF16 at up to 4 rows multiplies the nibbles as they are (run_words);
-// the rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
+// the other types x bf16 at up to 4 rows on AVX512-VNNI take x as int8 codes and the blocks as
+// bytes (run_codes: one request's decode, as llama.cpp computes it); the rest unpack blocks to
+// fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
 // two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
 // One request's decode is bound by streaming the weights: measured on one core of this
 // machine, SmolLM2-135M's 97 MB of q4_1 + q8_0 blocks take ~16 ms a token from memory,
-// ~10 ms when they sit in L2 (benchmarks/quantization.py, models/quantization.py).
+// ~10 ms when they sit in L2 (benchmarks/quantization.py, models/quantization.py). On both
+// cores run_codes streams Gemma 3's 178 MB Q8_0 LM head at 20-30 GB/s (a plain sum of floats
+// reads 25-30), its Q4_K/Q5_0/Q6_K layers at 19-25.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -521,6 +525,294 @@ void run_words(const F& f, const c10::BFloat16* x, int64_t m, int64_t n, int64_t
 }
 #endif
 
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && defined(__AVX512VL__)
+// A few rows of bf16 x against blocks in int8 arithmetic, as llama.cpp computes one request:
+// each 32 values of x become int8 codes and a scale (max |x| / 127, to nearest), each 64
+// weights of W unsigned codes that vpdpbusd multiplies by x's codes four at a time, and a
+// lane's int32 sum is scaled once: w_i = scale_l q_i + off_l for the four codes of lane l, so
+//   sum w x = sum_l (scale_l dx_l dot_l + off_l sx_l),   sx_l: the lane's four x values, dequantized.
+// Unpacking a block to bytes is two or three integer ops where the fp32 path needs ten and
+// two conversions: measured on Gemma 3's matmuls at one row, 2.5-4x that path (which was bound by
+// the unpacking, not by memory), and the LM head's 178 MB of Q8_0 at close to memory speed.
+// The x codes add ~0.4 % relative error per 32 values (the same codes as llama.cpp's q8_0
+// activations); fp32 x keeps the exact path.
+// (GCC left some of these out of line: a call per unit spills every accumulator, as all zmm
+// registers are the caller's to save; Q5_0 ran at 40 % of the others' speed.)
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+struct Codes {
+  __m512i q;              // 64 unsigned codes (bytes)
+  __m512 scale, off;      // per lane of 4 codes
+};
+inline __m512 pair_ps(float a, float b) { return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1); }
+inline __m512i join(__m256i lo, __m256i hi) { return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1); }
+inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline __m256i srl8(__m256i v, int s, int mask) {  // bytes >> s & mask (s: not a constant)
+  return _mm256_and_si256(_mm256_srl_epi16(v, _mm_cvtsi32_si128(s)), _mm256_set1_epi8(char(mask)));
+}
+// Q5_0 / Q5_1's 32 codes as bytes (elements 0-15: low nibbles, 16-31: high; bit i of qh: 16 on i).
+inline __m256i five_codes(const uint8_t* qh, const uint8_t* qs) {
+  uint32_t h;
+  std::memcpy(&h, qh, 4);
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i nib = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                       _mm256_set1_epi8(15));
+  return _mm256_or_si256(nib, _mm256_maskz_mov_epi8(h, _mm256_set1_epi8(16)));
+}
+
+inline void prefetch(const uint8_t* p, int64_t bytes) {  // the cache lines of [p, p + bytes)
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch(reinterpret_cast<const char*>(p + o), _MM_HINT_T1);
+  _mm_prefetch(reinterpret_cast<const char*>(p + bytes - 1), _MM_HINT_T1);
+}
+// A weight type's codes come a unit at a time: PER chunks (64 weights each) of row n, unit u.
+// The 32-weight types' unit is one chunk (`two`: both of its blocks are inside K; a K of an
+// odd number of blocks ends in a half chunk whose upper codes are zero, as x's are there); the
+// K-quants' unit is a 256-weight super-block, its scales unpacked once for its four chunks.
+// prefetch(n, u): the unit's bytes.
+struct C80 {  // int8 q: xor 128 makes the unsigned code q + 128
+  static constexpr int PER = 1;
+  const Q80& w;
+  void prefetch(int64_t n, int64_t u) const {
+    const int64_t i = n * w.nblk + 2 * u;
+    _mm_prefetch(reinterpret_cast<const char*>(w.qs + i * G), _MM_HINT_T1);
+    _mm_prefetch(reinterpret_cast<const char*>(w.d + i), _MM_HINT_T1);
+  }
+  ALWAYS_INLINE void unit(int64_t n, int64_t u, bool two, Codes* out) const {
+    const int64_t i = n * w.nblk + 2 * u;
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(w.qs + i * G);
+    const __m256i flip = _mm256_set1_epi8(char(0x80));
+    const __m256i lo = _mm256_xor_si256(load32(p), flip);
+    const __m256i hi = two ? _mm256_xor_si256(load32(p + G), flip) : _mm256_setzero_si256();
+    const __m512 s = pair_ps(h2f(w.d[i]), two ? h2f(w.d[i + 1]) : 0.f);
+    *out = {join(lo, hi), s, _mm512_mul_ps(s, _mm512_set1_ps(-128.f))};
+  }
+};
+// Two fp16 numbers (at a and b) as lanes 0-7 and 8-15.
+inline __m512 pair_f16(const uint8_t* a, const uint8_t* b) {
+  uint16_t x, y;
+  std::memcpy(&x, a, 2);
+  std::memcpy(&y, b, 2);
+  const __m128 v = _mm_cvtph_ps(_mm_cvtsi32_si128(int(x | uint32_t(y) << 16)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), _mm512_castps128_ps512(v));
+}
+template <bool M1>  // Q5_1 (d, m, bits, nibbles: w = d q + m) or Q5_0 (d, bits, nibbles: w = d (q - 16))
+struct C5 {
+  static constexpr int PER = 1;
+  static constexpr int64_t B = M1 ? 24 : 22, H = M1 ? 4 : 2;
+  const Raw& w;
+  void prefetch(int64_t n, int64_t u) const {  // a unit is under a line: one a unit covers the row
+    _mm_prefetch(reinterpret_cast<const char*>(w.at(n, 2 * u, B)), _MM_HINT_T1);
+  }
+  ALWAYS_INLINE void unit(int64_t n, int64_t u, bool two, Codes* out) const {
+    const uint8_t* p = w.at(n, 2 * u, B);
+    if (!two) {
+      const __m256i lo = five_codes(p + H, p + H + 4);
+      const __m512 s = pair_ps(f16(p), 0.f);
+      *out = {join(lo, _mm256_setzero_si256()), s,
+              M1 ? pair_ps(f16(p + 2), 0.f) : _mm512_mul_ps(s, _mm512_set1_ps(-16.f))};
+      return;
+    }
+    // Both blocks at once: their 16 nibble bytes twice each, the second copy shifted to the
+    // high nibbles (elements 16-31 of a block), and the 64 fifth bits as one mask.
+    const __m512i twice = join(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + H + 4))),
+                               _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + B + H + 4))));
+    const __m512i nib = _mm512_and_si512(_mm512_mask_srli_epi16(twice, 0xFF00FF00, twice, 4), _mm512_set1_epi8(15));
+    uint32_t h0, h1;
+    std::memcpy(&h0, p + H, 4);
+    std::memcpy(&h1, p + B + H, 4);
+    const __m512i q = _mm512_or_si512(nib, _mm512_maskz_mov_epi8(uint64_t(h0) | uint64_t(h1) << 32, _mm512_set1_epi8(16)));
+    const __m512 s = pair_f16(p, p + B);
+    *out = {q, s, M1 ? pair_f16(p + 2, p + B + 2) : _mm512_mul_ps(s, _mm512_set1_ps(-16.f))};
+  }
+};
+// Lanes 0-7 from element a of v's first 8, lanes 8-15 from element b (chunk g of a super-block
+// whose 8 sub-blocks' scales are v: a = 2g, b = 2g + 1).
+inline __m512 spread_pairs(__m256 v, int g) {
+  const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
+                                       _mm512_set1_epi32(2 * g));
+  return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+}
+template <bool FIFTH>  // Q4_K / Q5_K: chunk g is sub-blocks 2g, 2g + 1, which share 32 bytes of nibbles
+struct CK {
+  static constexpr int PER = 4;
+  static constexpr int64_t B = FIFTH ? 176 : 144;
+  const Raw& w;
+  void prefetch(int64_t n, int64_t u) const { pagedllm::prefetch(w.at(n, u, B), B); }
+  ALWAYS_INLINE void unit(int64_t n, int64_t u, bool, Codes* out) const {
+    const uint8_t* p = w.at(n, u, B);
+    // The 12 bytes of 6-bit scales and mins as three words: sub-blocks 0-3 keep theirs in the low
+    // 6 bits of bytes 0-3 (scales) and 4-7 (mins); 4-7 keep the low 4 bits in bytes 8-11 (scale
+    // low nibble, min high) and the top 2 in the spare top bits of bytes 0-3 and 4-7.
+    uint32_t s0, s1, s2;
+    std::memcpy(&s0, p + 4, 4);
+    std::memcpy(&s1, p + 8, 4);
+    std::memcpy(&s2, p + 12, 4);
+    const uint32_t low6 = 0x3F3F3F3Fu, low4 = 0x0F0F0F0Fu, top2 = 0x03030303u;
+    const uint64_t sc = uint64_t(s0 & low6) | uint64_t((s2 & low4) | (((s0 >> 6) & top2) << 4)) << 32;
+    const uint64_t mn = uint64_t(s1 & low6) | uint64_t(((s2 >> 4) & low4) | (((s1 >> 6) & top2) << 4)) << 32;
+    const __m256 scales = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(sc)))),
+                                        _mm256_set1_ps(f16(p)));
+    const __m256 mins = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(mn)))),
+                                      _mm256_set1_ps(-f16(p + 2)));
+    __m256i qh{};
+    if constexpr (FIFTH) qh = load32(p + 16);
+    for (int g = 0; g < 4; ++g) {
+      const __m256i v = load32(p + (FIFTH ? 48 : 16) + g * 32);
+      __m256i lo = _mm256_and_si256(v, _mm256_set1_epi8(15)), hi = srl8(v, 4, 15);
+      if constexpr (FIFTH) {  // fifth bits: bit j of byte i for sub-block j's element i
+        const __m256i sixteen = _mm256_set1_epi8(16);
+        lo = _mm256_or_si256(lo, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(1 << (2 * g)))), sixteen));
+        hi = _mm256_or_si256(hi, _mm256_maskz_mov_epi8(_mm256_test_epi8_mask(qh, _mm256_set1_epi8(char(2 << (2 * g)))), sixteen));
+      }
+      out[g] = {join(lo, hi), spread_pairs(scales, g), spread_pairs(mins, g)};
+    }
+  }
+};
+struct C6K {  // Q6_K: chunk u is sub-blocks 2u, 2u + 1; an int8 scale per 16 codes (4 lanes)
+  static constexpr int PER = 4;
+  const Raw& w;
+  void prefetch(int64_t n, int64_t u) const { pagedllm::prefetch(w.at(n, u, 210), 210); }
+  ALWAYS_INLINE void unit(int64_t n, int64_t u, bool, Codes* out) const {
+    const uint8_t* p = w.at(n, u, 210);
+    const __m512 scales = _mm512_mul_ps(
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 192)))),
+        _mm512_set1_ps(f16(p + 208)));
+    const __m512 offs = _mm512_mul_ps(scales, _mm512_set1_ps(-32.f));
+    for (int c = 0; c < 4; ++c) {
+      const int h = c / 2, ls = (c % 2) * 4;  // low 4 bits: a nibble of ql; high 2: bits of qh
+      const uint8_t* ql = p + h * 64;
+      const __m256i qh = load32(p + 128 + h * 32);
+      const __m256i lo = _mm256_or_si256(srl8(load32(ql), ls, 15), _mm256_slli_epi16(srl8(qh, ls, 3), 4));
+      const __m256i hi = _mm256_or_si256(srl8(load32(ql + 32), ls, 15), _mm256_slli_epi16(srl8(qh, ls + 2, 3), 4));
+      const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+                                           _mm512_set1_epi32(4 * c));
+      out[c] = {join(lo, hi), _mm512_permutexvar_ps(idx, scales), _mm512_permutexvar_ps(idx, offs)};
+    }
+  }
+};
+
+// x's rows as codes: per row `chunks` 64-byte groups (zero past K), and per chunk 16 lanes of
+// the codes' scale and of the lane's dequantized sum.
+struct XCodes {
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+  int64_t chunks;
+};
+XCodes quantize_x(const c10::BFloat16* x, int64_t m, int64_t k) {
+  XCodes xc;
+  xc.chunks = (k + 2 * G - 1) / (2 * G);
+  const int64_t kp = xc.chunks * 2 * G;
+  xc.q.assign(m * kp, 0);
+  xc.dx.assign(m * xc.chunks * L, 0.f);
+  xc.sx.assign(m * xc.chunks * L, 0.f);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t b = 0; b < k / G; ++b) {
+      const vf a = load16(x + r * k + b * G), c = load16(x + r * k + b * G + 16);
+      const vf aa = (vf)((vu)a & 0x7FFFFFFFu), ca = (vf)((vu)c & 0x7FFFFFFFu);
+      const float d = hmax(aa > ca ? aa : ca) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+      int8_t* q = xc.q.data() + r * kp + b * G;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(a * inv))));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(c * inv))));
+      float* dl = xc.dx.data() + (r * xc.chunks + b / 2) * L + (b % 2) * 8;
+      for (int i = 0; i < 8; ++i) dl[i] = d;
+    }
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = 0; c < xc.chunks; ++c) {
+      const __m512i q = _mm512_loadu_si512(xc.q.data() + r * kp + c * 2 * G);
+      const __m512 dl = _mm512_loadu_ps(xc.dx.data() + (r * xc.chunks + c) * L);
+      _mm512_storeu_ps(xc.sx.data() + (r * xc.chunks + c) * L,
+                       _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, q)), dl));
+    }
+  return xc;
+}
+
+// Rows of W ahead that a tile prefetches, a unit at a time: the hardware's own prefetch left
+// one request's LM head (178 MB of Q8_0) at ~40 % of the memory's speed.
+constexpr int64_t PREFETCH_ROWS = 4 * NB;
+
+// res[r][j] for R rows of x's codes and J rows of W from n0.
+template <int J, int R, class C>
+inline void tile_codes(const C& w, int64_t n0, const XCodes& xc, int64_t nblk, float* res) {
+  __m512 acc[R][J];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < J; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t kp = xc.chunks * 2 * G, units = xc.chunks / C::PER;
+  for (int64_t u = 0; u < units; ++u)
+    for (int j = 0; j < J; ++j) {
+      w.prefetch(n0 + j + PREFETCH_ROWS, u);
+      Codes wc[C::PER];
+      w.unit(n0 + j, u, 2 * u + 1 < nblk, wc);
+      for (int e = 0; e < C::PER; ++e) {
+        const int64_t c = u * C::PER + e;
+        for (int r = 0; r < R; ++r) {
+          const __m512i xq = _mm512_loadu_si512(xc.q.data() + r * kp + c * 2 * G);
+          const __m512 dl = _mm512_loadu_ps(xc.dx.data() + (r * xc.chunks + c) * L);
+          const __m512 sl = _mm512_loadu_ps(xc.sx.data() + (r * xc.chunks + c) * L);
+          const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), wc[e].q, xq));
+          acc[r][j] = _mm512_fmadd_ps(dot, _mm512_mul_ps(wc[e].scale, dl), _mm512_fmadd_ps(wc[e].off, sl, acc[r][j]));
+        }
+      }
+    }
+  for (int r = 0; r < R; ++r) {
+    if constexpr (J == 4) {
+      hsum4((vf)acc[r][0], (vf)acc[r][1], (vf)acc[r][2], (vf)acc[r][3], res + r * J);
+    } else {
+      for (int j = 0; j < J; ++j) res[r * J + j] = _mm512_reduce_add_ps(acc[r][j]);
+    }
+  }
+}
+
+template <int J, class C>
+inline void tile_codes_rows(const C& w, int64_t n0, const XCodes& xc, int64_t nblk, int rows, float* res) {
+  switch (rows) {
+    case 1: tile_codes<J, 1>(w, n0, xc, nblk, res); break;
+    case 2: tile_codes<J, 2>(w, n0, xc, nblk, res); break;
+    case 3: tile_codes<J, 3>(w, n0, xc, nblk, res); break;
+    default: tile_codes<J, 4>(w, n0, xc, nblk, res); break;
+  }
+}
+
+constexpr int64_t CODES_MAX_M = 4;  // beyond: bf16 dot products on blocks unpacked once per group (run)
+
+template <class C>
+void run_codes(const C& w, const c10::BFloat16* x, int64_t m, int64_t n, int64_t k, c10::BFloat16* out) {
+  const XCodes xc = quantize_x(x, m, k);
+  const int64_t groups = (n + NB - 1) / NB, nblk = k / G;
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    float res[CODES_MAX_M * NB];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * NB;
+      const int cols = int(std::min<int64_t>(NB, n - n0));
+      if (cols == NB) {
+        tile_codes_rows<NB>(w, n0, xc, nblk, int(m), res);
+        put(out, n, 0, int(m), n0, NB, res);
+      } else {
+        for (int j = 0; j < cols; ++j) {
+          tile_codes_rows<1>(w, n0 + j, xc, nblk, int(m), res);
+          put(out, n, 0, int(m), n0 + j, 1, res);
+        }
+      }
+    }
+  });
+}
+template <class W>
+struct CodesOf;
+template <>
+struct CodesOf<Q80> { using T = C80; };
+template <>
+struct CodesOf<Q50> { using T = C5<false>; };
+template <>
+struct CodesOf<Q51> { using T = C5<true>; };
+template <>
+struct CodesOf<Q4K> { using T = CK<false>; };
+template <>
+struct CodesOf<Q5K> { using T = CK<true>; };
+template <>
+struct CodesOf<Q6K> { using T = C6K; };
+#define PAGEDLLM_INT8_CODES 1
+#endif
+
 // x as fp32 rows: itself when it already is, else a converted copy in `buf`.
 const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
   if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
@@ -554,6 +846,14 @@ void dispatch(at::Tensor& out, const at::Tensor& x, const W& w) {
     run<F32>(w, x.data_ptr<float>(), m, n, k, out.data_ptr<float>());
     return;
   }
+#ifdef PAGEDLLM_INT8_CODES
+  if constexpr (!std::is_same_v<W, Q41>) {
+    if (m <= CODES_MAX_M) {
+      run_codes(typename CodesOf<W>::T{w}, x.data_ptr<c10::BFloat16>(), m, n, k, out.data_ptr<c10::BFloat16>());
+      return;
+    }
+  }
+#endif
 #ifdef PAGEDLLM_BF16_DOT
   run<BF16>(w, x.data_ptr<c10::BFloat16>(), m, n, k, out.data_ptr<c10::BFloat16>());
 #else

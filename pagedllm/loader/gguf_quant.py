@@ -29,11 +29,14 @@ from .model_files import model_path, resolve_model_dir
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj"}
+            "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj"}
+# Architectures whose files keep a matmul fused as our model fuses it: Phi-3's ffn_up holds the
+# gate's rows then the up's (HF's gate_up_proj), beside its fused attn_qkv.
+_FUSED_UP = ("phi3",)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF parameter name of a GGUF tensor (None: not a matmul weight: norms, rope tables)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens.weight"
@@ -41,7 +44,8 @@ def hf_name(gguf_name: str) -> str | None:
         return "lm_head.weight"
     m = _BLOCK.fullmatch(gguf_name)
     if m and m.group(2) in _LINEARS:
-        return f"model.layers.{m.group(1)}.{_LINEARS[m.group(2)]}.weight"
+        sub = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and arch in _FUSED_UP else _LINEARS[m.group(2)]
+        return f"model.layers.{m.group(1)}.{sub}.weight"
     return None
 
 
@@ -132,7 +136,7 @@ def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGU
     skipped: list[str] = []
     arch, tensors = _gguf_tensors(str(path))
     for t in tensors:
-        name = hf_name(t.name)
+        name = hf_name(t.name, arch)
         if t.kind not in RUNNABLE:
             skipped.append(f"{t.name}: {t.kind}")
             continue

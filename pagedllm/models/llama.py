@@ -338,9 +338,10 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head":
                 names = ["lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"]
-            else:  # layers.<i>.<matmul>: its checkpoint weights (several when fused)
+            else:  # layers.<i>.<matmul>: its checkpoint weights (several when fused, unless the file fused them)
                 layers, i, sub = name.split(".", 2)
-                names = [f"model.{layers}.{i}.{t}.weight" for t in FUSED.get(sub, (sub,))]
+                whole = f"model.{layers}.{i}.{sub}.weight"
+                names = [whole] if whole in blocks else [f"model.{layers}.{i}.{t}.weight" for t in FUSED.get(sub, (sub,))]
             have = [blocks.get(n) for n in names]
             if any(b is None for b in have):
                 floats.append(name)

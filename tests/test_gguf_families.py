@@ -1,0 +1,59 @@
+"""Qwen3 and Phi-3 from GGUF files (gguf_files.py writes them as llama.cpp's converter lays them
+out: Phi-3's attn_qkv and ffn_up fused, Qwen3's QK-norms): the engine loads the file as it is
+(its values through transformers' GGUF reader) and with its own blocks (quantization="gguf",
+no matmul left on float weights), and both give the greedy tokens of transformers' model read
+from the same file."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm import SamplingParams
+
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=49152,
+            max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
+
+
+def _config(arch: str):
+    import transformers as tf
+
+    if arch == "qwen3":  # transformers reads no head_dim from a GGUF: Qwen3's default, 128
+        return tf.Qwen3Config(**TINY, num_attention_heads=2, num_key_value_heads=1, head_dim=128, rope_theta=1e6)
+    return tf.Phi3Config(**{**TINY, "hidden_size": 256}, num_attention_heads=2, num_key_value_heads=1,
+                         pad_token_id=0, rope_theta=10000.0)
+
+
+@pytest.fixture(scope="module", params=[("qwen3", "Q8_0"), ("phi3", "Q4_0")], ids=lambda p: "-".join(p))
+def gguf_file(request, tmp_path_factory):
+    import transformers as tf
+    from gguf_files import write_gguf
+
+    from pagedllm.loader.model_files import default_gguf_path
+
+    arch, quant = request.param
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(_config(arch)).eval()
+    with torch.no_grad():  # norms away from 1: a dropped one would show
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    path = write_gguf(model, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, quant, default_gguf_path())
+    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    return arch, path, hf
+
+
+@pytest.mark.parametrize("quantization", [None, "gguf"])
+def test_gguf_file_matches_transformers(make_llm, gguf_file, quantization):
+    arch, path, hf = gguf_file
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization=quantization)
+    assert llm.engine.model_cfg.model_type == arch
+    if quantization:
+        summary = llm.engine.runner.model.quant_summary
+        assert "float" not in summary and "on" in summary, summary
+    prompts = [[5, 17, 300, 4000, 12], list(range(100, 160))]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                               pad_token_id=0)[0, len(ids):].tolist()
+        assert out.outputs[0].token_ids == want

@@ -374,3 +374,19 @@ def test_each_prompt_is_encoded_once(llm_fp32, monkeypatch):
     assert sorted(calls) == sorted(prompts)
     assert [o.prompt for o in outs] == prompts
     assert [o.prompt_token_ids for o in outs] == [real(p) for p in prompts]
+
+
+def test_rope_tables_hold_the_engines_positions(tiny_model):
+    """A runner's RoPE tables hold max_model_len positions, not the model's own limit (Gemma 3's
+    32,768 rows were 64 MiB); an engine asking a shared runner for more is refused."""
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.engine import LLMEngine
+
+    eng = LLMEngine(EngineConfig(model=tiny_model, dtype="float32", kv_cache_memory="8MiB", max_model_len=96))
+    assert [r.cos.shape[0] for r in eng.runner.model.ropes] == [96]
+    with pytest.raises(ValueError, match="max_model_len 1024 exceeds the 96 positions this runner was built for"):
+        LLMEngine(EngineConfig(model=tiny_model, dtype="float32", kv_cache_memory="8MiB", max_model_len=1024),
+                  runner=eng.runner, model_cfg=eng.model_cfg, tokenizer=eng.tokenizer)
+    eng.add_request("a", list(range(1, 90)), SamplingParams(temperature=0, max_tokens=7, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()  # positions up to 95: the table's last row

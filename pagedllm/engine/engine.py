@@ -75,6 +75,10 @@ class LLMEngine:
         self.runner = runner if runner is not None else self._model_runner(model_dir)
         if runner is not None:
             runner.reset_sequences()   # a runner that served another engine: its sequence ids mean nothing now
+            held = getattr(runner, "max_model_len", None)
+            if held is not None and held < self.max_model_len:  # its RoPE tables end there (build.py)
+                raise ValueError(f"max_model_len {self.max_model_len} exceeds the {held} positions this runner "
+                                 "was built for")
         self.kv = self._kv_manager()
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)

@@ -14,9 +14,10 @@ from ..models.rope import RotaryEmbedding
 
 
 def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, kernels, tp: TPGroup,
-                device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
+                device: torch.device, dtype: torch.dtype, max_model_len: int | None = None) -> LlamaForCausalLM:
     """This rank's slice of the model, its weights loaded, in `dtype`, with its RoPE tables
-    (float32 whatever the weights' dtype)."""
+    (float32 whatever the weights' dtype) for the positions an engine of `max_model_len` tokens
+    uses: a model's own limit can be far larger (Gemma 3's 32,768 rows x 2 tables: 64 MiB)."""
     with torch.device("meta"):  # no random init of weights we overwrite anyway
         model = LlamaForCausalLM(mc, backend, kernels, tp)
     model = model.to_empty(device=device)
@@ -24,6 +25,12 @@ def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, ker
         model.lm_head.weight = model.embed_tokens.weight
     model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
     model = model.to(dtype).eval()
-    model.ropes = [RotaryEmbedding(mc.rotary, mc.max_position_embeddings, theta, scaling).to(device)
+    rows = rope_rows(mc, max_model_len)
+    model.ropes = [RotaryEmbedding(mc.rotary, rows, theta, scaling).to(device)
                    for theta, scaling in mc.ropes()]
     return model
+
+
+def rope_rows(mc: ModelConfig, max_model_len: int | None) -> int:
+    """Positions the RoPE tables hold: the engine's limit, within the model's."""
+    return mc.max_position_embeddings if max_model_len is None else min(mc.max_position_embeddings, max_model_len)

@@ -32,7 +32,7 @@ class DraftRunner:
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.cfg = ModelConfig.from_hf(load_config(model_dir))
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
-        self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype)
+        self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype, max_model_len)
         self.model.prepack()  # drafts run at a few rows a step, where reordered weights gain most
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len

@@ -23,7 +23,7 @@ from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
-from .build import build_model
+from .build import build_model, rope_rows
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
 from .kv_tier import BlockBytes, TierIO, kv_fingerprint
@@ -195,7 +195,8 @@ class ModelRunner:
             via = "shared memory" if shm.attach(tp, kernels, wanted) else "gloo"
             if tp.is_driver:
                 logger.info("tensor parallel: all-reduce through %s", via)
-        model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype)
+        model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype, max_model_len)
+        self.rope_rows = rope_rows(model_cfg, max_model_len)
         self.model_cfg, self.model_dir = model_cfg, model_dir
         if cfg.quantization is not None:
             if self.device.type != "cpu":
@@ -358,7 +359,7 @@ class ModelRunner:
         from ..loader import load_tokenizer
         from ..models.smoothing import CALIBRATION_TEXT, input_maxima
 
-        ids = load_tokenizer(model_dir).encode(CALIBRATION_TEXT)[:self.model_cfg.max_position_embeddings]
+        ids = load_tokenizer(model_dir).encode(CALIBRATION_TEXT)[:self.rope_rows]
         return input_maxima(model, lambda: self.prefill_logits(model, ids, bs))
 
     @torch.inference_mode()
@@ -373,7 +374,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(dev)
         base = torch.cuda.memory_allocated(dev)
         hidden = self.model(torch.zeros(t, dtype=torch.long, device=dev),
-                            torch.arange(t, device=dev) % mc.max_position_embeddings, tmp, meta)
+                            torch.arange(t, device=dev) % self.rope_rows, tmp, meta)
         self.model.compute_logits(hidden[:min(t, cfg.max_num_seqs)]).float()
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - base

@@ -1,7 +1,7 @@
 """Qwen3 and Phi-3 from GGUF files (gguf_files.py writes them as llama.cpp's converter lays them
-out: Phi-3's attn_qkv and ffn_up fused, Qwen3's QK-norms): the engine loads the file as it is
-(its values through transformers' GGUF reader) and with its own blocks (quantization="gguf",
-no matmul left on float weights), and both give the greedy tokens of transformers' model read
+out: Phi-3's attn_qkv and ffn_up fused, Qwen3's QK-norms): the engine runs the file's own blocks
+(quantization="gguf", no matmul left on float weights; its norms and config through the file's
+conversion, transformers' own read of it) and gives the greedy tokens of transformers' model read
 from the same file."""
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ def _config(arch: str):
                          pad_token_id=0, rope_theta=10000.0)
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "Q8_0"), ("phi3", "Q4_0")], ids=lambda p: "-".join(p))
-def gguf_file(request, tmp_path_factory):
+@pytest.fixture(params=[("qwen3", "Q8_0"), ("phi3", "Q4_0")], ids=lambda p: "-".join(p))
+def gguf_file(request, tmp_path):
     import transformers as tf
     from gguf_files import write_gguf
 
@@ -37,19 +37,19 @@ def gguf_file(request, tmp_path_factory):
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.3)
-    path = write_gguf(model, tmp_path_factory.mktemp(arch) / f"tiny-{arch}.gguf", arch, quant, default_gguf_path())
-    hf = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
-    return arch, path, hf
+    return arch, write_gguf(model, tmp_path / f"tiny-{arch}.gguf", arch, quant, default_gguf_path())
 
 
-@pytest.mark.parametrize("quantization", [None, "gguf"])
-def test_gguf_file_matches_transformers(make_llm, gguf_file, quantization):
-    arch, path, hf = gguf_file
-    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization=quantization)
+def test_gguf_file_matches_transformers(make_llm, gguf_file):
+    from transformers import AutoModelForCausalLM
+
+    arch, path = gguf_file
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
     assert llm.engine.model_cfg.model_type == arch
-    if quantization:
-        summary = llm.engine.runner.model.quant_summary
-        assert "float" not in summary and "on" in summary, summary
+    summary = llm.engine.runner.model.quant_summary
+    assert "float" not in summary and "on" in summary, summary
+    # transformers' from_pretrained(gguf_file=...) of the file, as the engine's conversion saved it
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 160))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     for ids, out in zip(prompts, outs):

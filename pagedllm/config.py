@@ -197,6 +197,13 @@ class EngineConfig:
         "\"num_speculative_tokens\": k} (same tokenizer): draft tokens get lookahead slots in the block "
         "table, one forward verifies them, rejected ones roll back; greedy output is unchanged, sampled output "
         "keeps its distribution", type=parse_speculative_config)
+    enable_lora: bool = knob(False, "serve PEFT LoRA adapters beside the base model (vLLM's flag): a request names "
+                             "one (LLM.generate(lora_request=...)); rows of several adapters and of the base share a "
+                             "step, the base matmul once and each adapter's low-rank pass over its rows")
+    max_lora_rank: int = knob(16, "the highest adapter rank accepted (vLLM's flag)", type=int)
+    max_loras: int = knob(1, "adapters held at once, all of which may run in one step (vLLM's flag: there, the "
+                          "adapters of one batch); an unused one is dropped for a new one, least recently used "
+                          "first", type=int)
     tensor_parallel_size: int = knob(
         1, "split the model over this many ranks (heads, KV heads, MLP and vocab sharded; gloo on CPU, NCCL on "
         "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
@@ -230,6 +237,9 @@ class EngineConfig:
                               "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))
 
     def __post_init__(self) -> None:
+        for name in ("max_lora_rank", "max_loras"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.allocation not in ALLOCATION_POLICIES:

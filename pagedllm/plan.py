@@ -118,6 +118,7 @@ class ChunkPlan:
     # A model whose layers mix attention types (kv.groups): groups 1.. each have their own
     # blocks, so their own (slots, block_ids) of the chunk; slots and block_ids above are group 0's.
     groups: list[tuple[list[int], list[int]]] = field(default_factory=list)
+    lora_id: int = 0          # the sequence's adapter (enable_lora; 0: the base model)
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,7 @@ from ..models import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import GrammarCompiler, checked, mark_checked
+from ..lora.request import LoRARequest
 from ..util import release_freed_heap
 from .beam import BeamGroup
 from .beam_search import BeamSearch
@@ -189,13 +190,15 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams | None = None, cache_salt: str | None = None,
                     owner: str | None = None, add_special_tokens: bool = True,
-                    prompt_token_ids: list[int] | None = None, priority: int = 0) -> Request:
+                    prompt_token_ids: list[int] | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing. A text prompt gets the tokenizer's special
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
         BeamSearchParams make a beam-search request: one group of up to beam_width beams.
-        `priority` (vLLM's): lower runs first under the priority queue policy."""
+        `priority` (vLLM's): lower runs first under the priority queue policy.
+        `lora_request` (vLLM's; enable_lora): the adapter it runs under, loaded on first use."""
         params, beam = self.rules.split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -205,10 +208,15 @@ class LLMEngine:
         else:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
-        compiling = self._grammar_of(params, beam)
         self.check_priority(priority)
+        self._acquire_lora(lora_request)   # last of the checks: it holds the adapter from here
+        try:
+            compiling = self._grammar_of(params, beam)
+        except BaseException:
+            self._release_lora(lora_request)
+            raise
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner,
-                      priority=priority)
+                      priority=priority, lora=lora_request)
         if compiling is not None:
             req.compiling = compiling
             self._compiling.append(req)
@@ -229,6 +237,21 @@ class LLMEngine:
             if o.active:
                 o.on_request(req)
         return req
+
+    def _acquire_lora(self, lora: LoRARequest | None) -> None:
+        if lora is None:
+            return
+        if not isinstance(lora, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
+        holder = getattr(self.runner, "loras", None)
+        if holder is None:
+            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True "
+                             "(--enable-lora)")
+        holder.acquire(lora)
+
+    def _release_lora(self, lora: LoRARequest | None) -> None:
+        if lora is not None:
+            self.runner.loras.release(lora.lora_int_id)
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -283,6 +306,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        self._release_lora(req.lora)
         for seq in req.seqs:
             if seq.status is SeqStatus.PENDING:
                 seq.status = SeqStatus.FINISHED
@@ -338,8 +362,8 @@ class LLMEngine:
             for o in watching:
                 o.on_step(up.out, up.new_tokens, view)
         for req in up.touched.values():
-            if req.finished:
-                self.requests.pop(req.request_id, None)
+            if req.finished and self.requests.pop(req.request_id, None) is not None:
+                self._release_lora(req.lora)
         return outputs
 
     @property

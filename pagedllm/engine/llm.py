@@ -7,6 +7,7 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from ..config import EngineConfig
+from ..lora.request import LoRARequest
 from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams
 from .engine import LLMEngine
@@ -32,17 +33,25 @@ class LLM:
     def generate(self, prompts: Prompt | Seq[Prompt],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True, cache_salt: str | None = None,
-                 priority: Seq[int] | None = None) -> list[RequestOutput]:
+                 priority: Seq[int] | None = None,
+                 lora_request: LoRARequest | Seq[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Text prompts get the tokenizer's special tokens (BOS), as vLLM's; a prompt dict
         may carry its own cache_salt, which wins over the argument. `priority` (vLLM's): one
-        per prompt, lower first, under scheduling_policy="priority"."""
+        per prompt, lower first, under scheduling_policy="priority". `lora_request` (vLLM's;
+        enable_lora): one adapter for every prompt, or one per prompt (None: the base model)."""
         return self._generate(prompts, sampling_params, use_tqdm, cache_salt, add_special_tokens=True,
-                              priority=priority)
+                              priority=priority, lora_request=lora_request)
 
     def _generate(self, prompts: Prompt | Seq[Prompt], sampling_params, use_tqdm: bool,
                   cache_salt: str | None, add_special_tokens: bool,
-                  priority: Seq[int] | None = None) -> list[RequestOutput]:
+                  priority: Seq[int] | None = None, lora_request=None) -> list[RequestOutput]:
         prompts = _as_list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
@@ -68,9 +77,16 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             values.append((value, salt, token_ids))
-        ids = [self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens,
-                                       prompt_token_ids=token_ids, priority=prio).request_id
-               for (value, salt, token_ids), sp, prio in zip(values, params, priority)]
+        ids: list[str] = []
+        try:
+            for (value, salt, token_ids), sp, prio, lora in zip(values, params, priority, loras):
+                ids.append(self.engine.add_request(None, value, sp, salt, add_special_tokens=add_special_tokens,
+                                                   prompt_token_ids=token_ids, priority=prio,
+                                                   lora_request=lora).request_id)
+        except ValueError as e:  # an adapter that cannot be loaded: nothing of the batch stays queued
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise ValueError(f"prompt {len(ids)}: {e}") from None
         return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],

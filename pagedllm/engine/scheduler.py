@@ -69,7 +69,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.hashes is None:  # its block keys, computed once however long it waits
-            seq.hashes = self.kv.new_hashes(seq.request.cache_salt)
+            seq.hashes = self.kv.new_hashes(block_salt(seq.request))
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -228,6 +228,7 @@ class Scheduler:
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
                               t.request.beam.num_candidates if t.request.beam else 0, 0, t.request.grammar)
                  for t in s.sample_for], list(seq.draft))
+            chunk.lora_id = seq.request.lora_id
             if len(tables) > 1:
                 chunk.groups = [(sl, t.block_ids[:cdiv(end, B)]) for sl, t in zip(slots[1:], tables[1:])]
             for hook in self.hooks:
@@ -282,3 +283,11 @@ class Scheduler:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"
             else:
                 self.finish(seq, "error")
+
+
+def block_salt(req) -> str | None:
+    """What a request's block hashes are salted with: its cache_salt and its adapter (the same
+    tokens under two adapters have different KV, as vLLM keys blocks by the adapter too)."""
+    if req.lora is None:
+        return req.cache_salt
+    return req.lora.cache_key if req.cache_salt is None else f"{req.cache_salt}\x00{req.lora.cache_key}"

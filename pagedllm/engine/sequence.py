@@ -8,6 +8,7 @@ from typing import Any
 
 from ..sampling_params import SamplingParams
 from ..kv.hashing import BlockHashes
+from ..lora.request import LoRARequest
 from ..plan import PromptScores, PromptThenOutput
 from .beam import BeamGroup
 
@@ -83,6 +84,11 @@ class Request:
     # and, once it is done, the grammar. The request waits in the queue until then.
     compiling: Any = None
     grammar: Any = None
+    lora: LoRARequest | None = None   # its adapter (enable_lora); None: the base model
+
+    @property
+    def lora_id(self) -> int:
+        return self.lora.lora_int_id if self.lora is not None else 0
 
     @property
     def finished(self) -> bool:

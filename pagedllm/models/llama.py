@@ -58,8 +58,15 @@ class Ops:
         self.batch_invariant = False
         self.quant: str | None = None  # the linear layers hold quantized weights (quantization.py, w8a8.py)
         self.packed = False  # the float linear layers' weights are reordered for oneDNN (prepack.py)
+        self.lora = None  # the step's adapters (lora.batch.LoRAStep), set by the runner around a forward
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        out = self._linear(layer, x)
+        if self.lora is not None and hasattr(layer, "lora_name"):  # the step's adapters, on their rows
+            out = self.lora.add(layer.lora_name, x.reshape(-1, x.shape[-1]), out.reshape(-1, out.shape[-1])).view(out.shape)
+        return out
+
+    def _linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         fmt = getattr(layer, "qformat", None) if self.quant is not None else None
         if fmt == W8A8:
             return w8a8_linear(layer, x, self.k)

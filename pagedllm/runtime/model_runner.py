@@ -23,6 +23,8 @@ from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
+from ..lora.batch import lora_step, name_lora_layers
+from ..lora.registry import LoRARegistry
 from .build import build_model, rope_rows
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
@@ -128,6 +130,7 @@ class StepInputs:
     # Layer groups 1.. (kv.groups): their slots and tables (slots and tables above: group 0's).
     group_slots: list[list[int]] = field(default_factory=list)
     group_tables: list[list[list[int]]] = field(default_factory=list)
+    lora_rows: dict[int, list[int]] = field(default_factory=dict)   # adapter id -> its rows (enable_lora)
 
 
 def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
@@ -209,6 +212,13 @@ class ModelRunner:
             done = model.quantize(cfg.quantization, gguf, maxima)
             if tp.is_driver:
                 logger.info("quantized: %s", done)
+        self.loras: LoRARegistry | None = None
+        if cfg.enable_lora:
+            if tp.size > 1:
+                raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (the adapters' "
+                                 "A and B are not sharded)")
+            self.loras = LoRARegistry(model_cfg, self.dtype, cfg.max_lora_rank, cfg.max_loras)
+            name_lora_layers(model)
         # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         packed = model.prepack()
@@ -241,6 +251,7 @@ class ModelRunner:
         self.graphs = None
         # Decode graphs would capture one rank's collectives: under TP every step runs eagerly.
         if self.device.type == "cuda" and backend.supports_decode_graphs and not cfg.enforce_eager \
+                and not cfg.enable_lora \
                 and not tp.distributed and len(self.kv_layout.groups) == 1:
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
@@ -480,6 +491,7 @@ class ModelRunner:
         more = len(order[0].groups) if order else 0   # layer groups 1..
         group_slots: list[list[int]] = [[] for _ in range(more)]
         group_tables: list[list[list[int]]] = [[] for _ in range(more)]
+        lora_rows: dict[int, list[int]] = {}
         for c in order:
             base = len(ids)
             ids.extend(c.token_ids)
@@ -489,6 +501,8 @@ class ModelRunner:
                 group_slots[g].extend(sl)
                 group_tables[g].append(bt)
             q_starts.append(len(ids))
+            if c.lora_id:
+                lora_rows.setdefault(c.lora_id, []).extend(range(base, len(ids)))
             if c.draft:  # a speculating decode: its last len(draft) + 1 rows verify
                 checks.append(Verify(len(logit_rows), c.samples[0], c.draft))
                 logit_rows.extend(range(len(ids) - len(c.draft) - 1, len(ids)))
@@ -503,7 +517,7 @@ class ModelRunner:
                 scored.append((c.seq_id, len(c.score_ids), c.score_top))
         nd = sum(1 for c in order if c.num_tokens == 1)
         step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
-                          nd, logit_rows, plan.copies, *scores, group_slots, group_tables)
+                          nd, logit_rows, plan.copies, *scores, group_slots, group_tables, lora_rows)
         return step, sample_rows, checks, scored
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
@@ -524,9 +538,14 @@ class ModelRunner:
             dev = self.device
             metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, nd), dev)
                      for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
-            hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                                self.kv_cache.layers, metas[0],
-                                [metas[g] for g in self.layer_groups] if len(metas) > 1 else None)
+            self.model.ops.lora = None if not step.lora_rows else \
+                lora_step(step.lora_rows, self.loras.adapters, len(ids), dev)
+            try:
+                hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                                    self.kv_cache.layers, metas[0],
+                                    [metas[g] for g in self.layer_groups] if len(metas) > 1 else None)
+            finally:
+                self.model.ops.lora = None
         scores = self._score_prompt(hidden, step) if step.score_rows else []
         if not step.logit_rows:
             return None, scores

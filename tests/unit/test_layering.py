@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("pagedllm", "util", "kv_dtype", "config", "plan", "sampling_params", "outputs"),  # leaf data
     ("kv", "structured"),                              # the memory manager; grammar specs and compiling: no torch
     ("kernels", "distributed", "attention", "models"),  # compute: ops, collectives, the model
-    ("loader",),                                       # files -> weights, configs, tokenizers
+    ("loader", "lora"),                                # files -> weights, configs, tokenizers, adapters
     ("runtime",),                                      # the model runner and its TP ranks
     ("engine",),
     ("dp",),

@@ -1,0 +1,134 @@
+"""PEFT LoRA adapters (a directory of adapter_config.json and adapter_model.safetensors) read
+into the low-rank pieces of this model's matmuls.
+
+PEFT names a piece by the checkpoint's module (`...layers.3.self_attn.q_proj.lora_A.weight`,
+A [r, in], B [out, r]); our decoder fuses q/k/v into one matmul and gate/up into another, so a
+piece lands on a column range of the fused output (LoRAPart.col). A checkpoint that fused them
+itself (Phi-3's qkv_proj, gate_up_proj) has one piece over all of them. The delta a piece adds is
+scaling * (x A^T) B^T with scaling = lora_alpha / r (rsLoRA: / sqrt(r)), as PEFT computes it
+unmerged."""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..models import ModelConfig
+from .request import LoRARequest
+
+# PEFT's module name -> (our matmul, which part of it: q, k, v / gate, up; None: all of it)
+TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
+           "v_proj": ("self_attn.qkv_proj", 2), "qkv_proj": ("self_attn.qkv_proj", None),
+           "o_proj": ("self_attn.o_proj", None), "gate_proj": ("mlp.gate_up_proj", 0),
+           "up_proj": ("mlp.gate_up_proj", 1), "gate_up_proj": ("mlp.gate_up_proj", None),
+           "down_proj": ("mlp.down_proj", None)}
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+# adapter_config.json settings this engine does not compute, and why a user would see them
+_REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
+            "fan_in_fan_out": "fan_in_fan_out (GPT-2-style Conv1D layers)", "rank_pattern": "rank_pattern",
+            "alpha_pattern": "alpha_pattern"}
+
+
+@dataclass
+class LoRAPart:
+    a: torch.Tensor   # [r, in]
+    b: torch.Tensor   # [cols, r]
+    col: int          # its first output column in our (fused) matmul
+
+
+@dataclass
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int
+    scaling: float
+    modules: dict[str, list[LoRAPart]]   # "layers.3.self_attn.qkv_proj" -> its pieces
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.a.nbytes + p.b.nbytes for parts in self.modules.values() for p in parts)
+
+
+def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
+    """(first column, columns) of each part of our fused matmuls, and the input width of each."""
+    q, kv, inter = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
+    return {"self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "self_attn.o_proj": [(0, mc.hidden_size)],
+            "mlp.gate_up_proj": [(0, inter), (inter, inter)], "mlp.down_proj": [(0, mc.hidden_size)]}
+
+
+def _in_features(mc: ModelConfig, matmul: str) -> int:
+    return {"self_attn.o_proj": mc.num_heads * mc.head_dim, "mlp.down_proj": mc.intermediate_size}.get(
+        matmul, mc.hidden_size)
+
+
+def read_config(path: Path, max_rank: int) -> tuple[int, float]:
+    """(rank, scaling) from adapter_config.json; a setting we do not compute is refused by name."""
+    cfg_file = path / "adapter_config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"lora: {path} has no adapter_config.json (a PEFT LoRA adapter directory is expected)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"lora: {cfg_file} is not valid JSON ({e.msg})") from None
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"lora: {path} is a {cfg.get('peft_type')} adapter; only LORA is supported")
+    for key, what in _REFUSED.items():
+        if cfg.get(key):
+            raise ValueError(f"lora: {path} uses {what}, which is not supported")
+    if cfg.get("bias", "none") != "none":
+        raise ValueError(f"lora: {path} trains biases (bias={cfg['bias']!r}); only bias='none' is supported")
+    r, alpha = cfg.get("r"), cfg.get("lora_alpha", cfg.get("r"))
+    if not isinstance(r, int) or r <= 0:
+        raise ValueError(f"lora: {path}: r must be a positive int, got {r!r}")
+    if r > max_rank:
+        raise ValueError(f"lora: {path} has rank {r}, above max_lora_rank {max_rank}")
+    return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+
+
+def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+    """The adapter at req.lora_path for a model of config `mc`, its pieces in `dtype`. Raises
+    ValueError naming what is wrong: a missing or corrupt file, a module we do not run, a shape
+    that is not this base model's, a rank above max_rank."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(req.lora_path)
+    rank, scaling = read_config(path, max_rank)
+    weights = path / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise ValueError(f"lora: {path} has no adapter_model.safetensors (only safetensors adapters are read)")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"lora: {weights} cannot be read: {e}") from None
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        m = _KEY.fullmatch(key)
+        if m is None or m.group(2) not in TARGETS:
+            raise ValueError(f"lora: {path}: tensor {key!r} targets a module we do not adapt "
+                             f"(supported: {', '.join(TARGETS)} of the decoder layers)")
+        layer = int(m.group(1))
+        if layer >= mc.num_layers:
+            raise ValueError(f"lora: {path}: {key!r} is for layer {layer}; the base model has {mc.num_layers}")
+        pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
+    columns = part_columns(mc)
+    modules: dict[str, list[LoRAPart]] = {}
+    for (layer, name), ab in sorted(pairs.items()):
+        if set(ab) != {"A", "B"}:
+            raise ValueError(f"lora: {path}: layer {layer} {name} has lora_{''.join(ab)} without its pair")
+        matmul, part = TARGETS[name]
+        cols = columns[matmul]
+        col, width = cols[part] if part is not None else (0, cols[-1][0] + cols[-1][1])
+        a, b = ab["A"], ab["B"]
+        want_a, want_b = (rank, _in_features(mc, matmul)), (width, rank)
+        if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
+            raise ValueError(f"lora: {path}: layer {layer} {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
+                             f"this base model needs A {want_a} and B {want_b} (an adapter of another model?)")
+        modules.setdefault(f"layers.{layer}.{matmul}", []).append(
+            LoRAPart(a.to(dtype).contiguous(), b.to(dtype).contiguous(), col))
+    if not modules:
+        raise ValueError(f"lora: {path} holds no LoRA weights")
+    return LoRAAdapter(req, rank, scaling, modules)

@@ -404,6 +404,9 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
                     help="what reads tool calls from the model's text under --enable-auto-tool-choice: "
                          f"{', '.join(sorted(TOOL_PARSERS))} (hermes: <tool_call>{{\"name\": ..., "
                          '"arguments": {...}}</tool_call>, for Hermes and Qwen models)')
+    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
+                         "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
     sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
                     help="serve the KV visualizer at /viz/ (with API keys, each key sees its own requests' text "
                          "and only anonymous block ownership of others')")

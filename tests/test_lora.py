@@ -13,6 +13,8 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.lora import LoRARequest
 
+from lora_adapters import make_adapter
+
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # (rank, alpha, targets, rsLoRA) of each adapter: ranks and targets differ within one batch
 ADAPTERS = [(8, 16, ALL, False), (16, 8, ["q_proj", "v_proj"], False), (4, 8, ["gate_proj", "up_proj", "down_proj"], True),
@@ -20,22 +22,6 @@ ADAPTERS = [(8, 16, ALL, False), (16, 8, ["q_proj", "v_proj"], False), (4, 8, ["
 PROMPTS = [[1, 504, 3458, 282, 4649, 314], [1, 2683, 2162, 253, 655, 28, 253], [1, 378, 1838, 3549, 282, 260],
            [1, 8302, 436, 1041, 30], [1, 504, 3458, 282, 4649, 314, 339, 2050]]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def make_adapter(model_dir, out, seed: int, rank: int, alpha: int, targets: list[str], rslora: bool):
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    cfg = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, init_lora_weights=False)
-    model = get_peft_model(base, cfg)
-    with torch.no_grad():  # PEFT's random init, scaled so the adapter moves greedy tokens
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.mul_(0.5 if "lora_B" in name else 1.0)
-    model.save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -150,8 +150,9 @@ class DataParallelEngine:
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None, owner: str | None = None,
-               priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """As AsyncLLMEngine.submit: raises at once, or returns the request's stream."""
+               priority: int = 0, lora_request=None) -> AsyncIterator[RequestOutput]:
+        """As AsyncLLMEngine.submit: raises at once, or returns the request's stream. Adapters
+        are refused at start under data parallelism (server/lora.py), so none arrives here."""
         if not self.alive:
             raise EngineDeadError("no data-parallel replica is running")
         ids = self.validate(prompt, params)
@@ -167,7 +168,7 @@ class DataParallelEngine:
             r.adds_sent += 1
             r.routed += 1
             commands = r.commands
-        _put(commands, ("add", request_id, ids, params, cache_salt, owner, priority))
+        _put(commands, ("add", request_id, ids, params, cache_salt, owner, priority, None))
         return self._iterate(r, request_id, stream)
 
     async def generate(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,

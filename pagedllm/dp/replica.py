@@ -3,7 +3,7 @@ pool) and steps it, talking to the server's front over picklable messages.
 
 The loop is the engine-core loop (pagedllm.engine.core_loop), as in AsyncLLMEngine.
 In (a multiprocessing Queue, so the server's event loop never blocks on a busy replica):
-    ("add", request_id, token_ids, params, cache_salt, owner, priority) · ("abort", request_id) · ("stop",) · ("stats",)
+    ("add", request_id, token_ids, params, cache_salt, owner, priority, lora_request) · ("abort", request_id) · ("stop",) · ("stats",)
 Out (a Pipe, read by one thread in the server):
     ("ready", ReplicaInfo) or ("failed", message), once, first;
     ("step", outputs, view, tokens_run, adds_applied, moved) after every step (the view:

@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Sequence as Seq
 
+from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured import mark_checked
@@ -99,7 +100,7 @@ class AsyncLLMEngine:
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,
                cache_salt: str | None = None, owner: str | None = None,
-               priority: int = 0) -> AsyncIterator[RequestOutput]:
+               priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         """Queue a request now (raising ValueError, QueueFullError or EngineDeadError at
         once) and return its stream: the request's output after each step that moved it
         (as its output_kind says), the last one finished. Closing the stream early (client
@@ -113,7 +114,7 @@ class AsyncLLMEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._adds_sent += 1
-        self._send(("add", request_id, ids, params, cache_salt, owner, priority))
+        self._send(("add", request_id, ids, params, cache_salt, owner, priority, lora_request))
         return self._iterate(request_id, stream)
 
     def _iterate(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:

@@ -16,6 +16,7 @@ from .validation import RequestRules
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
+    from ..lora.request import LoRARequest
     from .engine import EngineStats, LLMEngine
 
 
@@ -78,7 +79,7 @@ class EngineClient(Protocol):
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
                cache_salt: str | None = None, owner: str | None = None,
-               priority: int = 0) -> AsyncIterator[RequestOutput]: ...
+               priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
 
     async def check_structured(self, so: StructuredOutputsParams) -> None:
         """Compile a constrained request's grammar (cached) before it is submitted; ValueError

@@ -6,7 +6,7 @@ AsyncLLMEngine runs it on a thread, its sink an event loop's request streams; a
 data-parallel replica runs it in its own process, its sink a pipe to the front. Command
 dispatch, fatal errors and failing the requests in flight are written here once.
 
-Commands (tuples): ("add", request_id, token_ids, params, cache_salt, owner, priority) ·
+Commands (tuples): ("add", request_id, token_ids, params, cache_salt, owner, priority, lora_request) ·
 ("abort", request_id) · ("call", fn, done): done(fn(engine), True), or done(error, False) ·
 ("stop",).
 """
@@ -134,12 +134,12 @@ class EngineCoreLoop:
     def _command(self, cmd: tuple) -> None:
         engine, kind = self.engine, cmd[0]
         if kind == "add":
-            _, rid, prompt, params, salt, owner, priority = cmd
+            _, rid, prompt, params, salt, owner, priority, lora = cmd
             self.adds_applied += 1
             if not self.sink.wants(rid):
                 return  # the client left before it was queued
             try:
-                engine.add_request(rid, prompt, params, salt, owner, priority=priority)
+                engine.add_request(rid, prompt, params, salt, owner, priority=priority, lora_request=lora)
             except ValueError as e:
                 self.sink.rejected(rid, e)
         elif kind == "abort":

@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
@@ -20,6 +20,7 @@ from ..engine.client import EngineDeadError
 from ..sampling_params import SamplingParams
 from .chat_template import render_chat
 from .info import model_info, server_info
+from .lora import RUNTIME_FLAG, runtime_updates_allowed
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import APIError, ServerState
 from .streaming import serve
@@ -76,11 +77,37 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/v1/models")
     async def models(request: Request):
         state.authenticate(request)
-        s = state.engine.stats
-        return {"object": "list", "data": [{
-            "id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "pagedllm",
-            "max_model_len": state.engine.info.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
-            "block_size": s.kv.block_size}]}
+        s, now = state.engine.stats, int(time.time())
+        base = {"id": state.model_name, "object": "model", "created": now, "owned_by": "pagedllm",
+                "max_model_len": state.engine.info.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
+                "block_size": s.kv.block_size}
+        # adapters as vLLM lists them: their path as root, the base as parent
+        return {"object": "list", "data": [base] + [
+            {"id": name, "object": "model", "created": now, "owned_by": "pagedllm", "root": r.lora_path,
+             "parent": state.model_name, "max_model_len": base["max_model_len"]}
+            for name, r in list(state.loras.by_name.items())]}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await _lora_admin(state, request)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise APIError(400, "lora_name and lora_path must be non-empty strings")
+        try:
+            await state.off_loop(state.loras.add, name, path)   # reads the files: off the event loop
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await _lora_admin(state, request)
+        name = body.get("lora_name")
+        try:
+            state.loras.remove(name)
+        except KeyError:
+            raise APIError(404, f"the adapter {name!r} is not served", "NotFoundError", "lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # What a gateway reads of a worker (the SGLang Model Gateway names a model by them),
     # under SGLang's paths and their older get_ names; behind the same keys as /v1/models.
@@ -281,3 +308,19 @@ def _limit_field(message: str, chat: bool) -> tuple[str, str | None]:
             field = "top_logprobs" if chat and name == "logprobs" else name
             return field + message[len(name):], field
     return message, None
+
+
+async def _lora_admin(state: ServerState, request: Request) -> dict:
+    """The body of a runtime adapter change, once the server allows them (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING) and the caller may: the admin key where the server has one
+    (an adapter changes what every tenant may ask for), else any accepted key."""
+    key = state.authenticate(request)
+    if not runtime_updates_allowed():
+        raise APIError(404, f"runtime adapter updates are off; start the server with {RUNTIME_FLAG}=True",
+                       "NotFoundError")
+    if state.admin_key is not None and not state.is_admin(key):
+        raise APIError(403, "runtime adapter updates need the admin key", "permission_error")
+    body = await state.read_json(request)
+    if not isinstance(body, dict):
+        raise APIError(400, "request body must be a JSON object")
+    return body

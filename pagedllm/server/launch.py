@@ -28,6 +28,7 @@ from ..engine.core_loop import StepGate, is_fatal
 from ..engine.engine import LLMEngine
 from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
+from .lora import parse_lora_modules, served_loras
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class ServerOptions:
     log_level: str
     enable_auto_tool_choice: bool      # tool_choice "auto": the output read by tool_call_parser
     tool_call_parser: str | None
+    lora_modules: list[str] | None = None   # adapters served under their names (--enable-lora)
 
 
 class Attachment(Protocol):
@@ -104,6 +106,9 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
     if opts.enable_auto_tool_choice and opts.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (the parser that reads calls from "
                          "the model's text)")
+    parse_lora_modules(opts.lora_modules)   # a malformed flag stops the start before any model loads
+    if opts.lora_modules and not cfg.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     async_engine, attached = _engines(cfg, opts, attach, engine)
     try:
         name = opts.served_model_name or async_engine.info.model_name
@@ -111,6 +116,7 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
                             admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
                             body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
                             tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
+        state.loras = served_loras(async_engine.info, name, opts.lora_modules)
     except ValueError:
         async_engine.shutdown()
         raise

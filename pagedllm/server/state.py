@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from ..engine.client import EngineClient
+from .lora import ServedLoRAs
 from .metrics import ServerMetrics
 from .shared_read import SharedRead
 from .tool_parsers import TOOL_PARSERS
@@ -63,6 +64,7 @@ class ServerState:
         self.tokenizer = engine.info.tokenizer
         self.walk_slots = SharedRead(engine.get_stats, SLOT_WALK_TTL_S)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
+        self.loras = ServedLoRAs(model_name, None, False)   # launch.build sets the served ones
 
     # -- request checks ------------------------------------------------------
     def authenticate(self, request: Request, query_key: bool = False) -> str | None:
@@ -130,9 +132,10 @@ class ServerState:
         """Names a request may use: the served name, and while that is the default one
         (no --served-model-name), the --model argument as given too, as vLLM answers to."""
         info = self.engine.info
+        names = (self.model_name, *self.loras.by_name)
         if self.model_name == info.model_name and info.model is not None:
-            return self.model_name, str(info.model)
-        return (self.model_name,)
+            return (*names, str(info.model))
+        return names
 
     def refuse_unsupported(self, model: type[BaseModel], data: dict, refused: dict) -> None:
         field = unsupported_field(model, data, refused)
@@ -149,7 +152,8 @@ class ServerState:
             param = ".".join(str(x) for x in err["loc"]) or None
             raise APIError(400, f"{param}: {err['msg']}" if param else err["msg"], param=param) from None
         if req.model is not None and req.model not in self.model_names():
-            raise APIError(404, f"the model `{req.model}` does not exist; this server serves `{self.model_name}`",
+            served = ", ".join(f"`{n}`" for n in (self.model_name, *self.loras.by_name))
+            raise APIError(404, f"the model `{req.model}` does not exist; this server serves {served}",
                            "NotFoundError", "model")
         return req
 

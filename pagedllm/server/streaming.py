@@ -37,11 +37,12 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         raise APIError(400, f"priority: {req.priority} needs the priority scheduling policy (the server runs "
                             f"--scheduling-policy {policy})", param="priority")
     rid = f"{prefix}-{uuid.uuid4().hex}"
+    lora = state.loras.get(req.model)   # a served adapter's name picks it; anything else is the base
     streams = []
     try:
         for i, ids in enumerate(prompts):
             streams.append(engine.submit(f"{rid}-{i}", ids, params, salt, owner=state.tenant(key),
-                                         priority=req.priority))
+                                         priority=req.priority, lora_request=lora))
     except (QueueFullError, EngineDeadError) as e:
         for s in streams:
             await s.aclose()
@@ -50,7 +51,7 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         for s in streams:
             await s.aclose()
         raise APIError(400, str(e)) from None
-    resp = ResponseBuilder(state, req, rid, chat, params.n, echo, tools)
+    resp = ResponseBuilder(state, req, rid, chat, params.n, echo, tools, lora.lora_name if lora else None)
     # A client that leaves (before its first token, too: a long prefill sends nothing)
     # aborts its requests and frees their blocks before the next step.
     merged = until(_merge(streams), _wait_disconnect(request), ClientGone)
@@ -113,8 +114,9 @@ class ResponseBuilder:
     """Builds OpenAI responses and SSE chunks from engine outputs."""
 
     def __init__(self, state: ServerState, req, rid: str, chat: bool, n: int, echo: list[str] | None = None,
-                 tools: ToolOutput | None = None) -> None:
+                 tools: ToolOutput | None = None, model: str | None = None) -> None:
         self.state, self.req, self.rid, self.chat, self.n = state, req, rid, chat, n
+        self.model = model or state.model_name   # the served name answered: an adapter's own, else the base's
         self.echo = echo  # per prompt: the text each of its choices starts with
         self.tools = tools  # chat: how a choice's text becomes tool calls (None: it is the content)
         # max_tokens 0 with echo: the engine ran one token, which no part of the answer shows.
@@ -146,7 +148,7 @@ class ResponseBuilder:
                 ch = self._message(c) if self.chat else self._completion_choice(finals[i], i, c)
                 choices.append({"index": self._index(i, c), **ch})
         choices.sort(key=lambda ch: ch["index"])
-        resp = {"id": self.rid, "object": self.object, "created": self.created, "model": self.state.model_name,
+        resp = {"id": self.rid, "object": self.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(finals)}
         if self.chat and self.req.prompt_logprobs is not None and finals:  # vLLM's place: the response's
             resp["prompt_logprobs"] = vllm_prompt_logprobs(finals[0].prompt_logprobs, self.req.prompt_logprobs)
@@ -224,7 +226,7 @@ class ResponseBuilder:
             opts = self.req.stream_options
             if opts is not None and opts.include_usage:
                 yield _sse({"id": self.rid, "object": chunk_obj, "created": self.created,
-                            "model": self.state.model_name, "choices": [], "usage": self.usage(finals)})
+                            "model": self.model, "choices": [], "usage": self.usage(finals)})
             yield "data: [DONE]\n\n"
         except ServerClosing as e:  # the shutdown grace is over: end cleanly, the requests aborted
             yield _sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": 503}})
@@ -278,7 +280,7 @@ class ResponseBuilder:
         choice["logprobs"] = lps
         if finish is not None:
             choice["stop_reason"] = stop_reason
-        return _sse({"id": self.rid, "object": obj, "created": self.created, "model": self.state.model_name,
+        return _sse({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
                      "choices": [choice]})
 
 

@@ -1,0 +1,90 @@
+"""Adapters served under their own names (--enable-lora --lora-modules, vLLM's flags): /v1/models
+lists them with the base as parent, a request's `model` picks one and gets the tokens the
+offline engine gives under it, and /v1/load_lora_adapter and /v1/unload_lora_adapter change them
+at run time only under VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, behind the admin key. A bad
+adapter is refused by name: at start, or with a 400 at run time."""
+from __future__ import annotations
+
+import pytest
+
+from pagedllm import SamplingParams
+from pagedllm.lora import LoRARequest
+
+from lora_adapters import make_adapter
+
+from .inproc import serve_in_process
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LORA = ("--enable-lora", "--max-loras", "2", "--max-lora-rank", "8")
+
+
+@pytest.fixture(scope="module")
+def paths(model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served-loras")
+    return [str(make_adapter(model_dir, root / f"s{i}", 10 + i, 8, 16, ALL, False)) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def lora_server(paths):
+    s = serve_in_process(*LORA, "--lora-modules", f"sql={paths[0]}", '{"name": "fr", "path": "%s"}' % paths[1],
+                         "--admin-key", "root")
+    yield s
+    s.close()
+
+
+def completion(server, model: str, prompt: list[int], **kw):
+    return server.client().post("/v1/completions", json={"model": model, "prompt": prompt, "max_tokens": 10,
+                                                         "temperature": 0, "ignore_eos": True},
+                                timeout=120, **kw)
+
+
+def test_adapters_are_models_and_answer_as_offline(lora_server, paths, make_llm, monkeypatch):
+    models = {m["id"]: m for m in lora_server.client().get("/v1/models", timeout=30).json()["data"]}
+    base = next(m["id"] for m in models.values() if "parent" not in m)
+    assert models["sql"]["parent"] == base and models["sql"]["root"] == paths[0] and "fr" in models
+    prompt = [1, 504, 3458, 282, 4649, 314]
+    llm = make_llm(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=2, max_lora_rank=8)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for name, path, i in (("sql", paths[0], 1), ("fr", paths[1], 2)):
+        r = completion(lora_server, name, prompt)
+        assert r.status_code == 200 and r.json()["model"] == name, r.text
+        want = llm.generate([prompt], greedy, use_tqdm=False, lora_request=LoRARequest(name, i, path))[0]
+        assert r.json()["choices"][0]["text"] == want.outputs[0].text
+    on_base = completion(lora_server, base, prompt).json()["choices"][0]["text"]
+    assert on_base == llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].text
+    assert on_base != completion(lora_server, "sql", prompt).json()["choices"][0]["text"]
+    r = completion(lora_server, "nope", prompt)
+    assert r.status_code == 404 and "`sql`" in r.json()["error"]["message"]
+
+
+def test_runtime_updates_are_gated_and_checked(lora_server, paths, tmp_path, monkeypatch):
+    c = lora_server.client()
+    admin = {"Authorization": "Bearer root"}
+    body = {"lora_name": "late", "lora_path": paths[0]}
+    r = c.post("/v1/load_lora_adapter", json=body, headers=admin)
+    assert r.status_code == 404 and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in r.text
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    assert c.post("/v1/load_lora_adapter", json=body).status_code == 403   # not the admin
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "bad", "lora_path": str(tmp_path)}, headers=admin)
+    assert r.status_code == 400 and "no adapter_config.json" in r.json()["error"]["message"]
+    r = c.post("/v1/load_lora_adapter", json={"lora_name": "sql", "lora_path": paths[0]}, headers=admin)
+    assert r.status_code == 400 and "already served" in r.json()["error"]["message"]
+    r = c.post("/v1/load_lora_adapter", json=body, headers=admin)
+    assert r.status_code == 200 and "added successfully" in r.text
+    prompt = [1, 378, 1838, 3549]
+    late, sql = completion(lora_server, "late", prompt), completion(lora_server, "sql", prompt)
+    assert late.status_code == 200 and late.json()["choices"][0]["text"] == sql.json()["choices"][0]["text"]
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin).status_code == 200
+    assert completion(lora_server, "late", prompt).status_code == 404
+    assert c.post("/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin).status_code == 404
+
+
+def test_bad_lora_flags_stop_the_start(tmp_path, paths):
+    from pagedllm.cli import main
+
+    assert main(["serve", "--dtype", "float32", "--kv-cache-memory", "16MiB", "--lora-modules",
+                 f"x={paths[0]}"]) == 2   # without --enable-lora
+    assert main(["serve", "--dtype", "float32", "--kv-cache-memory", "16MiB", *LORA, "--lora-modules",
+                 f"x={tmp_path}"]) == 2   # not an adapter
+    assert main(["serve", "--dtype", "float32", "--kv-cache-memory", "16MiB", *LORA, "--lora-modules",
+                 "no-equals-sign"]) == 2

@@ -437,6 +437,16 @@ def plot_gemma3(fig, data: dict) -> None:
                           ": output tokens/s")
 
 
+def plot_lora(fig, data: dict) -> None:
+    """Adapters in a mixed batch against the base model alone: each round's throughput."""
+    fig.set_size_inches(8, 2.6)
+    ax = fig.subplots()
+    runs = [r for k in ("base", "mixed") for r in data["runs"][k]]
+    _bars(ax, [f"{r['engine']} ({i % len(data['runs']['base']) + 1})" for i, r in enumerate(runs)],
+          [r["output_tok_s"] for r in runs], [family_colour(r["engine"]) for r in runs])
+    ax.set_xlabel(f"{data['workload']}: output tokens/s (mixed / base {data['mixed_over_base']:.2f}x)")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -521,6 +531,7 @@ PLOTTERS: list[Plotter] = [
     (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
+    (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

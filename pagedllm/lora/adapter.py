@@ -41,15 +41,37 @@ class LoRAPart:
 
 
 @dataclass
+class LoRAModule:
+    """An adapter's pieces on one of our matmuls, as two matmuls: x A^T with the pieces' A stacked
+    [P r, in], then times Bt [P r, N], B transposed and block-diagonal (piece p's r rows nonzero
+    in its own columns only) with the scaling folded in. One pair of matmuls a module, whatever
+    the number of pieces: the step pays per module, not per piece."""
+    a: torch.Tensor    # [P r, in]
+    bt: torch.Tensor   # [P r, N], scaled
+
+
+@dataclass
 class LoRAAdapter:
     request: LoRARequest
     rank: int
     scaling: float
-    modules: dict[str, list[LoRAPart]]   # "layers.3.self_attn.qkv_proj" -> its pieces
+    modules: dict[str, LoRAModule]   # "layers.3.self_attn.qkv_proj" -> its matmul pair
 
     @property
     def nbytes(self) -> int:
-        return sum(p.a.nbytes + p.b.nbytes for parts in self.modules.values() for p in parts)
+        return sum(m.a.nbytes + m.bt.nbytes for m in self.modules.values())
+
+
+def stack_parts(parts: list[LoRAPart], width: int, scaling: float) -> LoRAModule:
+    """The pieces of one matmul (`width` output columns) as its LoRAModule."""
+    a = torch.cat([p.a for p in parts])
+    bt = a.new_zeros(a.shape[0], width)
+    k = 0
+    for p in parts:
+        r = p.a.shape[0]
+        bt[k:k + r, p.col:p.col + p.b.shape[0]] = p.b.T * scaling
+        k += r
+    return LoRAModule(a.contiguous(), bt)
 
 
 def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -115,7 +137,7 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
             raise ValueError(f"lora: {path}: {key!r} is for layer {layer}; the base model has {mc.num_layers}")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
     columns = part_columns(mc)
-    modules: dict[str, list[LoRAPart]] = {}
+    pieces: dict[str, list[LoRAPart]] = {}
     for (layer, name), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora: {path}: layer {layer} {name} has lora_{''.join(ab)} without its pair")
@@ -127,8 +149,13 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"lora: {path}: layer {layer} {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                              f"this base model needs A {want_a} and B {want_b} (an adapter of another model?)")
-        modules.setdefault(f"layers.{layer}.{matmul}", []).append(
-            LoRAPart(a.to(dtype).contiguous(), b.to(dtype).contiguous(), col))
-    if not modules:
+        pieces.setdefault(f"layers.{layer}.{matmul}", []).append(
+            LoRAPart(a.float(), b.float(), col))
+    if not pieces:
         raise ValueError(f"lora: {path} holds no LoRA weights")
+    modules = {}
+    for name, parts in pieces.items():
+        cols = columns[name.split(".", 2)[2]]
+        m = stack_parts(parts, cols[-1][0] + cols[-1][1], scaling)   # scaled in fp32, then rounded once
+        modules[name] = LoRAModule(m.a.to(dtype), m.bt.to(dtype))
     return LoRAAdapter(req, rank, scaling, modules)

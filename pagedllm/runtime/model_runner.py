@@ -539,7 +539,7 @@ class ModelRunner:
             metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, nd), dev)
                      for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
             self.model.ops.lora = None if not step.lora_rows else \
-                lora_step(step.lora_rows, self.loras.adapters, len(ids), dev)
+                lora_step(step.lora_rows, self.loras.adapters, len(ids), dev, self.model.ops.k)
             try:
                 hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_cache.layers, metas[0],

@@ -13,6 +13,11 @@ from .adapter import LoRAAdapter, load_adapter
 from .request import LoRARequest
 
 
+class AdaptersBusyError(ValueError):
+    """Every held adapter is in use and a new one needs room: retry when a request finishes
+    (the server's 503)."""
+
+
 class LoRARegistry:
     def __init__(self, mc: ModelConfig, dtype: torch.dtype, max_rank: int, capacity: int) -> None:
         self.mc, self.dtype, self.max_rank, self.capacity = mc, dtype, max_rank, capacity
@@ -48,6 +53,6 @@ class LoRARegistry:
         while len(self.adapters) >= self.capacity:
             idle = next((i for i in self.adapters if i not in self.refs), None)
             if idle is None:
-                raise ValueError(f"lora: all {self.capacity} adapters held (max_loras) are in use by unfinished "
-                                 "requests; retry when one finishes, or raise max_loras")
+                raise AdaptersBusyError(f"lora: all {self.capacity} adapters held (max_loras) are in use by "
+                                        "unfinished requests; retry when one finishes, or raise max_loras")
             del self.adapters[idle]

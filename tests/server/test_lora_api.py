@@ -88,3 +88,28 @@ def test_bad_lora_flags_stop_the_start(tmp_path, paths):
                  f"x={tmp_path}"]) == 2   # not an adapter
     assert main(["serve", "--dtype", "float32", "--kv-cache-memory", "16MiB", *LORA, "--lora-modules",
                  "no-equals-sign"]) == 2
+
+
+def test_no_room_for_an_adapter_is_a_503_and_the_others_go_on(paths):
+    """With every held adapter in use (--max-loras 1), a request for another gets a 503 naming
+    why; the running request finishes, and then the other adapter is served."""
+    import threading
+    import time
+
+    s = serve_in_process("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+                         "--lora-modules", f"sql={paths[0]}", f"fr={paths[1]}")
+    try:
+        held: list = []
+        body = {"model": "sql", "prompt": [1, 504, 3458], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
+        t = threading.Thread(target=lambda: held.append(s.client().post("/v1/completions", json=body, timeout=120)))
+        t.start()
+        deadline = time.time() + 60
+        while s.built.async_engine.stats.num_running == 0 and time.time() < deadline:
+            time.sleep(0.02)   # until sql's request runs and holds its adapter
+        r = completion(s, "fr", [1, 378, 1838])
+        assert r.status_code == 503 and "in use" in r.json()["error"]["message"], r.text
+        t.join(120)
+        assert held[0].status_code == 200 and held[0].json()["usage"]["completion_tokens"] == 150
+        assert completion(s, "fr", [1, 378, 1838]).status_code == 200
+    finally:
+        s.close()

@@ -69,7 +69,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.hashes is None:  # its block keys, computed once however long it waits
-            seq.hashes = self.kv.new_hashes(block_salt(seq.request))
+            seq.hashes = self.kv.new_hashes(seq.request.block_salt)
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
 
@@ -284,10 +284,3 @@ class Scheduler:
             else:
                 self.finish(seq, "error")
 
-
-def block_salt(req) -> str | None:
-    """What a request's block hashes are salted with: its cache_salt and its adapter (the same
-    tokens under two adapters have different KV, as vLLM keys blocks by the adapter too)."""
-    if req.lora is None:
-        return req.cache_salt
-    return req.lora.cache_key if req.cache_salt is None else f"{req.cache_salt}\x00{req.lora.cache_key}"

@@ -91,6 +91,14 @@ class Request:
         return self.lora.lora_int_id if self.lora is not None else 0
 
     @property
+    def block_salt(self) -> str | None:
+        """What its block hashes are salted with: its cache_salt and its adapter (the same tokens
+        under two adapters have different KV; vLLM keys blocks by the adapter too)."""
+        if self.lora is None:
+            return self.cache_salt
+        return self.lora.cache_key if self.cache_salt is None else f"{self.cache_salt}\x00{self.lora.cache_key}"
+
+    @property
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 

@@ -54,12 +54,7 @@ class LoRAModule:
 class LoRAAdapter:
     request: LoRARequest
     rank: int
-    scaling: float
-    modules: dict[str, LoRAModule]   # "layers.3.self_attn.qkv_proj" -> its matmul pair
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.a.nbytes + m.bt.nbytes for m in self.modules.values())
+    modules: dict[str, LoRAModule]   # "layers.3.self_attn.qkv_proj" -> its matmul pair (scaling folded in)
 
 
 def stack_parts(parts: list[LoRAPart], width: int, scaling: float) -> LoRAModule:
@@ -75,7 +70,7 @@ def stack_parts(parts: list[LoRAPart], width: int, scaling: float) -> LoRAModule
 
 
 def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
-    """(first column, columns) of each part of our fused matmuls, and the input width of each."""
+    """(first column, columns) of each part of our matmuls (q, k, v and gate, up where fused)."""
     q, kv, inter = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
     return {"self_attn.qkv_proj": [(0, q), (q, kv), (q + kv, kv)], "self_attn.o_proj": [(0, mc.hidden_size)],
             "mlp.gate_up_proj": [(0, inter), (inter, inter)], "mlp.down_proj": [(0, mc.hidden_size)]}
@@ -158,4 +153,4 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         cols = columns[name.split(".", 2)[2]]
         m = stack_parts(parts, cols[-1][0] + cols[-1][1], scaling)   # scaled in fp32, then rounded once
         modules[name] = LoRAModule(m.a.to(dtype), m.bt.to(dtype))
-    return LoRAAdapter(req, rank, scaling, modules)
+    return LoRAAdapter(req, rank, modules)

@@ -60,7 +60,7 @@ def test_step_on_torch_equals_the_kernel():
 
     def adapter(i: int, r: int) -> LoRAAdapter:
         mod = LoRAModule(torch.randn(r, k, generator=g), torch.randn(r, n, generator=g))
-        return LoRAAdapter(LoRARequest(f"a{i}", i, "/none"), r, 1.0, {"layers.0.mlp.down_proj": mod})
+        return LoRAAdapter(LoRARequest(f"a{i}", i, "/none"), r, {"layers.0.mlp.down_proj": mod})
 
     adapters = {1: adapter(1, 4), 2: adapter(2, 8)}
     x, base = torch.randn(t, k, generator=g), torch.randn(t, n, generator=g)

@@ -98,6 +98,15 @@ def groups_report(kv) -> list[str]:
     return [f"  layer groups ({len(kv.groups)}, a block holds one group's layers): {held}"]
 
 
+def adapters_report(kv) -> list[str]:
+    """The LoRA adapters' pages in the pool (kv.adapter_pages), when any were placed."""
+    a = kv.adapters
+    if a is None or not a.loads:
+        return []
+    return [f"  LoRA adapters in the pool: {a.resident} resident ({a.held} in use: {a.held_pages} blocks; idle: "
+            f"{a.idle_pages} blocks, free to take), {a.loads} paged in, {a.evictions} evicted"]
+
+
 def kv_report(stats, tier_dir: str | None = None) -> str:
     """The KV figures `pagedllm generate` prints; `tier_dir`: the --kv-offload-dir it names."""
     s, kv = stats, stats.kv
@@ -110,7 +119,7 @@ def kv_report(stats, tier_dir: str | None = None) -> str:
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
         f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
-    ] + groups_report(kv) + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + (
+    ] + groups_report(kv) + adapters_report(kv) + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + (
         [] if not kv.scores.queries else [
             f"  prompt logprobs from the cache: {kv.scores.hits}/{kv.scores.queries} prompt tokens "
             f"({kv.scores.hit_rate:.1%}; {kv.scores.entries} blocks keep theirs, {kv.scores.bytes / 2**20:.1f} of "

@@ -199,11 +199,15 @@ class EngineConfig:
         "keeps its distribution", type=parse_speculative_config)
     enable_lora: bool = knob(False, "serve PEFT LoRA adapters beside the base model (vLLM's flag): a request names "
                              "one (LLM.generate(lora_request=...)); rows of several adapters and of the base share a "
-                             "step, the base matmul once and each adapter's low-rank pass over its rows")
+                             "step, the base matmul once and each adapter's low-rank pass over its rows. Adapter "
+                             "weights live in pages of the KV pool (S-LoRA's unified paging): held while used, "
+                             "evicted like cold prefix blocks after; a request whose adapter finds no room waits")
     max_lora_rank: int = knob(16, "the highest adapter rank accepted (vLLM's flag)", type=int)
-    max_loras: int = knob(1, "adapters held at once, all of which may run in one step (vLLM's flag: there, the "
-                          "adapters of one batch); an unused one is dropped for a new one, least recently used "
-                          "first", type=int)
+    max_loras: int = knob(1, "the most adapters one step runs (vLLM's flag); a request of another adapter waits "
+                          "until one of them has no running request", type=int)
+    max_cpu_loras: int | None = knob(None, "unused adapters kept in host memory besides those of unfinished "
+                                     "requests, least recently used dropped first (vLLM's flag; default "
+                                     "max_loras): one dropped is read from disk again when asked for", type=int)
     tensor_parallel_size: int = knob(
         1, "split the model over this many ranks (heads, KV heads, MLP and vocab sharded; gloo on CPU, NCCL on "
         "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
@@ -240,6 +244,10 @@ class EngineConfig:
         for name in ("max_lora_rank", "max_loras"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
+                                               or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
+                             f"got {self.max_cpu_loras!r}")
         if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
         if self.allocation not in ALLOCATION_POLICIES:

@@ -142,6 +142,10 @@ class StepPlan:
     saves: list[tuple[int, int]] = field(default_factory=list)
     loads: list[tuple[int, Any]] = field(default_factory=list)
     writes: list[tuple[int, int]] = field(default_factory=list)
+    # LoRA adapters paged in the pool (kv.adapter_pages): (adapter id, its blocks) to write
+    # before the forward; adapters whose pages went to others (the runner forgets where they were).
+    adapter_loads: list[tuple[int, list[int]]] = field(default_factory=list)
+    adapter_evictions: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

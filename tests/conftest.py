@@ -242,7 +242,7 @@ def hf_model(model_dir):
 # share one runner: one model load per runner configuration per test run.
 RUNNER_FIELDS = ("model", "tokenizer", "dtype", "device", "attention_backend", "quantization", "batch_invariant",
                  "speculative_config", "kv_cache_dtype", "block_size", "num_threads", "enforce_eager", "allocation",
-                 "enable_lora", "max_lora_rank", "max_loras")
+                 "enable_lora", "max_lora_rank", "max_loras", "max_cpu_loras")
 SHARED_POOL = "512MiB"   # the shared runners' pool: an engine uses what its config asks of it
 
 

@@ -162,6 +162,10 @@ def test_scenarios_show_what_they_promise():
     fig = tier[-1]["figures"]
     assert fig["tier_hits"] == doc * tier[0]["config"]["block_size"] and fig["swap_outs"] == 1
     assert fig["tier_loaded"] == len(loads) and fig["tier_offloaded"] == len(to_tier)
+    # Adapters are paged into the pool, held, left idle, used again where they lie, and evicted for KV.
+    lora = traces["lora"]["messages"]
+    assert {"adapter_load", "adapter_hold", "adapter_idle", "adapter_evict"} <= kinds(traces["lora"])
+    assert lora[0]["config"]["lora"] and not traces["chat"]["messages"][0]["config"].get("lora")
     # A trace without a tier carries none of its figures: the page hides its panel.
     assert "tier_blocks" not in traces["chat"]["messages"][-1]["figures"]
 

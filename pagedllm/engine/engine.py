@@ -93,6 +93,7 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids,
                                         timeout=cfg.grammar_compile_timeout)
         self._compiling: list[Request] = []   # waiting for their grammar
+        self._loading: list[Request] = []     # waiting for their adapter's read
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0
         self.peak_waste = 0.0
@@ -163,7 +164,7 @@ class LLMEngine:
         self.scheduler = sched = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
             cfg.max_num_partial_prefills, self.max_model_len,
-            make_policy(cfg.scheduling_policy, cfg.scheduling_aging_bound))
+            make_policy(cfg.scheduling_policy, cfg.scheduling_aging_bound), max_loras=cfg.max_loras)
         self.applier = StepApplier(sched, self.stop_rules)
         self.speculation = None
         if self.kv.connector is not None:
@@ -185,6 +186,8 @@ class LLMEngine:
         if self._launcher is not None:
             self._launcher.close()
         self.grammars.close()
+        if getattr(self.runner, "loras", None) is not None:
+            self.runner.loras.close()
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
@@ -198,7 +201,9 @@ class LLMEngine:
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
         BeamSearchParams make a beam-search request: one group of up to beam_width beams.
         `priority` (vLLM's): lower runs first under the priority queue policy.
-        `lora_request` (vLLM's; enable_lora): the adapter it runs under, loaded on first use."""
+        `lora_request` (vLLM's; enable_lora): the adapter it runs under. One not in host memory
+        is read on the loader's thread while the request waits in the queue; a read that fails
+        ends the request with its error (check_lora reads one first, raising)."""
         params, beam = self.rules.split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -209,7 +214,7 @@ class LLMEngine:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         self.check_priority(priority)
-        self._acquire_lora(lora_request)   # last of the checks: it holds the adapter from here
+        lora_read = self._acquire_lora(lora_request)   # last of the checks: it holds the adapter from here
         try:
             compiling = self._grammar_of(params, beam)
         except BaseException:
@@ -220,6 +225,9 @@ class LLMEngine:
         if compiling is not None:
             req.compiling = compiling
             self._compiling.append(req)
+        if lora_request is not None:
+            req.lora_loading = lora_read
+            self._loading.append(req)
         if params.prompt_logprobs is not None:
             req.prompt_scores = self.scoring.new_scores(params.prompt_logprobs)
         base_seed = params.seed if params.seed is not None else request_seed(self.cfg.seed, request_id)
@@ -238,20 +246,55 @@ class LLMEngine:
                 o.on_request(req)
         return req
 
-    def _acquire_lora(self, lora: LoRARequest | None) -> None:
-        if lora is None:
-            return
+    def _adapters(self, lora: LoRARequest):
         if not isinstance(lora, LoRARequest):
             raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-        holder = getattr(self.runner, "loras", None)
-        if holder is None:
+        cache = getattr(self.runner, "loras", None)
+        if cache is None:
             raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True "
                              "(--enable-lora)")
-        holder.acquire(lora)
+        return cache
+
+    def _acquire_lora(self, lora: LoRARequest | None) -> Future | None:
+        """The request holds its adapter in host memory from here: its read (started, if it must be)."""
+        return None if lora is None else self._adapters(lora).request(lora)
 
     def _release_lora(self, lora: LoRARequest | None) -> None:
         if lora is not None:
             self.runner.loras.release(lora.lora_int_id)
+
+    def check_lora(self, lora: LoRARequest | None) -> None:
+        """Read `lora`'s adapter now (kept in host memory), blocking; ValueError naming what is
+        wrong with it. An offline batch checks its adapters before queueing anything."""
+        if lora is not None:
+            self._adapters(lora).load_now(lora)
+
+    def _settle_loras(self) -> list[Request]:
+        """Requests whose adapter read ended since the last step: ready to be admitted (their
+        adapter's pages known), or failed with the read's error."""
+        self._loading, failed = self._settle(self._loading, "lora_loading",
+                                             lambda req, adapter: setattr(req, "lora_pages", adapter.num_pages))
+        return failed
+
+    def _settle(self, waiting: list[Request], field: str, take) -> tuple[list[Request], list[Request]]:
+        """Of requests waiting on a future (their `field`), those whose future ended: its result
+        given to take(req, result), or the request failed with its error. Returns (still
+        waiting, failed)."""
+        failed, pending = [], []
+        for req in waiting:
+            fut = getattr(req, field)
+            if req.finished:
+                continue
+            if not fut.done():
+                pending.append(req)
+                continue
+            setattr(req, field, None)
+            try:
+                take(req, fut.result())
+            except Exception as e:  # the read or compile's own error: the request's, not the engine's
+                self.scheduler.fail(req, str(e))
+                failed.append(req)
+        return pending, failed
 
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -278,21 +321,8 @@ class LLMEngine:
     def _settle_grammars(self) -> list[Request]:
         """Requests whose grammar compile ended since the last step: ready to be admitted,
         or failed (the schema, regex or grammar was refused; they end with its error)."""
-        failed, pending = [], []
-        for req in self._compiling:
-            fut = req.compiling
-            if req.finished:
-                continue
-            if not fut.done():
-                pending.append(req)
-                continue
-            req.compiling = None
-            try:
-                req.grammar = fut.result()
-            except Exception as e:
-                self.scheduler.fail(req, str(e))
-                failed.append(req)
-        self._compiling = pending
+        self._compiling, failed = self._settle(self._compiling, "compiling",
+                                               lambda req, grammar: setattr(req, "grammar", grammar))
         return failed
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,
@@ -333,13 +363,16 @@ class LLMEngine:
         """Schedule, execute, and let the scheduler apply the result (tokens, stops on ids
         and lengths, beams, drafts); None when nothing was scheduled. No text is made here."""
         failed = self._settle_grammars() if self._compiling else []
+        if self._loading:
+            failed += self._settle_loras()
         out = self.scheduler.schedule()
         if not out.scheduled:
             self.runner.move_blocks(out.plan)
             if failed:
                 return StepUpdate(out, touched={r.request_id: r for r in failed})
-            if self._compiling:  # only compiles to wait for: not a busy loop beside them
-                wait([r.compiling for r in self._compiling], timeout=GRAMMAR_POLL, return_when=FIRST_COMPLETED)
+            reads = [r.compiling for r in self._compiling] + [r.lora_loading for r in self._loading]
+            if reads:  # only compiles and reads to wait for: not a busy loop beside them
+                wait(reads, timeout=GRAMMAR_POLL, return_when=FIRST_COMPLETED)
             return None
         res = self.runner.execute(out.plan)
         if self.kv.pool.num_used > self.peak_used_blocks:
@@ -412,4 +445,12 @@ class LLMEngine:
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
-            grammar=self.grammars.snapshot(), **asdict(self.scheduler.counters))
+            grammar=self.grammars.snapshot(), **asdict(self.scheduler.counters), **self._lora_figures())
+
+    def _lora_figures(self) -> dict:
+        if not self.cfg.enable_lora:
+            return {}
+        def names(seqs) -> tuple[str, ...]:
+            return tuple(sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None}))
+        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
+                "max_loras": self.cfg.max_loras}

@@ -65,6 +65,14 @@ class LLM:
         # and leaves nothing half-submitted in the engine.
         values = []
         grammars: set[int] = set()
+        read: set[LoRARequest] = set()
+        for i, lora in enumerate(loras):   # read (and kept) before anything runs, as grammars are compiled
+            if lora is not None and lora not in read:
+                read.add(lora)
+                try:
+                    self.engine.check_lora(lora)
+                except ValueError as e:
+                    raise ValueError(f"prompt {i}: {e}") from None
         for i, (p, sp) in enumerate(zip(prompts, params)):
             try:
                 self.engine.check_priority(priority[i])

@@ -36,10 +36,12 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
                  max_model_len: int = 1 << 62, policy: QueuePolicy | str = "fcfs",
-                 hooks: Seq[StepHook] = ()) -> None:
+                 hooks: Seq[StepHook] = (), max_loras: int = 1) -> None:
         """policy: the queue policy (queue_policy: fcfs, lpm, priority) or its name.
-        hooks: the features that join each step, in the order they are asked."""
+        hooks: the features that join each step, in the order they are asked.
+        max_loras: the most LoRA adapters the running sequences use at once (vLLM's)."""
         self.kv = kv
+        self.max_loras = max_loras
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -92,6 +94,8 @@ class Scheduler:
             admit_waiting(self, out, budget, long_prefills)
         out.plan = self._plan(out)
         out.plan.saves, out.plan.loads, out.plan.writes = self.kv.take_io()
+        out.plan.adapter_evictions = self.kv.adapters.take_evictions()
+        out.plan.adapter_loads = self.kv.adapters.take_loads()
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -164,6 +168,17 @@ class Scheduler:
     def lookahead(self, seq: Sequence, end: int) -> int:
         return max((h.lookahead(seq, end) for h in self.hooks), default=0)
 
+    def hold_adapter(self, seq: Sequence) -> bool:
+        """A sequence about to run holds its LoRA adapter's pages (placed now if they are not in
+        the pool); False, changing nothing, if the pool has no room for them."""
+        req = seq.request
+        return not req.lora_id or self.kv.adapters.acquire(req.lora_id, req.lora_pages)
+
+    def drop_adapter(self, seq: Sequence) -> None:
+        """A sequence stops running: its adapter loses a user (the last leaves it idle, resident)."""
+        if seq.request.lora_id:
+            self.kv.adapters.release(seq.request.lora_id)
+
     def start(self, seq: Sequence, start: int, cached: int) -> None:
         """A waiting sequence admitted: it runs from `start`; `cached` prompt tokens came from the prefix cache."""
         req = seq.request
@@ -204,6 +219,7 @@ class Scheduler:
             for hook in self.hooks:
                 hook.preempted(seq)
             self.kv.free(seq.seq_id)
+            self.drop_adapter(seq)
             seq.num_computed_tokens = 0
             seq.reread_until = 0
             seq.status = SeqStatus.WAITING
@@ -252,6 +268,8 @@ class Scheduler:
             self.waiting.appendleft(child)
             return
         self.pending_copies.extend(copies)
+        held = self.hold_adapter(child)   # its parent runs under it: held already, nothing to place
+        assert held
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SeqStatus.RUNNING
         if child.request.beam is None:
@@ -265,6 +283,7 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
+            self.drop_adapter(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)

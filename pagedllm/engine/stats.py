@@ -28,6 +28,11 @@ class EngineStats:
     kv_cache_dtype: str = "bfloat16"     # how the pool stores K/V (kv_dtype.py's names)
     # One pool block: B tokens of every layer, or of one layer group's layers (kv.groups).
     bytes_per_block: int = 0
+    # LoRA (enable_lora): the adapters of running and of waiting requests, by name (vLLM's
+    # lora_requests_info), and the most one step runs.
+    lora_running: tuple[str, ...] = ()
+    lora_waiting: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @property
     def peak_kv_usage(self) -> float:

@@ -146,6 +146,20 @@ class BlockPool:
         self.cached[block_hash] = block_id
         return True
 
+    def tag(self, block_id: int, key: int) -> None:
+        """Give a held block a key outside the prefix cache's (an adapter's page: kv.adapter_pages),
+        with caching on or off: freed, it stays revivable under the key until handed out again."""
+        block = self.blocks[block_id]
+        assert block.block_hash is None and block.ref_cnt > 0 and key not in self.cached
+        block.block_hash = key
+        self.cached[key] = block_id
+
+    def untag(self, block_id: int) -> None:
+        """Drop a free block's key: it is plain free again."""
+        block = self.blocks[block_id]
+        assert block.ref_cnt == 0 and block.block_hash is not None
+        self._uncache(block)
+
     def _uncache(self, block: Block) -> None:
         if self.on_uncache is not None:
             self.on_uncache(block.block_hash)

@@ -282,7 +282,8 @@ class OffloadConnector(KVConnector):
 
     def blocks_to_flush(self) -> list[tuple[int, int]]:
         """Every cached block the store lacks (write-back: all it kept; write-through: its backlog)."""
-        return [(b, key) for key, b in self.pool.cached.items() if key not in self.store and key not in self._writing]
+        return [(b, key) for key, b in self.pool.cached.items()
+                if key >= 0 and key not in self.store and key not in self._writing]   # < 0: an adapter's page
 
     def figures(self) -> TierFigures:
         return TierFigures(self.write_policy, self.hits, self.loaded_blocks, self.offloaded_blocks,

@@ -13,6 +13,7 @@ def check(kv) -> None:
     for b, n in (kv.connector.pins.items() if kv.connector is not None else ()):
         assert n > 0, f"block {b}: {n} pins"
         refs[b] += n
+    kv.adapters.count_refs(refs)
     for g in kv.groups:
         g.count_refs(refs)
         assert g.tables.keys() == kv.tables.keys(), f"group {g.gid} holds other sequences than group 0"
@@ -28,5 +29,12 @@ def check(kv) -> None:
     assert pool.num_shared == sum(r > 1 for r in refs), "shared-block count drifted"
     assert len(pool.cached) == sum(b.block_hash is not None for b in pool.blocks)
     assert RELEASED not in pool.cached.values()
+    ad = kv.adapters
+    assert ad.pages.keys() == ad.users.keys() | ad.idle.keys() and not ad.users.keys() & ad.idle.keys()
+    for a, blocks in ad.pages.items():
+        for i, b in enumerate(blocks):
+            assert pool.blocks[b].block_hash == ad._tag(a, i), f"adapter {a} page {i} (block {b}) lost its tag"
+            assert pool.is_available(b) == (a in ad.idle), f"adapter {a}: block {b} held wrongly"
+    assert sum(k < 0 for k in pool.cached) == sum(map(len, ad.pages.values())), "a tag outlived its adapter"
     assert kv.scores.entries.keys() <= pool.cached.keys(), "a kept entry outlived its block"
     assert kv.scores.bytes <= kv.scores.cap_bytes, "kept entries over their cap"

@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from ..config import ALLOCATION_POLICIES
+from .adapter_pages import AdapterPages
 from .block_pool import BlockPool
 from .block_table import BlockTable
 from .connector import KVConnector, StepIO
@@ -68,7 +69,9 @@ class KVCacheManager:
                        for i, w in enumerate(windows)]
         # Prompt logprobs kept beside cached blocks, under group 0's keys, within their cap.
         self.scores = ScoreStore(score_cache_bytes if enable_prefix_caching else 0, self.pool.cached.__contains__)
-        self.pool.on_uncache = self.scores.drop
+        # LoRA adapters' pages (S-LoRA's unified paging): blocks of the same pool, tagged when idle.
+        self.adapters = AdapterPages(self.pool, self._emit)
+        self.pool.on_uncache = self._on_uncache
         # Receives every block-level change as a small dict (pagedllm.viz.state says what they
         # mean); events of group g > 0 carry "group": g. None when nobody watches.
         self.listener: Callable[[dict], None] | None = None
@@ -89,7 +92,15 @@ class KVCacheManager:
         wanted = self.listener is not None or self.connector is not None
         self.pool.on_evict = self._on_evict if wanted else None
 
+    def _on_uncache(self, key: int) -> None:
+        if self.adapters.is_tag(key):
+            self.adapters.on_uncache(key)
+        else:
+            self.scores.drop(key)
+
     def _on_evict(self, block_id: int, key: int) -> None:
+        if self.adapters.is_tag(key):   # an idle adapter's page: adapter_evict told them
+            return
         if self.connector is not None:
             self.connector.on_evict(block_id, key)
         self._emit({"type": "evict", "block": block_id})
@@ -333,10 +344,12 @@ class KVCacheManager:
                     [GroupFigures(g.window, n, g.released) for g, n in zip(self.groups, held)],
                     self.scores.figures(), self.prefix_queries, self.prefix_hits,
                     sum(g.cow_copies for g in self.groups), self.forks,
-                    tier=self.connector.figures() if self.connector is not None else None)
+                    tier=self.connector.figures() if self.connector is not None else None,
+                    adapters=self.adapters.figures())
         if walk:
             s.blocks_without_sharing, s.used_slots = without_sharing, sum(fill.values())
-            alloc_slots = s.pool.used_blocks * self.block_size
+            # eta is over KV blocks: an adapter's pages hold weights, not token slots
+            alloc_slots = (s.pool.used_blocks - s.adapters.held_pages) * self.block_size
             s.waste = (alloc_slots - s.used_slots) / alloc_slots if alloc_slots else 0.0
         return s
 

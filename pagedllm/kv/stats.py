@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Sequence, TypeVar
 
+from .adapter_pages import AdapterFigures
 from .block_pool import PoolFigures
 from .connector import TierFigures
 from .score_store import ScoreFigures
@@ -43,6 +44,7 @@ class KVStats:
     waste: float | None = None                  # eta: (allocated - used) / allocated slots
     blocks_without_sharing: int | None = None   # blocks the tables would hold with no sharing
     tier: TierFigures | None = None             # the second tier's, when there is one
+    adapters: AdapterFigures | None = None      # LoRA adapters' pages in the pool (kv.adapter_pages)
 
     @property
     def num_blocks(self) -> int:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from ..models import ModelConfig
+from .layout import Piece
 from .request import LoRARequest
 
 # PEFT's module name -> (our matmul, which part of it: q, k, v / gate, up; None: all of it)
@@ -42,31 +43,46 @@ class LoRAPart:
 
 @dataclass
 class LoRAModule:
-    """An adapter's pieces on one of our matmuls, as two matmuls: x A^T with the pieces' A stacked
-    [P r, in], then times Bt [P r, N], B transposed and block-diagonal (piece p's r rows nonzero
-    in its own columns only) with the scaling folded in. One pair of matmuls a module, whatever
-    the number of pieces: the step pays per module, not per piece."""
-    a: torch.Tensor    # [P r, in]
-    bt: torch.Tensor   # [P r, N], scaled
+    """An adapter's pieces on one of our matmuls: their A stacked [P r, in] (x A^T is one matmul
+    whatever the number of pieces), and each piece's B transposed, scaling folded in, [r, width]
+    at its first output column (rows in A's order). B^T of a fused matmul is block-diagonal:
+    only the pieces are kept, not the zeros between them (lora.layout stores them so too)."""
+    a: torch.Tensor                       # [P r, in]
+    bt: list[tuple[int, torch.Tensor]]    # (first output column, [r, width]) per piece
+    out_features: int                     # N: the matmul's output columns
+
+    def dense_bt(self) -> torch.Tensor:
+        """B^T whole, [P r, N], zeros off each piece's columns (the reference computation)."""
+        out = self.a.new_zeros(self.a.shape[0], self.out_features)
+        k = 0
+        for col, bt in self.bt:
+            out[k:k + bt.shape[0], col:col + bt.shape[1]] = bt
+            k += bt.shape[0]
+        return out
+
+    def pieces(self) -> list[Piece]:
+        return [Piece(bt.shape[0], self.a.shape[1], col, bt.shape[1]) for col, bt in self.bt]
 
 
 @dataclass
 class LoRAAdapter:
     request: LoRARequest
     rank: int
-    modules: dict[str, LoRAModule]   # "layers.3.self_attn.qkv_proj" -> its matmul pair (scaling folded in)
+    modules: dict[str, LoRAModule]   # "layers.3.self_attn.qkv_proj" -> its pieces (scaling folded in)
+    num_pages: int = 0               # KV pool pages it takes (lora.layout), set by the runner that pages it
+
+    def layers(self) -> list[tuple[int, list[Piece]]]:
+        """(layer, its pieces there) for every layer it adapts: what lora.layout counts."""
+        by_layer: dict[int, list[Piece]] = {}
+        for name, m in self.modules.items():
+            by_layer.setdefault(int(name.split(".")[1]), []).extend(m.pieces())
+        return sorted(by_layer.items())
 
 
 def stack_parts(parts: list[LoRAPart], width: int, scaling: float) -> LoRAModule:
     """The pieces of one matmul (`width` output columns) as its LoRAModule."""
-    a = torch.cat([p.a for p in parts])
-    bt = a.new_zeros(a.shape[0], width)
-    k = 0
-    for p in parts:
-        r = p.a.shape[0]
-        bt[k:k + r, p.col:p.col + p.b.shape[0]] = p.b.T * scaling
-        k += r
-    return LoRAModule(a.contiguous(), bt)
+    a = torch.cat([p.a for p in parts]).contiguous()
+    return LoRAModule(a, [(p.col, (p.b.T * scaling).contiguous()) for p in parts], width)
 
 
 def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -152,5 +168,5 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     for name, parts in pieces.items():
         cols = columns[name.split(".", 2)[2]]
         m = stack_parts(parts, cols[-1][0] + cols[-1][1], scaling)   # scaled in fp32, then rounded once
-        modules[name] = LoRAModule(m.a.to(dtype), m.bt.to(dtype))
+        modules[name] = LoRAModule(m.a.to(dtype), [(c, bt.to(dtype)) for c, bt in m.bt], m.out_features)
     return LoRAAdapter(req, rank, modules)

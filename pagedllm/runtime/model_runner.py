@@ -23,8 +23,11 @@ from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
+from ..lora.adapter import LoRAAdapter, load_adapter
 from ..lora.batch import lora_step, name_lora_layers
-from ..lora.registry import LoRARegistry
+from ..lora.paged import AdapterSlabs, PagedAdapter
+from ..lora.registry import AdapterCache
+from ..lora.request import LoRARequest
 from .build import build_model, rope_rows
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
@@ -198,6 +201,8 @@ class ModelRunner:
             via = "shared memory" if shm.attach(tp, kernels, wanted) else "gloo"
             if tp.is_driver:
                 logger.info("tensor parallel: all-reduce through %s", via)
+        if cfg.enable_lora:   # before the weights are read: a refusal costs nothing
+            self._check_lora(cfg, tp, kernels)
         model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype, max_model_len)
         self.rope_rows = rope_rows(model_cfg, max_model_len)
         self.model_cfg, self.model_dir = model_cfg, model_dir
@@ -212,12 +217,7 @@ class ModelRunner:
             done = model.quantize(cfg.quantization, gguf, maxima)
             if tp.is_driver:
                 logger.info("quantized: %s", done)
-        self.loras: LoRARegistry | None = None
         if cfg.enable_lora:
-            if tp.size > 1:
-                raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (the adapters' "
-                                 "A and B are not sharded)")
-            self.loras = LoRARegistry(model_cfg, self.dtype, cfg.max_lora_rank, cfg.max_loras)
             name_lora_layers(model)
         # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
@@ -244,6 +244,14 @@ class ModelRunner:
                                 layout=self.kv_layout)
         if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
             self.draft.allocate(self.kv_cache.num_blocks, cfg.block_size)
+        # LoRA adapters: read from disk into host memory (max_cpu_loras), paged into the pool's
+        # blocks (lora.paged), read from there by the kernel.
+        self.loras: AdapterCache[LoRAAdapter] | None = None
+        self.paged: dict[int, PagedAdapter] = {}
+        if cfg.enable_lora:
+            self.max_lora_rank = cfg.max_lora_rank
+            self.slabs = AdapterSlabs(self.kv_cache.pools, self.kv_layout, model_cfg, self.dtype)
+            self.loras = AdapterCache(self._read_adapter, cfg.max_cpu_loras or cfg.max_loras)
         # Drafts for the next step, proposed after sampling (rank 0 only: it samples).
         self.proposer = make_proposer(spec, self.draft) if spec is not None and tp.is_driver else None
         self.max_model_len = max_model_len
@@ -257,6 +265,36 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
             self.graphs.capture()
+
+    def _check_lora(self, cfg: EngineConfig, tp: TPGroup, kernels) -> None:
+        """Adapters are read from the pool's pages by the compiled CPU kernel: what lacks it is refused."""
+        if tp.size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (the adapters' "
+                             "A and B are not sharded)")
+        if cfg.quantization == "w8a8":
+            raise ValueError("enable_lora with quantization w8a8 is not supported: SmoothQuant folds scales into the "
+                             "matmuls' inputs (and v's outputs), which an adapter trained on the model as published "
+                             "does not know; weight-only int8, int4 and gguf run adapters")
+        if self.device.type != "cpu" or kernels is None or self.dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"enable_lora runs adapters from the KV pool's pages in the compiled CPU kernel: "
+                             f"it needs the CPU, bf16 or float32 and the kernels built, not {self.device}, "
+                             f"{self.dtype}{'' if kernels is not None else ', no kernels'}")
+
+    def _read_adapter(self, req: LoRARequest) -> LoRAAdapter:
+        """An adapter read from disk and sized in pages (the loader's thread: never the engine loop's)."""
+        adapter = load_adapter(req, self.model_cfg, self.max_lora_rank, self.dtype)
+        adapter.num_pages = self.slabs.pages(adapter)
+        if adapter.num_pages > self.kv_cache.num_blocks:
+            raise ValueError(f"lora: {req.lora_name!r} takes {adapter.num_pages} KV pages and the pool has "
+                             f"{self.kv_cache.num_blocks} blocks; raise kv_cache_memory")
+        return adapter
+
+    def _place_adapters(self, plan: StepPlan) -> None:
+        """Write the adapters the step placed into their pages; forget those evicted."""
+        for a in plan.adapter_evictions:
+            self.paged.pop(a, None)
+        for a, pages in plan.adapter_loads:
+            self.paged[a] = self.slabs.place(self.loras.get(a), pages)
 
     def _kv_layout(self, cfg: EngineConfig, mc: ModelConfig) -> KVLayout:
         """The KV cache's layer groups (kv.groups): by attention type, so that windowed layers
@@ -324,7 +362,8 @@ class ModelRunner:
 
     def move_blocks(self, plan: StepPlan) -> None:
         """A step that runs no forward still carries out its tier IO (a load for a request
-        that then waited, a write that the disk's catching up released)."""
+        that then waited, a write that the disk's catching up released), and places its adapters."""
+        self._place_adapters(plan)
         if self.tier_io is not None:
             self.tier_io.before_forward(plan.saves, plan.loads)
             self.tier_io.after_forward(plan.writes)
@@ -405,6 +444,7 @@ class ModelRunner:
                 self.grammars.drop(seq_id)
         if self.tier_io is not None:  # before any block is written
             self.tier_io.before_forward(plan.saves, plan.loads)
+        self._place_adapters(plan)
         if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
@@ -539,7 +579,7 @@ class ModelRunner:
             metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, nd), dev)
                      for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
             self.model.ops.lora = None if not step.lora_rows else \
-                lora_step(step.lora_rows, self.loras.adapters, len(ids), dev, self.model.ops.k)
+                lora_step(step.lora_rows, self.paged, self.model.ops.k, self.slabs.geometry.width)
             try:
                 hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_cache.layers, metas[0],

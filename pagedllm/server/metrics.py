@@ -91,7 +91,7 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "kv_cache_cow_copies", "Copy-on-write block copies.", s.kv.cow_copies),
         (c, "kv_cache_window_released_blocks", "Blocks sequences released below their sliding window "
          "(no later query reads them; they stay cached until evicted).", s.kv.window_released),
-    ] + tier_rows(s) + [
+    ] + tier_rows(s) + adapter_rows(s) + [
         (g, "kv_cache_bytes_per_token", "KV bytes one token takes in the pool (2*L*d_kv*bytes, scales included "
          "when quantized).", s.bytes_per_token),
         (g, "kv_cache_blocks_per_gib", "KV blocks one GiB of pool holds at its dtype and block size.", s.blocks_per_gib),
@@ -114,6 +114,23 @@ def engine_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
         (c, "grammar_compile_failures", "Grammars the compiler refused or that passed the compile deadline.",
          s.grammar.failures),
     ])
+
+
+def adapter_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
+    """Ours: LoRA adapters paged in the KV pool (kv.adapter_pages); zeros with none."""
+    g, c = GaugeMetricFamily, CounterMetricFamily
+    a = s.kv.adapters
+    if a is None:
+        return []
+    return [
+        (g, "lora_adapters_resident", "LoRA adapters whose weights are in KV pool pages (held or idle).", a.resident),
+        (g, "kv_cache_adapter_blocks", "KV pool blocks holding the weights of adapters running requests use.",
+         a.held_pages),
+        (g, "kv_cache_adapter_idle_blocks", "KV pool blocks holding idle adapters (free to take; counted as "
+         "cached-free).", a.idle_pages),
+        (c, "lora_adapter_loads", "Adapters written into KV pool pages, reloads after eviction included.", a.loads),
+        (c, "lora_adapter_evictions", "Idle adapters whose pages the pool handed out.", a.evictions),
+    ]
 
 
 def tier_rows(s: EngineStats) -> list[tuple[type, str, str, float]]:
@@ -167,6 +184,19 @@ class EngineCollector(Collector):
         f.add_metric([*self.labels, s.kv_cache_dtype], 1.0)
         yield f
         yield from group_families(s, self.prefix, self.labels)
+        if s.max_loras:
+            yield lora_info(s, self.prefix)
+
+
+def lora_info(s: EngineStats, prefix: str) -> GaugeMetricFamily:
+    """vLLM's lora_requests_info: the adapters of running and of waiting requests as labels
+    (comma-separated names), max_lora; the value is when it was read (vLLM: the last update)."""
+    import time
+
+    f = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
+                          labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    f.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], time.time())
+    return f
 
 
 def group_families(s: EngineStats, prefix: str, labels: list[str]):

@@ -15,7 +15,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
-from ..lora.registry import AdaptersBusyError
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
@@ -68,8 +67,6 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
     except RequestFailedError as e:
         raise APIError(500, str(e), "internal_error") from None
     except EngineDeadError as e:
-        raise APIError(503, str(e), "service_unavailable") from None
-    except AdaptersBusyError as e:  # refused by the engine loop: no room for its adapter now
         raise APIError(503, str(e), "service_unavailable") from None
     except ValueError as e:  # any other refusal of the engine loop's add names what is wrong
         raise APIError(400, str(e)) from None

@@ -199,7 +199,7 @@ class VizHub:
         return {"num_blocks": eng.kv.pool.num_blocks, "block_size": eng.kv.block_size,
                 "policy": eng.kv.policy, "prefix_caching": eng.kv.enable_prefix_caching,
                 "sliding_window": max(g.window for g in eng.kv.groups), "windows": [g.window for g in eng.kv.groups],
-                "tier": tier_config(eng),
+                "tier": tier_config(eng), "lora": bool(eng.cfg.enable_lora),
                 "max_num_seqs": eng.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
                 "model": eng.model_name}
 

@@ -35,6 +35,7 @@ class ScenarioRequest:
     at_step: int                 # queued once the engine has run this many steps
     messages: list[dict]         # chat messages; the model's chat template is applied
     params: dict = field(default_factory=dict)   # SamplingParams fields (BeamSearchParams' with beam_width)
+    adapter: str | None = None   # the scenario's LoRA adapter it runs under (None: the base model)
 
     def sampling(self):
         from ..sampling_params import BeamSearchParams, SamplingParams
@@ -49,6 +50,8 @@ class Scenario:
     engine: dict = field(default_factory=dict)   # EngineConfig fields
     requests: list[ScenarioRequest] = field(default_factory=list)
     tier: bool = False   # runs with a second tier (--kv-offload-dir) in a fresh temporary folder
+    # LoRA adapters (enable_lora): name -> (rank, target modules), random weights written for the run
+    adapters: dict[str, tuple[int, list[str]]] = field(default_factory=dict)
 
     def engine_fields(self, tier_dir: str | None = None) -> dict:
         """The EngineConfig fields the scenario sets. A tier scenario's tier goes in `tier_dir`,
@@ -89,6 +92,16 @@ def _tier_requests() -> list[ScenarioRequest]:
             + [ScenarioRequest(at, [{"role": "user", "content": q}], {"max_tokens": 80, "ignore_eos": True})
                for at, q in zip((14, 14, 16), STORIES)]
             + [ScenarioRequest(at, _rules(q), short) for at, q in zip((100, 100, 102), RULE_QUESTIONS[2:])])
+
+
+def _lora_requests() -> list[ScenarioRequest]:
+    """Questions under three adapters and the base, arriving in waves: two adapters run at a time
+    (max_loras), the third waits; idle ones stay in the pool until KV needs their blocks, and one
+    asked for again before that is used again where it lies."""
+    short = {"max_tokens": 20, "ignore_eos": True}
+    plan = [(0, "sql"), (0, "fr"), (0, None), (2, "legal"), (24, "fr"), (30, "sql"), (32, "legal"), (60, "fr"),
+            (62, None), (90, "sql")]
+    return [ScenarioRequest(at, _chat(QUESTIONS[i % len(QUESTIONS)]), short, name) for i, (at, name) in enumerate(plan)]
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
@@ -132,6 +145,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              engine={"num_gpu_blocks_override": 20, "max_num_seqs": 4, "kv_offload_write_policy": "write_back",
                      "preemption_mode": "swap"},
              requests=_tier_requests(), tier=True),
+    Scenario("lora", "LoRA adapters paged with the KV cache",
+             "Three LoRA adapters (3, 10 and 14 pages) and the base model share one pool of 40 blocks "
+             "(S-LoRA's unified paging): an adapter's weights are paged in when a request first needs it, "
+             "held while requests use it, left idle in the pool after (used again at no cost) and evicted, "
+             "least recently used first, when KV blocks need the room. Two adapters run at a time "
+             "(max_loras = 2): a request of a third waits in the queue.",
+             engine={"num_gpu_blocks_override": 40, "max_num_seqs": 4, "enable_lora": True, "max_loras": 2},
+             requests=_lora_requests(),
+             adapters={"sql": (8, ["q_proj", "v_proj"]), "fr": (16, ["q_proj", "k_proj", "v_proj", "o_proj"]),
+                       "legal": (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])}),
 ]}
 
 
@@ -171,8 +194,11 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     fields = sc.engine_fields(overrides.get("kv_offload_dir"))
     # A tier folder the scenario made for this run goes with it.
     scratch = fields["kv_offload_dir"] if sc.tier and not overrides.get("kv_offload_dir") else None
+    adapter_dir = tempfile.mkdtemp(prefix=f"pagedllm-viz-{sc.name}-") if sc.adapters else None
     try:
         engine = LLMEngine(engine_config(sc, overrides, fields))
+        loras = {name: _random_adapter(Path(adapter_dir) / name, engine.runner.model_cfg, i + 1, *spec)
+                 for i, (name, spec) in enumerate(sc.adapters.items())}
         hub = VizHub(engine)
         engine.observers.append(hub)
         hub.start_recording()
@@ -182,14 +208,42 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
             while pending and (pending[0].at_step <= engine.steps or not engine.has_unfinished_requests()):
                 r = pending.pop(0)
                 # A chat template's text holds its special tokens already: no second BOS.
-                engine.add_request(None, prompt_text(engine.tokenizer, r), r.sampling(), add_special_tokens=False)
+                engine.add_request(None, prompt_text(engine.tokenizer, r), r.sampling(), add_special_tokens=False,
+                                   lora_request=loras[r.adapter] if r.adapter else None)
             engine.step()
         trace = hub.stop_recording()
         engine.close()
         return trace
     finally:
-        if scratch is not None:
-            shutil.rmtree(scratch, ignore_errors=True)
+        for d in (scratch, adapter_dir):
+            if d is not None:
+                shutil.rmtree(d, ignore_errors=True)
+
+
+def _random_adapter(path: Path, mc, lora_id: int, rank: int, targets: list[str]):
+    """A PEFT-format adapter of random weights on `targets` of every layer (what the page shows
+    is where its pages go, not what it says)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from ..lora.adapter import TARGETS, _in_features, part_columns
+    from ..lora.request import LoRARequest
+
+    g = torch.Generator().manual_seed(lora_id)
+    cols = part_columns(mc)
+    tensors = {}
+    for layer in range(mc.num_layers):
+        for t in targets:
+            matmul, part = TARGETS[t]
+            out = cols[matmul][part][1] if part is not None else sum(w for _, w in cols[matmul])
+            key = f"base_model.model.model.layers.{layer}.{matmul.split('.')[0]}.{t}.lora_"
+            tensors[key + "A.weight"] = torch.randn(rank, _in_features(mc, matmul), generator=g) * 0.01
+            tensors[key + "B.weight"] = torch.randn(out, rank, generator=g) * 0.01
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
+                                                          "target_modules": targets}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    return LoRARequest(path.name, lora_id, str(path))
 
 
 def library_messages() -> list[dict]:

@@ -20,6 +20,10 @@ sliding window released, or a prefix hit never took: it holds no reference.
   offload blocks               these blocks' bytes go to the tier (written through, saved before reuse)
   swap_out seq, blocks         a preempted sequence's blocks saved to the tier (its free follows)
   reset_cache                  every cached-free block forgets its hash
+  adapter_load adapter, blocks a LoRA adapter's weights placed in fresh blocks (ref 1 each, tagged)
+  adapter_hold adapter, blocks an idle resident adapter used again (each ref +1)
+  adapter_idle adapter, blocks its last user left: each ref -1, still tagged (revivable)
+  adapter_evict adapter, blocks one of its idle pages was handed out: every page loses its tag
 A model whose layers mix attention types has a table per layer group (kv.groups): the events
 of group g > 0 carry "group": g; a fill applies to every group's table of its sequence.
 """
@@ -37,11 +41,14 @@ def held(blocks: list[int]) -> list[int]:
 
 def kv_picture(kv) -> dict:
     """A KVCacheManager's block-level state in the shape snapshots carry: refs per block,
-    hashed (prefix-cached) block ids, tables {seq: [blocks, tokens]} (group 0's), and with
+    hashed (prefix-cached or adapter-tagged) block ids, tables {seq: [blocks, tokens]} (group
+    0's), "adapters" {adapter id: its pages} when any is resident, and with
     several layer groups "groups": each later group's tables, with every group's window."""
     pic = {"refs": [b.ref_cnt for b in kv.pool.blocks],
            "hashed": [b.block_id for b in kv.pool.blocks if b.block_hash is not None],
            "tables": _tables(kv.groups[0].tables)}
+    if kv.adapters.pages:   # LoRA adapters resident in the pool (kv.adapter_pages): their pages
+        pic["adapters"] = {a: list(blocks) for a, blocks in kv.adapters.pages.items()}
     if len(kv.groups) > 1:
         pic["windows"] = [g.window for g in kv.groups]
         pic["groups"] = [_tables(g.tables) for g in kv.groups[1:]]
@@ -67,6 +74,7 @@ class KVReplay:
     # Layer groups 1.. (kv.groups), each with tables of its own; their windows, all groups'.
     group_tables: list[dict[int, TableState]] = field(default_factory=list)
     windows: list[int] | None = None
+    adapters: dict[int, list[int]] = field(default_factory=dict)   # resident LoRA adapter -> its pages
 
     def __post_init__(self) -> None:
         if not self.refs:
@@ -80,13 +88,16 @@ class KVReplay:
         def tables(d: dict) -> dict[int, TableState]:
             return {int(sid): TableState(list(blocks), tokens) for sid, (blocks, tokens) in d.items()}
         return cls(len(pic["refs"]), list(pic["refs"]), set(pic["hashed"]), tables(pic["tables"]),
-                   [tables(g) for g in pic.get("groups", [])], pic.get("windows"))
+                   [tables(g) for g in pic.get("groups", [])], pic.get("windows"),
+                   {int(a): list(b) for a, b in pic.get("adapters", {}).items()})
 
     def picture(self) -> dict:
         """The same shape as kv_picture, to compare the two."""
         def tables(d: dict[int, TableState]) -> dict:
             return {sid: [t.blocks, t.tokens] for sid, t in d.items()}
         pic = {"refs": list(self.refs), "hashed": sorted(self.hashed), "tables": tables(self.tables)}
+        if self.adapters:
+            pic["adapters"] = {a: list(b) for a, b in self.adapters.items()}
         if self.windows is not None:
             pic["windows"] = list(self.windows)
             pic["groups"] = [tables(g) for g in self.group_tables]
@@ -153,6 +164,18 @@ class KVReplay:
             self.hashed.add(ev["block"])
         elif kind in ("offload", "swap_out"):   # bytes going to the tier: nothing changes in the pool
             pass
+        elif kind == "adapter_load":
+            for b in ev["blocks"]:
+                assert self.refs[b] == 0, f"adapter placed in used block {b}"
+                self.refs[b] = 1
+            self.hashed.update(ev["blocks"])
+            self.adapters[ev["adapter"]] = list(ev["blocks"])
+        elif kind in ("adapter_hold", "adapter_idle"):
+            for b in ev["blocks"]:
+                self.refs[b] += 1 if kind == "adapter_hold" else -1
+        elif kind == "adapter_evict":
+            self.hashed.difference_update(ev["blocks"])
+            del self.adapters[ev["adapter"]]
         elif kind == "reset_cache":
             self.hashed = {b for b in self.hashed if self.refs[b] > 0}
         else:

@@ -90,26 +90,43 @@ def test_bad_lora_flags_stop_the_start(tmp_path, paths):
                  "no-equals-sign"]) == 2
 
 
-def test_no_room_for_an_adapter_is_a_503_and_the_others_go_on(paths):
-    """With every held adapter in use (--max-loras 1), a request for another gets a 503 naming
-    why; the running request finishes, and then the other adapter is served."""
+def test_a_request_of_another_adapter_waits_for_a_slot_and_is_served(paths):
+    """With one adapter a step (--max-loras 1), a request for another waits in the queue while
+    the running one holds the slot (not refused), and is served once it finishes."""
     import threading
     import time
 
     s = serve_in_process("--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
                          "--lora-modules", f"sql={paths[0]}", f"fr={paths[1]}")
     try:
-        held: list = []
+        done: dict[str, tuple] = {}
+
+        def post(name: str, body: dict) -> None:
+            r = s.client().post("/v1/completions", json=body, timeout=120)
+            done[name] = (r, time.monotonic())
+
         body = {"model": "sql", "prompt": [1, 504, 3458], "max_tokens": 150, "temperature": 0, "ignore_eos": True}
-        t = threading.Thread(target=lambda: held.append(s.client().post("/v1/completions", json=body, timeout=120)))
+        t = threading.Thread(target=post, args=("sql", body))
         t.start()
         deadline = time.time() + 60
         while s.built.async_engine.stats.num_running == 0 and time.time() < deadline:
-            time.sleep(0.02)   # until sql's request runs and holds its adapter
-        r = completion(s, "fr", [1, 378, 1838])
-        assert r.status_code == 503 and "in use" in r.json()["error"]["message"], r.text
+            time.sleep(0.02)   # until sql's request runs and holds the slot
+        other = threading.Thread(target=post, args=("fr", {"model": "fr", "prompt": [1, 378, 1838], "max_tokens": 4,
+                                                           "temperature": 0}))
+        other.start()
+        info, deadline = "", time.time() + 60
+        while 'waiting_lora_adapters="fr"' not in info and "sql" not in done and time.time() < deadline:
+            metrics = s.client().get("/metrics", timeout=30).text
+            info = next((line for line in metrics.splitlines() if line.startswith("pagedllm:lora_requests_info{")), "")
+        # vLLM's gauge, while fr waits behind sql's slot; sql's pages are counted beside the KV blocks
+        assert 'running_lora_adapters="sql"' in info and 'waiting_lora_adapters="fr"' in info, info
+        assert 'max_lora="1"' in info
+        assert "pagedllm:kv_cache_adapter_blocks{" in metrics and "pagedllm:lora_adapter_loads_total{" in metrics
         t.join(120)
-        assert held[0].status_code == 200 and held[0].json()["usage"]["completion_tokens"] == 150
-        assert completion(s, "fr", [1, 378, 1838]).status_code == 200
+        other.join(120)
+        (sql, sql_at), (fr, fr_at) = done["sql"], done["fr"]
+        assert sql.status_code == 200 and sql.json()["usage"]["completion_tokens"] == 150
+        assert fr.status_code == 200 and fr.json()["usage"]["completion_tokens"] == 4, fr.text
+        assert fr_at >= sql_at - 0.5   # it ran after sql's slot was free
     finally:
         s.close()

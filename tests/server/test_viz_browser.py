@@ -285,3 +285,38 @@ def test_tier_trace_shows_blocks_going_to_disk_and_back():
         assert page.text_content("#fig-tier-hit") == f"{100 * last['tier_hit_rate']:.1f}% ({last['tier_hits']} tok)"
         assert page.locator("#log li[data-type=tier]", has_text="swapped out: its blocks").count() == 1
         page.screenshot(path=str(ARTIFACTS / "viz_tier.png"), full_page=True)
+
+
+def test_lora_trace_shows_adapter_pages_beside_kv_blocks():
+    """The LoRA scenario in the page: at the step that pages an adapter in, its blocks show as
+    adapter pages (labelled with its id) beside the KV blocks, as many as the replay says; idle
+    ones are drawn apart; the log names each load and eviction."""
+    import json
+
+    from pagedllm.viz.scenarios import trace_path
+    from pagedllm.viz.state import KVReplay
+
+    msgs = json.loads(trace_path("lora").read_text())["messages"]
+    at = next(i for i, m in enumerate(msgs) if sum(ev["type"] == "adapter_load" for ev in m.get("kv", [])) >= 2)
+    replay = KVReplay.from_picture(msgs[0])
+    for m in msgs[1:at + 1]:
+        for ev in m.get("kv", []):
+            replay.apply(ev)
+    held = sum(len(b) for b in replay.adapters.values() if replay.refs[b[0]] > 0)
+    idle = sum(len(b) for b in replay.adapters.values() if replay.refs[b[0]] == 0)
+    kinds = [ev["type"] for m in msgs for ev in m.get("kv", [])]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with _page(viewport={"width": 1400, "height": 1000}) as page:  # and no JavaScript error
+        _open_trace(page, "lora", 0)
+        page.evaluate("(n) => { source.playing = false; clearTimeout(source.timer);"
+                      "  while (source.pos <= n) advance(); }", at)
+        _settled(page, f"S.step === {msgs[at]['step']}")
+        assert page.locator("#pool .cell.adapter").count() == held > 0
+        assert page.locator("#pool .cell.adapter-idle").count() == idle
+        assert page.is_visible("#fig-adapter-box")
+        page.screenshot(path=str(ARTIFACTS / "viz_lora.png"), full_page=True)
+        page.click("#play")
+        page.evaluate("() => { $('speed').value = 6; speedLabel(); schedule(); }")
+        _settled(page, "document.getElementById('mode').textContent.includes('(end)')")
+        assert page.locator("#log li[data-type=adapter]", has_text="paged in").count() == kinds.count("adapter_load")
+        assert page.locator("#log li[data-type=evict]", has_text="LoRA adapter").count() == kinds.count("adapter_evict")

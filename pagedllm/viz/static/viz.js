@@ -30,7 +30,16 @@ function fresh(config) {
            // this message held (its write-back save comes after the evict), the tier's entries this
            // page saw arrive (key -> entry, least recently used first), and this step's traffic.
            blockInfo: new Map(), keyOf: new Map(), evictedKey: new Map(), tier: new Map(), tierFlashes: new Map(),
-           tierStep: { in: 0, out: 0 }, swapping: new Set(), loadedNow: new Set(), tierEvicted: 0 };
+           tierStep: { in: 0, out: 0 }, swapping: new Set(), loadedNow: new Set(), tierEvicted: 0,
+           // LoRA adapters paged in the pool (S-LoRA's unified paging): block -> [adapter, page], and
+           // each resident adapter's pages.
+           adapterOf: new Map(), adapters: new Map() };
+}
+
+// A resident adapter's pages: held (ref > 0: a running request uses it) or idle (free to take).
+function placeAdapter(a, blocks) {
+  S.adapters.set(a, blocks);
+  blocks.forEach((b, i) => S.adapterOf.set(b, [a, i]));
 }
 
 function addRequest(rid, seqIds, n, prompt, label) {
@@ -147,6 +156,27 @@ function applyKV(ev) {
       S.hashed.delete(ev.block); S.blockText.delete(ev.block); S.keyOf.delete(ev.block); S.blockInfo.delete(ev.block);
       log("evict", `P${ev.block} evicted from the prefix cache (least recently used)`);
       flash([ev.block], "evict");
+      break;
+    case "adapter_load":  // an adapter's weights written into fresh blocks (ref 1 each)
+      ev.blocks.forEach((b) => { S.refs[b] = 1; S.hashed.add(b); S.blockText.delete(b); });
+      placeAdapter(ev.adapter, ev.blocks);
+      log("adapter", `LoRA adapter ${ev.adapter} paged in: ${ev.blocks.length} blocks ${ids(ev.blocks)} (weights, not KV)`);
+      flash(ev.blocks, "alloc");
+      break;
+    case "adapter_hold":  // an idle resident adapter used again: no copy, no read
+      ev.blocks.forEach((b) => { S.refs[b] += 1; });
+      log("adapter", `LoRA adapter ${ev.adapter} in use again: its ${ev.blocks.length} blocks were still in the pool`);
+      flash(ev.blocks, "hit");
+      break;
+    case "adapter_idle":  // its last running request left: its pages stay, free to take
+      ev.blocks.forEach((b) => { S.refs[b] -= 1; });
+      log("adapter", `LoRA adapter ${ev.adapter} idle: its blocks stay (free to take, least recently used first)`);
+      break;
+    case "adapter_evict":  // one of its idle pages was handed out: the whole adapter leaves the pool
+      ev.blocks.forEach((b) => { S.hashed.delete(b); S.adapterOf.delete(b); });
+      S.adapters.delete(ev.adapter);
+      log("evict", `LoRA adapter ${ev.adapter} evicted: its blocks ${ids(ev.blocks)} go to others (read again when asked for)`);
+      flash(ev.blocks, "evict");
       break;
     case "reset_cache":
       for (const b of [...S.hashed]) if (S.refs[b] === 0) { S.hashed.delete(b); S.keyOf.delete(b); }
@@ -267,6 +297,7 @@ function applyMessage(m) {
       for (const [sid, [blocks, tokens]] of Object.entries(g)) S.groupTables[i].set(Number(sid), { blocks, tokens });
     });
     for (const [b, key] of Object.entries(m.keys || {})) S.keyOf.set(Number(b), key);
+    for (const [a, blocks] of Object.entries(m.adapters || {})) placeAdapter(Number(a), blocks);
     setQueues(m); S.figures = m.figures; S.tierEvicted = m.figures.tier_evicted || 0;
     showInfo();
     return;
@@ -341,6 +372,10 @@ function draw() {
   const own = owners(), B = S.config.block_size, n = S.config.num_blocks;
   let used = 0, shared = 0, cached = 0;
   S.refs.forEach((r, b) => { if (r > 0) used += 1; if (r > 1) shared += 1; if (r === 0 && S.hashed.has(b)) cached += 1; });
+  let adapterPages = 0;
+  S.adapterOf.forEach((_, b) => { if (S.refs[b] > 0) adapterPages += 1; });
+  $("fig-adapter-box").hidden = !S.config.lora;
+  $("fig-adapter").textContent = `${S.adapters.size} · ${adapterPages} · ${S.adapterOf.size - adapterPages}`;
   const f = S.figures || {};
   $("fig-step").textContent = S.step;
   $("fig-used").textContent = used; $("cmp-used").textContent = used;
@@ -381,9 +416,13 @@ function draw() {
   }
   for (let b = 0; b < n; b++) {
     const ref = S.refs[b], h = own.get(b), cls = ["cell"];
-    const pins = ref - (h ? h.length : 0);  // references no table holds: the tier's
+    const pins = S.adapterOf.has(b) ? 0 : ref - (h ? h.length : 0);  // references no table holds: the tier's
     let fill = "", ownTxt = "";
-    if (ref > 0 && h) {
+    const ad = S.adapterOf.get(b);
+    if (ad) {  // a page of a LoRA adapter's weights
+      cls.push(ref > 0 ? "adapter" : "adapter-idle");
+      ownTxt = `A${ad[0]}`;
+    } else if (ref > 0 && h) {
       const [sid, i, t] = h[0], k = blockFill(t, i);
       fill = `<div class="fill" style="height:${(100 * k) / B}%;background:${seqColor(sid)}"></div>`;
       ownTxt = seqLabel(sid);
@@ -504,6 +543,8 @@ function showInfo() {
     .concat(c.tier ? [["#fff; box-shadow: 0 0 0 3px #2ca02c", "to the tier this step (offload, swap-out)"],
                       ["#fff; box-shadow: 0 0 0 3px #1f77b4", "loaded back from the tier this step"],
                       ["#fff", "⛁ pinned by the tier (a write in flight, a load's step)"]] : [])
+    .concat(c.lora ? [["#b07aa1", "LoRA adapter page (A id): its weights, in use"],
+                      ["repeating-linear-gradient(45deg,#e4cfe0 0 3px,#fff 3px 6px)", "idle adapter page (free to take)"]] : [])
     .map(([bg, t]) => `<span><i class="sw" style="background:${bg}"></i>${t}</span>`).join("");
 }
 
@@ -525,6 +566,9 @@ function tipFor(el) {
       if (s) text = s.tokens.slice(i * B, Math.min((i + 1) * B, t.tokens)).join("");
     }
     const pins = S.refs[b] - holders.length;
+    const ad = S.adapterOf.get(b);
+    if (ad) return `P${b}: page ${ad[1] + 1} of LoRA adapter ${ad[0]} (${S.adapters.get(ad[0]).length} pages: its weights, ` +
+      `${S.refs[b] > 0 ? "used by running requests" : "idle: free to take, used again at no cost until then"})`;
     const state = S.refs[b] > 0 ? `used, ref ${S.refs[b]}${pins > 0 ? ` (${pins} held by the tier: pinned)` : S.refs[b] > 1 ? " (shared, read-only)" : ""}`
       : S.hashed.has(b) ? "cached-free (a prefix hit can reuse it)" : "free";
     const who = holders.map(([sid, i, t]) => `${seqLabel(sid)} L${i} (${blockFill(t, i)}/${B})`).join(", ");

@@ -28,6 +28,8 @@ NUM_BLOCKS = 24
 # one full block, so its second block has the first one's tokens under another parent.
 STEMS = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5, 5, 5, 5, 5, 5]]
 SALTS = st.sampled_from([None, "a", "b"])
+# LoRA adapters paged in the same pool (kv.adapter_pages): id -> its size in pages.
+ADAPTERS = {1: 3, 2: 5, 3: 2}
 
 # What one slot holds: (salt, token ids from the sequence's start up to this token).
 History = tuple[str | None, tuple[int, ...]]
@@ -60,6 +62,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         self.salt: dict[int, str | None] = {}
         self.store: dict[int, History] = {}          # slot -> the history of the token written there
         self.next_id = 0
+        self.adapter_users = {a: 0 for a in ADAPTERS}   # running sequences using each adapter
 
     def _history(self, seq: int, j: int) -> History:
         return self.salt[seq], tuple(self.tokens[seq][:j + 1])
@@ -229,11 +232,46 @@ class KVManagerMachine(RuleBasedStateMachine):
     def reset_cache(self) -> None:
         self.kv.reset_prefix_cache()
 
+    @rule(adapter=st.sampled_from(sorted(ADAPTERS)))
+    def use_adapter(self, adapter: int) -> None:
+        """A sequence of this adapter starts: its pages are held, placed (and written by the
+        runner: here each slot of page i gets ("adapter", id, i)) if it was not resident."""
+        if not self.kv.adapters.acquire(adapter, ADAPTERS[adapter]):
+            assert self.kv.pool.num_available < ADAPTERS[adapter] and not self.adapter_users[adapter]
+            return
+        self.adapter_users[adapter] += 1
+        for a, blocks in self.kv.adapters.take_loads():
+            for i, b in enumerate(blocks):
+                for off in range(B):
+                    self.store[b * B + off] = ("adapter", a, i)
+
+    @precondition(lambda self: any(self.adapter_users.values()))
+    @rule(data=st.data())
+    def stop_using_adapter(self, data) -> None:
+        adapter = data.draw(st.sampled_from([a for a, n in self.adapter_users.items() if n]))
+        self.kv.adapters.release(adapter)
+        self.adapter_users[adapter] -= 1
+
+    @invariant()
+    def adapters_keep_their_pages(self) -> None:
+        """A resident adapter's pages (held, or idle and revivable) still hold its weights: no
+        KV write or copy reached them; a held one is resident."""
+        ad = self.kv.adapters
+        assert {a for a, n in self.adapter_users.items() if n} == set(ad.users)
+        for a, blocks in ad.pages.items():
+            assert len(blocks) == ADAPTERS[a]
+            for i, b in enumerate(blocks):
+                assert [self.store.get(b * B + o) for o in range(B)] == [("adapter", a, i)] * B, \
+                    f"adapter {a} page {i} (block {b}) was overwritten"
+
     @invariant()
     def refcounts_and_partition(self) -> None:
         self.kv.check_integrity()
         pool = self.kv.pool
         used = {b for s in self.tokens for g in range(len(self.windows)) for b in self.kv.block_table(s, g).held}
+        pages = {b for a in self.kv.adapters.users for b in self.kv.adapters.pages[a]}
+        assert not used & pages, "a block is both KV and an adapter's page"
+        used |= pages
         free = set(pool.free_queue)
         assert not used & free, "a block in use is also in the free queue"
         assert len(used) + len(free) == NUM_BLOCKS
@@ -284,7 +322,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         no other cached block holds the same: one key per history, one block per key."""
         seen: dict[tuple[History, int], int] = {}
         for blk in self.kv.pool.blocks:
-            if blk.block_hash is None:
+            if blk.block_hash is None or blk.block_hash < 0:   # < 0: an adapter's page (adapters_keep_their_pages)
                 continue
             slots = [self.store.get(blk.block_id * B + o) for o in range(B)]
             assert None not in slots, f"cached block {blk.block_id} was never fully written"
@@ -306,6 +344,9 @@ class KVManagerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         for s in list(self.tokens):
             self.kv.free(s)
+        for a, n in self.adapter_users.items():
+            for _ in range(n):
+                self.kv.adapters.release(a)
         self.kv.check_integrity()
         assert self.kv.pool.num_available == NUM_BLOCKS, "blocks leaked"
         assert all(b.ref_cnt == 0 for b in self.kv.pool.blocks)

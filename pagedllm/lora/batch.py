@@ -25,8 +25,11 @@ class LoRAStep:
     """The step's adapters, each over its segment of rows, read from their KV pages by the
     compiled kernel (kernels/csrc/lora.cpp): one call a matmul, whatever the adapters."""
 
-    def __init__(self, segments: list[Segment], rows: torch.Tensor, kernels, width: int) -> None:
-        self.segments, self.rows, self.k, self.width = segments, rows, kernels, width
+    def __init__(self, segments: list[Segment], rows: torch.Tensor, kernels, width: int,
+                 base: torch.Tensor | None = None) -> None:
+        """kernels: the compiled CPU kernels; None on a GPU, where the Triton twin runs
+        (lora.triton_sgmv), its cell addresses read from `base` (a pool tensor)."""
+        self.segments, self.rows, self.k, self.width, self.base = segments, rows, kernels, width, base
         self.starts = torch.tensor([0] + [s.end for s in segments])
         self._none = torch.zeros(0, 1, dtype=torch.long)
 
@@ -37,15 +40,20 @@ class LoRAStep:
             return out
         if not out.is_contiguous() or x.dtype != out.dtype:
             raise RuntimeError(f"lora: {name}'s output must be contiguous and of x's dtype")
-        self.k.lora_sgmv(out, x.contiguous(), self.rows, self.starts,
-                         [m.a_tab if m else self._none for m in mods], [m.bt_tab if m else self._none for m in mods],
-                         self.width)
+        a_tabs, bt_tabs = [m.a_tab if m else self._none for m in mods], [m.bt_tab if m else self._none for m in mods]
+        if self.k is not None:
+            self.k.lora_sgmv(out, x.contiguous(), self.rows, self.starts, a_tabs, bt_tabs, self.width)
+        else:
+            from .triton_sgmv import lora_sgmv
+            lora_sgmv(out, x.contiguous(), self.rows, self.starts.tolist(), a_tabs, bt_tabs, self.width, self.base)
         return out
 
 
-def lora_step(rows: dict[int, list[int]], adapters: dict[int, PagedAdapter], kernels, width: int) -> LoRAStep | None:
+def lora_step(rows: dict[int, list[int]], adapters: dict[int, PagedAdapter], kernels, width: int,
+              base: torch.Tensor | None = None) -> LoRAStep | None:
     """The step of `rows` (adapter id -> its rows; id 0, the base model, needs nothing) over the
-    placed `adapters`; `kernels`: the compiled CPU kernels; `width`: the pool's cell width W."""
+    placed `adapters`; `kernels`: the compiled CPU kernels (None: Triton's, reading from `base`);
+    `width`: the pool's cell width W."""
     used = [(i, r) for i, r in sorted(rows.items()) if i and r]
     if not used:
         return None
@@ -54,7 +62,7 @@ def lora_step(rows: dict[int, list[int]], adapters: dict[int, PagedAdapter], ker
         segments.append(Segment(adapters[i], n, n + len(r)))
         order.extend(r)
         n += len(r)
-    return LoRAStep(segments, torch.tensor(order), kernels, width)
+    return LoRAStep(segments, torch.tensor(order), kernels, width, base)
 
 
 def name_lora_layers(model: torch.nn.Module) -> int:

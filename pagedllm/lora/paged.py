@@ -85,12 +85,12 @@ class AdapterSlabs:
             where[name] = (slot, a_idx, bt_idx)
         cpp, cps = geo.cells_per_page, geo.cells_per_slab
         for slot, parts in cells.items():
-            data = torch.cat(parts).to(self.dtype)
+            data = torch.cat(parts).to(self.views[slot][0].device, self.dtype)
             used = cdiv(data.shape[0], cpp)
             buf = data.new_zeros(used * cpp, W)
             buf[:data.shape[0]] = data
             buf = buf.view(used, 2, cps * W)
-            idx = torch.tensor(pages[:used])
+            idx = torch.tensor(pages[:used], device=data.device)
             for kv in (0, 1):
                 self.views[slot][kv][idx, :cps * W] = buf[:, kv]
         page_t = torch.tensor(pages, dtype=torch.long)

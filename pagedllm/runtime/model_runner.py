@@ -134,6 +134,9 @@ class StepInputs:
     group_slots: list[list[int]] = field(default_factory=list)
     group_tables: list[list[list[int]]] = field(default_factory=list)
     lora_rows: dict[int, list[int]] = field(default_factory=dict)   # adapter id -> its rows (enable_lora)
+    # Under tensor parallelism: adapters placed or evicted since the last broadcast, in order:
+    # ("load", id, pages, its LoRARequest) / ("evict", id); every rank places its own slice.
+    adapter_events: list[tuple] = field(default_factory=list)
 
 
 def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
@@ -248,6 +251,7 @@ class ModelRunner:
         # blocks (lora.paged), read from there by the kernel.
         self.loras: AdapterCache[LoRAAdapter] | None = None
         self.paged: dict[int, PagedAdapter] = {}
+        self._adapter_events: list[tuple] = []   # rank 0, tensor parallel: not yet sent to the others
         if cfg.enable_lora:
             self.max_lora_rank = cfg.max_lora_rank
             self.slabs = AdapterSlabs(self.kv_cache.pools, self.kv_layout, model_cfg, self.dtype)
@@ -267,22 +271,27 @@ class ModelRunner:
             self.graphs.capture()
 
     def _check_lora(self, cfg: EngineConfig, tp: TPGroup, kernels) -> None:
-        """Adapters are read from the pool's pages by the compiled CPU kernel: what lacks it is refused."""
-        if tp.size > 1:
-            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet (the adapters' "
-                             "A and B are not sharded)")
+        """Adapters are read from the pool's pages by the compiled CPU kernel, or by Triton's on a GPU
+        (lora.triton_sgmv): what lacks one is refused."""
         if cfg.quantization == "w8a8":
             raise ValueError("enable_lora with quantization w8a8 is not supported: SmoothQuant folds scales into the "
                              "matmuls' inputs (and v's outputs), which an adapter trained on the model as published "
                              "does not know; weight-only int8, int4 and gguf run adapters")
-        if self.device.type != "cpu" or kernels is None or self.dtype not in (torch.bfloat16, torch.float32):
-            raise ValueError(f"enable_lora runs adapters from the KV pool's pages in the compiled CPU kernel: "
-                             f"it needs the CPU, bf16 or float32 and the kernels built, not {self.device}, "
-                             f"{self.dtype}{'' if kernels is not None else ', no kernels'}")
+        if self.device.type == "cpu":
+            if kernels is None or self.dtype not in (torch.bfloat16, torch.float32):
+                raise ValueError(f"enable_lora on the CPU runs adapters from the KV pool's pages in the compiled "
+                                 f"kernel: it needs bf16 or float32 and the kernels built, not {self.dtype}"
+                                 f"{'' if kernels is not None else ', no kernels'}")
+        else:
+            from ..attention import triton_available
+
+            why = triton_available()
+            if why is not None:
+                raise ValueError(f"enable_lora on {self.device} runs adapters in Triton kernels: {why}")
 
     def _read_adapter(self, req: LoRARequest) -> LoRAAdapter:
         """An adapter read from disk and sized in pages (the loader's thread: never the engine loop's)."""
-        adapter = load_adapter(req, self.model_cfg, self.max_lora_rank, self.dtype)
+        adapter = load_adapter(req, self.model_cfg, self.max_lora_rank, self.dtype, (self.tp.rank, self.tp.size))
         adapter.num_pages = self.slabs.pages(adapter)
         if adapter.num_pages > self.kv_cache.num_blocks:
             raise ValueError(f"lora: {req.lora_name!r} takes {adapter.num_pages} KV pages and the pool has "
@@ -290,11 +299,29 @@ class ModelRunner:
         return adapter
 
     def _place_adapters(self, plan: StepPlan) -> None:
-        """Write the adapters the step placed into their pages; forget those evicted."""
-        for a in plan.adapter_evictions:
-            self.paged.pop(a, None)
-        for a, pages in plan.adapter_loads:
-            self.paged[a] = self.slabs.place(self.loras.get(a), pages)
+        """Write the adapters the step placed into their pages; forget those evicted. Under tensor
+        parallelism the other ranks do the same with their slices, told with the next forward."""
+        events = [("evict", a) for a in plan.adapter_evictions] + \
+            [("load", a, pages, self.loras.entries[a][0]) for a, pages in plan.adapter_loads]
+        self._apply_adapter_events(events)
+        if self.tp.distributed:
+            self._adapter_events += events
+
+    def _apply_adapter_events(self, events: list[tuple]) -> None:
+        for ev in events:
+            if ev[0] == "evict":
+                self.paged.pop(ev[1], None)
+            else:
+                _, a, pages, req = ev
+                self.paged[a] = self.slabs.place(self._host_adapter(a, req), pages)
+
+    def _host_adapter(self, lora_id: int, req: LoRARequest) -> LoRAAdapter:
+        """The adapter read into host memory: rank 0's was read before its request ran; another
+        rank reads its slice now, the first time (kept as max_cpu_loras allows)."""
+        entry = self.loras.entries.get(lora_id)
+        if entry is not None and entry[0] == req and entry[1].done() and entry[1].exception() is None:
+            return entry[1].result()
+        return self.loras.load_now(req)
 
     def _kv_layout(self, cfg: EngineConfig, mc: ModelConfig) -> KVLayout:
         """The KV cache's layer groups (kv.groups): by attention type, so that windowed layers
@@ -449,6 +476,7 @@ class ModelRunner:
             self.draft.copy_blocks(plan.copies)
         step, sample_rows, checks, scored = self._inputs(plan)
         if self.tp.distributed:
+            step.adapter_events, self._adapter_events = self._adapter_events, []
             self.tp.broadcast(step)
         logits, scores = self._forward(step)
         if self.tier_io is not None:  # their tokens' KV is written now
@@ -510,6 +538,7 @@ class ModelRunner:
         while (step := self.tp.broadcast(None)) is not None:
             if self.threads is not None:
                 self.threads.tick()
+            self._apply_adapter_events(step.adapter_events)
             self._forward(step)
 
     @staticmethod
@@ -579,7 +608,8 @@ class ModelRunner:
             metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, nd), dev)
                      for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
             self.model.ops.lora = None if not step.lora_rows else \
-                lora_step(step.lora_rows, self.paged, self.model.ops.k, self.slabs.geometry.width)
+                lora_step(step.lora_rows, self.paged, self.model.ops.k if dev.type == "cpu" else None,
+                          self.slabs.geometry.width, self.slabs.views[0][0])
             try:
                 hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
                                     self.kv_cache.layers, metas[0],

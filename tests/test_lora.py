@@ -135,6 +135,13 @@ def test_adapter_pages_follow_the_stated_formula(lora_llm, adapters):
     assert len(pages) == -(-53 * 8 // 32) == 14 == eng.runner.loras.get(1).num_pages
     assert figures.held_pages == 0 and figures.idle_pages >= 14   # resident, unused: its pages are free to take
     assert eng.stats().kv.as_dict()["adapters"]["idle_pages"] == figures.idle_pages
+    from pagedllm.cli import kv_report
+    assert f"LoRA adapters in the pool: {figures.resident} resident" in kv_report(eng.stats())
+    # a constrained request under an adapter: the grammar holds whatever the adapter prefers
+    from pagedllm import StructuredOutputsParams
+    regex = SamplingParams(temperature=0, max_tokens=8, structured_outputs=StructuredOutputsParams(regex="[a-z]{3,6}"))
+    text = lora_llm.generate(PROMPTS[:1], regex, use_tqdm=False, lora_request=adapters[0])[0].outputs[0].text
+    assert text.isalpha() and text.islower() and 3 <= len(text) <= 6, text
     # in bytes: 14 pool blocks of 2 x 30 layers x 16 tokens x 192 x 4 bytes
     assert len(pages) * eng.runner.bytes_per_block == 14 * 737_280
 

@@ -19,6 +19,13 @@ class Family:
     """What one model_type changes in the shared decoder."""
     qkv_bias: bool = False       # q/k/v biases when the config does not say (attention_bias)
     qk_norm: bool = False        # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
+    qk_norm_whole: bool = False  # RMSNorm over all of q's (and k's) heads at once, before RoPE (OLMoE)
+    # Mixture of experts (moe_config): its experts' width under this config key (the dense MLP's
+    # intermediate_size is its own where a model has both), and whether the top k's weights are
+    # renormalized where the config does not say (Mixtral always does)
+    moe: bool = False
+    expert_width_key: str = "moe_intermediate_size"
+    moe_norm_topk: bool = False
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma 3)
     norm_offset: float = 0.0     # checkpoints store RMSNorm weights as w - offset (Gemma: x * (1 + w))
     embed_scale: bool = False    # embeddings times sqrt(hidden_size) (Gemma)
@@ -47,10 +54,58 @@ FAMILIES: dict[str, Family] = {
     "gemma3_text": Family(qk_norm=True, sandwich_norms=True, norm_offset=1.0, embed_scale=True,
                           windows=LAYER_TYPES_ONLY, renames=_GEMMA_NORMS, stop_tokens=("<end_of_turn>",),
                           architecture="Gemma3ForCausalLM"),
+    # Mixtures of experts (models/moe.py): top-k of E expert MLPs a token
+    "qwen3_moe": Family(qk_norm=True, windows=QWEN_LAYERS, moe=True, architecture="Qwen3MoeForCausalLM"),
+    "qwen2_moe": Family(qkv_bias=True, windows=QWEN_LAYERS, moe=True, architecture="Qwen2MoeForCausalLM"),
+    "olmoe": Family(qk_norm_whole=True, moe=True, expert_width_key="intermediate_size",
+                    architecture="OlmoeForCausalLM"),
+    "mixtral": Family(windows=EVERY_LAYER, moe=True, expert_width_key="intermediate_size", moe_norm_topk=True,
+                      renames=(("block_sparse_moe", "mlp"), ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")),
+                      architecture="MixtralForCausalLM"),
 }
 SUPPORTED = tuple(FAMILIES)
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """A mixture of experts (models/moe.py): a router scores E experts per token (softmax in
+    fp32), the top k run, their weights renormalized to sum to 1 where norm_topk (Mixtral,
+    Qwen3-MoE); a shared expert beside them, gated by a sigmoid (Qwen2-MoE)."""
+    num_experts: int
+    top_k: int
+    width: int                       # each expert's intermediate size
+    norm_topk: bool
+    shared_width: int = 0            # the shared expert's intermediate size (0: none)
+    sparse_layers: tuple[bool, ...] = ()   # per layer: experts (True) or the dense MLP; empty: every layer
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.sparse_layers[layer] if self.sparse_layers else True
+
+
+def moe_config(cfg: dict[str, Any], fam: Family, num_layers: int) -> MoEConfig | None:
+    """The routing of a mixture of experts from its HF config (None for a dense family); ValueError
+    naming a router or layout we do not compute."""
+    if not fam.moe:
+        return None
+    # the checkpoints' own key, or the one transformers 5 writes (num_local_experts for all)
+    e = cfg.get("num_experts") or cfg.get("num_local_experts")
+    k, width = cfg.get("num_experts_per_tok"), cfg.get(fam.expert_width_key)
+    if not all(isinstance(v, int) and v > 0 for v in (e, k, width)) or k > e:
+        raise ValueError(f"{cfg.get('model_type')}: num_experts (num_local_experts)={e}, num_experts_per_tok={k} and "
+                         f"{fam.expert_width_key}={width} must be positive ints, top k at most the experts")
+    for key in ("router_jitter_noise", "clip_qkv"):
+        if cfg.get(key):
+            raise ValueError(f"{cfg.get('model_type')}: {key}={cfg[key]} is not supported")
+    if cfg.get("scoring_func", "softmax") != "softmax" or cfg.get("topk_method", "greedy") != "greedy":
+        raise ValueError(f"{cfg.get('model_type')}: router {cfg.get('scoring_func')}/{cfg.get('topk_method')} is not "
+                         "supported (softmax scores, greedy top-k are)")
+    step, dense = cfg.get("decoder_sparse_step", 1), set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)) if step and step > 0 else \
+        (False,) * num_layers
+    return MoEConfig(e, k, width, bool(cfg.get("norm_topk_prob", fam.moe_norm_topk)),
+                     int(cfg.get("shared_expert_intermediate_size") or 0), sparse if not all(sparse) else ())
 
 
 @dataclass(frozen=True)
@@ -82,6 +137,7 @@ class ModelConfig:
     # Each layer's RoPE: 0 the global one, 1 the local one, -1 none (SmolLM3's NoPE layers); empty: all 0.
     layer_ropes: tuple[int, ...] = field(default=())
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
+    moe: MoEConfig | None = None      # a mixture of experts' routing (None: a dense model)
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -126,7 +182,7 @@ class ModelConfig:
             family=fam, activation=ACTIVATIONS[act], attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             local_rope_theta=local or 0.0, layer_ropes=ropes if any(r != 0 for r in ropes) else (),
-            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0))
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0), moe=moe_config(cfg, fam, n))
 
     @property
     def rotary(self) -> int:
@@ -176,6 +232,9 @@ class ModelConfig:
 
     def check_tensor_parallel(self, n: int) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows."""
+        if n > 1 and self.moe is not None:
+            raise ValueError(f"tensor_parallel_size > 1 is not supported for {self.model_type} yet: a mixture of "
+                             "experts needs expert parallelism, which is not built")
         if n > 1 and self.model_type == "phi3":
             raise ValueError("tensor_parallel_size > 1 is not supported for phi3: its checkpoints fuse q/k/v and "
                              "gate/up into one tensor each, which the loader does not cut by rank")

@@ -9,6 +9,7 @@ padding in the linear layers. Only attention needs to know where sequences begin
 from __future__ import annotations
 
 import logging
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -21,6 +22,8 @@ from ..config import QUANTIZATIONS
 from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
+from .mlp import MLP
+from .moe import SparseMoE, experts_torch
 from .prepack import packed_linear, prepack_linears, prepack_wanted
 from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
@@ -101,6 +104,16 @@ class Ops:
         self.k.add_rms_norm(x, residual, norm.weight, norm.eps)  # in place: both were ours to reuse
         return x, residual
 
+    def experts(self, moe, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """A mixture of experts' output for x's rows (models/moe.py): the chosen experts over their
+        rows, weighted; one compiled call on the CPU."""
+        if self.fused(x) and x.dtype in (torch.bfloat16, torch.float32):
+            out = torch.empty_like(x)
+            self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts,
+                               moe.activation == "silu")
+            return out
+        return experts_torch(moe, x, weights, experts, self.act_mul)
+
     def act_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """activation(gate) * up, of gate_up = [gate | up]: silu, or GELU's tanh form (Gemma)."""
         if not self.fused(gate_up):
@@ -135,29 +148,24 @@ class Attention(nn.Module):
         self.window = window  # this layer's sliding window (0: full attention)
         if cfg.family.qk_norm:  # over each head's d dims, before RoPE
             self.q_norm, self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps), RMSNorm(self.d, cfg.rms_norm_eps)
+        elif cfg.family.qk_norm_whole:  # over all of q's heads at once (and k's), before RoPE
+            self.q_norm = RMSNorm(self.h * self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kvh * self.d, cfg.rms_norm_eps)
+        self.whole_norm = cfg.family.qk_norm_whole
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
         qkv = ops.linear(self.qkv_proj, x)
         q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        if self.whole_norm:
+            q, k = ops.norm(q.contiguous(), self.q_norm), ops.norm(k.contiguous(), self.k_norm)
         q, k = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d)
-        if hasattr(self, "q_norm"):
+        if hasattr(self, "q_norm") and not self.whole_norm:
             q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
         q, k = rotate(q, k)
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
                                  window=self.window)
         return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.activation = cfg.activation
-
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.linear(self.down_proj, ops.act_mul(ops.linear(self.gate_up_proj, x), self.activation))
 
 
 class DecoderLayer(nn.Module):
@@ -166,7 +174,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, backend, cfg.window(index))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
-        self.mlp = MLP(cfg)
+        self.mlp = SparseMoE(cfg) if cfg.moe is not None and cfg.moe.is_sparse(index) else MLP(cfg)
         if cfg.family.sandwich_norms:  # Gemma: each sublayer's output is normed before the residual add
             self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
             self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -195,6 +203,37 @@ class DecoderLayer(nn.Module):
 # because HF stores q/k/v head after head. Norms are replicated.
 _SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 0,
               "embed_tokens": 0, "lm_head": 0, "o_proj": 1, "down_proj": 1}
+
+
+_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+    """A mixture of experts' per-expert tensors (HF's layers.L.mlp.experts.E.gate_proj, Mixtral's
+    block_sparse_moe.experts.E.w1/w3/w2 renamed so) stacked into each layer's w13 [E, 2I, H] and
+    w2 [E, H, I], in place; the router (mlp.gate) under our name. ValueError naming an expert
+    tensor that is missing."""
+    if cfg.moe is None:
+        return
+    found: dict[tuple[int, int, str], torch.Tensor] = {}
+    for name in [n for n in loaded if _EXPERT.fullmatch(n)]:
+        layer, e, what = _EXPERT.fullmatch(name).groups()
+        found[int(layer), int(e), what] = loaded.pop(name)
+    for name in [n for n in loaded if n.endswith("block_sparse_moe.gate.weight")]:
+        loaded[name.replace("block_sparse_moe", "mlp")] = loaded.pop(name)
+    for layer in range(cfg.num_layers):
+        if not cfg.moe.is_sparse(layer):
+            continue
+        parts = []
+        for e in range(cfg.moe.num_experts):
+            for what in ("gate_proj", "up_proj", "down_proj"):
+                if (layer, e, what) not in found:
+                    raise ValueError(f"checkpoint lacks layers.{layer}.mlp.experts.{e}.{what}.weight "
+                                     f"({cfg.model_type}: {cfg.moe.num_experts} experts a layer)")
+            parts.append((torch.cat([found[layer, e, "gate_proj"], found[layer, e, "up_proj"]]),
+                          found[layer, e, "down_proj"]))
+        loaded[f"layers.{layer}.mlp.w13"] = torch.stack([a for a, _ in parts])
+        loaded[f"layers.{layer}.mlp.w2"] = torch.stack([b for _, b in parts])
 
 
 def tp_split_dim(name: str) -> int | None:
@@ -387,9 +426,13 @@ class LlamaForCausalLM(nn.Module):
             if fam.norm_offset and name.endswith("norm.weight"):  # Gemma's x * (1 + w): one weight to multiply
                 t = t.float() + fam.norm_offset
             loaded[name] = t
+        stack_experts(loaded, self.cfg)
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
             for ours, theirs in FUSED.items():
+                if ours.startswith("mlp.") and f"{p}mlp.shared_expert.gate_proj.weight" in loaded:
+                    ours, theirs = "mlp.shared_expert.gate_up_proj", ("mlp.shared_expert.gate_proj",
+                                                                      "mlp.shared_expert.up_proj")
                 for kind in ("weight", "bias"):
                     parts = [loaded.pop(f"{p}{t}.{kind}", None) for t in theirs]
                     if all(x is not None for x in parts):

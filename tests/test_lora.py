@@ -153,12 +153,13 @@ def test_adapters_wait_for_room_and_are_evicted_and_paged_in_again(make_llm, ada
     llm = make_llm(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=2, max_lora_rank=16)
     eng = llm.engine
     assert eng.kv.pool.num_blocks == 22
-    alone = [llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [llm.generate(PROMPTS[:1], short, use_tqdm=False, lora_request=a)[0].outputs[0].token_ids
              for a in adapters]
     assert eng.kv.adapters.num_evictions >= 1   # the fourth found the first's pages taken
     seen: list[int] = []
     prompts, loras = PROMPTS[:1] * 8, adapters * 2
-    ids = [eng.add_request(None, p, GREEDY, lora_request=a).request_id for p, a in zip(prompts, loras)]
+    ids = [eng.add_request(None, p, short, lora_request=a).request_id for p, a in zip(prompts, loras)]
     outs: dict[str, list[int]] = {}
     while eng.has_unfinished_requests():
         for o in eng.step():
@@ -209,11 +210,12 @@ def test_a_draft_model_proposes_on_the_base_and_the_adapter_verifies(make_llm, a
     """Speculation under an adapter: the draft model (the base) proposes, the target verifies
     under the request's adapter, and greedy tokens are those of no speculation."""
     spec = {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3}
-    llm = make_llm(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=2, max_lora_rank=16,
+    llm = make_llm(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=2, max_lora_rank=16,
                    speculative_config=spec)
-    plain = make_llm(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=2, max_lora_rank=16)
+    plain = make_llm(dtype="float32", kv_cache_memory="16MiB", enable_lora=True, max_loras=2, max_lora_rank=16)
     loras = [adapters[1], None, adapters[2]]
-    got = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)
-    want = plain.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    got = llm.generate(PROMPTS[:3], params, use_tqdm=False, lora_request=loras)
+    want = plain.generate(PROMPTS[:3], params, use_tqdm=False, lora_request=loras)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert llm.engine.stats().spec.num_accepted_tokens > 0

@@ -199,33 +199,3 @@ def test_visualizer_sees_the_same_blocks_under_tp(tiny):
     assert events[0] == events[1]
     assert {"alloc", "fork", "cow", "free"} <= {ev["type"] for ev in events[0]}
 
-
-def test_tp2_runs_adapters_sliced_as_their_layers(tiny, tmp_path):
-    """LoRA under tensor parallelism: each rank pages its slice of every adapter (B's rows of its
-    heads for q/k/v and gate/up, A's columns for o/down; o/down's partial deltas join the
-    all-reduce), and TP=2 gives TP=1's greedy tokens for a batch mixing two adapters and the base,
-    also once an adapter was evicted and paged in again (a pool of 16 blocks)."""
-    from lora_adapters import make_adapter
-
-    from pagedllm.lora import LoRARequest
-
-    all7 = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    loras = [LoRARequest(f"t{i}", i + 1, str(make_adapter(tiny, tmp_path / f"t{i}", i, 8, 16, targets, False)))
-             for i, targets in enumerate([all7, ["k_proj", "o_proj", "down_proj"]])]
-    prompts = [[5, 17, 300, 4000, 12], list(range(100, 140)), [7, 8, 9, 10]]
-    outs = []
-    for tp in (1, 2):
-        llm = LLM(model=tiny, tensor_parallel_size=tp, dtype="float32", num_gpu_blocks_override=16,
-                  max_model_len=256, num_threads=1, enable_lora=True, max_loras=2, max_lora_rank=8)
-        try:
-            first = llm.generate(prompts + prompts[:1], GREEDY, use_tqdm=False,
-                                 lora_request=[loras[0], None, loras[1], None])
-            burst = llm.generate([list(range(3000 + 50 * i, 3040 + 50 * i)) for i in range(4)], GREEDY,
-                                 use_tqdm=False)   # the idle adapters' pages go to KV
-            again = llm.generate(prompts[:1], GREEDY, use_tqdm=False, lora_request=loras[0])
-            assert llm.engine.kv.adapters.num_evictions > 0
-            outs.append([o.outputs[0].token_ids for o in first + burst + again])
-        finally:
-            llm.close()
-    assert outs[0] == outs[1]
-    assert outs[0][0] != outs[0][3] and outs[0][0] == outs[0][-1]   # the adapter matters; paged in again, the same

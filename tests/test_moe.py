@@ -66,6 +66,9 @@ def test_moe_family_matches_hf(make_llm, tmp_path, model_dir, family, monkeypatc
             refs.append(torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1))
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB")
     assert llm.engine.runner.model.layers[1].mlp.w13.shape[0] == 16
+    from pagedllm.analysis.kv_calc import param_count   # kv-calc's weights: the checkpoint's, every expert
+    assert param_count(llm.engine.model_cfg) == sum(p.numel() for p in hf.parameters())
+    assert param_count(llm.engine.model_cfg, active=True) < param_count(llm.engine.model_cfg)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for ids, out, w, ref in zip(prompts, outs, want, refs):
         assert out.outputs[0].token_ids == w

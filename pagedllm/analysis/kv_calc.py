@@ -15,13 +15,29 @@ DTYPE_BYTES = {**ENGINE_DTYPES, **{a: ENGINE_DTYPES[c] for a, c in DTYPE_ALIASES
 _KV_ONLY = {"fp8": "fp8_e4m3", "int8": "int8"}
 
 
-def param_count(cfg: ModelConfig) -> int:
+def param_count(cfg: ModelConfig, active: bool = False) -> int:
+    """The model's parameters; active=True: those one token reads (a mixture of experts: its
+    top k experts of each sparse layer, not all of them)."""
     h, kvd, qd = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, cfg.num_heads * cfg.head_dim
-    per_layer = h * (qd + 2 * kvd) + qd * h + 3 * h * cfg.intermediate_size + 2 * h
+    attn = h * (qd + 2 * kvd) + qd * h + 2 * h
     if cfg.qkv_bias:
-        per_layer += qd + 2 * kvd
+        attn += qd + 2 * kvd
+    if cfg.family.qk_norm:
+        attn += 2 * cfg.head_dim
+    elif cfg.family.qk_norm_whole:
+        attn += qd + kvd
+    total = sum(attn + _mlp_params(cfg, i, active) for i in range(cfg.num_layers))
     embed = cfg.vocab_size * h * (1 if cfg.tie_word_embeddings else 2)
-    return cfg.num_layers * per_layer + embed + h
+    return total + embed + h
+
+
+def _mlp_params(cfg: ModelConfig, layer: int, active: bool) -> int:
+    h, m = cfg.hidden_size, cfg.moe
+    if m is None or not m.is_sparse(layer):
+        return 3 * h * cfg.intermediate_size
+    experts = m.top_k if active else m.num_experts
+    shared = 3 * h * m.shared_width + h if m.shared_width else 0
+    return experts * 3 * h * m.width + h * m.num_experts + shared
 
 
 @dataclass
@@ -36,6 +52,7 @@ class KVCalc:
     paged_max_seqs: int             # sequences of seq_len that fit, paged
     reserve_max_seqs: int           # ...with a max_model_len reservation each
     weights_bytes: int
+    active_weights_bytes: int = 0   # what one token reads (a mixture of experts: its top k experts)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -73,7 +90,8 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     return KVCalc(kv_cache_dtype=kv.name, bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
                   m_kv_bytes=bpt * seq_len * batch,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,
-                  reserve_max_seqs=num_blocks // reserve, weights_bytes=weights)
+                  reserve_max_seqs=num_blocks // reserve, weights_bytes=weights,
+                  active_weights_bytes=param_count(cfg, active=True) * elt)
 
 
 def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int, dtype: str,
@@ -86,7 +104,9 @@ def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int,
         f"  bytes per block:                    {c.bytes_per_block:,}",
         f"  M_KV for S={seq_len}, b={batch}:   {c.m_kv_bytes:,} bytes ({c.m_kv_bytes / gib:.3f} GiB)",
         f"  blocks per sequence ceil(S/B):      {c.blocks_per_seq}",
-        f"  weights:                            {c.weights_bytes / gib:.2f} GiB",
+        f"  weights:                            {c.weights_bytes / gib:.2f} GiB"
+        + (f" ({c.active_weights_bytes / gib:.2f} GiB active a token: its experts)"
+           if c.active_weights_bytes != c.weights_bytes else ""),
         f"  KV budget: {c.budget_bytes / gib:.2f} GiB = {c.num_blocks:,} blocks",
         f"  sequences of {seq_len} tokens that fit: paged {c.paged_max_seqs:,}; "
         f"reserve-max (max_model_len {max_model_len}) {c.reserve_max_seqs:,}",

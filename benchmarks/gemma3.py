@@ -54,22 +54,12 @@ def _requests(num: int, prompt_len: int, output_len: int):
 def ours_single(ids: list[int], new: int, dtype: str, quantization: str | None) -> dict:
     import torch
 
-    from pagedllm import LLM, SamplingParams
+    from benchmarks.lib.one_request import ours_one_request
 
-    llm = LLM(GEMMA, dtype=dtype, max_model_len=2048, kv_cache_memory=f"{2048 * _bytes_per_token()}",
-              quantization=quantization)
-    llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    eng = llm.engine
-    eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-    t0 = time.perf_counter()
-    eng.step()  # the prefill and the first token
-    t1 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        eng.step()
-    t2 = time.perf_counter()
-    return {"engine": f"pagedllm {dtype}" + (f" {quantization}" if quantization else ""), "runner": eng.runner.describe(),
-            "ttft_s": t1 - t0, "decode_tok_s": (new - 1) / (t2 - t1), "rss_mib": _rss_mib(),
-            "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads()}
+    r = ours_one_request({"model": GEMMA, "dtype": dtype, "max_model_len": 2048,
+                             "kv_cache_memory": f"{2048 * _bytes_per_token()}", "quantization": quantization}, ids, new)
+    return {"engine": f"pagedllm {dtype}" + (f" {quantization}" if quantization else ""), **r,
+            "rss_mib": _rss_mib(), "peak_rss_mib": _peak_rss_mib(), "threads": torch.get_num_threads()}
 
 
 def _bytes_per_token() -> int:

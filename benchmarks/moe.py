@@ -94,19 +94,10 @@ def hf_batch(path: str, reqs) -> dict:
 
 
 def ours_single(path: str, ids: list[int], new: int) -> dict:
-    from pagedllm import LLM, SamplingParams
+    from benchmarks.lib.one_request import ours_one_request
 
-    llm = LLM(path, dtype="bfloat16", max_model_len=2048)
-    llm.generate([[2, 3, 4]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
-    eng = llm.engine
-    eng.add_request(None, ids, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True))
-    t0 = time.perf_counter()
-    eng.step()
-    t1 = time.perf_counter()
-    while eng.has_unfinished_requests():
-        eng.step()
-    t2 = time.perf_counter()
-    return {"engine": f"pagedllm ({Path(path).name})", "ttft_s": t1 - t0, "decode_tok_s": (new - 1) / (t2 - t1)}
+    r = ours_one_request({"model": path, "dtype": "bfloat16", "max_model_len": 2048}, ids, new)
+    return {"engine": f"pagedllm ({Path(path).name})", "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -132,7 +132,7 @@ def test_adapter_pages_follow_the_stated_formula(lora_llm, adapters):
     lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters[0])   # rank 8, every matmul
     figures = eng.kv.stats().adapters
     pages = eng.kv.adapters.pages[1]
-    assert len(pages) == -(-53 * 8 // 32) == 14 == eng.runner.loras.get(1).num_pages
+    assert len(pages) == -(-53 * 8 // 32) == 14 == eng.runner.loras.load_now(adapters[0]).num_pages
     assert figures.held_pages == 0 and figures.idle_pages >= 14   # resident, unused: its pages are free to take
     assert eng.stats().kv.as_dict()["adapters"]["idle_pages"] == figures.idle_pages
     from pagedllm.cli import kv_report

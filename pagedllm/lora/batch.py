@@ -31,6 +31,7 @@ class LoRAStep:
         (lora.triton_sgmv), its cell addresses read from `base` (a pool tensor)."""
         self.segments, self.rows, self.k, self.width, self.base = segments, rows, kernels, width, base
         self.starts = torch.tensor([0] + [s.end for s in segments])
+        self.start_list = self.starts.tolist()   # the Triton path's
         self._none = torch.zeros(0, 1, dtype=torch.long)
 
     def add(self, name: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -45,7 +46,7 @@ class LoRAStep:
             self.k.lora_sgmv(out, x.contiguous(), self.rows, self.starts, a_tabs, bt_tabs, self.width)
         else:
             from .triton_sgmv import lora_sgmv
-            lora_sgmv(out, x.contiguous(), self.rows, self.starts.tolist(), a_tabs, bt_tabs, self.width, self.base)
+            lora_sgmv(out, x.contiguous(), self.rows, self.start_list, a_tabs, bt_tabs, self.width, self.base)
         return out
 
 

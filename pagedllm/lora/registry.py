@@ -44,10 +44,6 @@ class AdapterCache(Generic[A]):
         self._trim()
         return held[1]
 
-    def get(self, lora_int_id: int) -> A:
-        """A held adapter, read (its future done without error)."""
-        return self.entries[lora_int_id][1].result(timeout=0)
-
     def load_now(self, req: LoRARequest) -> A:
         """Read `req`'s adapter now, on this thread, and keep it (an offline batch checks its
         adapters before queueing anything). ValueError naming what is wrong."""

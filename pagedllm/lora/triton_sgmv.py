@@ -10,6 +10,8 @@ Segment s's rows are rows[starts[s]:starts[s + 1]]; R_s = 0 skips them. Sums in 
 On a machine without CUDA they run under Triton's interpreter, as the attention kernels do."""
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..attention import triton_kernels as tk
@@ -64,11 +66,20 @@ def _p2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+# A placed adapter's tables never change: each is turned into offsets (on the device) once, and
+# forgotten with the table (its adapter evicted).
+_OFFSETS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def offsets(tab: torch.Tensor, base: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A cell table of addresses (0: not stored) as element offsets from `base`, and where it has cells."""
-    has = tab != 0
-    offs = torch.where(has, (tab - base.data_ptr()) // base.element_size(), 0)
-    return offs, has
+    """A cell table of addresses (0: not stored) as element offsets from `base`, and where it has
+    cells (int8), both on base's device."""
+    got = _OFFSETS.get(tab)
+    if got is None or got[0] != base.data_ptr():
+        has = tab != 0
+        offs = torch.where(has, (tab - base.data_ptr()) // base.element_size(), 0)
+        got = _OFFSETS[tab] = (base.data_ptr(), offs.to(base.device), has.to(base.device, torch.int8))
+    return got[1], got[2]
 
 
 def lora_sgmv(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, starts: list[int],
@@ -82,19 +93,18 @@ def lora_sgmv(out: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, starts: li
         return
     dev = out.device
     ca, cb, rmax = -(-k // width), -(-nn // width), max(ranks)
-    a_offs = torch.zeros(len(ranks), rmax, ca, dtype=torch.long)
-    bt_offs = torch.zeros(len(ranks), rmax, cb, dtype=torch.long)
-    bt_has = torch.zeros(len(ranks), rmax, cb, dtype=torch.int8)
+    a_offs = torch.zeros(len(ranks), rmax, ca, dtype=torch.long, device=dev)
+    bt_offs = torch.zeros(len(ranks), rmax, cb, dtype=torch.long, device=dev)
+    bt_has = torch.zeros(len(ranks), rmax, cb, dtype=torch.int8, device=dev)
     for s, (a, bt) in enumerate(zip(a_tabs, bt_tabs)):
         if a.shape[0]:
             a_offs[s, :a.shape[0]] = offsets(a, base)[0]
-            bt_offs[s, :a.shape[0]], has = offsets(bt, base)
-            bt_has[s, :a.shape[0]] = has.to(torch.int8)
+            bt_offs[s, :a.shape[0]], bt_has[s, :a.shape[0]] = offsets(bt, base)
     segs = torch.repeat_interleave(torch.arange(len(ranks)), torch.tensor([e - b for b, e in zip(starts, starts[1:])]))
     br = _p2(rmax)
     xa = torch.empty(n, br, dtype=torch.float32, device=dev)
     rows_d, segs_d, ranks_d = rows.to(dev), segs.to(dev), torch.tensor(ranks, device=dev)
     bw = _p2(width)
-    _shrink[(n,)](x, xa, rows_d, segs_d, ranks_d, a_offs.to(dev), base, k, ca, rmax, x.stride(0), W=width, BW=bw, BR=br)
-    _expand[(n, cb)](out, xa, rows_d, segs_d, ranks_d, bt_offs.to(dev), bt_has.to(dev), base, nn, cb, rmax,
+    _shrink[(n,)](x, xa, rows_d, segs_d, ranks_d, a_offs, base, k, ca, rmax, x.stride(0), W=width, BW=bw, BR=br)
+    _expand[(n, cb)](out, xa, rows_d, segs_d, ranks_d, bt_offs, bt_has, base, nn, cb, rmax,
                      out.stride(0), W=width, BW=bw, BR=br)

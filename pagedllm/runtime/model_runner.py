@@ -324,15 +324,9 @@ class ModelRunner:
                 self.paged.pop(ev[1], None)
             else:
                 _, a, pages, req = ev
-                self.paged[a] = self.slabs.place(self._host_adapter(a, req), pages)
-
-    def _host_adapter(self, lora_id: int, req: LoRARequest) -> LoRAAdapter:
-        """The adapter read into host memory: rank 0's was read before its request ran; another
-        rank reads its slice now, the first time (kept as max_cpu_loras allows)."""
-        entry = self.loras.entries.get(lora_id)
-        if entry is not None and entry[0] == req and entry[1].done() and entry[1].exception() is None:
-            return entry[1].result()
-        return self.loras.load_now(req)
+                # rank 0's adapter was read before its request ran (at once from host memory);
+                # another rank reads its slice now, the first time (kept as max_cpu_loras allows)
+                self.paged[a] = self.slabs.place(self.loras.load_now(req), pages)
 
     def _kv_layout(self, cfg: EngineConfig, mc: ModelConfig) -> KVLayout:
         """The KV cache's layer groups (kv.groups): by attention type, so that windowed layers

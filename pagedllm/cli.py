@@ -107,6 +107,16 @@ def adapters_report(kv) -> list[str]:
             f"{a.idle_pages} blocks, free to take), {a.loads} paged in, {a.evictions} evicted"]
 
 
+def weights_report(s) -> list[str]:
+    """The weights beside the pool: held, and read a token where that is less (a mixture of experts)."""
+    if not s.weights_bytes:
+        return []
+    active = s.active_weights_bytes
+    return [f"  weights beside the pool: {s.weights_bytes / 2**30:.2f} GiB held"
+            + (f", {active / 2**30:.2f} GiB read a token (its top k experts a layer)" if active != s.weights_bytes
+               else "")]
+
+
 def kv_report(stats, tier_dir: str | None = None) -> str:
     """The KV figures `pagedllm generate` prints; `tier_dir`: the --kv-offload-dir it names."""
     s, kv = stats, stats.kv
@@ -118,6 +128,7 @@ def kv_report(stats, tier_dir: str | None = None) -> str:
         f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
+    ] + weights_report(s) + [
         f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
     ] + groups_report(kv) + adapters_report(kv) + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + (
         [] if not kv.scores.queries else [

@@ -1,4 +1,4 @@
-"""Qwen3 and Phi-3 from GGUF files (gguf_files.py writes them as llama.cpp's converter lays them
+"""Qwen3 and Phi-3 from GGUF files (benchmarks/lib/gguf_files.py writes them as llama.cpp's converter lays them
 out: Phi-3's attn_qkv and ffn_up fused, Qwen3's QK-norms): the engine runs the file's own blocks
 (quantization="gguf", no matmul left on float weights; its norms and config through the file's
 conversion, transformers' own read of it) and gives the greedy tokens of transformers' model read
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from pagedllm import SamplingParams
+from hf_greedy import assert_greedy_matches
 
 TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, vocab_size=49152,
             max_position_embeddings=512, bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
@@ -26,7 +25,7 @@ def _config(arch: str):
 @pytest.fixture(params=[("qwen3", "Q8_0"), ("phi3", "Q4_0")], ids=lambda p: "-".join(p))
 def gguf_file(request, tmp_path):
     import transformers as tf
-    from gguf_files import write_gguf
+    from benchmarks.lib.gguf_files import write_gguf
 
     from pagedllm.loader.model_files import default_gguf_path
 
@@ -50,10 +49,4 @@ def test_gguf_file_matches_transformers(make_llm, gguf_file):
     assert "float" not in summary and "on" in summary, summary
     # transformers' from_pretrained(gguf_file=...) of the file, as the engine's conversion saved it
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
-    prompts = [[5, 17, 300, 4000, 12], list(range(100, 160))]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
-    for ids, out in zip(prompts, outs):
-        with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                               pad_token_id=0)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == want
+    assert_greedy_matches(llm, hf, [[5, 17, 300, 4000, 12], list(range(100, 160))], 12)

@@ -2,13 +2,18 @@
 whole-projection QK-norm) and Mixtral (its own module names), each a tiny random model of 16
 experts made with transformers' own class: greedy tokens equal HF transformers', prompt
 logprobs agree within float rounding, on the compiled kernel (one call a layer) and on the
-torch path; the kernel against torch on routing with ties and experts no row chose."""
+torch path; the kernel against torch on routing with ties and experts no row chose. Quantized
+experts: GGUF files of Qwen3-MoE and Qwen2-MoE (Q8_0, and llama.cpp's own Q4_K_M quantizer) give
+transformers' greedy tokens from the same file; int8 / int4 experts from float weights; the block
+kernel against its blocks dequantized, for every block type."""
 from __future__ import annotations
 
 import shutil
 
 import pytest
 import torch
+
+from hf_greedy import assert_greedy_matches
 
 from pagedllm import SamplingParams
 
@@ -69,6 +74,11 @@ def test_moe_family_matches_hf(make_llm, tmp_path, model_dir, family, monkeypatc
     from pagedllm.analysis.kv_calc import param_count   # kv-calc's weights: the checkpoint's, every expert
     assert param_count(llm.engine.model_cfg) == sum(p.numel() for p in hf.parameters())
     assert param_count(llm.engine.model_cfg, active=True) < param_count(llm.engine.model_cfg)
+    from pagedllm.cli import kv_report   # the weights as held (every expert) and as one token reads them
+    st = llm.get_stats()
+    assert (st.weights_bytes, st.active_weights_bytes) == (4 * param_count(llm.engine.model_cfg),
+                                                            4 * param_count(llm.engine.model_cfg, active=True))
+    assert "GiB read a token (its top k experts a layer)" in kv_report(st)
     outs = llm.generate(prompts, params, use_tqdm=False)
     for ids, out, w, ref in zip(prompts, outs, want, refs):
         assert out.outputs[0].token_ids == w
@@ -81,17 +91,17 @@ def test_the_compiled_layer_equals_torch(dtype):
     """kernels/csrc/moe.cpp against the torch grouping: 37 rows, top-3 of 8 experts with two
     experts no row chose, ties in the router's scores, SiLU and GELU gates, and a decode-sized
     batch (the experts spread over the threads)."""
-    from pagedllm.kernels import load_ops
-    from pagedllm.models.llama import Ops
-    from pagedllm.models.moe import experts_torch
+    from types import SimpleNamespace
 
-    class Experts:
-        num_experts, activation = 8, "silu"
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.config import MoEConfig
+    from pagedllm.models.llama import Ops
+    from pagedllm.models.moe import SparseMoE, experts_torch
 
     g = torch.Generator().manual_seed(0)
-    moe = Experts()
-    moe.w13 = (torch.randn(8, 2 * 48, 64, generator=g) / 8).to(dtype)
-    moe.w2 = (torch.randn(8, 64, 48, generator=g) / 8).to(dtype)
+    moe = SparseMoE(SimpleNamespace(hidden_size=64, activation="silu", moe=MoEConfig(8, 3, 48, False)))
+    moe.w13.data = (torch.randn(8, 2 * 48, 64, generator=g) / 8).to(dtype)
+    moe.w2.data = (torch.randn(8, 64, 48, generator=g) / 8).to(dtype)
     ops = Ops(load_ops())
     for t, act in ((37, "silu"), (3, "gelu_tanh")):
         moe.activation = act
@@ -113,7 +123,7 @@ def test_moe_refusals(make_llm, tmp_path, model_dir):
     _, path = make_model(tmp_path, model_dir, "qwen3_moe")
     with pytest.raises(ValueError, match="expert parallelism, which is not built"):
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
-    for bad, why in (({"quantization": "int8"}, "quantization 'int8' is not supported with a mixture of experts"),
+    for bad, why in (({"quantization": "w8a8"}, "quantization 'w8a8' is not supported with a mixture of experts"),
                      ({"enable_lora": True}, "enable_lora is not supported with a mixture of experts")):
         with pytest.raises(ValueError, match=why):
             make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", **bad)
@@ -122,3 +132,165 @@ def test_moe_refusals(make_llm, tmp_path, model_dir):
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"lacks layers\.1\.mlp\.experts\.7\.up_proj\.weight"):
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+
+
+GGUF_BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                 tie_word_embeddings=False, intermediate_size=512, moe_intermediate_size=256, num_experts=16,
+                 num_experts_per_tok=4)
+
+
+@pytest.fixture(scope="module")
+def gguf_q8(tmp_path_factory):
+    """arch -> a tiny random mixture (K = 256: K-quant super-blocks fit) as a Q8_0 GGUF file written
+    by gguf-py, made once for the module."""
+    import transformers as tf
+
+    from benchmarks.lib.gguf_files import write_gguf
+    from pagedllm.loader.model_files import default_gguf_path
+
+    made: dict = {}
+
+    def get(arch: str):
+        if arch not in made:
+            cfg = tf.Qwen3MoeConfig(**GGUF_BASE, head_dim=64, norm_topk_prob=True) if arch == "qwen3moe" else \
+                tf.Qwen2MoeConfig(**GGUF_BASE, shared_expert_intermediate_size=128, norm_topk_prob=False)
+            torch.manual_seed(0)
+            model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    if "norm" in name:
+                        p.add_(torch.randn_like(p) * 0.3)
+                    elif name.endswith("gate.weight"):
+                        p.normal_(0, 0.5)
+            made[arch] = write_gguf(model, tmp_path_factory.mktemp("gguf") / f"{arch}.gguf", arch, "Q8_0",
+                                    default_gguf_path())
+        return made[arch]
+    return get
+
+
+def _gguf_moe(gguf_q8, tmp_path, arch: str, quant: str):
+    """The mixture in `quant`: the Q8_0 file, or llama.cpp's quantizer (llama-cpp-python) run on it."""
+    path = gguf_q8(arch)
+    if quant == "Q8_0":
+        return path
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype, params.allow_requantize = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}"), True
+    out = tmp_path / f"{arch}-{quant}.gguf"
+    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
+    return out
+
+
+@pytest.mark.parametrize("arch,quant,kinds", [("qwen3moe", "Q8_0", "q8_0/q8_0"),
+                                              ("qwen3moe", "Q4_K_M", "Q4_K/Q6_K"),
+                                              ("qwen2moe", "Q8_0", "q8_0/q8_0")])
+def test_gguf_experts_match_transformers(make_llm, gguf_q8, tmp_path, arch, quant, kinds):
+    """The file's own expert blocks (ffn_*_exps) run in the compiled layer and give the greedy tokens
+    of transformers' model of the same file (its dequantized values, as our conversion saved them
+    with the expert widths transformers' GGUF reader leaves out)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _gguf_moe(gguf_q8, tmp_path, arch, quant)
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    summary = llm.engine.runner.model.quant_summary
+    assert kinds in summary and "routers float" in summary, summary
+    assert llm.engine.runner.model.layers[0].mlp.quantized
+    hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    assert hf.config.moe_intermediate_size == 256
+    assert_greedy_matches(llm, hf, [[5, 17, 300, 4000, 12], list(range(100, 160))], 10)
+
+
+def test_int8_and_int4_experts(make_llm, tmp_path, model_dir):
+    """quantization int8 / int4 puts the experts on q8_0 / q4_1 blocks made from the float weights
+    (the router stays float); their prompt logprobs stay near the float model's."""
+    _, path = make_model(tmp_path, model_dir, "qwen3_moe")
+    ids = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(llm):
+        out = llm.generate([ids], params, use_tqdm=False)[0]
+        return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+
+    ref = logprobs(make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB"))
+    for method, fmt, tol in (("int8", "q8_0", 0.02), ("int4", "q4_1", 0.3)):
+        llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization=method)
+        moe = llm.engine.runner.model.layers[1].mlp
+        assert moe.quantized and moe.w13_format == fmt and getattr(moe.gate, "qformat", None) is None
+        assert f"layers on {fmt} blocks, routers float" in llm.engine.runner.model.quant_summary
+        got = logprobs(llm)
+        assert 0 < (got - ref).abs().max() < tol, (method, (got - ref).abs().max())
+
+
+def _dense_kernel_experts(moe, x, weights, experts, k):
+    """The reference of a bf16 run: each expert's rows through the dense block kernels
+    (q8_0_linear, q4_1_linear, ggml_linear) on that expert's blocks, combined in fp32."""
+    from pagedllm.models.quantization import FORMAT_IDS
+
+    def linear(fmt, parts, e, rows):
+        out = rows.new_empty(rows.shape[0], parts[0].shape[1])
+        if fmt == "q8_0":
+            k.q8_0_linear(out, rows, parts[0][e], parts[1][e])
+        elif fmt == "q4_1":
+            k.q4_1_linear(out, rows, parts[0][e], parts[1][e], parts[2][e])
+        else:
+            k.ggml_linear(out, rows, parts[0][e], FORMAT_IDS[fmt])
+        return out
+
+    _, p13, _, p2, _ = moe.block_args()
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for e in experts.unique().tolist():
+        row, slot = (experts == e).nonzero(as_tuple=True)
+        h = torch.empty(len(row), p13[0].shape[1] // 2, dtype=x.dtype)
+        gate_up = linear(moe.w13_format, p13, e, x[row].contiguous())
+        k.silu_and_mul(h, gate_up)
+        out.index_add_(0, row, linear(moe.w2_format, p2, e, h).float() * weights[row, slot, None])
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+def test_block_experts_equal_their_dequantized(fmt):
+    """moe_experts_blocks against the torch grouping over the same blocks dequantized in fp32, and
+    in bf16 against the dense block kernels run expert by expert (the same arithmetic: at a few rows
+    x as int8 codes, as llama.cpp computes it), at decode (experts spread over the threads) and
+    prefill sizes."""
+    from pagedllm.kernels import load_ops
+    from types import SimpleNamespace
+
+    from pagedllm.models.config import MoEConfig
+    from pagedllm.models.llama import Ops
+    from pagedllm.models.moe import SparseMoE, experts_torch
+    from pagedllm.models.quantization import quantize_q4_1, quantize_q8_0
+
+    g = torch.Generator().manual_seed(0)
+    e, hid, width = 8, 256, 256
+    moe = SparseMoE(SimpleNamespace(hidden_size=hid, activation="silu", moe=MoEConfig(e, 3, width, False)))
+    if fmt in ("q8_0", "q4_1"):
+        make = quantize_q8_0 if fmt == "q8_0" else quantize_q4_1
+        w13, w2 = make(torch.randn(e * 2 * width, hid, generator=g) / 16), make(torch.randn(e * hid, width, generator=g) / 16)
+    else:
+        from unit.test_quantization_kernels import random_raw   # random bytes, sane fp16 scales
+
+        w13, w2 = random_raw(fmt, e * 2 * width, hid, g), random_raw(fmt, e * hid, width, g)
+    moe.set_blocks(w13, w2)
+    ops = Ops(load_ops())
+    for dtype in (torch.float32, torch.bfloat16):
+        for t in (3, 37):
+            x = torch.randn(t, hid, generator=g).to(dtype)
+            experts = torch.randint(0, 6, (t, 3), generator=g)   # experts 6 and 7: chosen by no row
+            weights = torch.rand(t, 3, generator=g)
+            want = experts_torch(moe, x, weights, experts, ops.act_mul) if dtype == torch.float32 else \
+                _dense_kernel_experts(moe, x, weights, experts, ops.k)
+            got = ops.experts(moe, x, weights, experts).float()
+            tol = dict(atol=1e-5 * want.abs().max().item(), rtol=1e-5) if dtype == torch.float32 else \
+                dict(atol=1e-3 * want.abs().max().item(), rtol=2 ** -7)   # bf16: an ulp of the output's rounding
+            torch.testing.assert_close(got, want.float(), **tol)
+
+
+def test_gguf_expert_type_without_kernel_fails_naming_it(make_llm, gguf_q8, tmp_path):
+    """Experts in a block type with no kernel here (llama.cpp's Q2_K) fail the load naming the tensor
+    and its type, rather than running some other way."""
+    path = _gguf_moe(gguf_q8, tmp_path, "qwen3moe", "Q2_K")
+    with pytest.raises(ValueError, match=r"expert tensors of a type without a kernel here: blk\.\d+\.ffn_\w+_exps\.weight: Q[23]_K"):
+        make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")

@@ -53,6 +53,7 @@ class KVCalc:
     reserve_max_seqs: int           # ...with a max_model_len reservation each
     weights_bytes: int
     active_weights_bytes: int = 0   # what one token reads (a mixture of experts: its top k experts)
+    max_model_len_blocks: int = 0   # one sequence of max_model_len tokens, paged
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -61,10 +62,12 @@ class KVCalc:
 def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batch: int = 1,
             block_size: int = 16, budget_bytes: int | None = None, max_model_len: int | None = None,
             device_bytes: int | None = None, gpu_memory_utilization: float = 0.9,
-            kv_cache_dtype: str = "auto") -> KVCalc:
+            kv_cache_dtype: str = "auto", weights_bytes: int | None = None) -> KVCalc:
     """budget_bytes is the KV pool; or give device_bytes and the budget is
     device * utilization - weights (vLLM's meaning, activations ignored). kv_cache_dtype:
-    how K/V are stored (auto: as dtype), as the engine's flag."""
+    how K/V are stored (auto: as dtype), as the engine's flag. weights_bytes: the weights' real
+    bytes where they are not the parameters in dtype (a GGUF file's blocks); a mixture's active
+    bytes scale with them."""
     if dtype in _KV_ONLY and kv_cache_dtype == "auto":
         dtype, kv_cache_dtype = "bfloat16", _KV_ONLY[dtype]
     if dtype not in DTYPE_BYTES:
@@ -76,7 +79,8 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     kv.check_head_dim(cfg.head_dim)
     bpt = cfg.kv_bytes_per_token(kv)
     bpb = bpt * block_size
-    weights = param_count(cfg) * elt
+    weights = param_count(cfg) * elt if weights_bytes is None else weights_bytes
+    active = param_count(cfg, active=True) * weights // param_count(cfg)
     if budget_bytes is None:
         if device_bytes is None:
             budget_bytes = bpt * seq_len * batch
@@ -91,7 +95,7 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
                   m_kv_bytes=bpt * seq_len * batch,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,
                   reserve_max_seqs=num_blocks // reserve, weights_bytes=weights,
-                  active_weights_bytes=param_count(cfg, active=True) * elt)
+                  active_weights_bytes=active, max_model_len_blocks=reserve)
 
 
 def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int, dtype: str,
@@ -110,6 +114,9 @@ def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int,
         f"  KV budget: {c.budget_bytes / gib:.2f} GiB = {c.num_blocks:,} blocks",
         f"  sequences of {seq_len} tokens that fit: paged {c.paged_max_seqs:,}; "
         f"reserve-max (max_model_len {max_model_len}) {c.reserve_max_seqs:,}",
+        f"  one sequence of max_model_len {max_model_len}: {c.max_model_len_blocks:,} blocks: "
+        + ("fits" if c.max_model_len_blocks <= c.num_blocks else
+           f"does NOT fit the {c.num_blocks:,} blocks (vLLM would refuse to start; lower --max-model-len)"),
     ])
 
 

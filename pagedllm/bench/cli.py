@@ -130,8 +130,11 @@ def add_parsers(sub, add_engine_args, engine_config) -> None:
     k.add_argument("--gpu-memory", default=None, help="device memory (e.g. 40GiB): budget = util * it - weights")
     k.add_argument("--gpu-memory-utilization", type=float, default=0.9, help="fraction of --gpu-memory used")
     k.add_argument("--max-model-len", type=int, default=None,
-                   help="reservation per sequence in the reserve-max comparison "
-                   "(default: the model's max_position_embeddings)")
+                   help="reservation per sequence in the reserve-max comparison, and whether one such sequence "
+                   "fits the budget (default: the model's max_position_embeddings)")
+    k.add_argument("--quantization", default=None, choices=["gguf"],
+                   help="gguf: the weights are the --model GGUF file's own blocks (their real bytes), not "
+                   "the parameters in --dtype")
     k.set_defaults(func=_kv_calc)
 
     sim = sub.add_parser("simulate", help="replay a length distribution through the allocator, no model")
@@ -278,9 +281,15 @@ def _kv_calc(a) -> int:
     from ..config import parse_bytes
 
     cfg, name = _model_cfg(a)
+    weights = None
+    if a.quantization == "gguf":
+        from ..loader.model_files import gguf_tensor_bytes
+
+        weights = gguf_tensor_bytes(a.model)
     c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
                 parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
-                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype)
+                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype,
+                weights)
     print(format_calc(name, c, a.seq_len, a.batch, a.block_size, a.dtype, a.max_model_len or cfg.max_position_embeddings))
     return 0
 

@@ -40,6 +40,7 @@ def sum_stats(parts: Sequence[EngineStats]) -> EngineStats:
         peak_used_blocks=sum(p.peak_used_blocks for p in parts), peak_waste=max(p.peak_waste for p in parts),
         num_running=sum(p.num_running for p in parts), num_waiting=sum(p.num_waiting for p in parts),
         spec=SpecStats.total([p.spec for p in parts]), grammar=grammar_total([p.grammar for p in parts]),
+        weights_bytes=sum(p.weights_bytes for p in parts), active_weights_bytes=max(p.active_weights_bytes for p in parts),
         **{k: sum(getattr(p, k) for p in parts) for k in ENGINE_COUNTERS})
 
 

@@ -81,6 +81,8 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the {held} positions this runner "
                                  "was built for")
         self.kv = self._kv_manager()
+        self._weights = self.runner.weights
+        self._check_pool_holds_max_model_len()
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self._scheduler()
@@ -155,6 +157,18 @@ class LLMEngine:
             logger.info("KV layer groups %s: each sequence releases its windowed groups' blocks below their windows",
                         ", ".join(f"sliding window {w}" if w else "full" for w in windows))
         return kv
+
+    def _check_pool_holds_max_model_len(self) -> None:
+        """vLLM refuses to start when one max_model_len sequence cannot fit the KV pool; here such a
+        sequence is refused when it asks (RequestRules), so the start only warns, naming the figures
+        that decide it: the pool left beside the weights as loaded (all experts of a mixture)."""
+        if not self.kv.shape.can_ever_fit(self.max_model_len):
+            w, tokens = self._weights, self.kv.shape.num_blocks * self.cfg.block_size
+            logger.warning("max_model_len %d does not fit the KV pool's %d tokens (%d blocks of %d), beside %.2f GiB "
+                           "of weights%s: a request longer than the pool is refused; give kv_cache_memory more or "
+                           "lower max_model_len", self.max_model_len, tokens, self.kv.shape.num_blocks,
+                           self.cfg.block_size, w.resident / 2**30,
+                           f" ({w.active / 2**30:.2f} GiB read a token)" if w.active != w.resident else "")
 
     def _scheduler(self) -> None:
         """The scheduler, and the features that join its steps (StepHooks), in the order they
@@ -445,7 +459,8 @@ class LLMEngine:
             num_running=len({s.request.request_id for s in self.scheduler.running}),
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
-            grammar=self.grammars.snapshot(), **asdict(self.scheduler.counters), **self._lora_figures())
+            grammar=self.grammars.snapshot(), weights_bytes=self._weights.resident,
+            active_weights_bytes=self._weights.active, **asdict(self.scheduler.counters), **self._lora_figures())
 
     def _lora_figures(self) -> dict:
         if not self.cfg.enable_lora:

@@ -29,6 +29,10 @@ class Runner(Protocol):
     @property
     def kv_dtype_name(self) -> str: ...
 
+    @property
+    def weights(self):
+        """The weights' bytes: .resident (held, every rank) and .active (what one token reads)."""
+
     def execute(self, plan: StepPlan) -> StepResult:
         """Run a step: copies, tier IO, the forward, sampling, verification, prompt scores."""
 

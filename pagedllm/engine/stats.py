@@ -33,6 +33,10 @@ class EngineStats:
     lora_running: tuple[str, ...] = ()
     lora_waiting: tuple[str, ...] = ()
     max_loras: int = 0
+    # The model's weights in memory (every rank's share) and what one token reads of them: a
+    # mixture of experts holds all its experts and reads its top k (models/footprint.py).
+    weights_bytes: int = 0
+    active_weights_bytes: int = 0
 
     @property
     def peak_kv_usage(self) -> float:

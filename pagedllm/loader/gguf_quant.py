@@ -8,7 +8,9 @@ Names follow transformers' GGUF mapping (blk.N.attn_q -> model.layers.N.self_att
 Llama-architecture files (convert_hf_to_gguf.py, LlamaModel.permute); transformers' loader
 undoes it and so do we: whole output rows move, so blocks stay intact. Other tensor types
 (F16, F32, IQ-quants...) are left out with a note: those layers run on the float weights that
-the conversion of the same file holds (model_files.py), which are their exact values.
+the conversion of the same file holds (model_files.py), which are their exact values. A mixture
+of experts' ffn_{gate,up,down}_exps hold a layer's experts at once ([E, N, K]): read as blocks of
+all E N rows, expert after expert (the model's experts run them in place, models/moe.py).
 """
 from __future__ import annotations
 
@@ -29,7 +31,11 @@ from .model_files import model_path, resolve_model_dir
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
             "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-            "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj"}
+            "ffn_down": "mlp.down_proj", "attn_qkv": "self_attn.qkv_proj",
+            # a mixture of experts': all experts of a layer in one tensor [E, N, K], and Qwen2-MoE's shared expert
+            "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
+            "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+            "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
 # Architectures whose files keep a matmul fused as our model fuses it: Phi-3's ffn_up holds the
 # gate's rows then the up's (HF's gate_up_proj), beside its fused attn_qkv.
 _FUSED_UP = ("phi3",)
@@ -86,7 +92,8 @@ RUNNABLE = ("Q4_0", "Q4_1", "Q8_0", *RAW_TYPES)
 
 @dataclass(frozen=True)
 class MatmulTensor:
-    """A matmul weight of a GGUF file: its GGUF name and type, K (along a row), N, and bytes."""
+    """A matmul weight of a GGUF file: its GGUF name and type, K (along a row), N (all the rows: a
+    stack of experts' E N), and bytes."""
     name: str
     kind: str
     k: int
@@ -112,7 +119,7 @@ def _gguf_tensors(path: str) -> tuple[str, list[MatmulTensor]]:
     reader = GGUFReader(path)
     arch = reader.fields.get("general.architecture")
     arch = arch.contents() if arch is not None else "llama"
-    tensors = [MatmulTensor(t.name, t.tensor_type.name, int(t.shape[0]), int(t.shape[1]), t.data)  # ne0 (K) first
+    tensors = [MatmulTensor(t.name, t.tensor_type.name, int(t.shape[0]), int(np.prod(t.shape[1:])), t.data)  # ne0 (K) first
                for t in reader.tensors if hf_name(t.name) is not None]
     meta = json.dumps([(t.name, t.kind, t.k, t.n) for t in tensors])
     cache.parent.mkdir(exist_ok=True)

@@ -24,7 +24,9 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = SHIPPED_GGUF_MODELS[0]
 # GGUF architectures that transformers converts and our decoder runs (general.architecture).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
+# Mixtures of experts among them: their expert widths and routing come from the file's keys (moe_config_fields).
+GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -109,6 +111,7 @@ def _gguf_cache_dir(path: Path) -> Path:
     if arch not in GGUF_ARCHITECTURES:  # before a conversion that could only fail later
         raise ValueError(f"model: {path.name} holds a GGUF of architecture {arch!r}, which is not supported; "
                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
+    moe = moe_config_fields(path, arch)
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -118,6 +121,7 @@ def _gguf_cache_dir(path: Path) -> Path:
     # it a Gemma model's first tokens are garbage.
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **({"add_bos_token": True} if add_bos else {}))
     cfg = hf.config.to_dict()
+    cfg.update(moe)
     cfg.pop("quantization_config", None)
     cfg["architectures"] = [type(hf).__name__]  # a GGUF's config has none: other engines need it to load the dir
     cfg["dtype"] = "float32"
@@ -139,6 +143,39 @@ def _gguf_cache_dir(path: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted in %.1f s", time.perf_counter() - t0)
     return out
+
+
+def moe_config_fields(path: Path, arch: str) -> dict:
+    """A mixture of experts' HF config keys that transformers' GGUF reader leaves at their defaults
+    (its map has no expert_feed_forward_length): the experts' and the shared expert's widths, and the
+    routing llama.cpp's graph of the architecture runs (qwen3moe renormalizes the top k, qwen2moe
+    does not). ValueError for a file whose architecture has experts we do not read from GGUF (a
+    Mixtral written as "llama")."""
+    count, width, shared = _gguf_fields(path, f"{arch}.expert_count", f"{arch}.expert_feed_forward_length",
+                                        f"{arch}.expert_shared_feed_forward_length")
+    if arch not in GGUF_MOE_ARCHITECTURES:
+        if count:
+            raise ValueError(f"model: {path.name} is a {arch!r} GGUF with {count} experts a layer, which is not "
+                             f"supported from GGUF (experts from GGUF: {', '.join(GGUF_MOE_ARCHITECTURES)}); "
+                             f"load its HF safetensors directory instead")
+        return {}
+    if not count or not width:
+        raise ValueError(f"model: {path.name} ({arch}) lacks {arch}.expert_count or {arch}.expert_feed_forward_length")
+    fields = {"moe_intermediate_size": int(width), "norm_topk_prob": arch == "qwen3moe"}
+    if shared:
+        fields["shared_expert_intermediate_size"] = int(shared)
+    return fields
+
+
+def gguf_tensor_bytes(model: str | os.PathLike | None) -> int:
+    """The bytes of every tensor of the GGUF file `model` names (model_path), as the file stores
+    them: what its weights hold when they run as the file's blocks."""
+    from gguf import GGUFReader
+
+    path = model_path(model)
+    if path.suffix != ".gguf" or not path.is_file():
+        raise ValueError(f"quantization gguf: {str(model)!r} is not a .gguf file")
+    return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
 
 
 def _gguf_fields(path: Path, *keys: str) -> list:

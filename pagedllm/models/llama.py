@@ -23,9 +23,9 @@ from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .mlp import MLP
-from .moe import SparseMoE, experts_torch
+from .moe import SparseMoE, experts_torch, quantize_experts
 from .prepack import packed_linear, prepack_linears, prepack_wanted
-from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, quantize_linears, set_blocks
+from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
 from .w8a8 import W8A8, pack_w8a8_linears, w8a8_linear
@@ -34,6 +34,8 @@ from .w8a8 import quantize_linears as w8a8_linears
 logger = logging.getLogger(__name__)
 # Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
 # concatenate, in order: HF names and the GGUF loader's both map through this.
+# Expert blocks have a kernel in these GGUF types (quant_linear.cpp through moe.cpp).
+RUNNABLE_EXPERTS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
@@ -109,8 +111,11 @@ class Ops:
         rows, weighted; one compiled call on the CPU."""
         if self.fused(x) and x.dtype in (torch.bfloat16, torch.float32):
             out = torch.empty_like(x)
-            self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts,
-                               moe.activation == "silu")
+            if moe.quantized:
+                self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts,
+                                          moe.activation == "silu")
+            else:
+                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, moe.activation == "silu")
             return out
         return experts_torch(moe, x, weights, experts, self.act_mul)
 
@@ -221,8 +226,11 @@ def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         found[int(layer), int(e), what] = loaded.pop(name)
     for name in [n for n in loaded if n.endswith("block_sparse_moe.gate.weight")]:
         loaded[name.replace("block_sparse_moe", "mlp")] = loaded.pop(name)
+    # transformers 5 holds them stacked already (as its GGUF reader gives them): our layout, gate over up
+    for name in [n for n in loaded if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        loaded[name.replace("experts.gate_up_proj", "w13").replace("experts.down_proj", "w2")] = loaded.pop(name)
     for layer in range(cfg.num_layers):
-        if not cfg.moe.is_sparse(layer):
+        if not cfg.moe.is_sparse(layer) or f"layers.{layer}.mlp.w13" in loaded:
             continue
         parts = []
         for e in range(cfg.moe.num_experts):
@@ -366,6 +374,9 @@ class LlamaForCausalLM(nn.Module):
             n = quantize_linears(self, method, dtype)
             done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \
                 else f"{n} matmuls on q8_0 blocks"
+            moe = quantize_experts(self, method)
+            if moe:
+                done += f"; the experts of {moe} layers on {'q4_1' if method == 'int4' else 'q8_0'} blocks, routers float"
         if tied and getattr(self.lm_head, "qformat", None) is not None and not self.tp.distributed:
             self.embed_tokens.weight = None  # (a rank of tensor parallel keeps it: its lookup masks other ranks' ids)
         self.ops.quant, self.quant_summary = method, done
@@ -379,15 +390,19 @@ class LlamaForCausalLM(nn.Module):
         blocks, skipped = gguf
         kinds: Counter[str] = Counter()
         floats = []
+        experts = self._load_gguf_experts(blocks, skipped)
         for name, layer in self.named_modules():
-            if not isinstance(layer, nn.Linear):
+            if not isinstance(layer, nn.Linear) or is_router(name):
                 continue
             if name == "lm_head":
                 names = ["lm_head.weight" if "lm_head.weight" in blocks else "model.embed_tokens.weight"]
             else:  # layers.<i>.<matmul>: its checkpoint weights (several when fused, unless the file fused them)
                 layers, i, sub = name.split(".", 2)
                 whole = f"model.{layers}.{i}.{sub}.weight"
-                names = [whole] if whole in blocks else [f"model.{layers}.{i}.{t}.weight" for t in FUSED.get(sub, (sub,))]
+                shared = sub.startswith("mlp.shared_expert.")   # Qwen2-MoE's: fused as the dense MLP is
+                key = sub.replace("shared_expert.", "") if shared else sub
+                parts = [t.replace("mlp.", "mlp.shared_expert.", 1) if shared else t for t in FUSED.get(key, (key,))]
+                names = [whole] if whole in blocks else [f"model.{layers}.{i}.{t}.weight" for t in parts]
             have = [blocks.get(n) for n in names]
             if any(b is None for b in have):
                 floats.append(name)
@@ -404,7 +419,35 @@ class LlamaForCausalLM(nn.Module):
                 "gguf: %d matmuls keep float weights (tensor types without a kernel here: %s)",
                 len(floats), ", ".join(skipped[:6]) + (" ..." if len(skipped) > 6 else ""))
         done = ", ".join(f"{n} on {k} blocks" for k, n in sorted(kinds.items()))
-        return f"GGUF matmuls: {done}" + (f", {len(floats)} on {dtype} weights" if floats else "")
+        return f"GGUF matmuls: {done}" + (f", {len(floats)} on {dtype} weights" if floats else "") + experts
+
+    def _load_gguf_experts(self, blocks: dict, skipped: list[str]) -> str:
+        """Each mixture's experts on the file's ffn_{gate,up,down}_exps blocks (for the log: what
+        runs how). An expert type without a kernel fails naming the tensor; float ones (F16, BF16,
+        F32) keep the conversion's exact values."""
+        bad = [s for s in skipped if "_exps." in s and s.split(": ")[1] not in ("F32", "F16", "BF16")]
+        if bad:
+            raise ValueError(f"quantization 'gguf': expert tensors of a type without a kernel here: {', '.join(bad[:4])} "
+                             f"(experts run {', '.join(RUNNABLE_EXPERTS)} blocks, or F16/BF16/F32 as floats)")
+        kinds: set[str] = set()
+        for i, layer in enumerate(self.layers):
+            moe = layer.mlp
+            if not isinstance(moe, SparseMoE):
+                continue
+            p = f"model.layers.{i}.mlp.experts."
+            have = [blocks.get(f"{p}{w}_proj.weight") for w in ("gate", "up", "down")]
+            if any(b is None for b in have):
+                continue   # float experts in the file: the conversion's values
+            e = moe.num_experts
+            try:   # expert e's gate rows, then its up rows
+                w13 = cat_rows([b.rows(torch.arange(j * b.shape[0] // e, (j + 1) * b.shape[0] // e))
+                                for j in range(e) for b in have[:2]])
+            except ValueError as err:
+                raise ValueError(f"quantization 'gguf': layer {i}'s ffn_gate_exps ({have[0].fmt}) and ffn_up_exps "
+                                 f"({have[1].fmt}) cannot run as one matmul: {err}") from None
+            moe.set_blocks(w13, have[2])
+            kinds.add(f"{w13.fmt}/{have[2].fmt}")
+        return f"; experts on {', '.join(sorted(kinds))} blocks, routers float" if kinds else ""
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampler upcasts only the rows it samples.

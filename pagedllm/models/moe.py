@@ -8,7 +8,12 @@ model says so). Qwen2-MoE adds a shared expert every token runs, gated by a sigm
 The experts' weights are stacked, w13 [E, 2I, H] (gate over up) and w2 [E, H, I], so a step's
 rows are grouped by expert and each expert's matmuls run over its rows only: on the CPU in
 one compiled call for the whole layer (kernels/csrc/moe.cpp: no Python loop over experts, and
-an expert no row chose costs nothing); elsewhere the same grouping in torch."""
+an expert no row chose costs nothing); elsewhere the same grouping in torch.
+
+Quantized (set_blocks): each stack as blocks of its rows, expert after expert (q8_0 or q4_1
+made from the float weights, or a GGUF file's own ffn_*_exps blocks, K-quants included), run by
+the same compiled call with quant_linear.cpp's block kernels on each expert in place. The
+router stays float, as llama.cpp keeps ffn_gate_inp: its scores pick the experts."""
 from __future__ import annotations
 
 import torch
@@ -17,6 +22,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .mlp import MLP
+from .quantization import FORMAT_IDS, Blocks, RawBlocks, pack, quantize_q4_1, quantize_q8_0, unpack
 
 
 class SparseMoE(nn.Module):
@@ -25,6 +31,7 @@ class SparseMoE(nn.Module):
         m = cfg.moe
         self.num_experts, self.top_k, self.norm_topk = m.num_experts, m.top_k, m.norm_topk
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)   # the router
+        self.gate.router = True   # read by moe_route as it is (prepack.py leaves it plain)
         self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.width), requires_grad=False)
         self.activation = cfg.activation
@@ -32,8 +39,46 @@ class SparseMoE(nn.Module):
             self.shared_expert = MLP(cfg, m.shared_width)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
+    @property
+    def quantized(self) -> bool:
+        return self.w13 is None
+
+    def set_blocks(self, w13: Blocks | RawBlocks, w2: Blocks | RawBlocks) -> None:
+        """The experts' weights as blocks in place of the float stacks: w13 the rows of every
+        expert's gate then up [E 2I, H], w2 its down's [E H, I] (ValueError on other shapes)."""
+        e, two_i, hid = self.w13.shape
+        for name, b, want in (("w13", w13, (e * two_i, hid)), ("w2", w2, (e * hid, two_i // 2))):
+            if tuple(b.shape) != want:
+                raise ValueError(f"{name} blocks of shape {tuple(b.shape)} for {e} experts of [{want[0] // e}, "
+                                 f"{want[1]}]")
+            parts = [t.reshape(e, -1, *t.shape[1:]) for t in pack(b)]
+            for i, t in enumerate(parts):
+                self.register_buffer(f"{name}_blocks{i}", t, persistent=False)
+            setattr(self, f"{name}_format", b.fmt)
+        self.width, self.hidden = two_i // 2, hid
+        self.w13 = self.w2 = None
+        # the kernel's arguments, read every step: a plain attribute, not five lookups of buffers
+        stacks = lambda name: [getattr(self, f"{name}_blocks{i}") for i in range(3) if hasattr(self, f"{name}_blocks{i}")]
+        self._block_args = (FORMAT_IDS[self.w13_format], stacks("w13"), FORMAT_IDS[self.w2_format], stacks("w2"),
+                            self.width)
+
+    def block_args(self) -> tuple:
+        """moe_experts_blocks' weight arguments: (type13, [w13 parts], type2, [w2 parts], width)."""
+        return self._block_args
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized."""
+        if not self.quantized:
+            return self.w13[e], self.w2[e]
+        _, p13, _, p2, width = self.block_args()
+        return (unpack(self.w13_format, [t[e] for t in p13], self.hidden).dequantize().to(dtype),
+                unpack(self.w2_format, [t[e] for t in p2], width).dequantize().to(dtype))
+
     def route(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] fp32, experts [T, k] int64) of each row, as transformers computes them."""
+        """(weights [T, k] fp32, experts [T, k] int64) of each row, as transformers computes them: one
+        compiled call on the CPU (moe_route), these steps elsewhere."""
+        if ops.fused(x) and x.dtype in (torch.bfloat16, torch.float32) and self.gate.weight is not None:
+            return ops.k.moe_route(x.contiguous(), self.gate.weight, self.top_k, self.norm_topk)
         probs = torch.softmax(ops.linear(self.gate, x).float(), dim=-1)
         weights, experts = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk:
@@ -63,8 +108,21 @@ def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, expert
         if not n:
             continue
         idx = rows[start:start + n]
-        h = act_mul(F.linear(x[idx], moe.w13[e]), moe.activation)
-        y = F.linear(h, moe.w2[e]).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
+        w13, w2 = moe.expert_weights(e, x.dtype)
+        h = act_mul(F.linear(x[idx], w13), moe.activation)
+        y = F.linear(h, w2).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
         out.index_add_(0, idx, y)
         start += n
     return out.to(x.dtype)
+
+
+def quantize_experts(model: nn.Module, method: str) -> int:
+    """Every mixture's experts as blocks made from their float weights: "int8" q8_0, "int4"
+    q4_1 (as the dense matmuls). Returns how many layers of experts were quantized."""
+    make = quantize_q4_1 if method == "int4" else quantize_q8_0
+    n = 0
+    for mod in model.modules():
+        if isinstance(mod, SparseMoE) and not mod.quantized:
+            mod.set_blocks(make(mod.w13.reshape(-1, mod.w13.shape[-1])), make(mod.w2.reshape(-1, mod.w2.shape[-1])))
+            n += 1
+    return n

@@ -35,12 +35,12 @@ def can_prepack(weight: torch.Tensor) -> bool:
 def prepack_linears(model: nn.Module, keep: set[int]) -> int:
     """Reorders the weight of every float nn.Linear in `model` and stores it as `layer.packed`,
     which Ops.linear then uses; not the layers that run their own way (quantized ones carry a
-    qformat, batch-invariant AMX ones a packed_weight). Weights whose id() is in `keep` stay as
+    qformat, batch-invariant AMX ones a packed_weight, a mixture's router is read by moe_route). Weights whose id() is in `keep` stay as
     they are beside the packed copy. Returns how many were packed."""
     n = 0
     for layer in model.modules():
         if not isinstance(layer, nn.Linear) or getattr(layer, "qformat", None) is not None \
-                or hasattr(layer, "packed_weight"):
+                or hasattr(layer, "packed_weight") or getattr(layer, "router", False):
             continue
         w = layer.weight
         if w is None or not can_prepack(w):

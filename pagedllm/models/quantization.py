@@ -139,32 +139,48 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(Q8_0, q, d)
 
 
+# The kernels' id of each format (kernels/csrc/blocks.h: ggml's type ids; q4_1 ours, in pairs).
+FORMAT_IDS = {Q4_1: 3, Q8_0: 8, **{fmt: ids[0] for fmt, ids in RAW_TYPES.items()}}
+
+
+def pack(blocks: Blocks | RawBlocks) -> list[torch.Tensor]:
+    """The kernels' layout of `blocks` (quant_linear.cpp), made once: raw bytes as they are;
+    q8_0 codes and fp16 scales; q4_1 in pairs of blocks, one byte holding element i of both,
+    with fp16 scales and mins (an odd last block pairs with an empty one)."""
+    if isinstance(blocks, RawBlocks):
+        return [blocks.raw.contiguous()]
+    d = blocks.d.half()  # scales are fp16 values (GGUF's, or rounded so by quantize_*)
+    if blocks.fmt == Q8_0:
+        return [blocks.q.contiguous(), d.contiguous()]
+    if blocks.fmt != Q4_1:
+        raise ValueError(f"unknown block format {blocks.fmt!r}")
+    q, m = blocks.q, blocks.m.half()
+    if q.shape[1] % 2:
+        q = F.pad(q, (0, 0, 0, 1))
+        d, m = F.pad(d, (0, 1)), F.pad(m, (0, 1))
+    return [(q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), d.contiguous(), m.contiguous()]
+
+
+def unpack(fmt: str, parts: list[torch.Tensor], k: int) -> Blocks | RawBlocks:
+    """The blocks of pack()'s tensors `parts` (rows along their first dim; K along a row)."""
+    if fmt in RAW_TYPES:
+        return RawBlocks(fmt, parts[0])
+    if fmt == Q8_0:
+        return Blocks(Q8_0, parts[0], parts[1])
+    nblk, qs = k // G, parts[0]
+    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(qs.shape[0], -1, G)
+    return Blocks(Q4_1, q[:, :nblk], parts[1][:, :nblk], parts[2][:, :nblk])
+
+
 def set_blocks(layer: nn.Linear, blocks: Blocks | RawBlocks, dtype: torch.dtype) -> None:
-    """Give `layer` the kernels' layout of `blocks` (packed once here) and drop its float
-    weight. q4_1 goes in pairs of blocks, one byte holding element i of both
-    (quant_linear.cpp); an odd last block pairs with an empty one. RawBlocks stay as they are."""
+    """Give `layer` the kernels' layout of `blocks` (pack) and drop its float weight."""
     n, k = blocks.shape
     if (n, k) != (layer.out_features, layer.in_features):
         raise ValueError(f"blocks of shape {(n, k)} for a layer of shape {(layer.out_features, layer.in_features)}")
-    if isinstance(blocks, RawBlocks):
-        layer.register_buffer("qraw", blocks.raw.contiguous(), persistent=False)
-        layer.qformat, layer.qdtype = blocks.fmt, dtype
-        layer.weight = None
-        return
-    d = blocks.d.half()  # scales are fp16 values (GGUF's, or rounded so by quantize_*)
-    if blocks.fmt == Q4_1:
-        q, m = blocks.q, blocks.m.half()
-        if q.shape[1] % 2:
-            q = F.pad(q, (0, 0, 0, 1))
-            d, m = F.pad(d, (0, 1)), F.pad(m, (0, 1))
-        qs = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-        layer.register_buffer("qm", m.contiguous(), persistent=False)
-    elif blocks.fmt == Q8_0:
-        qs = blocks.q.contiguous()
-    else:
-        raise ValueError(f"unknown block format {blocks.fmt!r}")
-    layer.register_buffer("qs", qs, persistent=False)
-    layer.register_buffer("qd", d.contiguous(), persistent=False)
+    parts = pack(blocks)
+    names = ("qraw",) if isinstance(blocks, RawBlocks) else ("qs", "qd", "qm")
+    for name, t in zip(names, parts):
+        layer.register_buffer(name, t, persistent=False)
     layer.qformat, layer.qdtype = blocks.fmt, dtype
     layer.weight = None
 
@@ -173,14 +189,8 @@ def layer_blocks(layer: nn.Linear, rows: torch.Tensor | None = None) -> Blocks:
     """The blocks a layer runs (output rows `rows`, default all), unpacked again (tests,
     embedding lookups: only the looked-up rows)."""
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-    if layer.qformat in RAW_TYPES:
-        return RawBlocks(layer.qformat, pick(layer.qraw))
-    if layer.qformat == Q8_0:
-        return Blocks(Q8_0, pick(layer.qs), pick(layer.qd))
-    nblk = layer.in_features // G
-    qs = pick(layer.qs)
-    q = torch.stack([qs & 15, qs >> 4], dim=2).reshape(qs.shape[0], -1, G)
-    return Blocks(Q4_1, q[:, :nblk], pick(layer.qd)[:, :nblk], pick(layer.qm)[:, :nblk])
+    names = ("qraw",) if layer.qformat in RAW_TYPES else ("qs", "qd") if layer.qformat == Q8_0 else ("qs", "qd", "qm")
+    return unpack(layer.qformat, [pick(getattr(layer, n)) for n in names], layer.in_features)
 
 
 def dequantize(layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -216,6 +226,12 @@ def embed_rows(layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:
     return rows.dequantize().to(layer.qdtype).reshape(*ids.shape, layer.in_features)
 
 
+def is_router(name: str) -> bool:
+    """A mixture of experts' router (and Qwen2-MoE's shared expert's gate): kept float, as
+    llama.cpp keeps ffn_gate_inp, since its scores pick the experts."""
+    return name.endswith(("mlp.gate", "shared_expert_gate"))
+
+
 def quantize_linears(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     """Replace every nn.Linear's float weight by blocks made from it: "int8" q8_0 blocks,
     "int4" q4_1 blocks except the LM head (q8_0: its errors go straight into the logits,
@@ -223,7 +239,7 @@ def quantize_linears(model: nn.Module, method: str, dtype: torch.dtype) -> int:
     layers were quantized."""
     n = 0
     for name, mod in model.named_modules():
-        if not isinstance(mod, nn.Linear) or mod.weight is None:
+        if not isinstance(mod, nn.Linear) or mod.weight is None or is_router(name):
             continue
         four = method == "int4" and not name.endswith("lm_head")
         blocks = quantize_q4_1(mod.weight) if four else quantize_q8_0(mod.weight)

@@ -21,6 +21,7 @@ from ..kv.groups import merged
 from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
+from ..models.footprint import WeightBytes, weight_bytes
 from ..plan import PromptScores, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
 from ..lora.adapter import LoRAAdapter, load_adapter
@@ -274,12 +275,14 @@ class ModelRunner:
 
     @staticmethod
     def _check_moe(cfg: EngineConfig, mc: ModelConfig) -> None:
-        """What a mixture of experts does not run yet (its experts are float matmuls, not batch-invariant)."""
-        why = f"quantization {cfg.quantization!r}" if cfg.quantization else "batch_invariant" if cfg.batch_invariant \
-            else "enable_lora" if cfg.enable_lora else None
+        """What a mixture of experts does not run yet: its experts run float (bf16, fp32) or on weight-only
+        blocks (int8, int4, a GGUF file's), not batch-invariant, without adapters."""
+        why = f"quantization {cfg.quantization!r}" if cfg.quantization == "w8a8" else "batch_invariant" \
+            if cfg.batch_invariant else "enable_lora" if cfg.enable_lora else None
         if why:
             raise ValueError(f"{why} is not supported with a mixture of experts ({mc.model_type}) yet: its experts "
-                             "run as float matmuls (bf16 or fp32), not batch-invariant, without adapters")
+                             "run as float matmuls (bf16 or fp32) or on weight-only blocks (quantization int8, int4 "
+                             "or gguf), not batch-invariant, without adapters")
 
     def _check_lora(self, cfg: EngineConfig, tp: TPGroup, kernels) -> None:
         """Adapters are read from the pool's pages by the compiled CPU kernel, or by Triton's on a GPU
@@ -373,6 +376,12 @@ class ModelRunner:
     @property
     def kv_dtype_name(self) -> str:
         return self.kv_cache.kv_dtype.name
+
+    @property
+    def weights(self) -> WeightBytes:
+        """The weights held over every rank (each rank its share), and what one token reads."""
+        w = weight_bytes(self.model)
+        return WeightBytes(w.resident * self.tp.size, w.active * self.tp.size)
 
     def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> TierStore:
         """Open the second tier for this runner's pools (--kv-offload-dir): the store keeps

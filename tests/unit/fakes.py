@@ -145,6 +145,11 @@ class FakeRunner:
     def bytes_per_block(self) -> int:
         return self.bytes_per_layer_token * self.kv_layout.layers_per_block * self.block_size
 
+    @property
+    def weights(self):
+        from types import SimpleNamespace
+        return SimpleNamespace(resident=0, active=0)   # no model
+
     def describe(self) -> str:
         return "fake runner (KV of token ids)"
 

@@ -23,6 +23,27 @@ def test_kv_calc_rejects_bad_input(model_dir):
         kv_calc(cfg, budget_bytes=10)
 
 
+def test_kv_calc_of_a_mixture_and_max_model_len():
+    """A mixture's weights hold every expert and a token reads its top k; a GGUF's real bytes replace the
+    parameters' (the active share scales with them); whether one max_model_len sequence fits the budget."""
+    from pagedllm.analysis.kv_calc import format_calc
+
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_moe", "hidden_size": 1024, "num_hidden_layers": 24,
+                               "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 64,
+                               "vocab_size": 49152, "intermediate_size": 3072, "moe_intermediate_size": 384,
+                               "num_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 4096})
+    c = kv_calc(cfg, "bfloat16", budget_bytes=2**30, max_model_len=4096)
+    assert c.weights_bytes == 2 * param_count(cfg) and c.active_weights_bytes == 2 * param_count(cfg, active=True)
+    assert c.active_weights_bytes < c.weights_bytes / 5
+    assert "fits" in format_calc("m", c, 2048, 1, 16, "bfloat16", 4096)
+    q8 = kv_calc(cfg, "bfloat16", budget_bytes=2**30, weights_bytes=c.weights_bytes // 2)
+    assert q8.weights_bytes == c.weights_bytes // 2 and abs(q8.active_weights_bytes - c.active_weights_bytes / 2) < 2
+    # a budget of 100 blocks holds no 4096-token sequence (256 blocks of 16)
+    small = kv_calc(cfg, "bfloat16", budget_bytes=c.bytes_per_block * 100, max_model_len=4096)
+    assert small.max_model_len_blocks == 256 and "does NOT fit the 100 blocks" in \
+        format_calc("m", small, 2048, 1, 16, "bfloat16", 4096)
+
+
 def test_simulator_paged_beats_reserve_max():
     rng = random.Random(0)
     lengths = [(rng.randint(20, 200), rng.randint(20, 200)) for _ in range(64)]

@@ -8,7 +8,10 @@
 //      workspace of the step (no tensor allocated per expert);
 //   3. combine: out[row] = sum over its k slots of weight * y[slot's place], in fp32, rounded once.
 //
-// The matmuls are ATen's (oneDNN). A decode step gives most experts 0-2 rows: then the experts are
+// Float experts' matmuls are ATen's (oneDNN), or small_mm at a few rows; quantized experts
+// (moe_experts_blocks: q8_0, q4_1, GGUF's K-quants...) run quant_linear.cpp's block kernels
+// on each expert's blocks in place (blocks.h), one expert's weights never unpacked whole.
+// A decode step gives most experts 0-2 rows: then the experts are
 // spread over the threads, each matmul single-threaded; a prefill's experts have many rows each,
 // and each matmul takes every thread.
 #include <ATen/ATen.h>
@@ -16,9 +19,12 @@
 #include <c10/core/InferenceMode.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <type_traits>
 #include <vector>
 
+#include "blocks.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -134,10 +140,18 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
   at::mm_out(ye, ae, w2[e].t());
 }
 
-template <class T>
-void moe(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& weights,
-         const at::Tensor& experts, bool silu) {
-  const int64_t t = x.size(0), hid = x.size(1), k = experts.size(1), ne = w13.size(0), width = w2.size(2);
+// A step's workspaces: x's rows gathered expert by expert (xs), each place's gate|up (h), its
+// activation (a) and its expert's output (y).
+struct Work {
+  at::Tensor xs, h, a, y;
+};
+
+// out = the experts' weighted sum for each row; run(work, e, start, n) computes expert e's y for
+// places [start, start + n) from xs (float or block weights).
+template <class T, class Run>
+void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t width, const at::Tensor& weights,
+         const at::Tensor& experts, const Run& run) {
+  const int64_t t = x.size(0), hid = x.size(1), k = experts.size(1);
   const int64_t* ex = experts.data_ptr<int64_t>();
   std::vector<int64_t> count(ne + 1, 0), place(t * k), order(t * k);
   for (int64_t i = 0; i < t * k; ++i) ++count[ex[i] + 1];
@@ -148,10 +162,10 @@ void moe(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::
     order[place[i]] = i / k;  // the row at each place
   }
   auto opts = x.options();
-  at::Tensor xs = at::empty({t * k, hid}, opts), h = at::empty({t * k, 2 * width}, opts),
-             a = at::empty({t * k, width}, opts), y = at::empty({t * k, hid}, opts);
+  Work w{at::empty({t * k, hid}, opts), at::empty({t * k, 2 * width}, opts), at::empty({t * k, width}, opts),
+         at::empty({t * k, hid}, opts)};
   const T* xp = x.data_ptr<T>();
-  T* xsp = xs.data_ptr<T>();
+  T* xsp = w.xs.data_ptr<T>();
   at::parallel_for(0, t * k, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * hid, xp + order[p] * hid, hid * sizeof(T));
   });
@@ -162,34 +176,174 @@ void moe(at::Tensor& out, const at::Tensor& x, const at::Tensor& w13, const at::
     const bool inference = c10::InferenceMode::is_enabled();
     at::parallel_for(0, int64_t(used.size()), 1, [&](int64_t b, int64_t end) {
       c10::InferenceMode guard(inference);  // a worker thread does not inherit the caller's mode
-      for (int64_t i = b; i < end; ++i) {
-        const int64_t e = used[i];
-        run_expert<T>(xs, h, a, y, w13, w2, e, count[e], count[e + 1] - count[e], width, silu);
-      }
+      for (int64_t i = b; i < end; ++i) run(w, used[i], count[used[i]], count[used[i] + 1] - count[used[i]]);
     });
   } else {
-    for (int64_t e : used) run_expert<T>(xs, h, a, y, w13, w2, e, count[e], count[e + 1] - count[e], width, silu);
+    for (int64_t e : used) run(w, e, count[e], count[e + 1] - count[e]);
   }
   const float* wp = weights.data_ptr<float>();
-  const T* yp = y.data_ptr<T>();
+  const T* yp = w.y.data_ptr<T>();
   T* op = out.data_ptr<T>();
   at::parallel_for(0, t, 4, [&](int64_t b, int64_t e) {
     std::vector<float> acc(hid);
     for (int64_t r = b; r < e; ++r) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < k; ++j) {
-        const float w = wp[r * k + j];
+        const float wt = wp[r * k + j];
         const T* src = yp + place[r * k + j] * hid;
         int64_t i = 0;
-        for (; i + L <= hid; i += L) storef(acc.data() + i, loadf(acc.data() + i) + splat(w) * load16(src + i));
-        for (; i < hid; ++i) acc[i] += w * float(src[i]);
+        for (; i + L <= hid; i += L) storef(acc.data() + i, loadf(acc.data() + i) + splat(wt) * load16(src + i));
+        for (; i < hid; ++i) acc[i] += wt * float(src[i]);
       }
       for (int64_t i = 0; i < hid; ++i) op[r * hid + i] = T(acc[i]);
     }
   });
 }
 
+// One matmul's stacked blocks (models/moe.py: [q] raw bytes, [q, d] q8_0, [q, d, m] q4_1 pairs,
+// each with the experts first): expert e's as a BlockWeight.
+struct StackedBlocks {
+  int64_t type, n, k;
+  std::vector<at::Tensor> parts;
+  BlockWeight of(int64_t e) const {
+    auto at_e = [&](size_t i) -> const void* {
+      if (i >= parts.size()) return nullptr;
+      const at::Tensor& p = parts[i];
+      return static_cast<const uint8_t*>(p.data_ptr()) + e * p.stride(0) * p.element_size();
+    };
+    return {type, at_e(0), static_cast<const c10::Half*>(at_e(1)), static_cast<const c10::Half*>(at_e(2)), n, k};
+  }
+};
+
+StackedBlocks stacked(int64_t type, const std::vector<at::Tensor>& parts, int64_t ne, int64_t n, int64_t k,
+                      const char* what) {
+  const int64_t row = block_row_bytes(type, k);
+  const bool raw = type != BLOCKS_Q8_0 && type != BLOCKS_Q4_1;
+  const size_t want = raw ? 1 : type == BLOCKS_Q8_0 ? 2 : 3;
+  TORCH_CHECK(parts.size() == want, "moe_experts_blocks: ", what, " of type ", type, " takes ", want, " tensors, got ",
+              parts.size());
+  TORCH_CHECK(parts[0].is_contiguous() && parts[0].size(0) == ne && parts[0].numel() * parts[0].element_size() ==
+                  ne * n * row, "moe_experts_blocks: ", what, "'s blocks must be contiguous [E, ", n, ", ", row,
+              " bytes] for E = ", ne, " and K = ", k);
+  for (size_t i = 1; i < parts.size(); ++i)
+    TORCH_CHECK(parts[i].is_contiguous() && parts[i].scalar_type() == at::kHalf && parts[i].numel() ==
+                    ne * n * (type == BLOCKS_Q8_0 ? k / 32 : row / 16), "moe_experts_blocks: ", what,
+                "'s scales must be contiguous fp16, one per block of each expert's rows");
+  return {type, n, k, parts};
+}
+
 }  // namespace
+
+void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, const std::vector<at::Tensor>& w13,
+                        int64_t type2, const std::vector<at::Tensor>& w2, int64_t width, const at::Tensor& weights,
+                        const at::Tensor& experts, bool silu) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "moe_experts_blocks: x [T, H] and out like it, contiguous, bf16 or fp32");
+  TORCH_CHECK(!w13.empty() && !w2.empty() && width > 0, "moe_experts_blocks: no blocks");
+  const int64_t ne = w13[0].size(0), hid = x.size(1);
+  const StackedBlocks g = stacked(type13, w13, ne, 2 * width, hid, "w13"), d = stacked(type2, w2, ne, hid, width, "w2");
+  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && experts.dim() == 2 &&
+                  experts.sizes() == weights.sizes() && experts.size(0) == x.size(0) && experts.is_contiguous() &&
+                  weights.is_contiguous(),
+              "moe_experts_blocks: experts int64 [T, k] and weights float32 [T, k]");
+  const int64_t* ex = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < experts.numel(); ++i)
+    TORCH_CHECK(ex[i] >= 0 && ex[i] < ne, "moe_experts_blocks: expert ", ex[i], " is outside the ", ne);
+  if (x.size(0) == 0) return;
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    moe<T>(out, x, ne, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
+      block_matmul(g.of(e), w.xs.data_ptr<T>() + start * hid, w.h.data_ptr<T>() + start * 2 * width, n, bf16);
+      act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, start + n, width, silu);
+      block_matmul(d.of(e), w.a.data_ptr<T>() + start * width, w.y.data_ptr<T>() + start * hid, n, bf16);
+    });
+  };
+  if (bf16)
+    run(c10::BFloat16());
+  else
+    run(float());
+}
+
+
+// Row r's softmax (fp32) and its top k, largest first, into weights / experts; renormalized to sum to
+// 1 where asked. An exact tie at the k-th place goes to at::topk, so that which experts run on a tie
+// is transformers' own choice (its torch.topk), not an order of our making.
+template <class T>
+void top_k_row(const T* logit, int64_t ne, int64_t k, bool renorm, float* wout, int64_t* eout) {
+  std::vector<float> p(ne);
+  for (int64_t i = 0; i < ne; ++i) p[i] = float(logit[i]);
+  const float mx = *std::max_element(p.begin(), p.end());
+  float sum = 0.f;
+  for (auto& v : p) sum += (v = std::exp(v - mx));
+  for (auto& v : p) v /= sum;
+  std::vector<int64_t> idx(ne);
+  for (int64_t i = 0; i < ne; ++i) idx[i] = i;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int64_t a, int64_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+  bool tie = false;
+  for (int64_t i = k; i < ne && !tie; ++i) tie = p[idx[i]] == p[idx[k - 1]];
+  if (tie) {
+    auto [v, e] = at::topk(at::from_blob(p.data(), {ne}, at::kFloat), k);
+    for (int64_t j = 0; j < k; ++j) idx[j] = e.data_ptr<int64_t>()[j];
+  }
+  float total = 0.f;
+  for (int64_t j = 0; j < k; ++j) total += p[idx[j]];
+  for (int64_t j = 0; j < k; ++j) {
+    eout[j] = idx[j];
+    wout[j] = renorm ? p[idx[j]] / total : p[idx[j]];
+  }
+}
+
+// The router: logits = x W^T in x's dtype (as transformers computes them), softmax in fp32, the top
+// k (top_k_row), renormalized where the model says so: one call for what took six in Python, whose
+// dispatches cost more than the arithmetic. Up to SMALL rows (decode) the logits come from small_mm,
+// which reads W once: oneDNN took ~44 us for one row of a 64 x 1024 router, 5 % of a decode step.
+std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tensor& w, int64_t k, bool renorm) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.dim() == 2 && w.is_contiguous() && w.size(1) == x.size(1) &&
+                  w.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "moe_route: x [T, H] and the router's weight [E, H], contiguous, both bf16 or fp32");
+  TORCH_CHECK(k >= 1 && k <= w.size(0), "moe_route: top ", k, " of ", w.size(0), " experts");
+  const int64_t t = x.size(0), ne = w.size(0), hid = x.size(1);
+  at::Tensor logits;
+  if (t <= SMALL) {
+    logits = at::empty({t, ne}, x.options());
+    auto run = [&](auto tag) {
+      using T = decltype(tag);
+#ifdef __AVX512BF16__
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        small_mm_bf16(logits.data_ptr<T>(), x.data_ptr<T>(), w.data_ptr<T>(), int(t), ne, hid);
+        return;
+      }
+#endif
+      std::vector<float> xf(t * hid);
+      to_float(xf.data(), x.data_ptr<T>(), t * hid);
+      small_mm<T>(logits.data_ptr<T>(), xf.data(), w.data_ptr<T>(), int(t), ne, hid);
+    };
+    if (x.scalar_type() == at::kFloat)
+      run(float());
+    else
+      run(c10::BFloat16());
+  } else {
+    logits = at::mm(x, w.t());
+  }
+  at::Tensor weights = at::empty({t, k}, x.options().dtype(at::kFloat)),
+             experts = at::empty({t, k}, x.options().dtype(at::kLong));
+  auto rows = [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < t; ++r)
+      top_k_row(logits.data_ptr<T>() + r * ne, ne, k, renorm, weights.data_ptr<float>() + r * k,
+                experts.data_ptr<int64_t>() + r * k);
+  };
+  if (x.scalar_type() == at::kFloat)
+    rows(float());
+  else
+    rows(c10::BFloat16());
+  return {weights, experts};
+}
 
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                  const at::Tensor& weights, const at::Tensor& experts, bool silu) {
@@ -210,16 +364,30 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
   for (int64_t i = 0; i < experts.numel(); ++i)
     TORCH_CHECK(ex[i] >= 0 && ex[i] < w13.size(0), "moe_experts: expert ", ex[i], " is outside the ", w13.size(0));
   if (x.size(0) == 0) return;
+  const int64_t width = w2.size(2);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    moe<T>(out, x, w13.size(0), width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
+      run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, silu);
+    });
+  };
   if (x.scalar_type() == at::kFloat)
-    moe<float>(out, x, w13, w2, weights, experts, silu);
+    run(float());
   else
-    moe<c10::BFloat16>(out, x, w13, w2, weights, experts, silu);
+    run(c10::BFloat16());
 }
 
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu) -> ()");
+  m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
+  m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
+        "Tensor weights, Tensor experts, bool silu) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) { m.impl("moe_experts", &pagedllm::moe_experts); }
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("moe_experts", &pagedllm::moe_experts);
+  m.impl("moe_experts_blocks", &pagedllm::moe_experts_blocks);
+  m.impl("moe_route", &pagedllm::moe_route);
+}

@@ -32,6 +32,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "blocks.h"
 #include "vec.h"
 
 namespace pagedllm {
@@ -813,16 +814,6 @@ struct CodesOf<Q6K> { using T = C6K; };
 #define PAGEDLLM_INT8_CODES 1
 #endif
 
-// x as fp32 rows: itself when it already is, else a converted copy in `buf`.
-const float* as_float(const at::Tensor& x, std::vector<float>& buf) {
-  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
-  const int64_t total = x.numel();
-  buf.resize(total);
-  const c10::BFloat16* p = x.data_ptr<c10::BFloat16>();
-  for (int64_t i = 0; i < total; i += L) storef(buf.data() + i, load16(p + i));
-  return buf.data();
-}
-
 void check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, int64_t qbytes,
            int64_t per_row, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -839,27 +830,46 @@ void check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& qs, con
 }
 
 template <class W>
-void dispatch(at::Tensor& out, const at::Tensor& x, const W& w) {
-  const int64_t m = x.size(0), n = out.size(1), k = x.size(1);
+void dispatch_ptr(const W& w, const void* xv, void* outv, int64_t m, int64_t n, int64_t k, bool bf16) {
   if (m == 0 || n == 0) return;
-  if (out.scalar_type() == at::kFloat) {
-    run<F32>(w, x.data_ptr<float>(), m, n, k, out.data_ptr<float>());
+  if (!bf16) {
+    run<F32>(w, static_cast<const float*>(xv), m, n, k, static_cast<float*>(outv));
     return;
   }
+  const auto* x = static_cast<const c10::BFloat16*>(xv);
+  auto* out = static_cast<c10::BFloat16*>(outv);
 #ifdef PAGEDLLM_INT8_CODES
   if constexpr (!std::is_same_v<W, Q41>) {
     if (m <= CODES_MAX_M) {
-      run_codes(typename CodesOf<W>::T{w}, x.data_ptr<c10::BFloat16>(), m, n, k, out.data_ptr<c10::BFloat16>());
+      run_codes(typename CodesOf<W>::T{w}, x, m, n, k, out);
       return;
     }
   }
 #endif
 #ifdef PAGEDLLM_BF16_DOT
-  run<BF16>(w, x.data_ptr<c10::BFloat16>(), m, n, k, out.data_ptr<c10::BFloat16>());
+  run<BF16>(w, x, m, n, k, out);
 #else
-  std::vector<float> buf;
-  run<F32>(w, as_float(x, buf), m, n, k, out.data_ptr<c10::BFloat16>());
+  std::vector<float> buf(size_t(m) * k);
+  for (int64_t i = 0; i < m * k; i += L) storef(buf.data() + i, load16(x + i));
+  run<F32>(w, buf.data(), m, n, k, out);
 #endif
+}
+
+template <class W>
+void dispatch(at::Tensor& out, const at::Tensor& x, const W& w) {
+  dispatch_ptr(w, x.data_ptr(), out.data_ptr(), x.size(0), out.size(1), x.size(1), out.scalar_type() != at::kFloat);
+}
+
+// q4_1: bf16 rows up to WORDS_MAX_M multiply the nibbles as they are (run_words), the rest as the others.
+void q4_1_ptr(const Q41& q, const void* x, void* out, int64_t m, int64_t n, int64_t k, bool bf16) {
+#ifdef PAGEDLLM_BF16_DOT
+  if (bf16 && m <= WORDS_MAX_M) {
+    if (m > 0 && n > 0)
+      run_words(Q4Fmt(q), static_cast<const c10::BFloat16*>(x), m, n, k, static_cast<c10::BFloat16*>(out));
+    return;
+  }
+#endif
+  dispatch_ptr(q, x, out, m, n, k, bf16);
 }
 
 }  // namespace
@@ -869,15 +879,7 @@ void q4_1_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, cons
   TORCH_CHECK(qs.scalar_type() == at::kByte && m.sizes() == d.sizes() && m.is_contiguous() &&
                   m.scalar_type() == at::kHalf, "q4_1_linear: qs must be uint8 and m like d");
   const Q41 q{qs.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), qs.size(1)};
-#ifdef PAGEDLLM_BF16_DOT
-  if (x.scalar_type() == at::kBFloat16 && x.size(0) <= WORDS_MAX_M) {
-    if (x.size(0) > 0 && out.size(1) > 0)
-      run_words(Q4Fmt(q), x.data_ptr<c10::BFloat16>(), x.size(0), out.size(1), x.size(1),
-                out.data_ptr<c10::BFloat16>());
-    return;
-  }
-#endif
-  dispatch(out, x, q);
+  q4_1_ptr(q, x.data_ptr(), out.data_ptr(), x.size(0), out.size(1), x.size(1), x.scalar_type() == at::kBFloat16);
 }
 
 void q8_0_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d) {
@@ -916,6 +918,37 @@ void ggml_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& raw, int
     case 12: return dispatch(out, x, Q4K{r});
     case 13: return dispatch(out, x, Q5K{r});
     default: return dispatch(out, x, Q6K{r});
+  }
+}
+
+int64_t block_row_bytes(int64_t type, int64_t k) {
+  TORCH_CHECK(k % G == 0, "blocks need K a multiple of 32, got ", k);
+  if (type == BLOCKS_Q8_0) return k;              // int8 codes [k / 32, 32] (scales apart)
+  if (type == BLOCKS_Q4_1) return (k / G + 1) / 2 * G;  // pairs of blocks, 32 bytes each
+  for (const auto& g : GGML_TYPES)
+    if (g.id == type) {
+      TORCH_CHECK(k % g.weights == 0, g.name, " needs K a multiple of ", g.weights, ", got ", k);
+      return k / g.weights * g.bytes;
+    }
+  TORCH_CHECK(false, "blocks of ggml type ", type, " have no kernel (q4_1 3, Q8_0 8, Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+  return 0;
+}
+
+void block_matmul(const BlockWeight& w, const void* x, void* out, int64_t rows, bool bf16) {
+  const int64_t n = w.n, k = w.k;
+  switch (w.type) {
+    case BLOCKS_Q4_1:
+      return q4_1_ptr(Q41{static_cast<const uint8_t*>(w.q), w.d, w.m, (k / G + 1) / 2}, x, out, rows, n, k, bf16);
+    case BLOCKS_Q8_0: return dispatch_ptr(Q80{static_cast<const int8_t*>(w.q), w.d, k / G}, x, out, rows, n, k, bf16);
+    default: break;
+  }
+  const Raw r{static_cast<const uint8_t*>(w.q), block_row_bytes(w.type, k)};
+  switch (w.type) {
+    case 6: return dispatch_ptr(Q50{r}, x, out, rows, n, k, bf16);
+    case 7: return dispatch_ptr(Q51{r}, x, out, rows, n, k, bf16);
+    case 12: return dispatch_ptr(Q4K{r}, x, out, rows, n, k, bf16);
+    case 13: return dispatch_ptr(Q5K{r}, x, out, rows, n, k, bf16);
+    default: return dispatch_ptr(Q6K{r}, x, out, rows, n, k, bf16);
   }
 }
 

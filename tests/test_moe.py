@@ -121,8 +121,9 @@ def test_moe_refusals(make_llm, tmp_path, model_dir):
     from safetensors.torch import load_file, save_file
 
     _, path = make_model(tmp_path, model_dir, "qwen3_moe")
-    with pytest.raises(ValueError, match="expert parallelism, which is not built"):
-        make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*experts \(16\)"):
+        make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=3,
+                 enable_expert_parallel=True)
     for bad, why in (({"quantization": "w8a8"}, "quantization 'w8a8' is not supported with a mixture of experts"),
                      ({"enable_lora": True}, "enable_lora is not supported with a mixture of experts")):
         with pytest.raises(ValueError, match=why):
@@ -294,3 +295,24 @@ def test_gguf_expert_type_without_kernel_fails_naming_it(make_llm, gguf_q8, tmp_
     path = _gguf_moe(gguf_q8, tmp_path, "qwen3moe", "Q2_K")
     with pytest.raises(ValueError, match=r"expert tensors of a type without a kernel here: blk\.\d+\.ffn_\w+_exps\.weight: Q[23]_K"):
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
+def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir, family):
+    """Under tensor_parallel_size 2 a mixture's experts are sharded (each rank 1/2 of every expert's
+    columns) or, with enable_expert_parallel, split whole (each rank 8 of the 16); the router runs on
+    both ranks, the shared expert is sharded, and one all-reduce adds the parts: greedy tokens equal
+    one rank's, and each rank holds half the experts' bytes."""
+    from pagedllm import LLM
+
+    hf, path = make_model(tmp_path, model_dir, family)
+    prompts = [[5, 17, 300, 4000, 12], list(range(100, 140))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    kw = dict(model=str(path), dtype="float32", num_gpu_blocks_override=16, num_threads=1)
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, params, use_tqdm=False)]
+    for ep in (False, True):
+        llm = LLM(**kw, tensor_parallel_size=2, enable_expert_parallel=ep)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want, ep
+        moe = llm.engine.runner.model.layers[1].mlp
+        assert (moe.local_experts, moe.w13.shape[1]) == ((8, 64) if ep else (16, 32))
+        del llm

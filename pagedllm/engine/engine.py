@@ -121,7 +121,7 @@ class LLMEngine:
         if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
             from ..runtime.launch import start_group
 
-            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size)
+            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size, cfg.enable_expert_parallel)
             self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
             tp = self._launcher.group
             # Workers stop when the engine is collected or the process exits, closed or not.

@@ -191,10 +191,11 @@ def load_config(model_dir: Path) -> dict:
 
 
 def load_weights(model_dir: Path, split: Callable[[str], int | None] | None = None,
-                 rank: int = 0, size: int = 1) -> dict[str, torch.Tensor]:
+                 rank: int = 0, size: int = 1, keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors by HF name. With `split` (tensor parallelism), rank's
     1/size of each tensor along split(name), read from the file as a slice: a rank
-    never holds the whole model."""
+    never holds the whole model. `keep`: the names to read at all (expert parallelism leaves
+    other ranks' experts in the file)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model: no .safetensors files in {model_dir}")
@@ -202,6 +203,8 @@ def load_weights(model_dir: Path, split: Callable[[str], int | None] | None = No
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for name in fh.keys():
+                if keep is not None and not keep(name):
+                    continue
                 dim = split(name) if split is not None and size > 1 else None
                 weights[name] = fh.get_tensor(name) if dim is None else _slice(fh.get_slice(name), dim, rank, size)
     return weights

@@ -79,6 +79,13 @@ class MoEConfig:
     norm_topk: bool
     shared_width: int = 0            # the shared expert's intermediate size (0: none)
     sparse_layers: tuple[bool, ...] = ()   # per layer: experts (True) or the dense MLP; empty: every layer
+    # Expert parallelism (ModelConfig.shard): the experts split over this many ranks, each holding
+    # num_experts / expert_ranks of them whole (1: every rank holds every expert, or a shard of each).
+    expert_ranks: int = 1
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.expert_ranks
 
     def is_sparse(self, layer: int) -> bool:
         return self.sparse_layers[layer] if self.sparse_layers else True
@@ -230,29 +237,38 @@ class ModelConfig:
         """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included."""
         return kv.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
 
-    def check_tensor_parallel(self, n: int) -> None:
-        """Each rank takes whole heads, KV heads, MLP columns and vocab rows."""
-        if n > 1 and self.moe is not None:
-            raise ValueError(f"tensor_parallel_size > 1 is not supported for {self.model_type} yet: a mixture of "
-                             "experts needs expert parallelism, which is not built")
+    def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
+        """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts
+        1/n of each one's columns, or with expert_parallel n-th of the experts whole."""
         if n > 1 and self.model_type == "phi3":
             raise ValueError("tensor_parallel_size > 1 is not supported for phi3: its checkpoints fuse q/k/v and "
                              "gate/up into one tensor each, which the loader does not cut by rank")
         parts = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
                  "intermediate size": self.intermediate_size, "vocab size": self.vocab_size}
+        if self.moe is not None:
+            parts["experts" if expert_parallel else "experts' intermediate size"] = \
+                self.moe.num_experts if expert_parallel else self.moe.width
+            if self.moe.shared_width:
+                parts["shared expert's intermediate size"] = self.moe.shared_width
         bad = [f"{name} ({count})" for name, count in parts.items() if count % n]
         if bad:
             ok = [d for d in range(1, self.num_heads + 1) if all(c % d == 0 for c in parts.values())]
             raise ValueError(f"tensor_parallel_size {n} does not divide the model's {', '.join(bad)}; "
                              f"this model allows {ok}")
 
-    def shard(self, n: int) -> "ModelConfig":
-        """One rank's slice of the model under tensor parallelism of n."""
+    def shard(self, n: int, expert_parallel: bool = False) -> "ModelConfig":
+        """One rank's slice of the model under tensor parallelism of n: a mixture's experts each
+        sharded as a dense MLP is, or with expert_parallel split whole over the ranks (the shared
+        expert, which every token runs, is sharded either way)."""
         if n == 1:
             return self
-        self.check_tensor_parallel(n)
+        self.check_tensor_parallel(n, expert_parallel)
+        moe = self.moe
+        if moe is not None:
+            moe = replace(moe, shared_width=moe.shared_width // n, **(
+                {"expert_ranks": n} if expert_parallel else {"width": moe.width // n}))
         return replace(self, num_heads=self.num_heads // n, num_kv_heads=self.num_kv_heads // n,
-                       intermediate_size=self.intermediate_size // n, vocab_size=self.vocab_size // n)
+                       intermediate_size=self.intermediate_size // n, vocab_size=self.vocab_size // n, moe=moe)
 
 
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}

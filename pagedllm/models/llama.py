@@ -111,17 +111,17 @@ class Ops:
         rows, weighted; one compiled call on the CPU."""
         if self.fused(x) and x.dtype in (torch.bfloat16, torch.float32):
             out = torch.empty_like(x)
+            silu, where = moe.activation == "silu", (moe.first_expert, moe.num_experts)
             if moe.quantized:
-                self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts,
-                                          moe.activation == "silu")
+                self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts, silu, *where)
             else:
-                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, moe.activation == "silu")
+                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, silu, *where)
             return out
         return experts_torch(moe, x, weights, experts, self.act_mul)
 
     def act_mul(self, gate_up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
         """activation(gate) * up, of gate_up = [gate | up]: silu, or GELU's tanh form (Gemma)."""
-        if not self.fused(gate_up):
+        if not self.fused(gate_up) or gate_up.shape[-1] % 32:   # the kernel: each half a multiple of 16
             gate, up = gate_up.chunk(2, dim=-1)
             return (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
@@ -213,11 +213,11 @@ _SPLIT_DIM = {"q_proj": 0, "k_proj": 0, "v_proj": 0, "gate_proj": 0, "up_proj": 
 _EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
+def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig, experts: range | None = None) -> None:
     """A mixture of experts' per-expert tensors (HF's layers.L.mlp.experts.E.gate_proj, Mixtral's
     block_sparse_moe.experts.E.w1/w3/w2 renamed so) stacked into each layer's w13 [E, 2I, H] and
-    w2 [E, H, I], in place; the router (mlp.gate) under our name. ValueError naming an expert
-    tensor that is missing."""
+    w2 [E, H, I], in place; the router (mlp.gate) under our name. `experts`: those this rank holds
+    (expert parallelism; default all). ValueError naming an expert tensor that is missing."""
     if cfg.moe is None:
         return
     found: dict[tuple[int, int, str], torch.Tensor] = {}
@@ -233,7 +233,7 @@ def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         if not cfg.moe.is_sparse(layer) or f"layers.{layer}.mlp.w13" in loaded:
             continue
         parts = []
-        for e in range(cfg.moe.num_experts):
+        for e in experts if experts is not None else range(cfg.moe.num_experts):
             for what in ("gate_proj", "up_proj", "down_proj"):
                 if (layer, e, what) not in found:
                     raise ValueError(f"checkpoint lacks layers.{layer}.mlp.experts.{e}.{what}.weight "
@@ -244,11 +244,21 @@ def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig) -> None:
         loaded[f"layers.{layer}.mlp.w2"] = torch.stack([b for _, b in parts])
 
 
-def tp_split_dim(name: str) -> int | None:
+def tp_split_dim(name: str, expert_parallel: bool = False) -> int | None:
     """The dimension of HF tensor `name` that tensor parallelism cuts (None: every rank
-    loads it whole)."""
+    loads it whole). A mixture's experts are cut as the dense MLP's matmuls are (gate and up
+    by rows, down by columns), or under expert parallelism kept whole (expert_kept picks a
+    rank's); the router is replicated."""
+    if expert_parallel and _EXPERT.search(name):
+        return None
     parts = name.split(".")
     return _SPLIT_DIM.get(parts[-2]) if len(parts) >= 2 else None
+
+
+def expert_kept(name: str, experts: range) -> bool:
+    """Whether a rank holding `experts` reads tensor `name` (every tensor but other ranks' experts)."""
+    m = _EXPERT.search(name)
+    return m is None or int(m.group(2)) in experts
 
 
 @lru_cache(maxsize=8)
@@ -279,6 +289,8 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
+        for moe in self.mixtures():   # expert parallelism: this rank's experts
+            moe.first_expert = self.tp.rank * moe.local_experts if cfg.moe.expert_ranks > 1 else 0
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -286,6 +298,16 @@ class LlamaForCausalLM(nn.Module):
         # Not parameters: build_model computes the tables once the model is off the meta device
         # (cfg.ropes(): the global one, and the windowed layers' own where they have one).
         self.ropes: list[RotaryEmbedding] = []
+
+    def mixtures(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.layers if isinstance(layer.mlp, SparseMoE)]
+
+    @property
+    def expert_range(self) -> range:
+        """The experts this rank holds (all of them but under expert parallelism)."""
+        m = self.cfg.moe
+        first = self.tp.rank * m.local_experts if m is not None and m.expert_ranks > 1 else 0
+        return range(first, first + (m.local_experts if m is not None else 0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], meta: Any,
@@ -469,7 +491,7 @@ class LlamaForCausalLM(nn.Module):
             if fam.norm_offset and name.endswith("norm.weight"):  # Gemma's x * (1 + w): one weight to multiply
                 t = t.float() + fam.norm_offset
             loaded[name] = t
-        stack_experts(loaded, self.cfg)
+        stack_experts(loaded, self.cfg, self.expert_range)
         for i in range(self.cfg.num_layers):
             p = f"layers.{i}."
             for ours, theirs in FUSED.items():

@@ -32,8 +32,11 @@ class SparseMoE(nn.Module):
         self.num_experts, self.top_k, self.norm_topk = m.num_experts, m.top_k, m.norm_topk
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)   # the router
         self.gate.router = True   # read by moe_route as it is (prepack.py leaves it plain)
-        self.w13 = nn.Parameter(torch.empty(m.num_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.width), requires_grad=False)
+        # The experts this module holds: first_expert.. of the router's (expert parallelism: a rank's
+        # share; LlamaForCausalLM sets first_expert by rank), each whole or a shard of its columns.
+        self.local_experts, self.first_expert = m.local_experts, 0
+        self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
+        self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
         self.activation = cfg.activation
         if m.shared_width:
             self.shared_expert = MLP(cfg, m.shared_width)
@@ -98,9 +101,10 @@ def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, expert
     """The experts over their rows in torch (where the compiled kernel does not run): rows
     grouped by expert once, a loop over the experts some row chose."""
     t, k = experts.shape
-    flat = experts.reshape(-1)
+    flat = experts.reshape(-1) - moe.first_expert
+    flat = flat.masked_fill((flat < 0) | (flat >= moe.local_experts), moe.local_experts)  # other ranks': last
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=moe.num_experts).tolist()
+    counts = torch.bincount(flat, minlength=moe.local_experts + 1).tolist()[:moe.local_experts]
     rows = order // k
     out = torch.zeros_like(x, dtype=torch.float32)
     start = 0

@@ -1,6 +1,7 @@
 """A model built for this rank: its layers on `device`, its slice of the weights loaded."""
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -9,7 +10,7 @@ from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from ..loader import load_weights
 from ..models import LlamaForCausalLM, ModelConfig
-from ..models.llama import tp_split_dim
+from ..models.llama import expert_kept, tp_split_dim
 from ..models.rope import RotaryEmbedding
 
 
@@ -23,7 +24,9 @@ def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, ker
     model = model.to_empty(device=device)
     if mc.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
-    model.load_hf_weights(load_weights(model_dir, tp_split_dim, tp.rank, tp.size))
+    ep = mc.moe is not None and mc.moe.expert_ranks > 1   # expert parallelism: this rank's experts, whole
+    model.load_hf_weights(load_weights(model_dir, partial(tp_split_dim, expert_parallel=ep), tp.rank, tp.size,
+                                       keep=partial(expert_kept, experts=model.expert_range) if ep else None))
     model = model.to(dtype).eval()
     rows = rope_rows(mc, max_model_len)
     model.ropes = [RotaryEmbedding(mc.rotary, rows, theta, scaling).to(device)

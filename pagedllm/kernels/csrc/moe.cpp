@@ -136,7 +136,10 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
   }
   auto he = h.narrow(0, start, n), ae = a.narrow(0, start, n), ye = y.narrow(0, start, n);
   at::mm_out(he, xs.narrow(0, start, n), w13[e].t());
-  act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, start + n, width, silu);
+  // a prefill's expert runs alone on the caller's thread: its activation over every thread too
+  at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
+    act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), b, end, width, silu);
+  });
   at::mm_out(ye, ae, w2[e].t());
 }
 
@@ -273,7 +276,9 @@ void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, con
     using T = decltype(tag);
     moe<T>(out, x, ne, first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
       block_matmul(g.of(e), w.xs.data_ptr<T>() + start * hid, w.h.data_ptr<T>() + start * 2 * width, n, bf16);
-      act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, start + n, width, silu);
+      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {  // inline where nested (decode)
+        act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), b, end, width, silu);
+      });
       block_matmul(d.of(e), w.a.data_ptr<T>() + start * width, w.y.data_ptr<T>() + start * hid, n, bf16);
     });
   };

@@ -103,16 +103,23 @@ def test_the_compiled_layer_equals_torch(dtype):
     moe.w13.data = (torch.randn(8, 2 * 48, 64, generator=g) / 8).to(dtype)
     moe.w2.data = (torch.randn(8, 64, 48, generator=g) / 8).to(dtype)
     ops = Ops(load_ops())
-    for t, act in ((37, "silu"), (3, "gelu_tanh")):
-        moe.activation = act
-        x = torch.randn(t, 64, generator=g).to(dtype)
-        experts = torch.randint(0, 6, (t, 3), generator=g)   # experts 6 and 7: chosen by no row
-        weights = torch.rand(t, 3, generator=g)
-        weights[0] = 1 / 3   # a tie
-        want = experts_torch(moe, x, weights, experts, ops.act_mul)
-        got = ops.experts(moe, x, weights, experts)
-        tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(got.float(), want.float(), **tol)
+    # bf16 weights also packed for vdpbf16ps where the CPU has it (pack_bf16: every row count on one kernel)
+    layouts = [False, True] if dtype == torch.bfloat16 and ops.k.moe_can_pack() else [False]
+    for packed in layouts:
+        if packed:
+            plain = moe.expert_weights(5, dtype)
+            moe.pack_bf16()
+            assert all(torch.equal(a, b) for a, b in zip(moe.expert_weights(5, dtype), plain))
+        for t, act in ((37, "silu"), (3, "gelu_tanh"), (300, "silu")):
+            moe.activation = act
+            x = torch.randn(t, 64, generator=g).to(dtype)
+            experts = torch.randint(0, 6, (t, 3), generator=g)   # experts 6 and 7: chosen by no row
+            weights = torch.rand(t, 3, generator=g)
+            weights[0] = 1 / 3   # a tie
+            want = experts_torch(moe, x, weights, experts, ops.act_mul)
+            got = ops.experts(moe, x, weights, experts)
+            tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(got.float(), want.float(), **tol)
 
 
 def test_moe_refusals(make_llm, tmp_path, model_dir):
@@ -316,3 +323,25 @@ def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir, family):
         moe = llm.engine.runner.model.layers[1].mlp
         assert (moe.local_experts, moe.w13.shape[1]) == ((8, 64) if ep else (16, 32))
         del llm
+
+
+def test_bf16_experts_packed_for_vdpbf16ps(tmp_path, model_dir, monkeypatch):
+    """A bf16 mixture's experts are packed once at load where the CPU has AVX512-BF16 (one kernel for
+    a decode step's few rows and a prefill's hundreds): its prompt logprobs equal the plain layout's
+    (PAGEDLLM_PREPACK=0) within bf16 rounding."""
+    from pagedllm import LLM
+    from pagedllm.kernels import load_ops
+
+    if not load_ops().moe_can_pack():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 experts stay plain")
+    _, path = make_model(tmp_path, model_dir, "qwen3_moe")
+    ids = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    got = {}
+    for packed in (True, False):
+        monkeypatch.setenv("PAGEDLLM_PREPACK", "1" if packed else "0")
+        llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
+        assert llm.engine.runner.model.layers[1].mlp.packed == packed
+        out = llm.generate([ids], params, use_tqdm=False)[0]
+        got[packed] = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    torch.testing.assert_close(got[True], got[False], atol=0.05, rtol=0)

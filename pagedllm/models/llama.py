@@ -115,7 +115,7 @@ class Ops:
             if moe.quantized:
                 self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts, silu, *where)
             else:
-                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, silu, *where)
+                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, silu, *where, moe.packed)
             return out
         return experts_torch(moe, x, weights, experts, self.act_mul)
 
@@ -366,6 +366,11 @@ class LlamaForCausalLM(nn.Module):
             return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
         self.ops.packed = n > 0
+        if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps
+            for moe in self.mixtures():
+                if moe.can_pack() and moe.w13.device.type == "cpu":
+                    moe.pack_bf16()
+                    n += 2
         # W8A8's int8 weights too; a tied head whose embedding was dropped keeps its rows to look up.
         return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set())
 

@@ -8,7 +8,10 @@ model says so). Qwen2-MoE adds a shared expert every token runs, gated by a sigm
 The experts' weights are stacked, w13 [E, 2I, H] (gate over up) and w2 [E, H, I], so a step's
 rows are grouped by expert and each expert's matmuls run over its rows only: on the CPU in
 one compiled call for the whole layer (kernels/csrc/moe.cpp: no Python loop over experts, and
-an expert no row chose costs nothing); elsewhere the same grouping in torch.
+an expert no row chose costs nothing); elsewhere the same grouping in torch. bf16 experts are
+packed once at load for AVX512-BF16's pair dot products (pack_bf16), so one kernel runs a decode
+step's few rows at memory speed and a prefill's hundreds in register tiles, where oneDNN
+reordered the plain weights on every call (benchmarks/moe.py: the batch 114 -> 122 tok/s).
 
 Quantized (set_blocks): each stack as blocks of its rows, expert after expert (q8_0 or q4_1
 made from the float weights, or a GGUF file's own ffn_*_exps blocks, K-quants included), run by
@@ -37,6 +40,7 @@ class SparseMoE(nn.Module):
         self.local_experts, self.first_expert = m.local_experts, 0
         self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
+        self.packed = False   # w13 / w2 in the layout of vdpbf16ps (pack_bf16)
         self.activation = cfg.activation
         if m.shared_width:
             self.shared_expert = MLP(cfg, m.shared_width)
@@ -69,8 +73,28 @@ class SparseMoE(nn.Module):
         """moe_experts_blocks' weight arguments: (type13, [w13 parts], type2, [w2 parts], width)."""
         return self._block_args
 
+    def can_pack(self) -> bool:
+        """Whether pack_bf16 applies: float bf16 experts of 16-column slabs and K pairs."""
+        return not self.quantized and not self.packed and self.w13.dtype == torch.bfloat16 \
+            and self.w13.shape[1] % 16 == 0 and self.w2.shape[1] % 16 == 0 and self.w13.shape[2] % 2 == 0 \
+            and self.w2.shape[2] % 2 == 0
+
+    def pack_bf16(self) -> None:
+        """The bf16 experts reordered once for the kernel's vdpbf16ps tiles (moe.cpp packed_mm): each
+        [N, K] as [N/16][K/2][16][2], in place (the same bytes, another order)."""
+        for p in (self.w13, self.w2):
+            e, n, k = p.shape
+            p.data = p.data.view(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous().view(e, n, k)
+        self.packed = True
+
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized."""
+        """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized, its
+        pairs put back where packed."""
+        if self.packed:
+            def plain(w):
+                n, k = w.shape
+                return w.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k)
+            return plain(self.w13[e]), plain(self.w2[e])
         if not self.quantized:
             return self.w13[e], self.w2[e]
         _, p13, _, p2, width = self.block_args()

@@ -8,7 +8,8 @@
 //      workspace of the step (no tensor allocated per expert);
 //   3. combine: out[row] = sum over its k slots of weight * y[slot's place], in fp32, rounded once.
 //
-// Float experts' matmuls are ATen's (oneDNN), or small_mm at a few rows; quantized experts
+// bf16 experts packed at load (packed_mm) run one vdpbf16ps kernel at every row count; other float
+// experts' matmuls are ATen's (oneDNN), or small_mm at a few rows; quantized experts
 // (moe_experts_blocks: q8_0, q4_1, GGUF's K-quants...) run quant_linear.cpp's block kernels
 // on each expert's blocks in place (blocks.h), one expert's weights never unpacked whole.
 // A decode step gives most experts 0-2 rows: then the experts are
@@ -81,6 +82,82 @@ void small_mm_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16
 }
 #endif
 
+#ifdef __AVX512BF16__
+// bf16 experts' weights packed once at load for vdpbf16ps (models/moe.py pack_bf16): W [N, K] as
+// [N/16][K/2][16][2], each 16 output columns' K pairs one after another, a pair of 16 columns one
+// 64-byte vector. One instruction then adds a row's pair of x (broadcast) times 16 columns' pairs
+// into 16 fp32 sums: an outer product, no horizontal sums, each weight read once per tile of rows.
+// One kernel for every row count: at a decode step's few rows it streams the weights at memory speed
+// (small_mm's job), at a prefill's hundreds it runs register tiles of MR x 32 near the bf16 peak,
+// where oneDNN reordered the plain weights on every call (measured ~60 % of its peak in the layer).
+constexpr int MR_PACKED = 8;        // rows a tile (16 sums of 32 columns: 16 of 32 zmm registers)
+constexpr int64_t SLAB_COLS = 16;   // columns a packed slab
+
+// acc[r][v] over rows x[0..R) (ldx apart) and columns v*16.. of the slabs at wp (slab apart).
+template <int R, int NV>
+inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t slab, int64_t k,
+                        float* res) {
+  __m512 acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t kk = 0; kk < k / 2; ++kk) {
+    __m512bh w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * slab + kk * 2 * SLAB_COLS);
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * kk, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(res + (r * NV + v) * SLAB_COLS, acc[r][v]);
+}
+
+template <int NV>
+inline void packed_tile_rows(int rows, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t slab,
+                             int64_t k, float* res) {
+  switch (rows) {
+    case 1: return packed_tile<1, NV>(x, ldx, wp, slab, k, res);
+    case 2: return packed_tile<2, NV>(x, ldx, wp, slab, k, res);
+    case 3: return packed_tile<3, NV>(x, ldx, wp, slab, k, res);
+    case 4: return packed_tile<4, NV>(x, ldx, wp, slab, k, res);
+    case 5: return packed_tile<5, NV>(x, ldx, wp, slab, k, res);
+    case 6: return packed_tile<6, NV>(x, ldx, wp, slab, k, res);
+    case 7: return packed_tile<7, NV>(x, ldx, wp, slab, k, res);
+    default: return packed_tile<8, NV>(x, ldx, wp, slab, k, res);
+  }
+}
+
+// out [m, n] (ldo apart) = x [m, k] . W^T, W packed (n a multiple of 16, k of 2). Blocks of 32 columns
+// (64 KB of weights at k = 1024: they stay in L2 while every tile of rows runs over them) are spread
+// over the threads; called inside a parallel region (a decode step's experts) it runs inline.
+void packed_mm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t m, const c10::BFloat16* wp,
+               int64_t n, int64_t k) {
+  const int64_t slab = k * SLAB_COLS, blocks = (n + 2 * SLAB_COLS - 1) / (2 * SLAB_COLS);
+  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(1, (m + MR_PACKED - 1) / MR_PACKED));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    float res[MR_PACKED * 2 * SLAB_COLS];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 2 * SLAB_COLS;
+      const int nv = n - n0 >= 2 * SLAB_COLS ? 2 : 1;
+      const c10::BFloat16* w = wp + (n0 / SLAB_COLS) * slab;
+      for (int64_t m0 = 0; m0 < m; m0 += MR_PACKED) {
+        const int rows = int(std::min<int64_t>(MR_PACKED, m - m0));
+        if (nv == 2)
+          packed_tile_rows<2>(rows, x + m0 * k, k, w, slab, k, res);
+        else
+          packed_tile_rows<1>(rows, x + m0 * k, k, w, slab, k, res);
+        for (int r = 0; r < rows; ++r)
+          for (int v = 0; v < nv; ++v)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldo + n0 + v * SLAB_COLS),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + (r * nv + v) * SLAB_COLS)));
+      }
+    }
+  });
+}
+#endif
+
 template <class T>
 void to_float(float* out, const T* x, int64_t count) {
   for (int64_t i = 0; i < count; ++i) out[i] = float(x[i]);
@@ -111,7 +188,23 @@ void act_rows(T* a, const T* h, int64_t r0, int64_t r1, int64_t n, bool silu) {
 
 template <class T>
 void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& y, const at::Tensor& w13,
-                const at::Tensor& w2, int64_t e, int64_t start, int64_t n, int64_t width, bool silu) {
+                const at::Tensor& w2, int64_t e, int64_t start, int64_t n, int64_t width, bool silu, bool packed) {
+#ifdef __AVX512BF16__
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (packed) {
+      const int64_t hid = xs.size(1);
+      packed_mm(h.data_ptr<T>() + start * 2 * width, 2 * width, xs.data_ptr<T>() + start * hid, n,
+                w13.data_ptr<T>() + e * 2 * width * hid, 2 * width, hid);
+      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
+        act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), b, end, width, silu);
+      });
+      packed_mm(y.data_ptr<T>() + start * hid, hid, a.data_ptr<T>() + start * width, n,
+                w2.data_ptr<T>() + e * hid * width, hid, width);
+      return;
+    }
+  }
+#endif
+  TORCH_CHECK(!packed, "moe_experts: packed weights need bf16 and a CPU with AVX512-BF16");
   if (n <= SMALL) {
     const int64_t hid = xs.size(1);
 #ifdef __AVX512BF16__
@@ -366,8 +459,17 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
   return {weights, experts};
 }
 
+bool moe_can_pack() {
+#ifdef __AVX512BF16__
+  return true;
+#else
+  return false;
+#endif
+}
+
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                 const at::Tensor& weights, const at::Tensor& experts, bool silu, int64_t first, int64_t total) {
+                 const at::Tensor& weights, const at::Tensor& experts, bool silu, int64_t first, int64_t total,
+                 bool packed) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
                   out.scalar_type() == x.scalar_type() &&
                   (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
@@ -378,12 +480,15 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
                   w2.scalar_type() == x.scalar_type(),
               "moe_experts: w13 [E, 2I, H] and w2 [E, H, I], contiguous, in x's dtype");
   check_routing("moe_experts", x, weights, experts, w13.size(0), first, total);
+  TORCH_CHECK(!packed || (moe_can_pack() && x.scalar_type() == at::kBFloat16 && w13.size(1) % 16 == 0 &&
+                          w2.size(1) % 16 == 0 && x.size(1) % 2 == 0 && w2.size(2) % 2 == 0),
+              "moe_experts: packed weights need bf16, AVX512-BF16, N a multiple of 16 and K of 2");
   if (x.size(0) == 0) return;
   const int64_t width = w2.size(2);
   auto run = [&](auto tag) {
     using T = decltype(tag);
     moe<T>(out, x, w13.size(0), first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
-      run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, silu);
+      run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, silu, packed);
     });
   };
   if (x.scalar_type() == at::kFloat)
@@ -396,7 +501,8 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu, "
-        "int first, int total) -> ()");
+        "int first, int total, bool packed) -> ()");
+  m.def("moe_can_pack() -> bool", &pagedllm::moe_can_pack);  // no tensor to dispatch on: one kernel for all
   m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
   m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
         "Tensor weights, Tensor experts, bool silu, int first, int total) -> ()");

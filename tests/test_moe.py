@@ -131,7 +131,7 @@ def test_moe_refusals(make_llm, tmp_path, model_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size 3 does not divide .*experts \(16\)"):
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", tensor_parallel_size=3,
                  enable_expert_parallel=True)
-    for bad, why in (({"quantization": "w8a8"}, "quantization 'w8a8' is not supported with a mixture of experts"),
+    for bad, why in (({"batch_invariant": True}, "batch_invariant is not supported with a mixture of experts"),
                      ({"enable_lora": True}, "enable_lora is not supported with a mixture of experts")):
         with pytest.raises(ValueError, match=why):
             make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", **bad)
@@ -210,9 +210,10 @@ def test_gguf_experts_match_transformers(make_llm, gguf_q8, tmp_path, arch, quan
     assert_greedy_matches(llm, hf, [[5, 17, 300, 4000, 12], list(range(100, 160))], 10)
 
 
-def test_int8_and_int4_experts(make_llm, tmp_path, model_dir):
-    """quantization int8 / int4 puts the experts on q8_0 / q4_1 blocks made from the float weights
-    (the router stays float); their prompt logprobs stay near the float model's."""
+def test_int8_int4_and_w8a8_experts(make_llm, tmp_path, model_dir):
+    """quantization int8 / int4 puts the experts on q8_0 / q4_1 blocks made from the float weights,
+    w8a8 on int8 weights and activations (the router stays float); their prompt logprobs stay near
+    the float model's."""
     _, path = make_model(tmp_path, model_dir, "qwen3_moe")
     ids = list(range(100, 140))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -222,11 +223,13 @@ def test_int8_and_int4_experts(make_llm, tmp_path, model_dir):
         return torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
 
     ref = logprobs(make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB"))
-    for method, fmt, tol in (("int8", "q8_0", 0.02), ("int4", "q4_1", 0.3)):
+    for method, fmt, tol in (("int8", "q8_0", 0.02), ("int4", "q4_1", 0.3), ("w8a8", None, 0.1)):
         llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization=method)
         moe = llm.engine.runner.model.layers[1].mlp
-        assert moe.quantized and moe.w13_format == fmt and getattr(moe.gate, "qformat", None) is None
-        assert f"layers on {fmt} blocks, routers float" in llm.engine.runner.model.quant_summary
+        assert moe.quantized and getattr(moe.gate, "qformat", None) is None
+        summary = llm.engine.runner.model.quant_summary
+        assert moe.w8a8 and "W8A8 too, routers float" in summary if fmt is None else \
+            moe.w13_format == fmt and f"layers on {fmt} blocks, routers float" in summary
         got = logprobs(llm)
         assert 0 < (got - ref).abs().max() < tol, (method, (got - ref).abs().max())
 
@@ -304,15 +307,14 @@ def test_gguf_expert_type_without_kernel_fails_naming_it(make_llm, gguf_q8, tmp_
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe"])
-def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir, family):
+def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir):
     """Under tensor_parallel_size 2 a mixture's experts are sharded (each rank 1/2 of every expert's
     columns) or, with enable_expert_parallel, split whole (each rank 8 of the 16); the router runs on
     both ranks, the shared expert is sharded, and one all-reduce adds the parts: greedy tokens equal
     one rank's, and each rank holds half the experts' bytes."""
     from pagedllm import LLM
 
-    hf, path = make_model(tmp_path, model_dir, family)
+    hf, path = make_model(tmp_path, model_dir, "qwen2_moe")   # routed experts and a shared one
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = dict(model=str(path), dtype="float32", num_gpu_blocks_override=16, num_threads=1)
@@ -345,3 +347,36 @@ def test_bf16_experts_packed_for_vdpbf16ps(tmp_path, model_dir, monkeypatch):
         out = llm.generate([ids], params, use_tqdm=False)[0]
         got[packed] = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
     torch.testing.assert_close(got[True], got[False], atol=0.05, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w8a8_experts_equal_their_arithmetic_in_torch(dtype):
+    """moe_experts_w8a8 (VNNI's u8 x s8 sums on weights packed once, each row's activations quantized
+    as the kernel runs) against the same arithmetic in torch (codes times scales, float matmuls),
+    at decode and prefill sizes, and as one rank of two under expert parallelism."""
+    from types import SimpleNamespace
+
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.config import MoEConfig
+    from pagedllm.models.llama import Ops
+    from pagedllm.models.moe import SparseMoE, experts_torch
+
+    ops = Ops(load_ops())
+    if not ops.k.moe_can_w8a8():
+        pytest.skip("no AVX512-VNNI: W8A8 experts run the torch path, which is the reference here")
+    g = torch.Generator().manual_seed(0)
+    for ranks in (1, 2):
+        moe = SparseMoE(SimpleNamespace(hidden_size=64, activation="silu",
+                                        moe=MoEConfig(8, 3, 48, False, expert_ranks=ranks)))
+        moe.w13.data = (torch.randn(*moe.w13.shape, generator=g) / 8).to(dtype)
+        moe.w2.data = (torch.randn(*moe.w2.shape, generator=g) / 8).to(dtype)
+        moe.first_expert = 4 if ranks == 2 else 0
+        moe.set_w8a8()
+        for t in (3, 37):
+            x = torch.randn(t, 64, generator=g).to(dtype)
+            experts = torch.randint(0, 8, (t, 3), generator=g)
+            weights = torch.rand(t, 3, generator=g)
+            want = experts_torch(moe, x, weights, experts, ops.act_mul).float()
+            got = ops.experts(moe, x, weights, experts).float()
+            tol = 1e-4 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)

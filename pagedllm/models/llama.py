@@ -112,7 +112,11 @@ class Ops:
         if self.fused(x) and x.dtype in (torch.bfloat16, torch.float32):
             out = torch.empty_like(x)
             silu, where = moe.activation == "silu", (moe.first_expert, moe.num_experts)
-            if moe.quantized:
+            if moe.w8a8:
+                if not self.k.moe_can_w8a8():   # no VNNI: the same arithmetic in torch
+                    return experts_torch(moe, x, weights, experts, self.act_mul)
+                self.k.moe_experts_w8a8(out, x.contiguous(), *moe.w8a8_args(), weights, experts, silu, *where)
+            elif moe.quantized:
                 self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts, silu, *where)
             else:
                 self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, silu, *where, moe.packed)
@@ -397,6 +401,9 @@ class LlamaForCausalLM(nn.Module):
             n = w8a8_linears(self, dtype)
             done = f"{n} matmuls on int8 weights (per channel) and int8 activations (per token)" + \
                 (f", {smoothed} smoothed (SmoothQuant, alpha {ALPHA})" if smoothed else "")
+            moe = quantize_experts(self, W8A8)
+            if moe:
+                done += f"; the experts of {moe} layers W8A8 too, routers float"
         else:
             n = quantize_linears(self, method, dtype)
             done = f"{n - 1} matmuls on q4_1 blocks, the LM head on q8_0" if method == "int4" \

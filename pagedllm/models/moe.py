@@ -41,6 +41,7 @@ class SparseMoE(nn.Module):
         self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
         self.packed = False   # w13 / w2 in the layout of vdpbf16ps (pack_bf16)
+        self.w8a8 = False     # int8 experts with int8 activations (set_w8a8)
         self.activation = cfg.activation
         if m.shared_width:
             self.shared_expert = MLP(cfg, m.shared_width)
@@ -69,6 +70,41 @@ class SparseMoE(nn.Module):
         self._block_args = (FORMAT_IDS[self.w13_format], stacks("w13"), FORMAT_IDS[self.w2_format], stacks("w2"),
                             self.width)
 
+    def set_w8a8(self) -> None:
+        """W8A8 experts (models/w8a8.py's arithmetic): int8 weights with a scale per output channel,
+        packed for VNNI ([N/16][K/4][16][4]) with each channel's sum of codes; the activations are
+        quantized per row as the kernel runs (moe.cpp moe_experts_w8a8)."""
+        from .w8a8 import quantize_weight
+
+        for name in ("w13", "w2"):
+            w = getattr(self, name)
+            e, n, k = w.shape
+            if n % 16 or k % 16:
+                raise ValueError(f"w8a8 experts need N and K multiples of 16, got {name} [{e}, {n}, {k}]")
+            q, s = quantize_weight(w.reshape(e * n, k))
+            q = q.view(e, n, k)
+            packed = q.view(e, n // 16, 16, k // 4, 4).permute(0, 1, 3, 2, 4).contiguous().view(e, n, k)
+            for i, t in enumerate((packed, s.view(e, n).contiguous(), q.sum(-1, dtype=torch.int32))):
+                self.register_buffer(f"{name}_w8{i}", t, persistent=False)
+        self.width, self.hidden = self.w2.shape[2], self.w2.shape[1]
+        self.w13 = self.w2 = None
+        self.w8a8 = True
+        self._w8_args = tuple([getattr(self, f"{name}_w8{i}") for i in range(3)] for name in ("w13", "w2"))
+
+    def w8a8_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """moe_experts_w8a8's weight arguments: [codes, scales, column sums] of w13 and of w2."""
+        return self._w8_args
+
+    def inputs(self, rows: torch.Tensor) -> torch.Tensor:
+        """A matmul's input rows as the experts' arithmetic sees them: W8A8 quantizes each row to int8
+        codes and a scale (the torch path's stand-in for the kernel's integer sums)."""
+        if not self.w8a8:
+            return rows
+        from .w8a8 import _symmetric_rows
+
+        q, s = _symmetric_rows(rows)
+        return (q.float() * s[:, None]).to(rows.dtype)
+
     def block_args(self) -> tuple:
         """moe_experts_blocks' weight arguments: (type13, [w13 parts], type2, [w2 parts], width)."""
         return self._block_args
@@ -90,6 +126,12 @@ class SparseMoE(nn.Module):
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized, its
         pairs put back where packed."""
+        if self.w8a8:
+            def codes(name, k):
+                q, s, _ = (getattr(self, f"{name}_w8{i}")[e] for i in range(3))
+                n = q.shape[0]
+                return (q.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).float() * s[:, None]).to(dtype)
+            return codes("w13", self.hidden), codes("w2", self.width)
         if self.packed:
             def plain(w):
                 n, k = w.shape
@@ -137,20 +179,24 @@ def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, expert
             continue
         idx = rows[start:start + n]
         w13, w2 = moe.expert_weights(e, x.dtype)
-        h = act_mul(F.linear(x[idx], w13), moe.activation)
-        y = F.linear(h, w2).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
+        h = act_mul(F.linear(moe.inputs(x[idx]), w13), moe.activation)
+        y = F.linear(moe.inputs(h), w2).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
         out.index_add_(0, idx, y)
         start += n
     return out.to(x.dtype)
 
 
 def quantize_experts(model: nn.Module, method: str) -> int:
-    """Every mixture's experts as blocks made from their float weights: "int8" q8_0, "int4"
-    q4_1 (as the dense matmuls). Returns how many layers of experts were quantized."""
+    """Every mixture's experts quantized from their float weights as the dense matmuls are: "int8"
+    q8_0 blocks, "int4" q4_1 blocks, "w8a8" int8 weights and activations. Returns how many layers
+    of experts were quantized."""
     make = quantize_q4_1 if method == "int4" else quantize_q8_0
     n = 0
     for mod in model.modules():
         if isinstance(mod, SparseMoE) and not mod.quantized:
-            mod.set_blocks(make(mod.w13.reshape(-1, mod.w13.shape[-1])), make(mod.w2.reshape(-1, mod.w2.shape[-1])))
+            if method == "w8a8":
+                mod.set_w8a8()
+            else:
+                mod.set_blocks(make(mod.w13.reshape(-1, mod.w13.shape[-1])), make(mod.w2.reshape(-1, mod.w2.shape[-1])))
             n += 1
     return n

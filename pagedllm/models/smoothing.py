@@ -85,11 +85,13 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float = ALP
     n = 0
     for i, layer in enumerate(model.layers):
         attn, mlp, p = layer.self_attn, layer.mlp, f"layers.{i}."
-        qkv, gate_up = attn.qkv_proj, mlp.gate_up_proj
-        down = mlp.down_proj
-        for norm_or_rows, lin, name in ((layer.input_layernorm.weight, qkv, "self_attn.qkv_proj"),
-                                        (layer.post_attention_layernorm.weight, gate_up, "mlp.gate_up_proj"),
-                                        (gate_up.weight[down.in_features:], down, "mlp.down_proj")):
+        qkv = attn.qkv_proj
+        folds = [(layer.input_layernorm.weight, qkv, "self_attn.qkv_proj")]
+        if hasattr(mlp, "gate_up_proj"):   # a mixture's experts and router share the norm: left unsmoothed
+            gate_up, down = mlp.gate_up_proj, mlp.down_proj
+            folds += [(layer.post_attention_layernorm.weight, gate_up, "mlp.gate_up_proj"),
+                      (gate_up.weight[down.in_features:], down, "mlp.down_proj")]
+        for norm_or_rows, lin, name in folds:
             _fold(norm_or_rows, lin.weight, _scales(maxima[p + name], _column_max(lin.weight), alpha))
         # o's input channel (head h, dim d) is v's channel (group of h, d): one scale per group's channel.
         heads, groups, d = attn.h, attn.kvh, attn.d  # this rank's heads
@@ -102,7 +104,7 @@ def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float = ALP
             qkv.bias[v0:].div_(s.to(qkv.bias.dtype))
         attn.o_proj.weight.mul_(s.to(attn.o_proj.weight.dtype).reshape(groups, 1, d).expand(groups, heads // groups, d)
                                 .reshape(-1))
-        n += 4
+        n += len(folds) + 1
     head = model.lm_head
     s = _scales(maxima["lm_head"], _column_max(head.weight), alpha)
     head.weight = nn.Parameter(head.weight.detach() * s.to(head.weight.dtype), requires_grad=False)  # unties it

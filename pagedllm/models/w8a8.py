@@ -192,7 +192,7 @@ def quantize_linears(model: nn.Module, dtype: torch.dtype) -> int:
     """Every nn.Linear with a float weight (the LM head included) to W8A8. Returns how many."""
     n = 0
     for mod in model.modules():
-        if isinstance(mod, nn.Linear) and mod.weight is not None:
-            set_w8a8(mod, dtype)
+        if isinstance(mod, nn.Linear) and mod.weight is not None and not getattr(mod, "router", False):
+            set_w8a8(mod, dtype)   # (a mixture's router stays float: its scores pick the experts)
             n += 1
     return n

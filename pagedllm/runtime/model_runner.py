@@ -277,12 +277,11 @@ class ModelRunner:
     def _check_moe(cfg: EngineConfig, mc: ModelConfig) -> None:
         """What a mixture of experts does not run yet: its experts run float (bf16, fp32) or on weight-only
         blocks (int8, int4, a GGUF file's), not batch-invariant, without adapters."""
-        why = f"quantization {cfg.quantization!r}" if cfg.quantization == "w8a8" else "batch_invariant" \
-            if cfg.batch_invariant else "enable_lora" if cfg.enable_lora else None
+        why = "batch_invariant" if cfg.batch_invariant else "enable_lora" if cfg.enable_lora else None
         if why:
             raise ValueError(f"{why} is not supported with a mixture of experts ({mc.model_type}) yet: its experts "
-                             "run as float matmuls (bf16 or fp32) or on weight-only blocks (quantization int8, int4 "
-                             "or gguf), not batch-invariant, without adapters")
+                             "run as float matmuls (bf16 or fp32), on weight-only blocks (quantization int8, int4 or "
+                             "gguf) or W8A8, not batch-invariant, without adapters")
 
     def _check_lora(self, cfg: EngineConfig, tp: TPGroup, kernels) -> None:
         """Adapters are read from the pool's pages by the compiled CPU kernel, or by Triton's on a GPU

@@ -82,6 +82,23 @@ void small_mm_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16
 }
 #endif
 
+constexpr int64_t SLAB8 = 16;  // columns a packed int8 slab (W8A8 experts)
+
+// f(std::integral_constant<int, rows>) for rows 1..8: a tile's row count as a compile-time constant.
+template <class F>
+inline void by_rows(int rows, const F& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 #ifdef __AVX512BF16__
 // bf16 experts' weights packed once at load for vdpbf16ps (models/moe.py pack_bf16): W [N, K] as
 // [N/16][K/2][16][2], each 16 output columns' K pairs one after another, a pair of 16 columns one
@@ -114,20 +131,6 @@ inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
     for (int v = 0; v < NV; ++v) _mm512_storeu_ps(res + (r * NV + v) * SLAB_COLS, acc[r][v]);
 }
 
-template <int NV>
-inline void packed_tile_rows(int rows, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t slab,
-                             int64_t k, float* res) {
-  switch (rows) {
-    case 1: return packed_tile<1, NV>(x, ldx, wp, slab, k, res);
-    case 2: return packed_tile<2, NV>(x, ldx, wp, slab, k, res);
-    case 3: return packed_tile<3, NV>(x, ldx, wp, slab, k, res);
-    case 4: return packed_tile<4, NV>(x, ldx, wp, slab, k, res);
-    case 5: return packed_tile<5, NV>(x, ldx, wp, slab, k, res);
-    case 6: return packed_tile<6, NV>(x, ldx, wp, slab, k, res);
-    case 7: return packed_tile<7, NV>(x, ldx, wp, slab, k, res);
-    default: return packed_tile<8, NV>(x, ldx, wp, slab, k, res);
-  }
-}
 
 // out [m, n] (ldo apart) = x [m, k] . W^T, W packed (n a multiple of 16, k of 2). Blocks of 32 columns
 // (64 KB of weights at k = 1024: they stay in L2 while every tile of rows runs over them) are spread
@@ -144,14 +147,100 @@ void packed_mm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t 
       const c10::BFloat16* w = wp + (n0 / SLAB_COLS) * slab;
       for (int64_t m0 = 0; m0 < m; m0 += MR_PACKED) {
         const int rows = int(std::min<int64_t>(MR_PACKED, m - m0));
-        if (nv == 2)
-          packed_tile_rows<2>(rows, x + m0 * k, k, w, slab, k, res);
-        else
-          packed_tile_rows<1>(rows, x + m0 * k, k, w, slab, k, res);
+        by_rows(rows, [&](auto r) {
+          if (nv == 2)
+            packed_tile<decltype(r)::value, 2>(x + m0 * k, k, w, slab, k, res);
+          else
+            packed_tile<decltype(r)::value, 1>(x + m0 * k, k, w, slab, k, res);
+        });
         for (int r = 0; r < rows; ++r)
           for (int v = 0; v < nv; ++v)
             _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldo + n0 + v * SLAB_COLS),
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + (r * nv + v) * SLAB_COLS)));
+      }
+    }
+  });
+}
+#endif
+
+#ifdef __AVX512VNNI__
+// W8A8 experts (models/moe.py set_w8a8): int8 weights with a scale per output channel, packed once
+// for VNNI as [N/16][K/4][16][4] (16 columns' 4 consecutive codes a 64-byte vector), and int8
+// activations with a scale per row, computed here per expert's rows (a row's result never
+// depends on the rows beside it). vpdpbusd multiplies unsigned codes by signed ones, so x goes as
+// its codes plus 128 and each column's 128 * sum(w) comes off the int32 sum:
+//   y[m, n] = sx[m] * sw[n] * (sum_k (xq[m, k] + 128) w[n, k] - 128 * colsum[n]).
+// Integer sums are exact whatever their order; the weights are half of bf16's bytes.
+constexpr int32_t W8_ZERO = 128;
+
+// rows of x as uint8 codes (int8 + 128) and fp32 scales: s = max|row| / 127, to nearest even
+// (models/w8a8.py's quantize_rows: the same two roundings).
+template <class T>
+void codes_rows(uint8_t* q, float* s, const T* x, int64_t rows, int64_t k) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, 4096 / k), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const T* xr = x + r * k;
+      __m512 m = _mm512_setzero_ps();
+      for (int64_t i = 0; i < k; i += L) m = _mm512_max_ps(m, _mm512_abs_ps((__m512)load16(xr + i)));
+      const float scale = _mm512_reduce_max_ps(m) / 127.f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      s[r] = scale;
+      for (int64_t i = 0; i < k; i += L) {
+        __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps((__m512)load16(xr + i), inv));
+        c = _mm512_max_epi32(_mm512_min_epi32(c, _mm512_set1_epi32(127)), _mm512_set1_epi32(-127));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * k + i),
+                         _mm512_cvtepi32_epi8(_mm512_add_epi32(c, _mm512_set1_epi32(W8_ZERO))));
+      }
+    }
+  });
+}
+
+template <int R, int NV>
+inline void w8_tile(const uint8_t* xq, int64_t ldx, const int8_t* wp, int64_t slab, int64_t k, int32_t* res) {
+  __m512i acc[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t kk = 0; kk < k / 4; ++kk) {
+    __m512i w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wp + v * slab + kk * 4 * SLAB8);
+    for (int r = 0; r < R; ++r) {
+      int32_t quad;
+      std::memcpy(&quad, xq + r * ldx + 4 * kk, 4);
+      const __m512i xb = _mm512_set1_epi32(quad);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], xb, w[v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) _mm512_storeu_si512(res + (r * NV + v) * SLAB8, acc[r][v]);
+}
+
+// out [m, n] (ldo apart) from m rows of codes xq (k apart) and their scales sx, against W8A8
+// weights packed (wp), their scales ws and column sums cs; blocks of 32 columns over the threads.
+template <class T>
+void w8_mm(T* out, int64_t ldo, const uint8_t* xq, const float* sx, int64_t m, const int8_t* wp, const float* ws,
+           const int32_t* cs, int64_t n, int64_t k) {
+  const int64_t slab = k * SLAB8, blocks = (n + 2 * SLAB8 - 1) / (2 * SLAB8);
+  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(1, (m + 7) / 8));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    int32_t res[8 * 2 * SLAB8];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 2 * SLAB8;
+      const int nv = n - n0 >= 2 * SLAB8 ? 2 : 1;
+      const int8_t* w = wp + (n0 / SLAB8) * slab;
+      for (int64_t m0 = 0; m0 < m; m0 += 8) {
+        const int rows = int(std::min<int64_t>(8, m - m0));
+        by_rows(rows, [&](auto r) {
+          if (nv == 2)
+            w8_tile<decltype(r)::value, 2>(xq + m0 * k, k, w, slab, k, res);
+          else
+            w8_tile<decltype(r)::value, 1>(xq + m0 * k, k, w, slab, k, res);
+        });
+        for (int r = 0; r < rows; ++r)
+          for (int64_t c = 0; c < nv * SLAB8; ++c) {
+            const int64_t col = n0 + c;
+            out[(m0 + r) * ldo + col] =
+                T(sx[m0 + r] * ws[col] * float(res[r * nv * SLAB8 + c] - W8_ZERO * cs[col]));
+          }
       }
     }
   });
@@ -459,6 +548,69 @@ std::tuple<at::Tensor, at::Tensor> moe_route(const at::Tensor& x, const at::Tens
   return {weights, experts};
 }
 
+bool moe_can_w8a8() {
+#ifdef __AVX512VNNI__
+  return true;
+#else
+  return false;
+#endif
+}
+
+// A mixture's layer on W8A8 experts: w13 / w2 as [q int8 packed [E, N, K], scales fp32 [E, N], column
+// sums int32 [E, N]] (models/moe.py set_w8a8).
+void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at::Tensor>& w13,
+                      const std::vector<at::Tensor>& w2, const at::Tensor& weights, const at::Tensor& experts, bool silu,
+                      int64_t first, int64_t total) {
+  TORCH_CHECK(moe_can_w8a8(), "moe_experts_w8a8: needs a CPU with AVX512-VNNI");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              "moe_experts_w8a8: x [T, H] and out like it, contiguous, bf16 or fp32");
+  TORCH_CHECK(w13.size() == 3 && w2.size() == 3, "moe_experts_w8a8: w13 and w2 are [codes, scales, column sums]");
+  const int64_t ne = w13[0].size(0), hid = x.size(1), width = w2[0].size(2);
+  auto check = [&](const std::vector<at::Tensor>& w, int64_t n, int64_t k, const char* what) {
+    TORCH_CHECK(w[0].dim() == 3 && w[0].scalar_type() == at::kChar && w[0].is_contiguous() && w[0].size(0) == ne &&
+                    w[0].size(1) == n && w[0].size(2) == k && n % 16 == 0 && k % 16 == 0,
+                "moe_experts_w8a8: ", what, " codes int8 [E, ", n, ", ", k, "], N and K multiples of 16");
+    TORCH_CHECK(w[1].scalar_type() == at::kFloat && w[2].scalar_type() == at::kInt && w[1].is_contiguous() &&
+                    w[2].is_contiguous() && w[1].numel() == ne * n && w[2].numel() == ne * n,
+                "moe_experts_w8a8: ", what, " scales fp32 and column sums int32 [E, ", n, "]");
+  };
+  check(w13, 2 * width, hid, "w13");
+  check(w2, hid, width, "w2");
+  check_routing("moe_experts_w8a8", x, weights, experts, ne, first, total);
+  if (x.size(0) == 0) return;
+#ifdef __AVX512VNNI__
+  const int64_t places = experts.numel();
+  std::vector<uint8_t> xq(places * hid), aq(places * width);
+  std::vector<float> sx(places), sa(places);
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    auto part = [&](const std::vector<at::Tensor>& w, int64_t e, int64_t n, int64_t k) {
+      return std::make_tuple(w[0].data_ptr<int8_t>() + e * n * k, w[1].data_ptr<float>() + e * n,
+                             w[2].data_ptr<int32_t>() + e * n);
+    };
+    moe<T>(out, x, ne, first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
+      codes_rows(xq.data() + start * hid, sx.data() + start, w.xs.data_ptr<T>() + start * hid, n, hid);
+      auto [q13, s13, c13] = part(w13, e, 2 * width, hid);
+      w8_mm(w.h.data_ptr<T>() + start * 2 * width, 2 * width, xq.data() + start * hid, sx.data() + start, n, q13, s13,
+            c13, 2 * width, hid);
+      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
+        act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), b, end, width, silu);
+      });
+      codes_rows(aq.data() + start * width, sa.data() + start, w.a.data_ptr<T>() + start * width, n, width);
+      auto [q2, s2, c2] = part(w2, e, hid, width);
+      w8_mm(w.y.data_ptr<T>() + start * hid, hid, aq.data() + start * width, sa.data() + start, n, q2, s2, c2, hid,
+            width);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    run(c10::BFloat16());
+  else
+    run(float());
+#endif
+}
+
 bool moe_can_pack() {
 #ifdef __AVX512BF16__
   return true;
@@ -502,7 +654,10 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu, "
         "int first, int total, bool packed) -> ()");
-  m.def("moe_can_pack() -> bool", &pagedllm::moe_can_pack);  // no tensor to dispatch on: one kernel for all
+  m.def("moe_can_pack() -> bool", &pagedllm::moe_can_pack);
+  m.def("moe_can_w8a8() -> bool", &pagedllm::moe_can_w8a8);
+  m.def("moe_experts_w8a8(Tensor(a!) out, Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor experts, "
+        "bool silu, int first, int total) -> ()");  // no tensor to dispatch on: one kernel for all
   m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
   m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
         "Tensor weights, Tensor experts, bool silu, int first, int total) -> ()");
@@ -512,4 +667,5 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("moe_experts", &pagedllm::moe_experts);
   m.impl("moe_experts_blocks", &pagedllm::moe_experts_blocks);
   m.impl("moe_route", &pagedllm::moe_route);
+  m.impl("moe_experts_w8a8", &pagedllm::moe_experts_w8a8);
 }

@@ -143,26 +143,32 @@ def test_moe_refusals(make_llm, tmp_path, model_dir):
 
 
 GGUF_BASE = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                 vocab_size=49152, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+                 vocab_size=260,   # gguf_files' tiny byte-level tokenizer: a conversion of seconds, not tens max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
                  tie_word_embeddings=False, intermediate_size=512, moe_intermediate_size=256, num_experts=16,
                  num_experts_per_tok=4)
 
 
 @pytest.fixture(scope="module")
 def gguf_q8(tmp_path_factory):
-    """arch -> a tiny random mixture (K = 256: K-quant super-blocks fit) as a Q8_0 GGUF file written
-    by gguf-py, made once for the module."""
+    """arch -> a tiny random mixture (K = 256: K-quant super-blocks fit; a byte-level vocabulary of 260)
+    as a Q8_0 GGUF file written by gguf-py, made once for the module."""
     import transformers as tf
 
     from benchmarks.lib.gguf_files import write_gguf
-    from pagedllm.loader.model_files import default_gguf_path
 
     made: dict = {}
 
     def get(arch: str):
         if arch not in made:
-            cfg = tf.Qwen3MoeConfig(**GGUF_BASE, head_dim=64, norm_topk_prob=True) if arch == "qwen3moe" else \
-                tf.Qwen2MoeConfig(**GGUF_BASE, shared_expert_intermediate_size=128, norm_topk_prob=False)
+            if arch == "qwen3moe":
+                cfg = tf.Qwen3MoeConfig(**GGUF_BASE, head_dim=64, norm_topk_prob=True)
+            elif arch == "qwen2moe":
+                cfg = tf.Qwen2MoeConfig(**GGUF_BASE, shared_expert_intermediate_size=128, norm_topk_prob=False)
+            else:   # OLMoE, and Mixtral: llama.cpp writes it as "llama" with expert tensors
+                base = {**GGUF_BASE, "intermediate_size": GGUF_BASE["moe_intermediate_size"]}
+                base.pop("moe_intermediate_size")
+                cfg = tf.OlmoeConfig(**base) if arch == "olmoe" else \
+                    tf.MixtralConfig(**{**base, "num_local_experts": base.pop("num_experts")}, sliding_window=None)
             torch.manual_seed(0)
             model = tf.AutoModelForCausalLM.from_config(cfg).eval()
             with torch.no_grad():
@@ -171,8 +177,7 @@ def gguf_q8(tmp_path_factory):
                         p.add_(torch.randn_like(p) * 0.3)
                     elif name.endswith("gate.weight"):
                         p.normal_(0, 0.5)
-            made[arch] = write_gguf(model, tmp_path_factory.mktemp("gguf") / f"{arch}.gguf", arch, "Q8_0",
-                                    default_gguf_path())
+            made[arch] = write_gguf(model, tmp_path_factory.mktemp("gguf") / f"{arch}.gguf", arch, "Q8_0", None)
         return made[arch]
     return get
 
@@ -191,9 +196,10 @@ def _gguf_moe(gguf_q8, tmp_path, arch: str, quant: str):
     return out
 
 
-@pytest.mark.parametrize("arch,quant,kinds", [("qwen3moe", "Q8_0", "q8_0/q8_0"),
-                                              ("qwen3moe", "Q4_K_M", "Q4_K/Q6_K"),
-                                              ("qwen2moe", "Q8_0", "q8_0/q8_0")])
+@pytest.mark.parametrize("arch,quant,kinds", [("qwen3moe", "Q4_K_M", "Q4_K/Q6_K"),
+                                              ("qwen2moe", "Q8_0", "q8_0/q8_0"),
+                                              ("olmoe", "Q8_0", "q8_0/q8_0"),
+                                              ("llama", "Q8_0", "q8_0/q8_0")])
 def test_gguf_experts_match_transformers(make_llm, gguf_q8, tmp_path, arch, quant, kinds):
     """The file's own expert blocks (ffn_*_exps) run in the compiled layer and give the greedy tokens
     of transformers' model of the same file (its dequantized values, as our conversion saved them
@@ -206,8 +212,10 @@ def test_gguf_experts_match_transformers(make_llm, gguf_q8, tmp_path, arch, quan
     assert kinds in summary and "routers float" in summary, summary
     assert llm.engine.runner.model.layers[0].mlp.quantized
     hf = AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
-    assert hf.config.moe_intermediate_size == 256
-    assert_greedy_matches(llm, hf, [[5, 17, 300, 4000, 12], list(range(100, 160))], 10)
+    assert (getattr(hf.config, "moe_intermediate_size", None) or hf.config.intermediate_size) == 256
+    assert llm.engine.model_cfg.model_type == {"llama": "mixtral"}.get(arch, arch.replace("moe", "_moe")
+                                                                      if arch.startswith("qwen") else arch)
+    assert_greedy_matches(llm, hf, [[5, 17, 200, 250, 12], list(range(100, 160))], 10)
 
 
 def test_int8_int4_and_w8a8_experts(make_llm, tmp_path, model_dir):

@@ -1,6 +1,8 @@
-"""GGUF files of tiny random HF models, written the way llama.cpp's converter names and lays
-out a family's tensors (gguf-py's own name map, GGUFWriter and quantizer), with the default
-SmolLM2 file's tokenizer: the test models of families whose real GGUF files are not on PyPI."""
+"""GGUF files of random HF models, written the way llama.cpp's converter names and lays out a
+family's tensors (gguf-py's own name map, GGUFWriter and quantizer; a mixture's experts stacked in
+ffn_*_exps; a "llama" file's q / k rows permuted), with the default SmolLM2 file's tokenizer or a
+tiny byte-level one: the test models of families whose real GGUF files are not on PyPI, and the
+MoE benchmark's file."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -25,10 +27,33 @@ def _copy_tokenizer(writer, source: Path) -> None:
         writer.add_key_value(key, value, kind, sub_type=item)
 
 
-def _tensors(model, names):
+# A byte-level BPE of 260 tokens (specials, GPT-2's 256 byte symbols, one merge): a file's tokenizer that
+# takes milliseconds to write, read and convert, where SmolLM2's 49k tokens take seconds each time.
+TINY_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+
+
+def tiny_vocab() -> list[str]:
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return [*TINY_SPECIALS, *sorted(ByteLevel.alphabet()), "Ġt"]
+
+
+def _tiny_tokenizer(writer) -> None:
+    tokens = tiny_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([3] * len(TINY_SPECIALS) + [1] * (len(tokens) - len(TINY_SPECIALS)))
+    writer.add_token_merges(["Ġ t"])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_pad_token_id(2)   # as SmolLM2's file: a family's default pad id (Phi-3's 32000) is outside 260
+
+
+def _tensors(model, names, arch: str):
     """(GGUF name, float32 array) of each tensor of `model`: a mixture's stacked experts (transformers
     5 holds gate_up [E, 2I, H] and down [E, H, I]) as llama.cpp's ffn_gate_exps, ffn_up_exps and
-    ffn_down_exps [E, N, K]; a tied head left out."""
+    ffn_down_exps [E, N, K]; a tied head left out; a "llama" file's q / k rows permuted as llama.cpp's
+    converter permutes them."""
     cfg = model.config
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
@@ -46,14 +71,20 @@ def _tensors(model, names):
         assert gname is not None, name
         if gname.endswith("ffn_gate_inp_shexp.weight"):   # llama.cpp keeps Qwen2-MoE's shared gate a vector
             data = data.reshape(-1)
+        if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):   # llama.cpp's LlamaModel.permute
+            heads = cfg.num_attention_heads if ".attn_q." in gname else cfg.num_key_value_heads
+            data = np.ascontiguousarray(data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
+                                        .swapaxes(1, 2).reshape(data.shape))
         yield gname, data
 
 
-def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path, expert_quant: str | None = None) -> Path:
+def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | None,
+               expert_quant: str | None = None) -> Path:
     """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe") as a
     GGUF file: its config as the arch's keys, each matmul weight in `quant` ("Q8_0", "Q4_0", "F32")
     where its rows split into blocks (a mixture's ffn_*_exps in `expert_quant` if given), norms and
-    routers in F32, a tied head left out (as llama.cpp writes it)."""
+    routers in F32, a tied head left out (as llama.cpp writes it). tokenizer_gguf: the GGUF file whose
+    tokenizer the file gets; None: a tiny byte-level one (tiny_vocab(): the model's vocab_size must be 260)."""
     import gguf
 
     cfg = model.config
@@ -71,16 +102,20 @@ def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path, e
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    if getattr(cfg, "num_experts", None):   # a mixture of experts (qwen2moe, qwen3moe)
+    experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
+    if experts:   # a mixture of experts (qwen2moe, qwen3moe, olmoe; Mixtral as "llama")
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-        w.add_expert_count(cfg.num_experts)
+        w.add_expert_count(experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
-        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
-    _copy_tokenizer(w, tokenizer_gguf)
-    for gname, data in _tensors(model, names):
+    if tokenizer_gguf is None:
+        _tiny_tokenizer(w)
+    else:
+        _copy_tokenizer(w, tokenizer_gguf)
+    for gname, data in _tensors(model, names, arch):
         qtype = gguf.GGMLQuantizationType[expert_quant if expert_quant and "_exps" in gname else quant]
         if data.ndim >= 2 and qtype.name not in ("F32", "F16") and data.shape[-1] % 32 == 0 \
                 and "ffn_gate_inp" not in gname:   # routers stay F32, as llama.cpp writes them

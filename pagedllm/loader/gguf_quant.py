@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from ..models import ModelConfig
 from ..models.quantization import Q4_1, Q8_0, RAW_TYPES, Blocks, GGUFBlocks, RawBlocks
+from .gguf_layout import PERMUTED_QK, unpermute_rows
 from .model_files import model_path, resolve_model_dir
 
 _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
@@ -53,14 +54,6 @@ def hf_name(gguf_name: str, arch: str = "llama") -> str | None:
         sub = "mlp.gate_up_proj" if m.group(2) == "ffn_up" and arch in _FUSED_UP else _LINEARS[m.group(2)]
         return f"model.layers.{m.group(1)}.{sub}.weight"
     return None
-
-
-def unpermute_rows(n_rows: int, n_head: int) -> torch.Tensor:
-    """Row order that undoes llama.cpp's permute(w, n_head): it stored row (h, 2i + j) of
-    HF's q/k weight at (h, j * dim/2 + i); HF row (h, j, i) sits at (h, i, j) there.
-    Same as transformers' reverse_permute (reshape(n_head, dim/2, 2).swapaxes(1, 2))."""
-    half = n_rows // n_head // 2
-    return torch.arange(n_rows).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)
 
 
 def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks | RawBlocks:
@@ -130,9 +123,6 @@ def _gguf_tensors(path: str) -> tuple[str, list[MatmulTensor]]:
     return arch, tensors
 
 
-# llama.cpp's converter permutes q/k rows for these architectures only (its LlamaModel: Llama,
-# Mistral, SmolLM2); Qwen2/3, Gemma 3 and Phi-3 files keep HF's row order.
-PERMUTED_QK = ("llama",)
 
 
 def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFBlocks:

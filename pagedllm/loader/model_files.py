@@ -11,7 +11,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
@@ -19,13 +19,16 @@ from safetensors.torch import save_file
 
 from ..config import SHIPPED_GGUF_MODELS
 from ..util import cache_root
+from .gguf_moe import convert as convert_moe
+from .gguf_moe import needs_own_conversion
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = SHIPPED_GGUF_MODELS[0]
 # GGUF architectures that transformers converts and our decoder runs (general.architecture).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe")
-# Mixtures of experts among them: their expert widths and routing come from the file's keys (moe_config_fields).
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
+# Mixtures of experts among them that transformers converts: their expert widths and routing come from
+# the file's keys (moe_config_fields). OLMoE's, and Mixtral's ("llama" with experts), convert here (gguf_moe.py).
 GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -107,33 +110,25 @@ def _gguf_cache_dir(path: Path) -> Path:
     done = next(iter(sorted(cache_root().glob(f"*-{digest}/complete"))), None)
     if done is not None:
         return done.parent
-    arch, add_bos = _gguf_fields(path, "general.architecture", "tokenizer.ggml.add_bos_token")
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))   # parsed once: a 49k-token vocabulary takes seconds
+    field = lambda key: reader.fields[key].contents() if key in reader.fields else None
+    arch, add_bos = field("general.architecture"), field("tokenizer.ggml.add_bos_token")
     if arch not in GGUF_ARCHITECTURES:  # before a conversion that could only fail later
         raise ValueError(f"model: {path.name} holds a GGUF of architecture {arch!r}, which is not supported; "
                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    moe = moe_config_fields(path, arch)
+    own = needs_own_conversion(arch, field(f"{arch}.expert_count"))   # mixtures transformers' reader does not convert
+    moe = {} if own else moe_config_fields(field, path.name, arch)
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    # transformers' GGUF tokenizer leaves out the BOS that the file asks for (Gemma's): without
-    # it a Gemma model's first tokens are garbage.
-    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **({"add_bos_token": True} if add_bos else {}))
-    cfg = hf.config.to_dict()
-    cfg.update(moe)
-    cfg.pop("quantization_config", None)
-    cfg["architectures"] = [type(hf).__name__]  # a GGUF's config has none: other engines need it to load the dir
-    cfg["dtype"] = "float32"
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
     try:
-        state = {k: v.contiguous() for k, v in hf.state_dict().items()
-                 if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        hf.generation_config.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
+        if own:
+            convert_moe(reader, path.name, tmp, arch)
+        else:
+            _convert_with_transformers(path, tmp, add_bos, moe)
         (tmp / "complete").write_text(str(path))
         if out.exists():  # a half-written dir from an interrupted run
             shutil.rmtree(out)
@@ -145,22 +140,38 @@ def _gguf_cache_dir(path: Path) -> Path:
     return out
 
 
-def moe_config_fields(path: Path, arch: str) -> dict:
+def _convert_with_transformers(path: Path, out: Path, add_bos: bool | None, moe: dict) -> None:
+    """transformers' own read of the GGUF file, saved into `out` as float32 safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    # transformers' GGUF tokenizer leaves out the BOS that the file asks for (Gemma's): without
+    # it a Gemma model's first tokens are garbage.
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, **({"add_bos_token": True} if add_bos else {}))
+    cfg = hf.config.to_dict()
+    cfg.update(moe)
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]  # a GGUF's config has none: other engines need it to load the dir
+    cfg["dtype"] = "float32"
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()
+             if not (k == "lm_head.weight" and cfg.get("tie_word_embeddings"))}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    hf.generation_config.save_pretrained(out)
+    tok.save_pretrained(out)
+
+
+def moe_config_fields(field: Callable[[str], Any], name: str, arch: str) -> dict:
     """A mixture of experts' HF config keys that transformers' GGUF reader leaves at their defaults
     (its map has no expert_feed_forward_length): the experts' and the shared expert's widths, and the
     routing llama.cpp's graph of the architecture runs (qwen3moe renormalizes the top k, qwen2moe
-    does not). ValueError for a file whose architecture has experts we do not read from GGUF (a
-    Mixtral written as "llama")."""
-    count, width, shared = _gguf_fields(path, f"{arch}.expert_count", f"{arch}.expert_feed_forward_length",
-                                        f"{arch}.expert_shared_feed_forward_length")
+    does not)."""
     if arch not in GGUF_MOE_ARCHITECTURES:
-        if count:
-            raise ValueError(f"model: {path.name} is a {arch!r} GGUF with {count} experts a layer, which is not "
-                             f"supported from GGUF (experts from GGUF: {', '.join(GGUF_MOE_ARCHITECTURES)}); "
-                             f"load its HF safetensors directory instead")
         return {}
+    count, width, shared = (field(f"{arch}.{k}") for k in ("expert_count", "expert_feed_forward_length",
+                                                           "expert_shared_feed_forward_length"))
     if not count or not width:
-        raise ValueError(f"model: {path.name} ({arch}) lacks {arch}.expert_count or {arch}.expert_feed_forward_length")
+        raise ValueError(f"model: {name} ({arch}) lacks {arch}.expert_count or {arch}.expert_feed_forward_length")
     fields = {"moe_intermediate_size": int(width), "norm_topk_prob": arch == "qwen3moe"}
     if shared:
         fields["shared_expert_intermediate_size"] = int(shared)
@@ -176,14 +187,6 @@ def gguf_tensor_bytes(model: str | os.PathLike | None) -> int:
     if path.suffix != ".gguf" or not path.is_file():
         raise ValueError(f"quantization gguf: {str(model)!r} is not a .gguf file")
     return sum(int(t.n_bytes) for t in GGUFReader(str(path)).tensors)
-
-
-def _gguf_fields(path: Path, *keys: str) -> list:
-    """Metadata values of a GGUF file (None: absent)."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
-    return [fields[k].contents() if k in fields else None for k in keys]
 
 
 def load_config(model_dir: Path) -> dict:

@@ -1,0 +1,119 @@
+"""Mixtures of experts whose GGUF files transformers' reader does not convert: OLMoE ("olmoe"),
+and Mixtral, which llama.cpp writes as "llama" with expert tensors (transformers reads such a file
+as a dense Llama and drops its experts). Converted here instead, into what model_files.py makes
+of any GGUF file: an HF directory of float32 safetensors, config and tokenizer.
+
+- The config from the file's keys (`{arch}.block_count`, `.expert_count`, ...).
+- Every tensor dequantized by gguf-py (the values transformers' reader gives the files it does
+  read), named as transformers 5 holds them: a layer's experts stacked, gate_up [E, 2I, H] and
+  down [E, H, I] (models/llama.py stack_experts takes that layout as it is).
+- A "llama" file's q / k rows put back in HF's order: llama.cpp permutes them for its RoPE layout
+  (gguf_layout.unpermute_rows); OLMoE's files keep HF's order (NeoX RoPE, as Qwen's).
+- The tokenizer through transformers' own GGUF tokenizer, from a copy of the file's tokenizer
+  fields under an architecture its reader takes (the tokenizer does not depend on the model).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+from .gguf_layout import PERMUTED_QK, unpermute_rows
+
+# per layer: GGUF name -> transformers' (stacked experts handled apart)
+_LAYER = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+          "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+          "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+          "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
+          "ffn_gate_inp": "mlp.gate.weight", "ffn_down_exps": "mlp.experts.down_proj"}
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+
+
+def needs_own_conversion(arch: str, expert_count: int | None) -> bool:
+    return arch == "olmoe" or (arch == "llama" and bool(expert_count))
+
+
+def convert(reader, name: str, out: Path, arch: str) -> None:
+    """Write the model of the GGUF file `reader` has parsed (gguf.GGUFReader; `name` the file's, for
+    errors) into the directory `out`: config.json, model.safetensors, the tokenizer."""
+    from gguf.quants import dequantize
+
+    cfg = _config(reader, arch)
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    state: dict[str, torch.Tensor] = {}
+    gate_up: dict[int, dict[str, np.ndarray]] = {}
+    for t in reader.tensors:
+        w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        if t.name in _TOP:
+            state[_TOP[t.name]] = torch.from_numpy(np.array(w))
+            continue
+        _, layer, kind, _ = t.name.split(".", 3)
+        if kind in ("ffn_gate_exps", "ffn_up_exps"):
+            gate_up.setdefault(int(layer), {})[kind] = w
+            continue
+        if kind not in _LAYER:
+            raise ValueError(f"model: {name}: tensor {t.name} ({arch}) is not one this converter knows")
+        if arch in PERMUTED_QK and kind in ("attn_q", "attn_k"):   # llama.cpp's permute, undone
+            w = w[unpermute_rows(w.shape[0], heads if kind == "attn_q" else kv_heads).numpy()]
+        state[f"model.layers.{layer}.{_LAYER[kind]}"] = torch.from_numpy(np.array(w))   # own, writable
+    for layer, parts in gate_up.items():
+        state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.from_numpy(
+            np.concatenate([parts["ffn_gate_exps"], parts["ffn_up_exps"]], axis=1))
+    cfg["tie_word_embeddings"] = "lm_head.weight" not in state
+    cfg["vocab_size"] = state["model.embed_tokens.weight"].shape[0]
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    _tokenizer(reader, out)
+
+
+def _config(reader, arch: str) -> dict:
+    def key(name: str, default=None):
+        field = reader.fields.get(f"{arch}.{name}")
+        return field.contents() if field is not None else default
+
+    def token(name: str):
+        field = reader.fields.get(f"tokenizer.ggml.{name}")
+        return field.contents() if field is not None else None
+
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    width = key("expert_feed_forward_length") or key("feed_forward_length")
+    common = dict(hidden_size=hidden, intermediate_size=width, num_hidden_layers=key("block_count"),
+                  num_attention_heads=heads, num_key_value_heads=key("attention.head_count_kv", heads),
+                  head_dim=key("attention.key_length", hidden // heads),
+                  max_position_embeddings=key("context_length", 4096),
+                  rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+                  rope_theta=key("rope.freq_base", 10000.0), num_experts_per_tok=key("expert_used_count"),
+                  bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), dtype="float32")
+    if arch == "olmoe":
+        return dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=key("expert_count"),
+                    norm_topk_prob=False, clip_qkv=None, **common)
+    return dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=key("expert_count"),
+                sliding_window=None, **common)
+
+
+def _tokenizer(reader, out: Path) -> None:
+    """transformers' tokenizer of the file's tokenizer.* fields, written into `out`."""
+    import tempfile
+
+    from gguf import GGUFValueType, GGUFWriter
+    from transformers import AutoTokenizer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        header = Path(tmp) / "tokenizer.gguf"
+        w = GGUFWriter(str(header), "llama")
+        for name, f in reader.fields.items():
+            if name.startswith("tokenizer."):
+                w.add_key_value(name, f.contents(), f.types[0],
+                                sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+        w.add_tensor("token_embd.weight", np.zeros((1, 32), dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        add_bos = reader.fields.get("tokenizer.ggml.add_bos_token")
+        kw = {"add_bos_token": True} if add_bos is not None and add_bos.contents() else {}
+        AutoTokenizer.from_pretrained(tmp, gguf_file=header.name, **kw).save_pretrained(out)

@@ -388,3 +388,30 @@ def test_w8a8_experts_equal_their_arithmetic_in_torch(dtype):
             got = ops.experts(moe, x, weights, experts).float()
             tol = 1e-4 if dtype == torch.float32 else 2e-2
             torch.testing.assert_close(got, want, atol=tol * want.abs().max().item(), rtol=tol)
+
+
+def test_router_ties_are_transformers_choice():
+    """moe_route (one compiled call) picks the experts transformers' torch.topk picks, ties at the k-th
+    place included (two experts with the same router row score the same for every token), with the
+    same renormalized weights."""
+    from types import SimpleNamespace
+
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.config import MoEConfig
+    from pagedllm.models.llama import Ops
+    from pagedllm.models.moe import SparseMoE
+
+    ops = Ops(load_ops())
+    g = torch.Generator().manual_seed(0)
+    moe = SparseMoE(SimpleNamespace(hidden_size=64, activation="silu", moe=MoEConfig(16, 4, 32, True)))
+    w = torch.randn(16, 64, generator=g)
+    w[[3, 5, 9, 11]] = w[7].clone()   # five experts always tied
+    moe.gate.weight.data = w
+    x = torch.randn(40, 64, generator=g)
+    x[:20] = w[7] * 3     # rows that score the tied five highest: which 4 of them is the tie's choice
+    for rows in (x, x[:5]):   # the small_mm logits (decode) and the matmul's (prefill)
+        got_w, got_e = ops.k.moe_route(rows.contiguous(), moe.gate.weight, 4, True)
+        probs = torch.softmax(torch.nn.functional.linear(rows, w).float(), dim=-1)
+        want_w, want_e = torch.topk(probs, 4, dim=-1)
+        assert torch.equal(got_e.sort(-1).values, want_e.sort(-1).values)
+        torch.testing.assert_close(got_w.sort(-1).values, (want_w / want_w.sum(-1, keepdim=True)).sort(-1).values)

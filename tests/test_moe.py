@@ -3,13 +3,14 @@ whole-projection QK-norm) and Mixtral (its own module names), each a tiny random
 experts made with transformers' own class: greedy tokens equal HF transformers', prompt
 logprobs agree within float rounding, on the compiled kernel (one call a layer) and on the
 torch path; the kernel against torch on routing with ties and experts no row chose. Quantized
-experts: GGUF files of Qwen3-MoE and Qwen2-MoE (Q8_0, and llama.cpp's own Q4_K_M quantizer) give
+experts: GGUF files of Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral (Q8_0; Q4_K_M's Q4_K and Q6_K experts) give
 transformers' greedy tokens from the same file; int8 / int4 experts from float weights; the block
 kernel against its blocks dequantized, for every block type."""
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -182,17 +183,44 @@ def gguf_q8(tmp_path_factory):
     return get
 
 
+# The expert types of a file llama.cpp's quantizer writes: Q4_K_M's Q4_K gate/up and Q6_K down, and
+# Q2_K (no kernel here). Their blocks are random (sane scales): the reference is what transformers reads
+# from the same bytes, so where the bytes come from does not matter (llama-cpp-python is no test dependency).
+EXPERT_TYPES = {"Q4_K_M": {"ffn_gate_exps": "Q4_K", "ffn_up_exps": "Q4_K", "ffn_down_exps": "Q6_K"},
+                "Q2_K": {"ffn_gate_exps": "Q2_K", "ffn_up_exps": "Q2_K", "ffn_down_exps": "Q2_K"}}
+
+
 def _gguf_moe(gguf_q8, tmp_path, arch: str, quant: str):
-    """The mixture in `quant`: the Q8_0 file, or llama.cpp's quantizer (llama-cpp-python) run on it."""
+    """The mixture as a Q8_0 file, or the same file with its experts in `quant`'s types (EXPERT_TYPES)."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.constants import GGML_QUANT_SIZES
+    from unit.test_quantization_kernels import random_raw
+
     path = gguf_q8(arch)
     if quant == "Q8_0":
         return path
-    import llama_cpp
-
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype, params.allow_requantize = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant}"), True
-    out = tmp_path / f"{arch}-{quant}.gguf"
-    assert llama_cpp.llama_model_quantize(str(path).encode(), str(out).encode(), params) == 0
+    reader, out = GGUFReader(str(path)), tmp_path / f"{arch}-{quant}.gguf"
+    w = GGUFWriter(str(out), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            w.add_key_value(name, f.contents(), f.types[0],
+                            sub_type=f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None)
+    g = torch.Generator().manual_seed(1)
+    for t in reader.tensors:
+        kind = next((q for key, q in EXPERT_TYPES[quant].items() if f".{key}." in t.name), None)
+        if kind is None:
+            w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+            continue
+        e, n, k = (int(d) for d in reversed(t.shape))
+        if kind == "Q2_K":   # zeros: a valid block (d = 0), and the load fails before any value is read
+            raw = np.zeros((e, n, k // 256 * GGML_QUANT_SIZES[GGMLQuantizationType.Q2_K][1]), np.uint8)
+        else:
+            raw = random_raw(kind, e * n, k, g).raw.numpy().reshape(e, n, -1)
+        w.add_tensor(t.name, raw, raw_dtype=GGMLQuantizationType[kind])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
     return out
 
 
@@ -308,10 +336,10 @@ def test_block_experts_equal_their_dequantized(fmt):
 
 
 def test_gguf_expert_type_without_kernel_fails_naming_it(make_llm, gguf_q8, tmp_path):
-    """Experts in a block type with no kernel here (llama.cpp's Q2_K) fail the load naming the tensor
-    and its type, rather than running some other way."""
+    """Experts in a block type with no kernel here (Q2_K) fail the load naming the tensor and its type,
+    rather than running some other way."""
     path = _gguf_moe(gguf_q8, tmp_path, "qwen3moe", "Q2_K")
-    with pytest.raises(ValueError, match=r"expert tensors of a type without a kernel here: blk\.\d+\.ffn_\w+_exps\.weight: Q[23]_K"):
+    with pytest.raises(ValueError, match=r"expert tensors of a type without a kernel here: blk\.\d+\.ffn_\w+_exps\.weight: Q2_K"):
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
 
 
@@ -342,8 +370,7 @@ def test_bf16_experts_packed_for_vdpbf16ps(tmp_path, model_dir, monkeypatch):
     from pagedllm import LLM
     from pagedllm.kernels import load_ops
 
-    if not load_ops().moe_can_pack():
-        pytest.skip("no AVX512-BF16 on this CPU: bf16 experts stay plain")
+    can = load_ops().moe_can_pack()   # without AVX512-BF16 the experts stay plain, and so the same
     _, path = make_model(tmp_path, model_dir, "qwen3_moe")
     ids = list(range(100, 140))
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
@@ -351,7 +378,7 @@ def test_bf16_experts_packed_for_vdpbf16ps(tmp_path, model_dir, monkeypatch):
     for packed in (True, False):
         monkeypatch.setenv("PAGEDLLM_PREPACK", "1" if packed else "0")
         llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
-        assert llm.engine.runner.model.layers[1].mlp.packed == packed
+        assert llm.engine.runner.model.layers[1].mlp.packed == (packed and can)
         out = llm.generate([ids], params, use_tqdm=False)[0]
         got[packed] = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
     torch.testing.assert_close(got[True], got[False], atol=0.05, rtol=0)
@@ -369,9 +396,7 @@ def test_w8a8_experts_equal_their_arithmetic_in_torch(dtype):
     from pagedllm.models.llama import Ops
     from pagedllm.models.moe import SparseMoE, experts_torch
 
-    ops = Ops(load_ops())
-    if not ops.k.moe_can_w8a8():
-        pytest.skip("no AVX512-VNNI: W8A8 experts run the torch path, which is the reference here")
+    ops = Ops(load_ops())   # (without AVX512-VNNI ops.experts runs the reference's own torch path)
     g = torch.Generator().manual_seed(0)
     for ranks in (1, 2):
         moe = SparseMoE(SimpleNamespace(hidden_size=64, activation="silu",

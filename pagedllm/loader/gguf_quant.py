@@ -26,7 +26,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ..models import ModelConfig
-from ..models.quantization import Q4_1, Q8_0, RAW_TYPES, Blocks, GGUFBlocks, RawBlocks
+from ..models.quantization import GGUF_RUNNABLE, Q4_1, Q8_0, RAW_TYPES, Blocks, GGUFBlocks, RawBlocks
 from .gguf_layout import PERMUTED_QK, unpermute_rows
 from .model_files import model_path, resolve_model_dir
 
@@ -80,7 +80,7 @@ def _blocks(kind: str, raw: np.ndarray, n: int, k: int) -> Blocks | RawBlocks:
     return Blocks(Q4_1, torch.from_numpy(q), d, m)
 
 
-RUNNABLE = ("Q4_0", "Q4_1", "Q8_0", *RAW_TYPES)
+RUNNABLE = GGUF_RUNNABLE
 
 
 @dataclass(frozen=True)
@@ -121,8 +121,6 @@ def _gguf_tensors(path: str) -> tuple[str, list[MatmulTensor]]:
     save_file(kept, str(tmp), metadata={"arch": arch, "tensors": meta})
     os.replace(tmp, cache)  # whole or absent: a reader never sees half a file
     return arch, tensors
-
-
 
 
 def read_gguf_blocks(path: str | Path, num_heads: int, num_kv_heads: int) -> GGUFBlocks:

@@ -25,7 +25,7 @@ from .config import ModelConfig
 from .mlp import MLP
 from .moe import SparseMoE, experts_torch, quantize_experts
 from .prepack import packed_linear, prepack_linears, prepack_wanted
-from .quantization import GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
+from .quantization import GGUF_RUNNABLE, GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
 from .w8a8 import W8A8, pack_w8a8_linears, w8a8_linear
@@ -34,8 +34,6 @@ from .w8a8 import quantize_linears as w8a8_linears
 logger = logging.getLogger(__name__)
 # Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
 # concatenate, in order: HF names and the GGUF loader's both map through this.
-# Expert blocks have a kernel in these GGUF types (quant_linear.cpp through moe.cpp).
-RUNNABLE_EXPERTS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
@@ -64,6 +62,8 @@ class Ops:
         self.quant: str | None = None  # the linear layers hold quantized weights (quantization.py, w8a8.py)
         self.packed = False  # the float linear layers' weights are reordered for oneDNN (prepack.py)
         self.lora = None  # the step's adapters (lora.batch.LoRAStep), set by the runner around a forward
+        # W8A8 experts have a kernel where the library was built with VNNI (asked once, not every layer's step)
+        self.w8a8_experts = kernels is not None and kernels.moe_can_w8a8()
 
     def linear(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = self._linear(layer, x)
@@ -113,7 +113,7 @@ class Ops:
             out = torch.empty_like(x)
             silu, where = moe.activation == "silu", (moe.first_expert, moe.num_experts)
             if moe.w8a8:
-                if not self.k.moe_can_w8a8():   # no VNNI: the same arithmetic in torch
+                if not self.w8a8_experts:   # no VNNI: the same arithmetic in torch
                     return experts_torch(moe, x, weights, experts, self.act_mul)
                 self.k.moe_experts_w8a8(out, x.contiguous(), *moe.w8a8_args(), weights, experts, silu, *where)
             elif moe.quantized:
@@ -294,7 +294,7 @@ class LlamaForCausalLM(nn.Module):
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         for moe in self.mixtures():   # expert parallelism: this rank's experts
-            moe.first_expert = self.tp.rank * moe.local_experts if cfg.moe.expert_ranks > 1 else 0
+            moe.first_expert = self.expert_range.start
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -370,7 +370,7 @@ class LlamaForCausalLM(nn.Module):
             return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
         self.ops.packed = n > 0
-        if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps
+        if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps (once, at load)
             for moe in self.mixtures():
                 if moe.can_pack() and moe.w13.device.type == "cpu":
                     moe.pack_bf16()
@@ -462,7 +462,7 @@ class LlamaForCausalLM(nn.Module):
         bad = [s for s in skipped if "_exps." in s and s.split(": ")[1] not in ("F32", "F16", "BF16")]
         if bad:
             raise ValueError(f"quantization 'gguf': expert tensors of a type without a kernel here: {', '.join(bad[:4])} "
-                             f"(experts run {', '.join(RUNNABLE_EXPERTS)} blocks, or F16/BF16/F32 as floats)")
+                             f"(experts run {', '.join(GGUF_RUNNABLE)} blocks, or F16/BF16/F32 as floats)")
         kinds: set[str] = set()
         for i, layer in enumerate(self.layers):
             moe = layer.mlp

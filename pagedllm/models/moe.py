@@ -28,6 +28,19 @@ from .mlp import MLP
 from .quantization import FORMAT_IDS, Blocks, RawBlocks, pack, quantize_q4_1, quantize_q8_0, unpack
 
 
+def to_slabs(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[E, N, K] as the packed kernels read it (moe.cpp: slabs of 16 output columns, each slab's K in
+    runs of `group`: 2 bf16 for vdpbf16ps, 4 int8 for vpdpbusd), the same shape, another order."""
+    e, n, k = w.shape
+    return w.view(e, n // 16, 16, k // group, group).permute(0, 1, 3, 2, 4).contiguous().view(e, n, k)
+
+
+def from_slabs(w: torch.Tensor, group: int) -> torch.Tensor:
+    """One expert's [N, K] back from to_slabs' order."""
+    n, k = w.shape
+    return w.view(n // 16, k // group, 16, group).permute(0, 2, 1, 3).reshape(n, k)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -55,6 +68,7 @@ class SparseMoE(nn.Module):
         """The experts' weights as blocks in place of the float stacks: w13 the rows of every
         expert's gate then up [E 2I, H], w2 its down's [E H, I] (ValueError on other shapes)."""
         e, two_i, hid = self.w13.shape
+        args = []
         for name, b, want in (("w13", w13, (e * two_i, hid)), ("w2", w2, (e * hid, two_i // 2))):
             if tuple(b.shape) != want:
                 raise ValueError(f"{name} blocks of shape {tuple(b.shape)} for {e} experts of [{want[0] // e}, "
@@ -63,19 +77,19 @@ class SparseMoE(nn.Module):
             for i, t in enumerate(parts):
                 self.register_buffer(f"{name}_blocks{i}", t, persistent=False)
             setattr(self, f"{name}_format", b.fmt)
+            args += [FORMAT_IDS[b.fmt], parts]
         self.width, self.hidden = two_i // 2, hid
         self.w13 = self.w2 = None
         # the kernel's arguments, read every step: a plain attribute, not five lookups of buffers
-        stacks = lambda name: [getattr(self, f"{name}_blocks{i}") for i in range(3) if hasattr(self, f"{name}_blocks{i}")]
-        self._block_args = (FORMAT_IDS[self.w13_format], stacks("w13"), FORMAT_IDS[self.w2_format], stacks("w2"),
-                            self.width)
+        self._block_args = (*args, self.width)
 
     def set_w8a8(self) -> None:
         """W8A8 experts (models/w8a8.py's arithmetic): int8 weights with a scale per output channel,
-        packed for VNNI ([N/16][K/4][16][4]) with each channel's sum of codes; the activations are
+        packed for VNNI (to_slabs, runs of 4) with each channel's sum of codes; the activations are
         quantized per row as the kernel runs (moe.cpp moe_experts_w8a8)."""
         from .w8a8 import quantize_weight
 
+        args = []
         for name in ("w13", "w2"):
             w = getattr(self, name)
             e, n, k = w.shape
@@ -83,13 +97,13 @@ class SparseMoE(nn.Module):
                 raise ValueError(f"w8a8 experts need N and K multiples of 16, got {name} [{e}, {n}, {k}]")
             q, s = quantize_weight(w.reshape(e * n, k))
             q = q.view(e, n, k)
-            packed = q.view(e, n // 16, 16, k // 4, 4).permute(0, 1, 3, 2, 4).contiguous().view(e, n, k)
-            for i, t in enumerate((packed, s.view(e, n).contiguous(), q.sum(-1, dtype=torch.int32))):
+            parts = [to_slabs(q, 4), s.view(e, n).contiguous(), q.sum(-1, dtype=torch.int32)]
+            for i, t in enumerate(parts):
                 self.register_buffer(f"{name}_w8{i}", t, persistent=False)
-        self.width, self.hidden = self.w2.shape[2], self.w2.shape[1]
+            args.append(parts)
         self.w13 = self.w2 = None
         self.w8a8 = True
-        self._w8_args = tuple([getattr(self, f"{name}_w8{i}") for i in range(3)] for name in ("w13", "w2"))
+        self._w8_args = tuple(args)
 
     def w8a8_args(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """moe_experts_w8a8's weight arguments: [codes, scales, column sums] of w13 and of w2."""
@@ -100,9 +114,9 @@ class SparseMoE(nn.Module):
         codes and a scale (the torch path's stand-in for the kernel's integer sums)."""
         if not self.w8a8:
             return rows
-        from .w8a8 import _symmetric_rows
+        from .w8a8 import quantize_rows
 
-        q, s = _symmetric_rows(rows)
+        q, s = quantize_rows(rows)
         return (q.float() * s[:, None]).to(rows.dtype)
 
     def block_args(self) -> tuple:
@@ -116,27 +130,19 @@ class SparseMoE(nn.Module):
             and self.w2.shape[2] % 2 == 0
 
     def pack_bf16(self) -> None:
-        """The bf16 experts reordered once for the kernel's vdpbf16ps tiles (moe.cpp packed_mm): each
-        [N, K] as [N/16][K/2][16][2], in place (the same bytes, another order)."""
+        """The bf16 experts reordered once for the kernel's vdpbf16ps tiles (moe.cpp packed_mm: to_slabs,
+        runs of 2), in place."""
         for p in (self.w13, self.w2):
-            e, n, k = p.shape
-            p.data = p.data.view(e, n // 16, 16, k // 2, 2).permute(0, 1, 3, 2, 4).contiguous().view(e, n, k)
+            p.data = to_slabs(p.data, 2)
         self.packed = True
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized, its
         pairs put back where packed."""
         if self.w8a8:
-            def codes(name, k):
-                q, s, _ = (getattr(self, f"{name}_w8{i}")[e] for i in range(3))
-                n = q.shape[0]
-                return (q.view(n // 16, k // 4, 16, 4).permute(0, 2, 1, 3).reshape(n, k).float() * s[:, None]).to(dtype)
-            return codes("w13", self.hidden), codes("w2", self.width)
+            return tuple((from_slabs(q[e], 4).float() * s[e][:, None]).to(dtype) for q, s, _ in self._w8_args)
         if self.packed:
-            def plain(w):
-                n, k = w.shape
-                return w.view(n // 16, k // 2, 16, 2).permute(0, 2, 1, 3).reshape(n, k)
-            return plain(self.w13[e]), plain(self.w2[e])
+            return from_slabs(self.w13[e], 2), from_slabs(self.w2[e], 2)
         if not self.quantized:
             return self.w13[e], self.w2[e]
         _, p13, _, p2, width = self.block_args()

@@ -139,6 +139,8 @@ def quantize_q8_0(w: torch.Tensor) -> Blocks:
     return Blocks(Q8_0, q, d)
 
 
+# The GGUF types a linear layer (or a mixture's experts) runs as blocks: Q4_0 as q4_1, the rest as they are.
+GGUF_RUNNABLE = ("Q4_0", "Q4_1", "Q8_0", *RAW_TYPES)
 # The kernels' id of each format (kernels/csrc/blocks.h: ggml's type ids; q4_1 ours, in pairs).
 FORMAT_IDS = {Q4_1: 3, Q8_0: 8, **{fmt: ids[0] for fmt, ids in RAW_TYPES.items()}}
 

@@ -82,7 +82,11 @@ void small_mm_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16
 }
 #endif
 
-constexpr int64_t SLAB8 = 16;  // columns a packed int8 slab (W8A8 experts)
+// Packed experts (bf16 for vdpbf16ps, int8 for vpdpbusd) hold W [N, K] as slabs of 16 output columns,
+// each slab's K one vector of the 16 columns' pairs (bf16) or quads (int8) after another; a tile is
+// at most MR rows of x by 2 slabs (32 columns): 16 accumulators of the 32 zmm registers.
+constexpr int64_t SLAB = 16;
+constexpr int MR = 8;
 
 // f(std::integral_constant<int, rows>) for rows 1..8: a tile's row count as a compile-time constant.
 template <class F>
@@ -99,6 +103,33 @@ inline void by_rows(int rows, const F& f) {
   }
 }
 
+// out [m, n] tile by tile for packed weights: tile(R, NV, m0, n0, res) sums R rows (from m0) against
+// NV slabs (from column n0) into res, store(rows, nv, m0, n0, res) writes them out. Blocks of 32
+// columns (64 KB of bf16 weights at k = 1024: they stay in L2 while every tile of rows runs over
+// them) are spread over the threads; inside a parallel region (a decode step's experts) it runs inline.
+template <class Acc, class Tile, class Store>
+void over_tiles(int64_t m, int64_t n, const Tile& tile, const Store& store) {
+  const int64_t blocks = (n + 2 * SLAB - 1) / (2 * SLAB);
+  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(1, (m + MR - 1) / MR));
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    Acc res[MR * 2 * SLAB];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t n0 = b * 2 * SLAB;
+      const int nv = n - n0 >= 2 * SLAB ? 2 : 1;
+      for (int64_t m0 = 0; m0 < m; m0 += MR) {
+        const int rows = int(std::min<int64_t>(MR, m - m0));
+        by_rows(rows, [&](auto r) {
+          if (nv == 2)
+            tile(r, std::integral_constant<int, 2>{}, m0, n0, res);
+          else
+            tile(r, std::integral_constant<int, 1>{}, m0, n0, res);
+        });
+        store(rows, nv, m0, n0, res);
+      }
+    }
+  });
+}
+
 #ifdef __AVX512BF16__
 // bf16 experts' weights packed once at load for vdpbf16ps (models/moe.py pack_bf16): W [N, K] as
 // [N/16][K/2][16][2], each 16 output columns' K pairs one after another, a pair of 16 columns one
@@ -107,9 +138,6 @@ inline void by_rows(int rows, const F& f) {
 // One kernel for every row count: at a decode step's few rows it streams the weights at memory speed
 // (small_mm's job), at a prefill's hundreds it runs register tiles of MR x 32 near the bf16 peak,
 // where oneDNN reordered the plain weights on every call (measured ~60 % of its peak in the layer).
-constexpr int MR_PACKED = 8;        // rows a tile (16 sums of 32 columns: 16 of 32 zmm registers)
-constexpr int64_t SLAB_COLS = 16;   // columns a packed slab
-
 // acc[r][v] over rows x[0..R) (ldx apart) and columns v*16.. of the slabs at wp (slab apart).
 template <int R, int NV>
 inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t slab, int64_t k,
@@ -119,7 +147,7 @@ inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t kk = 0; kk < k / 2; ++kk) {
     __m512bh w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * slab + kk * 2 * SLAB_COLS);
+    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * slab + kk * 2 * SLAB);
     for (int r = 0; r < R; ++r) {
       int32_t pair;
       std::memcpy(&pair, x + r * ldx + 2 * kk, 4);
@@ -128,38 +156,24 @@ inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(res + (r * NV + v) * SLAB_COLS, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(res + (r * NV + v) * SLAB, acc[r][v]);
 }
 
-
-// out [m, n] (ldo apart) = x [m, k] . W^T, W packed (n a multiple of 16, k of 2). Blocks of 32 columns
-// (64 KB of weights at k = 1024: they stay in L2 while every tile of rows runs over them) are spread
-// over the threads; called inside a parallel region (a decode step's experts) it runs inline.
+// out [m, n] (ldo apart) = x [m, k] . W^T, W packed (n a multiple of 16, k of 2).
 void packed_mm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t m, const c10::BFloat16* wp,
                int64_t n, int64_t k) {
-  const int64_t slab = k * SLAB_COLS, blocks = (n + 2 * SLAB_COLS - 1) / (2 * SLAB_COLS);
-  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(1, (m + MR_PACKED - 1) / MR_PACKED));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    float res[MR_PACKED * 2 * SLAB_COLS];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 2 * SLAB_COLS;
-      const int nv = n - n0 >= 2 * SLAB_COLS ? 2 : 1;
-      const c10::BFloat16* w = wp + (n0 / SLAB_COLS) * slab;
-      for (int64_t m0 = 0; m0 < m; m0 += MR_PACKED) {
-        const int rows = int(std::min<int64_t>(MR_PACKED, m - m0));
-        by_rows(rows, [&](auto r) {
-          if (nv == 2)
-            packed_tile<decltype(r)::value, 2>(x + m0 * k, k, w, slab, k, res);
-          else
-            packed_tile<decltype(r)::value, 1>(x + m0 * k, k, w, slab, k, res);
-        });
+  const int64_t slab = k * SLAB;
+  over_tiles<float>(
+      m, n,
+      [&](auto r, auto nv, int64_t m0, int64_t n0, float* res) {
+        packed_tile<decltype(r)::value, decltype(nv)::value>(x + m0 * k, k, wp + (n0 / SLAB) * slab, slab, k, res);
+      },
+      [&](int rows, int nv, int64_t m0, int64_t n0, const float* res) {
         for (int r = 0; r < rows; ++r)
           for (int v = 0; v < nv; ++v)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldo + n0 + v * SLAB_COLS),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + (r * nv + v) * SLAB_COLS)));
-      }
-    }
-  });
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldo + n0 + v * SLAB),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + (r * nv + v) * SLAB)));
+      });
 }
 #endif
 
@@ -202,7 +216,7 @@ inline void w8_tile(const uint8_t* xq, int64_t ldx, const int8_t* wp, int64_t sl
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_si512();
   for (int64_t kk = 0; kk < k / 4; ++kk) {
     __m512i w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wp + v * slab + kk * 4 * SLAB8);
+    for (int v = 0; v < NV; ++v) w[v] = _mm512_loadu_si512(wp + v * slab + kk * 4 * SLAB);
     for (int r = 0; r < R; ++r) {
       int32_t quad;
       std::memcpy(&quad, xq + r * ldx + 4 * kk, 4);
@@ -211,39 +225,26 @@ inline void w8_tile(const uint8_t* xq, int64_t ldx, const int8_t* wp, int64_t sl
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_si512(res + (r * NV + v) * SLAB8, acc[r][v]);
+    for (int v = 0; v < NV; ++v) _mm512_storeu_si512(res + (r * NV + v) * SLAB, acc[r][v]);
 }
 
 // out [m, n] (ldo apart) from m rows of codes xq (k apart) and their scales sx, against W8A8
-// weights packed (wp), their scales ws and column sums cs; blocks of 32 columns over the threads.
+// weights packed (wp), their scales ws and column sums cs.
 template <class T>
 void w8_mm(T* out, int64_t ldo, const uint8_t* xq, const float* sx, int64_t m, const int8_t* wp, const float* ws,
            const int32_t* cs, int64_t n, int64_t k) {
-  const int64_t slab = k * SLAB8, blocks = (n + 2 * SLAB8 - 1) / (2 * SLAB8);
-  const int64_t grain = std::max<int64_t>(1, 64 / std::max<int64_t>(1, (m + 7) / 8));
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    int32_t res[8 * 2 * SLAB8];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t n0 = b * 2 * SLAB8;
-      const int nv = n - n0 >= 2 * SLAB8 ? 2 : 1;
-      const int8_t* w = wp + (n0 / SLAB8) * slab;
-      for (int64_t m0 = 0; m0 < m; m0 += 8) {
-        const int rows = int(std::min<int64_t>(8, m - m0));
-        by_rows(rows, [&](auto r) {
-          if (nv == 2)
-            w8_tile<decltype(r)::value, 2>(xq + m0 * k, k, w, slab, k, res);
-          else
-            w8_tile<decltype(r)::value, 1>(xq + m0 * k, k, w, slab, k, res);
-        });
+  const int64_t slab = k * SLAB;
+  over_tiles<int32_t>(
+      m, n,
+      [&](auto r, auto nv, int64_t m0, int64_t n0, int32_t* res) {
+        w8_tile<decltype(r)::value, decltype(nv)::value>(xq + m0 * k, k, wp + (n0 / SLAB) * slab, slab, k, res);
+      },
+      [&](int rows, int nv, int64_t m0, int64_t n0, const int32_t* res) {
         for (int r = 0; r < rows; ++r)
-          for (int64_t c = 0; c < nv * SLAB8; ++c) {
-            const int64_t col = n0 + c;
-            out[(m0 + r) * ldo + col] =
-                T(sx[m0 + r] * ws[col] * float(res[r * nv * SLAB8 + c] - W8_ZERO * cs[col]));
-          }
-      }
-    }
-  });
+          for (int64_t c = 0; c < nv * SLAB; ++c)
+            out[(m0 + r) * ldo + n0 + c] =
+                T(sx[m0 + r] * ws[n0 + c] * float(res[r * nv * SLAB + c] - W8_ZERO * cs[n0 + c]));
+      });
 }
 #endif
 
@@ -275,6 +276,13 @@ void act_rows(T* a, const T* h, int64_t r0, int64_t r1, int64_t n, bool silu) {
   }
 }
 
+// act_rows over places [start, start + n) on every thread: a prefill's expert runs alone on the
+// caller's thread between its matmuls; inside a parallel region (a decode step's experts) it runs inline.
+template <class T>
+void act_all(T* a, const T* h, int64_t start, int64_t n, int64_t width, bool silu) {
+  at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) { act_rows<T>(a, h, b, end, width, silu); });
+}
+
 template <class T>
 void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& y, const at::Tensor& w13,
                 const at::Tensor& w2, int64_t e, int64_t start, int64_t n, int64_t width, bool silu, bool packed) {
@@ -284,9 +292,7 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
       const int64_t hid = xs.size(1);
       packed_mm(h.data_ptr<T>() + start * 2 * width, 2 * width, xs.data_ptr<T>() + start * hid, n,
                 w13.data_ptr<T>() + e * 2 * width * hid, 2 * width, hid);
-      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
-        act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), b, end, width, silu);
-      });
+      act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, silu);
       packed_mm(y.data_ptr<T>() + start * hid, hid, a.data_ptr<T>() + start * width, n,
                 w2.data_ptr<T>() + e * hid * width, hid, width);
       return;
@@ -318,10 +324,7 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
   }
   auto he = h.narrow(0, start, n), ae = a.narrow(0, start, n), ye = y.narrow(0, start, n);
   at::mm_out(he, xs.narrow(0, start, n), w13[e].t());
-  // a prefill's expert runs alone on the caller's thread: its activation over every thread too
-  at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
-    act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), b, end, width, silu);
-  });
+  act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, silu);
   at::mm_out(ye, ae, w2[e].t());
 }
 
@@ -392,6 +395,14 @@ void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t first, int64_
   });
 }
 
+// x [T, H] and out like it, contiguous, bf16 or fp32.
+void check_rows(const char* op, const at::Tensor& out, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
+                  out.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+              op, ": x [T, H] and out like it, contiguous, bf16 or fp32");
+}
+
 // experts int64 [T, k] (ids in [0, total)) and weights float32 [T, k] for x's T rows; the stacks
 // hold experts first .. first + ne - 1.
 void check_routing(const char* op, const at::Tensor& x, const at::Tensor& weights, const at::Tensor& experts,
@@ -444,10 +455,7 @@ StackedBlocks stacked(int64_t type, const std::vector<at::Tensor>& parts, int64_
 void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, const std::vector<at::Tensor>& w13,
                         int64_t type2, const std::vector<at::Tensor>& w2, int64_t width, const at::Tensor& weights,
                         const at::Tensor& experts, bool silu, int64_t first, int64_t total) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "moe_experts_blocks: x [T, H] and out like it, contiguous, bf16 or fp32");
+  check_rows("moe_experts_blocks", out, x);
   TORCH_CHECK(!w13.empty() && !w2.empty() && width > 0, "moe_experts_blocks: no blocks");
   const int64_t ne = w13[0].size(0), hid = x.size(1);
   const StackedBlocks g = stacked(type13, w13, ne, 2 * width, hid, "w13"), d = stacked(type2, w2, ne, hid, width, "w2");
@@ -458,9 +466,7 @@ void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, con
     using T = decltype(tag);
     moe<T>(out, x, ne, first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
       block_matmul(g.of(e), w.xs.data_ptr<T>() + start * hid, w.h.data_ptr<T>() + start * 2 * width, n, bf16);
-      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {  // inline where nested (decode)
-        act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), b, end, width, silu);
-      });
+      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, silu);
       block_matmul(d.of(e), w.a.data_ptr<T>() + start * width, w.y.data_ptr<T>() + start * hid, n, bf16);
     });
   };
@@ -469,7 +475,6 @@ void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, con
   else
     run(float());
 }
-
 
 // Row r's softmax (fp32) and its top k, largest first, into weights / experts; renormalized to sum to
 // 1 where asked. An exact tie at the k-th place goes to at::topk, so that which experts run on a tie
@@ -562,10 +567,7 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at:
                       const std::vector<at::Tensor>& w2, const at::Tensor& weights, const at::Tensor& experts, bool silu,
                       int64_t first, int64_t total) {
   TORCH_CHECK(moe_can_w8a8(), "moe_experts_w8a8: needs a CPU with AVX512-VNNI");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "moe_experts_w8a8: x [T, H] and out like it, contiguous, bf16 or fp32");
+  check_rows("moe_experts_w8a8", out, x);
   TORCH_CHECK(w13.size() == 3 && w2.size() == 3, "moe_experts_w8a8: w13 and w2 are [codes, scales, column sums]");
   const int64_t ne = w13[0].size(0), hid = x.size(1), width = w2[0].size(2);
   auto check = [&](const std::vector<at::Tensor>& w, int64_t n, int64_t k, const char* what) {
@@ -595,9 +597,7 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at:
       auto [q13, s13, c13] = part(w13, e, 2 * width, hid);
       w8_mm(w.h.data_ptr<T>() + start * 2 * width, 2 * width, xq.data() + start * hid, sx.data() + start, n, q13, s13,
             c13, 2 * width, hid);
-      at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) {
-        act_rows<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), b, end, width, silu);
-      });
+      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, silu);
       codes_rows(aq.data() + start * width, sa.data() + start, w.a.data_ptr<T>() + start * width, n, width);
       auto [q2, s2, c2] = part(w2, e, hid, width);
       w8_mm(w.y.data_ptr<T>() + start * hid, hid, aq.data() + start * width, sa.data() + start, n, q2, s2, c2, hid,
@@ -622,10 +622,7 @@ bool moe_can_pack() {
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
                  const at::Tensor& weights, const at::Tensor& experts, bool silu, int64_t first, int64_t total,
                  bool packed) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.sizes() == x.sizes() && out.is_contiguous() &&
-                  out.scalar_type() == x.scalar_type() &&
-                  (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
-              "moe_experts: x [T, H] and out like it, contiguous, bf16 or fp32");
+  check_rows("moe_experts", out, x);
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
                   w13.size(0) == w2.size(0) && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
                   w13.size(1) == 2 * w2.size(2) && w13.scalar_type() == x.scalar_type() &&
@@ -654,10 +651,11 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu, "
         "int first, int total, bool packed) -> ()");
+  // no tensor to dispatch on: these two are one kernel for all backends
   m.def("moe_can_pack() -> bool", &pagedllm::moe_can_pack);
   m.def("moe_can_w8a8() -> bool", &pagedllm::moe_can_w8a8);
   m.def("moe_experts_w8a8(Tensor(a!) out, Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor experts, "
-        "bool silu, int first, int total) -> ()");  // no tensor to dispatch on: one kernel for all
+        "bool silu, int first, int total) -> ()");
   m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
   m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
         "Tensor weights, Tensor experts, bool silu, int first, int total) -> ()");

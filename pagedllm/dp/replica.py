@@ -14,6 +14,8 @@ Out (a Pipe, read by one thread in the server):
 """
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import multiprocessing as mp
 import queue
@@ -54,6 +56,8 @@ def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connec
     try:
         from ..engine.engine import LLMEngine
 
+        if cfg.kv_events_config is not None:  # each replica publishes on its own port (vLLM's offset)
+            cfg = dataclasses.replace(cfg, kv_events_config=cfg.kv_events_config.for_rank(index))
         engine = LLMEngine(cfg)
     except Exception as e:  # a bad config or model: the front reports it and does not retry
         conn.send(("failed", f"{type(e).__name__}: {e}" if not isinstance(e, ValueError) else str(e)))

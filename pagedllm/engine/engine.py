@@ -26,6 +26,7 @@ from ..lora.request import LoRARequest
 from ..util import release_freed_heap
 from .beam import BeamGroup
 from .beam_search import BeamSearch
+from .kv_events import kv_medium, start_publisher
 from .observer import EngineObserver
 from .output_processor import OutputProcessor
 from .prompt_scoring import PromptScoring
@@ -81,6 +82,10 @@ class LLMEngine:
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the {held} positions this runner "
                                  "was built for")
         self.kv = self._kv_manager()
+        # vLLM's KV events for KV-aware routers (engine.kv_events), when configured.
+        self.kv_events = start_publisher(cfg.kv_events_config, kv_medium(self.runner))
+        if self.kv_events is not None:
+            self.kv.record_events()
         self._weights = self.runner.weights
         self._check_pool_holds_max_model_len()
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
@@ -119,7 +124,10 @@ class LLMEngine:
         # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
         # the collectives' code path on its one device.
         if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
-            from ..runtime.launch import start_group
+            if cfg.distributed_executor_backend == "ray":
+                from ..runtime.ray_launch import start_ray_group as start_group
+            else:
+                from ..runtime.launch import start_group
 
             self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size, cfg.enable_expert_parallel)
             self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
@@ -140,12 +148,13 @@ class LLMEngine:
         # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
         lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
         connector = None
-        if cfg.kv_offload_dir is not None:
-            store = runner.attach_tier(cfg, self.model_dir, cfg.kv_offload_dir, cfg.kv_offload_size)
+        if cfg.kv_offload is not None:
+            store = runner.attach_tier(cfg, self.model_dir)
             connector = OffloadConnector(store, cfg.kv_offload_write_policy)
-            logger.info("KV tier: %s, %s, up to %.1f GiB, %d bytes a block", getattr(store, "dir", store),
-                        cfg.kv_offload_write_policy,
-                        cfg.kv_offload_size / 2**30, store.block_bytes)
+            size = store.snapshot().capacity_bytes
+            logger.info("KV tier: %s, %s, %s, %d bytes a block", getattr(store, "dir", None) or cfg.kv_offload,
+                        cfg.kv_offload_write_policy, f"up to {size / 2**30:.1f} GiB" if size else "the server's bound",
+                        store.block_bytes)
         scores = cfg.prompt_logprobs_cache_memory
         if scores is None:
             scores = max(int(SCORE_CACHE_SHARE * runner.num_blocks * runner.bytes_per_block), SCORE_CACHE_FLOOR)
@@ -199,6 +208,8 @@ class LLMEngine:
             self.kv.connector.close()
         if self._launcher is not None:
             self._launcher.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.grammars.close()
         if getattr(self.runner, "loras", None) is not None:
             self.runner.loras.close()
@@ -396,7 +407,16 @@ class LLMEngine:
             self.step_log.append(self._step_record(out))
         up = self.applier.apply(out, res)
         up.touched.update((r.request_id, r) for r in failed)
+        if self.kv_events is not None:   # drained on the engine's thread: the step's blocks, in order
+            self.kv_events.publish(self.kv.take_events())
         return up
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached-free block; returns how many (KV events: AllBlocksCleared)."""
+        dropped = self.kv.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.take_events())
+        return dropped
 
     def process(self, up: StepUpdate) -> list[RequestOutput]:
         """The step's outputs (the output processor: stop strings, text, logprob texts); the

@@ -158,7 +158,7 @@ class LLM:
         return self.engine.stats()
 
     def reset_prefix_cache(self) -> int:
-        return self.engine.kv.reset_prefix_cache()
+        return self.engine.reset_prefix_cache()
 
 
 def _as_list(prompts: Prompt | Seq[Prompt]) -> list[Prompt]:

@@ -39,8 +39,8 @@ class Runner(Protocol):
     def move_blocks(self, plan: StepPlan) -> None:
         """A step that runs no forward still carries out its tier IO."""
 
-    def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> BlockStore:
-        """Open the KV tier's store for this runner's pools (it keeps the worker half)."""
+    def attach_tier(self, cfg: EngineConfig, model_dir: Path) -> BlockStore:
+        """Open the KV tier's store (kv_offload_dir or kv_offload_url) for this runner's pools (it keeps the worker half)."""
 
     def write_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Write these (block, key) to the tier now and wait (a clean shutdown)."""

@@ -9,8 +9,8 @@ cached block evicted, a step begun, a hit extended, a sequence swapped out) and 
 nothing else of it.
 
 OffloadConnector is the one implementation: the prefix cache's full blocks copied to a
-BlockStore (the disk store, tier_store.TierStore; a store on Valkey/Redis is another) under
-their chained keys. A new store needs no change here or in the manager.
+BlockStore (on disk, tier_store.TierStore; shared on Redis / Valkey, redis_store.RedisStore)
+under their chained keys. A new store needs no change here or in the manager.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Callable, Protocol, Sequence
 from ..config import OFFLOAD_WRITE_POLICIES
 from .block_pool import BlockPool
 from .block_table import BlockTable
-from .tier_store import TierStats
+from .block_store import TierStats
 
 # A step's IO, in this order (the runner's): `saves` (block, key): copy the block's bytes now,
 # then write (it is about to be reused); `loads` (block, payload): the store's verified bytes
@@ -35,6 +35,7 @@ class BlockStore(Protocol):
     block_bytes: int
 
     def __contains__(self, key: int) -> bool: ...
+    def have(self, keys: Sequence[int]) -> set[int]: ...
     def read(self, key: int) -> object | None: ...
     def put(self, key: int, parts: Sequence) -> None: ...
     def take_done(self) -> list[tuple[int, bool]]: ...
@@ -80,10 +81,10 @@ class KVConnector(ABC):
              group_windows: Sequence[int] = (0,)) -> None:
         """Serve this pool (its groups' windows); ValueError if it cannot."""
         if not pool.enable_caching:
-            raise ValueError("kv_offload_dir needs the prefix cache (its blocks are kept under their hashes): "
-                             "drop --no-enable-prefix-caching or the tier")
+            raise ValueError("the KV tier (kv_offload_dir, kv_offload_url) needs the prefix cache (its blocks are "
+                             "kept under their hashes): drop --no-enable-prefix-caching or the tier")
         if any(group_windows):
-            raise ValueError("kv_offload_dir with a sliding-window model is not supported: its released blocks "
+            raise ValueError("the KV tier with a sliding-window model is not supported: its released blocks "
                              "would be loaded back for nothing")
         self.pool, self.block_size, self.emit = pool, block_size, emit
 
@@ -221,9 +222,12 @@ class OffloadConnector(KVConnector):
 
     # -- reads ---------------------------------------------------------------
     def prefix(self, keys: Sequence[int], start: int) -> int:
+        cached = self.pool.cached
+        # One question to the store for every key the pool lacks (a shared store: one round trip).
+        stored = self.store.have([k for k in keys[start:] if k not in cached])
         n = 0
         for key in keys[start:]:
-            if key not in self.store and key not in self.pool.cached:
+            if key not in stored and key not in cached:
                 break
             n += 1
         return n

@@ -20,6 +20,7 @@ from .adapter_pages import AdapterPages
 from .block_pool import BlockPool
 from .block_table import BlockTable
 from .connector import KVConnector, StepIO
+from .events import KVEvent, KVEventLog
 from .hashing import BlockHashes
 from .integrity import check
 from .pool_shape import PoolShape, window_blocks
@@ -76,6 +77,7 @@ class KVCacheManager:
         # mean); events of group g > 0 carry "group": g. None when nobody watches.
         self.listener: Callable[[dict], None] | None = None
         self.prefix_queries = self.prefix_hits = self.forks = 0
+        self.events: KVEventLog | None = None   # vLLM's KV events (record_events)
         self.connector = connector
         if connector is not None:  # ValueError if it cannot serve this pool
             connector.bind(self.pool, block_size, self._emit, windows)
@@ -92,11 +94,23 @@ class KVCacheManager:
         wanted = self.listener is not None or self.connector is not None
         self.pool.on_evict = self._on_evict if wanted else None
 
+    def record_events(self, on: bool = True) -> None:
+        """Keep vLLM's KV events (kv.events) for take_events(); off, they cost nothing."""
+        self.events = KVEventLog(self.block_size) if on and self.enable_prefix_caching else None
+        for g in self.groups:
+            g.log = self.events
+
+    def take_events(self) -> list[KVEvent]:
+        """The KV events since the last call, in order."""
+        return self.events.take() if self.events is not None else []
+
     def _on_uncache(self, key: int) -> None:
         if self.adapters.is_tag(key):
             self.adapters.on_uncache(key)
         else:
             self.scores.drop(key)
+            if self.events is not None:
+                self.events.removed(key)
 
     def _on_evict(self, block_id: int, key: int) -> None:
         if self.adapters.is_tag(key):   # an idle adapter's page: adapter_evict told them
@@ -262,6 +276,9 @@ class KVCacheManager:
             self.prefix_hits += hit
             if self.connector is not None:
                 self.connector.loaded_in(tables[0].held)
+                if self.events is not None:   # a hit the tier loaded is hittable here now
+                    for g, t, h in zip(self.groups, tables, hits):
+                        g.announce(t, token_ids, 0, len(h))
         return tables
 
     def blocks_needed(self, seq_id: int, num_tokens: int, cached_blocks: Sequence[int] = ()) -> int:
@@ -324,6 +341,8 @@ class KVCacheManager:
         return self.shape.can_ever_fit(num_tokens, num_seqs)
 
     def reset_prefix_cache(self) -> int:
+        if self.events is not None:   # one event, not a removal per block
+            self.events.cleared()
         dropped = self.pool.reset_cache()
         self._emit({"type": "reset_cache"})
         return dropped

@@ -21,6 +21,7 @@ import xxhash
 from ..util import cdiv
 from .block_pool import BlockPool
 from .block_table import RELEASED, BlockTable
+from .events import KVEventLog
 from .hashing import BlockHashes
 
 Copies = list[tuple[int, int]]
@@ -46,6 +47,7 @@ class GroupManager:
         self._emit = emit or (lambda ev: None)
         # (block, key): a group-0 block registered in the prefix cache (the tier writes it through)
         self.on_cached: Callable[[int, int], None] | None = None
+        self.log: KVEventLog | None = None   # vLLM's KV events, while a publisher listens
 
     def emit(self, event: dict) -> None:
         if self.gid:
@@ -193,7 +195,8 @@ class GroupManager:
         if full <= table.num_cached_blocks:
             return
         keys = table.hashes.update(token_ids)
-        for i in range(table.num_cached_blocks, full):
+        start = table.num_cached_blocks
+        for i in range(start, full):
             b = table.block_ids[i]
             # A block the window released before its tokens were verified here: not this table's to register.
             if b != RELEASED and self.pool.cache(b, keys[i] ^ self.salt):
@@ -201,6 +204,23 @@ class GroupManager:
                 if self.on_cached is not None:
                     self.on_cached(b, keys[i])
         table.num_cached_blocks = full
+        if self.log is not None:
+            self.announce(table, token_ids, start, full)
+
+    def announce(self, table: BlockTable, token_ids: Sequence[int], start: int, end: int) -> None:
+        """Tell the event log of blocks start..end-1 of a table (those it holds; the log skips
+        the ones it announced before)."""
+        B, keys = self.block_size, self.keys(table.hashes, end)
+        i = start
+        while i < end:
+            if table.block_ids[i] == RELEASED:
+                i += 1
+                continue
+            j = i
+            while j < end and table.block_ids[j] != RELEASED:
+                j += 1
+            self.log.stored(self.gid, keys[i:j], keys[i - 1] if i else None, token_ids[i * B:j * B])
+            i = j
 
     # -- sequences -----------------------------------------------------------
     def fork(self, parent_id: int, child_id: int, n: int, hashes: BlockHashes) -> Copies | None:

@@ -12,7 +12,7 @@ from .adapter_pages import AdapterFigures
 from .block_pool import PoolFigures
 from .connector import TierFigures
 from .score_store import ScoreFigures
-from .tier_store import TierStats
+from .block_store import TierStats
 
 T = TypeVar("T")
 

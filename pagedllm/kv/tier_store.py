@@ -12,81 +12,37 @@ system's per-file cost, ~1 µs a block here, but needs its own crash-consistent 
 block is 0.1-1 MiB, so a file each costs nothing measurable. llama.cpp's slot files and
 LMCache's local-disk chunks are files too.)
 
-Each file: a header (magic, format version, the engine's fingerprint, the key, payload
-length, xxh3-64 of header and payload) and the payload. A block is served only when every
-field matches and the checksum holds: a corrupted, truncated or foreign file is skipped
-with a warning, removed, and its block recomputed. The fingerprint names the model, dtype,
-KV dtype, block size and the pool's layout, so another engine's blocks are never read even
-from the same directory (each engine keeps to its own fingerprint's folder). Keys chain
-the cache salt, so a block stored under one tenant's salt is never found under another's.
-
-Writes run on one background thread; a block being written is pinned by the manager and
-read in place (a full cached block is never written to), or handed over as a copy.
+Each file is a sealed block (block_store: header, checksum, fingerprint, key): a corrupted,
+truncated or foreign file is skipped with a warning, removed, and its block recomputed. Each
+engine keeps to its own fingerprint's folder. Writes run on the store's background thread.
 """
 from __future__ import annotations
 
 import logging
 import os
-import queue
-import struct
-import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
-import xxhash
+from .block_store import HEADER, QueuedStore, TierStats, check, fingerprint, seal
+
+__all__ = ["SUFFIX", "TierStats", "TierStore", "fingerprint"]
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"PLKVBLK1"
-VERSION = 1
-# magic, version, fingerprint (16 bytes), key, payload length, checksum
-_HEADER = struct.Struct("<8sI16sQQQ")
 SUFFIX = ".kvb"
 _TMP = ".tmp-"
 
 
-@dataclass(slots=True)
-class TierStats:
-    """The tier's counters (the manager's KVStats carries them)."""
-    capacity_bytes: int = 0
-    blocks: int = 0               # entries on disk now
-    bytes: int = 0                # their bytes, headers included
-    written_blocks: int = 0       # writes completed since start
-    write_errors: int = 0         # writes that failed (disk full, IO errors): the block stays in the pool only
-    evicted_blocks: int = 0       # removed to stay under capacity (LRU)
-    read_blocks: int = 0          # blocks read back and verified
-    read_failures: int = 0        # corrupt, truncated or foreign files skipped (and removed)
-
-
-def fingerprint(*parts: object) -> bytes:
-    """16 bytes naming what a block's bytes mean: the model, dtypes, block size, layout."""
-    return xxhash.xxh3_128_digest("\x00".join(map(str, (VERSION, *parts))).encode())
-
-
-def _checksum(header: bytes, parts: Sequence) -> int:
-    h = xxhash.xxh3_64()
-    h.update(header)
-    for p in parts:
-        h.update(p)
-    return h.intdigest()
-
-
-class TierStore:
-    """Blocks of `block_bytes` bytes under 64-bit keys, at most `capacity` bytes on disk,
-    least recently used removed first. Thread-safe: the engine reads and queues writes, the
-    writer thread writes."""
+class TierStore(QueuedStore):
+    """Blocks of `block_bytes` bytes under 64-bit keys in files, at most `capacity` bytes on
+    disk, least recently used removed first."""
 
     def __init__(self, root: str | os.PathLike, capacity: int, fp: bytes, block_bytes: int) -> None:
-        if len(fp) != 16:
-            raise ValueError("tier fingerprint must be 16 bytes")
-        if capacity < block_bytes + _HEADER.size:
+        if capacity < block_bytes + HEADER.size:
             raise ValueError(f"kv_offload_size {capacity} bytes is smaller than one block "
-                             f"({block_bytes + _HEADER.size} bytes)")
-        self.fp = fp
-        self.block_bytes = block_bytes
-        self.file_bytes = block_bytes + _HEADER.size
+                             f"({block_bytes + HEADER.size} bytes)")
+        super().__init__(fp, block_bytes, TierStats(capacity_bytes=capacity))
+        self.file_bytes = self.entry_bytes
         self.dir = Path(root) / fp.hex()
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -94,14 +50,8 @@ class TierStore:
             raise ValueError(f"kv_offload_dir {str(root)!r}: cannot create {self.dir}: {e}") from e
         if not os.access(self.dir, os.W_OK | os.X_OK):
             raise ValueError(f"kv_offload_dir {str(root)!r}: {self.dir} is not writable")
-        self.stats = TierStats(capacity_bytes=capacity)
-        self._lock = threading.Lock()
         self._lru: OrderedDict[int, None] = OrderedDict()   # keys on disk, oldest first
-        self._inflight: dict[int, list] = {}                # key -> the parts being written
-        self._done: list[tuple[int, bool]] = []             # (key, written) since the last take_done
-        self._queue: queue.Queue = queue.Queue()
         self._scan()
-        self._writer: threading.Thread | None = None
 
     # -- start-up ------------------------------------------------------------
     def _scan(self) -> None:
@@ -144,10 +94,9 @@ class TierStore:
     def read(self, key: int) -> memoryview | None:
         """The block's payload, verified; None (with a warning, the file removed) when it is
         missing, corrupt, truncated or another engine's."""
-        with self._lock:
-            parts = self._inflight.get(key)
-        if parts is not None:  # still being written: its bytes are at hand
-            return memoryview(bytearray().join(parts))
+        data = self._being_written(key)
+        if data is not None:
+            return data
         path = self.path(key)
         try:
             with open(path, "rb") as f:
@@ -158,7 +107,7 @@ class TierStore:
             return None
         except OSError as e:
             return self._bad(key, path, f"cannot be read ({e})")
-        why = self._check(key, data)
+        why = check(self.fp, key, self.block_bytes, data)
         if why is not None:
             return self._bad(key, path, why)
         with self._lock:
@@ -169,26 +118,7 @@ class TierStore:
             os.utime(path)  # the LRU order survives a restart
         except OSError:
             pass
-        return data[_HEADER.size:]
-
-    def _check(self, key: int, data: memoryview) -> str | None:
-        if len(data) < _HEADER.size:
-            return f"truncated ({len(data)} bytes, no header)"
-        magic, version, fp, k, length, checksum = _HEADER.unpack_from(data)
-        if magic != MAGIC or version != VERSION:
-            return "not a PagedLLM KV block of this format"
-        if fp != self.fp:
-            return "written by another model, dtype, block size or KV layout (fingerprint differs)"
-        if k != key:
-            return f"holds block {k:016x}, not {key:016x}"
-        if length != self.block_bytes:
-            return f"payload of {length} bytes, a block here has {self.block_bytes}"
-        if len(data) != _HEADER.size + length:
-            return f"truncated ({len(data) - _HEADER.size} of {length} payload bytes)"
-        header = _HEADER.pack(magic, version, fp, k, length, 0)
-        if _checksum(header, [data[_HEADER.size:]]) != checksum:
-            return "checksum mismatch (corrupted)"
-        return None
+        return data[HEADER.size:]
 
     def _bad(self, key: int, path: Path, why: str) -> None:
         logger.warning("KV tier: block file %s skipped, its block is recomputed: %s", path, why)
@@ -205,59 +135,8 @@ class TierStore:
                 self.stats.bytes -= self.file_bytes
 
     # -- writes --------------------------------------------------------------
-    def put(self, key: int, parts: Sequence) -> None:
-        """Queue a block's bytes (buffer objects, concatenated in order) for writing; they
-        must stay unchanged until take_done() reports the key."""
-        size = sum(memoryview(p).nbytes for p in parts)
-        if size != self.block_bytes:
-            raise ValueError(f"KV tier: a block of {size} bytes, expected {self.block_bytes}")
-        with self._lock:
-            if key in self._inflight:  # the same block twice in flight (saved, then recomputed): one write
-                return
-            self._inflight[key] = list(parts)
-            if self._writer is None or not self._writer.is_alive():
-                self._writer = threading.Thread(target=self._write_loop, name="kv-tier-writer", daemon=True)
-                self._writer.start()
-        self._queue.put(key)
-
-    def take_done(self) -> list[tuple[int, bool]]:
-        """(key, written) for each write finished since the last call."""
-        with self._lock:
-            done, self._done = self._done, []
-        return done
-
-    def flush(self) -> None:
-        """Wait until every queued write has finished."""
-        self._queue.join()
-
-    def close(self) -> None:
-        """Finish the queued writes and stop the writer (a later put starts it again)."""
-        if self._writer is not None and self._writer.is_alive():
-            self._queue.put(None)
-            self._writer.join()
-        self._writer = None
-
-    def _write_loop(self) -> None:
-        while True:
-            key = self._queue.get()
-            try:
-                if key is None:
-                    return
-                try:
-                    ok = self._write(key)
-                except Exception:  # never lose the writer: the block stays in the pool only
-                    logger.exception("KV tier: writing block %016x failed", key)
-                    ok = False
-                with self._lock:
-                    self._inflight.pop(key, None)
-                    self._done.append((key, ok))
-            finally:
-                self._queue.task_done()
-
-    def _write(self, key: int) -> bool:
-        parts = self._inflight[key]
-        header = _HEADER.pack(MAGIC, VERSION, self.fp, key, self.block_bytes, 0)
-        header = _HEADER.pack(MAGIC, VERSION, self.fp, key, self.block_bytes, _checksum(header, parts))
+    def _write(self, key: int, parts: list) -> bool:
+        header = seal(self.fp, key, self.block_bytes, parts)
         final = self.path(key)
         tmp = self.dir / f"{_TMP}{os.getpid()}-{key:016x}"
         try:
@@ -268,11 +147,7 @@ class TierStore:
             os.replace(tmp, final)
         except OSError as e:
             _unlink(tmp)
-            with self._lock:
-                self.stats.write_errors += 1
-                first = self.stats.write_errors == 1
-            (logger.warning if first else logger.debug)("KV tier: block %016x not written: %s", key, e)
-            return False
+            return self._write_failed(key, e)
         with self._lock:
             if key not in self._lru:
                 self.stats.blocks += 1
@@ -296,12 +171,6 @@ class TierStore:
             self.stats.bytes -= self.file_bytes
             self.stats.evicted_blocks += 1
         return victims
-
-    def snapshot(self) -> TierStats:
-        with self._lock:
-            s = self.stats
-            return TierStats(s.capacity_bytes, s.blocks, s.bytes, s.written_blocks, s.write_errors,
-                             s.evicted_blocks, s.read_blocks, s.read_failures)
 
 
 def _alive(tmp_name: str) -> bool:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from ..kv.tier_store import TierStore, fingerprint
+from ..kv.block_store import fingerprint
+from ..kv.connector import BlockStore
 
 
 class BlockBytes:
@@ -46,7 +47,7 @@ class BlockBytes:
 class TierIO:
     """Carries out a step's tier IO on the runner's pools."""
 
-    def __init__(self, store: TierStore, blocks: BlockBytes) -> None:
+    def __init__(self, store: BlockStore, blocks: BlockBytes) -> None:
         self.store = store
         self.blocks = blocks
 

@@ -68,10 +68,7 @@ class Launcher:
             return
         self.closed = True
         if graceful:
-            try:
-                self.group.broadcast(None)
-            except WorkerDiedError:
-                pass  # the others see the same closed sockets and exit
+            tell_stop(self.group)
         else:
             for p in self.procs:
                 p.kill()
@@ -82,6 +79,16 @@ class Launcher:
                 p.kill()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def tell_stop(group: TPGroup) -> bool:
+    """Rank 0 tells the other ranks to stop serving; False if one is already gone (the others
+    see the same closed sockets and exit)."""
+    try:
+        group.broadcast(None)
+        return True
+    except WorkerDiedError:
+        return False
 
 
 def start_group(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int) -> Launcher:

@@ -33,6 +33,7 @@ from .build import build_model, rope_rows
 from .grammar import GrammarMatchers, GrammarRow
 from .kv_cache import KVCache
 from .kv_tier import BlockBytes, TierIO, kv_fingerprint
+from ..kv.connector import BlockStore
 from ..kv.tier_store import TierStore
 from .rejection import Verify, verify
 from .spec_decode import make_proposer
@@ -338,7 +339,7 @@ class ModelRunner:
         under one key each), reserve-max (one reservation)."""
         windows = [mc.window(i) for i in range(mc.num_layers)]
         why = "a draft model shares the block table" if self.draft is not None else \
-            "the KV tier keeps one block per key" if cfg.kv_offload_dir is not None else \
+            "the KV tier keeps one block per key" if cfg.kv_offload is not None else \
             "reserve-max reserves one table" if cfg.allocation == "reserve-max" else None
         if why is None:
             return kv_layout(windows)
@@ -382,12 +383,13 @@ class ModelRunner:
         w = weight_bytes(self.model)
         return WeightBytes(w.resident * self.tp.size, w.active * self.tp.size)
 
-    def attach_tier(self, cfg: EngineConfig, model_dir: Path, root: str, capacity: int) -> TierStore:
-        """Open the second tier for this runner's pools (--kv-offload-dir): the store keeps
-        blocks of this engine's fingerprint; the runner copies bytes in and out of it."""
+    def attach_tier(self, cfg: EngineConfig, model_dir: Path) -> BlockStore:
+        """Open the second tier for this runner's pools (--kv-offload-dir on disk, or a shared
+        store at --kv-offload-url): it keeps blocks of this engine's fingerprint; the runner
+        copies bytes in and out of it."""
         if self.tp.size > 1:
-            raise ValueError("kv_offload_dir with tensor_parallel_size > 1 is not supported: each rank holds a "
-                             "slice of every block")
+            raise ValueError(f"{cfg.kv_offload_knob} with tensor_parallel_size > 1 is not supported: each rank "
+                             "holds a slice of every block")
         pools = [t for pair in self.kv_cache.pools for t in pair]
         if self.draft is not None:
             pools += [t for layer in self.draft.layers for t in layer]
@@ -396,7 +398,12 @@ class ModelRunner:
         draft_dir = resolve_model_dir(spec.model) if self.draft is not None else None
         fp = kv_fingerprint(model_dir, draft_dir, self.dtype, self.kv_cache.kv_dtype.name, cfg.block_size,
                             self.backend_name, cfg.quantization, pools)
-        store = TierStore(root, capacity, fp, blocks.block_bytes)
+        if cfg.kv_offload_url is not None:
+            from ..kv.redis_store import RedisStore
+
+            store: BlockStore = RedisStore(cfg.kv_offload_url, fp, blocks.block_bytes)
+        else:
+            store = TierStore(cfg.kv_offload_dir, cfg.kv_offload_size, fp, blocks.block_bytes)
         self.tier_io = TierIO(store, blocks)
         return store
 

@@ -6,6 +6,9 @@ corrupted files and restarts, checking after every step that
 - a block served by a prefix hit, from the pool or loaded from the tier, holds exactly the
   history its key names (the salt and every token up to it), so nothing crosses salts;
 - the replayed event stream rebuilds the manager's state;
+- vLLM's KV events (kv.events) rebuild the set of blocks a router may route to: every block
+  a table holds as cached was announced, nothing announced has left the cache, and each
+  announced block's token ids and parent hash to its key;
 - after a full drain no block is referenced and only the tier's entries remain.
 
 The runner is simulated: a block's bytes are the digests of what its slots hold, carried
@@ -23,7 +26,8 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
-from pagedllm.kv.hashing import BlockHashes
+from pagedllm.kv.events import BlockRemoved, BlockStored
+from pagedllm.kv.hashing import BlockHashes, hash_block
 from pagedllm.kv.connector import OffloadConnector
 from pagedllm.kv.tier_store import TierStore, fingerprint
 from pagedllm.viz.state import KVReplay, kv_picture
@@ -55,6 +59,8 @@ class TierMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(self.store, self.POLICY))
         self.replay = KVReplay(NUM_BLOCKS)
         self.kv.watch(self.replay.apply)
+        self.kv.record_events()
+        self.index: dict[int, None] = {}          # what a KV-aware router learns from the events
         self.slots: dict[int, tuple] = {}         # pool slot -> history written there
         self.tokens: dict[int, list[int]] = {}
         self.hashes: dict[int, BlockHashes] = {}
@@ -196,6 +202,26 @@ class TierMachine(RuleBasedStateMachine):
         self.kv.check_integrity()
         assert self.replay.picture() == kv_picture(self.kv)
         assert self.store.stats.bytes <= self.store.stats.capacity_bytes
+
+    @invariant()
+    def events_index_the_cache(self) -> None:
+        for ev in self.kv.take_events():
+            if isinstance(ev, BlockStored):
+                parent = ev.parent_block_hash
+                for i, key in enumerate(ev.block_hashes):
+                    toks = ev.token_ids[i * B:(i + 1) * B]
+                    assert any(hash_block(parent, toks, s) == key for s in (None, "a", "b")), "tokens miss the key"
+                    assert key not in self.index, "announced twice"
+                    self.index[key], parent = None, key
+            elif isinstance(ev, BlockRemoved):
+                for key in ev.block_hashes:
+                    assert self.index.pop(key, 0) is None, "removed, never stored"
+            else:
+                self.index.clear()
+        assert set(self.index) <= set(self.kv.pool.cached), "announced but gone from the cache"
+        for seq, table in self.kv.tables.items():
+            held = table.hashes.keys[:table.num_cached_blocks]
+            assert set(held) <= set(self.index), "a block a sequence holds as cached was never announced"
 
     def drained(self) -> None:
         for seq in list(self.tokens):

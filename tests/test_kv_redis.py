@@ -1,0 +1,135 @@
+"""The shared KV tier on a real Redis (Debian's redis-server on a loopback port): a document
+prefilled on replica A is served to replica B from the store, with the same greedy tokens;
+wrong or missing values are recomputed, never served; a tenant's salt keeps its blocks from
+another tenant; a store that goes away costs recomputation, not the engine.
+
+The engines are two LLMs of the tiny model in this process, each its own pool: what two
+replicas on two machines are to the store. The TTFT this saves on a real model is measured
+by `python -m benchmarks kv_tier --parts redis`, not timed here."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.kv.hashing import BlockHashes
+
+from benchmarks.lib.redis_server import RedisServer
+
+B = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8)
+# ~3k tokens of document, and a question after it.
+DOC = " ".join(f"Record {i}: the warehouse in town {i % 17} holds {i * 37 % 101} crates of item {i}." for i in range(120))
+QUESTION = "\nQuestion: how many crates does record 42 hold? Answer: record 42 holds"
+
+
+@pytest.fixture(scope="module")
+def redis_server():
+    try:
+        server = RedisServer(maxmemory="512mb")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    yield server
+    server.stop()
+
+
+def replica(model: str, url: str | None) -> LLM:
+    return LLM(model, dtype="float32", max_model_len=4096, num_gpu_blocks_override=400, kv_offload_url=url)
+
+
+def answer(llm: LLM, salt: str | None = None) -> list[int]:
+    return llm.generate(DOC + QUESTION, GREEDY, use_tqdm=False, cache_salt=salt)[0].outputs[0].token_ids
+
+
+def doc_keys(llm: LLM, salt: str | None = None) -> list[int]:
+    ids = llm.engine.tokenizer(DOC + QUESTION)["input_ids"]
+    return BlockHashes(B, salt).update(ids[:-1])
+
+
+def tier(llm: LLM):
+    return llm.engine.kv.connector
+
+
+@pytest.fixture(scope="module")
+def computed(redis_server, tiny_model):
+    """Replica A computes the document (written through to the store); the reference answer
+    comes from an engine without a tier."""
+    a = replica(tiny_model, redis_server.url)
+    want = answer(a)
+    tier(a).store.flush()
+    a.close()
+    plain = replica(tiny_model, None)
+    assert want == answer(plain)
+    plain.close()
+    return want
+
+
+def test_another_replica_is_served_from_the_store(redis_server, tiny_model, computed):
+    b = replica(tiny_model, redis_server.url)
+    assert answer(b) == computed
+    keys = doc_keys(b)
+    assert len(keys) * B >= 2800
+    f = tier(b).figures()
+    assert f.loaded_blocks == len(keys), "every full block of the document came from the store"
+    assert f.hits == len(keys) * B and f.store.read_failures == 0
+    assert b.engine.scheduler.counters.computed_prompt_tokens < 2 * B, "B computed only the question's tail"
+    b.close()
+
+
+def test_wrong_or_missing_values_are_recomputed(redis_server, tiny_model, computed, caplog):
+    client = redis_server.client()
+    b = replica(tiny_model, redis_server.url)
+    store = tier(b).store
+    names = [store.name(k) for k in doc_keys(b)]
+    value = client.get(names[5])
+    flipped = value[:-1] + bytes([value[-1] ^ 1])
+    client.set(names[5], flipped)                                   # one bit of the payload flipped
+    client.set(names[9], value)                                     # another block's (valid) bytes
+    client.set(names[12], value[:100])                              # truncated
+    client.delete(names[20])                                        # gone (the server evicted it)
+    with caplog.at_level(logging.WARNING, logger="pagedllm.kv.redis_store"):
+        assert answer(b) == computed
+    assert store.snapshot().read_failures == 1, "the first bad block stops the load; the rest is recomputed"
+    assert "checksum mismatch" in caplog.text
+    assert client.get(names[5]) != flipped, "a wrong value is deleted (and written anew), never served again"
+    assert tier(b).figures().loaded_blocks == 5
+    b.close()
+    # B wrote back what it deleted and recomputed; block 9 (another key's bytes) is next to be caught.
+    c = replica(tiny_model, redis_server.url)
+    assert answer(c) == computed
+    assert tier(c).figures().loaded_blocks == 9 and tier(c).store.snapshot().read_failures == 1
+    assert "holds block" in caplog.text or client.exists(names[9]) == 0
+    c.close()
+    client.close()
+
+
+def test_a_tenant_salt_keeps_its_blocks_to_itself(redis_server, tiny_model, computed):
+    a = replica(tiny_model, redis_server.url)
+    assert answer(a, salt="tenant-a") == computed
+    tier(a).store.flush()
+    a.close()
+    b = replica(tiny_model, redis_server.url)
+    assert answer(b, salt="tenant-b") == computed
+    assert tier(b).figures().loaded_blocks == 0, "another tenant's blocks were served"
+    assert answer(b, salt="tenant-a") == computed
+    assert tier(b).figures().loaded_blocks == len(doc_keys(b, "tenant-a"))
+    b.close()
+
+
+def test_a_store_that_goes_away_costs_recomputation_only(tiny_model, computed, caplog):
+    server = RedisServer(maxmemory="64mb")
+    llm = replica(tiny_model, server.url)
+    server.stop()
+    with caplog.at_level(logging.WARNING, logger="pagedllm.kv"):
+        assert answer(llm) == computed
+        assert answer(llm) == computed   # the pool's own prefix cache still serves
+    assert "served from the pool alone" in caplog.text or "not written" in caplog.text
+    llm.close()
+
+
+def test_bad_urls_are_named(tiny_model):
+    with pytest.raises(ValueError, match="kv_offload_url must be a redis"):
+        LLM(tiny_model, kv_offload_url="http://127.0.0.1:6379")
+    with pytest.raises(ValueError, match="cannot reach the store"):
+        replica(tiny_model, "redis://127.0.0.1:1")

@@ -46,7 +46,7 @@ def _ask(engine_kw: dict, ids: list[int], times: int = 1) -> dict:
         runs.append({"ttft_s": o.metrics["first_token_time"] - t0, "tokens": list(o.outputs[0].token_ids),
                      "cached_tokens": o.num_cached_tokens})
     kv = llm.engine.stats(walk=False).kv
-    res = {**runs[-1], "tier_loaded_blocks": kv.tier_loaded_blocks,
+    res = {**runs[-1], "tier_loaded_blocks": kv.tier.loaded_blocks if kv.tier is not None else 0,
            "computed_prompt_tokens": llm.engine.scheduler.counters.computed_prompt_tokens}
     if llm.engine.kv.connector is not None:
         llm.engine.kv.connector.store.flush()

@@ -486,6 +486,21 @@ def plot_moe(fig, data: dict) -> None:
         ax.set_visible(False)
 
 
+def plot_shared_tier(fig, data: dict) -> None:
+    """A document one replica computed, asked on another: TTFT cold, from Redis, from a local
+    disk tier, and from the engine's own pool (medians, each round a dot)."""
+    fig.set_size_inches(8, 2.8)
+    ax = fig.subplots()
+    names = {"cold": "cold (computed)", "redis": "replica B, from Redis", "disk": "replica B, from a local disk tier",
+             "pool": "the same engine again (own pool)"}
+    keys = [k for k in names if k in data["ttft_s"]]
+    _bars(ax, [names[k] for k in keys], [data["ttft_s"][k] * 1000 for k in keys],
+          [OTHER_COLOUR if k == "cold" else OURS for k in keys],
+          points=[[r["ttft_s"] * 1000 for r in data["runs"][k]] for k in keys])
+    ax.set_xlabel(f"TTFT, ms (median of {data['rounds']}): cold / Redis {data['cold_over_redis']:.1f}x, "
+                  f"cold / disk {data['cold_over_disk']:.1f}x")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -572,6 +587,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
     (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
     (lambda d: d.get("benchmark") == "moe", plot_moe, "A mixture of experts (Qwen3-MoE shape, 1.9B, 0.28B active)", True),
+    (lambda d: d.get("benchmark") == "shared_tier", plot_shared_tier,
+     "A shared KV tier on Redis: a prefix computed on one replica, asked on another", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -226,7 +226,28 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     from .server.launch import ServerOptions, serve
 
     opts = ServerOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)})
+    if getattr(args, "ray", False):
+        return _run_on_ray(args, cfg, opts)
     return serve(cfg, opts, _viz_attach(args, cfg, step_delay), on_start)
+
+
+def _run_on_ray(args: argparse.Namespace, cfg, opts) -> int:
+    """Engine replicas on Ray Serve (server/ray_serve.py), the ingress on --host:--port."""
+    if cfg.data_parallel_size > 1:
+        print("error: --ray runs its own replicas: give --replicas, not --data-parallel-size", file=sys.stderr)
+        return 2
+    try:
+        from .server import ray_serve
+    except ImportError:
+        print("error: --ray needs Ray Serve: pip install 'pagedllm[ray]'", file=sys.stderr)
+        return 2
+    try:
+        scaling = ray_serve.scaling_of(args)
+        scaling.options()
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return ray_serve.run(cfg, opts, scaling)
 
 
 def _viz_attach(args: argparse.Namespace, cfg, step_delay: float):
@@ -427,6 +448,20 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
                          "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
+    ray = sv.add_argument_group("replicas on Ray Serve (--ray)")
+    ray.add_argument("--ray", action="store_true",
+                     help="serve engine replicas on Ray Serve (on the cluster RAY_ADDRESS names, else a local one): "
+                          "placed and restarted by Serve, a prefix-aware request router in front")
+    ray.add_argument("--replicas", type=_number(int, 1), default=1, metavar="N",
+                     help="engine replicas (--ray; the initial number when autoscaled)")
+    ray.add_argument("--min-replicas", type=_number(int, 0), default=None, metavar="N",
+                     help="autoscale (--ray) between --min-replicas and --max-replicas on the requests each "
+                          "replica has in flight")
+    ray.add_argument("--max-replicas", type=_number(int, 1), default=None, metavar="N", help="see --min-replicas")
+    ray.add_argument("--target-ongoing-requests", type=_number(float, 0, strict=True), default=8.0, metavar="N",
+                     help="autoscaling's target of requests in flight per replica (Serve's; default %(default)g)")
+    ray.add_argument("--cpus-per-replica", type=_number(float, 0), default=1.0, metavar="N",
+                     help="CPUs Ray reserves for each replica (default %(default)g)")
     sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
                     help="serve the KV visualizer at /viz/ (with API keys, each key sees its own requests' text "
                          "and only anonymous block ownership of others')")

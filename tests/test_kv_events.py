@@ -105,9 +105,3 @@ def test_replay_gives_a_late_subscriber_what_it_missed(llm):
         seqs.append(seq)
     dealer.close()
     assert seqs == list(range(len(seqs))) and len(seqs) >= 3
-
-
-def test_a_busy_endpoint_is_named(llm, tiny_model):
-    with pytest.raises(ValueError, match="kv_events_config: endpoint .* cannot be bound"):
-        LLM(tiny_model, dtype="float32", max_model_len=256,
-            kv_events_config={"enable_kv_cache_events": True, "endpoint": llm.engine.kv_events.endpoint})

@@ -1,14 +1,19 @@
-"""Tensor parallelism on Ray (`distributed_executor_backend="ray"`) over a two-node local
-cluster (ray.cluster_utils.Cluster: two raylets of one CPU each, no dashboard): TP=2 placed
-one rank per node gives TP=1's greedy tokens in fp32; a killed worker actor fails the next
-request with the actor named, within 30 s, and a new engine starts cleanly on the same cluster.
+"""Ray over a two-node local cluster (ray.cluster_utils.Cluster: two raylets of one CPU each,
+no dashboard), started once for the module (~5 s, ~1 GB):
 
-The cluster is started once for the module (~10 s, ~1 GB). Ray Serve replicas are tested in
-tests/server/test_ray_serve.py."""
+- tensor parallelism on Ray (`distributed_executor_backend="ray"`): TP=2 placed one rank per
+  node gives TP=1's greedy tokens in fp32; a killed worker actor fails the next request with
+  the actor named, within 30 s, and a new engine starts cleanly on the same cluster;
+- engine replicas on Ray Serve (`pagedllm serve --ray`, server/ray_serve.py): 2 replicas, one
+  a node; 16 chats behind one system prompt go to the replica that holds it; a killed replica
+  is restarted by Serve, and the requests sent once it is back all succeed."""
 from __future__ import annotations
 
+import collections
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import pytest
 
 from pagedllm import LLM, SamplingParams
@@ -93,3 +98,73 @@ def test_a_placement_the_cluster_cannot_give_is_named(cluster, tiny_model, monke
         LLM(tiny_model, tensor_parallel_size=2, distributed_executor_backend="ray",
             ray_placement_strategy="STRICT_SPREAD", num_threads=2, dtype="float32", max_model_len=256)
     assert cpus_come_back(), "the unplaced group was removed"
+
+
+# -- replicas on Ray Serve ----------------------------------------------------------------
+SYSTEM = "You are the warehouse's careful assistant. Answer with the record's figure only. " * 8
+
+
+@pytest.fixture(scope="module")
+def served(cluster, tiny_model):
+    """Two engine replicas of the tiny model behind the ingress, on a free port."""
+    from ray import serve
+
+    from pagedllm.cli import build_parser, engine_config
+    from pagedllm.server import ray_serve
+    from pagedllm.util import free_port
+
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--model", tiny_model,
+                                      "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "1024",
+                                      "--num-threads", "1", "--dtype", "float32", "--kv-cache-memory", "64MiB"])
+    app = ray_serve.application(engine_config(args), ray_serve.server_options(args), ray_serve.scaling_of(args))
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app, name="pagedllm", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+
+
+def chat(url: str, i: int) -> httpx.Response:
+    body = {"model": "tiny", "max_tokens": 4, "temperature": 0,
+            "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Record {i}?"}]}
+    return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+
+def replicas() -> dict[str, int]:
+    from ray import serve
+
+    return serve.status().applications["pagedllm"].deployments["EngineReplica"].replica_states
+
+
+def test_chats_behind_one_system_prompt_go_to_the_replica_holding_it(served):
+    first = chat(served, 0)
+    assert first.status_code == 200, first.text
+    with ThreadPoolExecutor(8) as pool:
+        rest = list(pool.map(lambda i: chat(served, i), range(1, 16)))
+    assert all(r.status_code == 200 for r in rest), [r.text for r in rest if r.status_code != 200]
+    where = collections.Counter(r.headers["x-pagedllm-replica"] for r in [first, *rest])
+    assert where.most_common(1)[0][1] >= 14, where
+    assert where.most_common(1)[0][0] == first.headers["x-pagedllm-replica"]
+    stream = httpx.post(served + "/v1/completions", timeout=60,
+                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True})
+    assert stream.status_code == 200 and stream.text.rstrip().endswith("data: [DONE]")
+    bad = httpx.post(served + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": -1}, timeout=60)
+    assert bad.status_code == 400 and "max_tokens" in bad.text
+
+
+def test_a_killed_replica_is_restarted_and_then_serves(served):
+    names = [n for n in ray.util.list_named_actors(all_namespaces=True)
+             if "EngineReplica" in n["name"] and n["name"].startswith("SERVE_REPLICA")]
+    assert len(names) == 2
+    victim = names[0]
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]), no_restart=True)
+    end = time.monotonic() + 90
+    while True:
+        now = {n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if "EngineReplica" in n["name"]}
+        if victim["name"] not in now and len(now) == 2 and replicas().get("RUNNING") == 2:
+            break
+        assert time.monotonic() < end, f"Serve did not restart the replica: {replicas()}"
+        time.sleep(0.5)
+    with ThreadPoolExecutor(4) as pool:
+        after = list(pool.map(lambda i: chat(served, 100 + i), range(8)))
+    assert all(r.status_code == 200 for r in after), [r.text for r in after if r.status_code != 200]

@@ -282,6 +282,23 @@ def plot_gateway_vs_dp(fig, data: dict) -> None:
             ax.set_yticks([])
 
 
+def plot_ray_serve_vs_dp(fig, data: dict) -> None:
+    """Two replicas on Ray Serve against our own front (dp/): throughput, hit rate, median and
+    P99 TTFT; the mean over the rounds as a bar, each round as a dot."""
+    means = [data["ray_mean"], data["dp2_mean"]]
+    labels = [m["label"].removesuffix(" (mean)") for m in means]
+    rounds = [[r for r in data["results"] if r["label"] == label] for label in labels]
+    panels = (("output_throughput", 1, "{:.0f}", "output tok/s"), ("hit_rate", 100, "{:.1f}", "prefix hit rate, %"),
+              ("median_ttft_ms", 1, "{:.0f}", "median TTFT, ms"), ("p99_ttft_ms", 1, "{:.0f}", "P99 TTFT, ms"))
+    fig.set_size_inches(12, 2.6)
+    for i, (ax, (key, scale, fmt, xlabel)) in enumerate(zip(fig.subplots(1, 4), panels)):
+        _bars(ax, labels, [scale * m[key] for m in means], [OTHER_COLOUR, OURS], fmt,
+              [[scale * r[key] for r in rs] for rs in rounds])
+        ax.set_xlabel(xlabel)
+        if i:
+            ax.set_yticks([])
+
+
 def plot_lm_eval_mc(fig, data: dict) -> None:
     """lm-eval's multiple-choice run per engine: wall time, the prompt tokens it computed (the
     dotted line: what lm-eval sent), accuracy."""
@@ -570,6 +587,8 @@ PLOTTERS: list[Plotter] = [
      plot_engine_layer, "The engine layer before and after (issue 24)", True),
     (lambda d: d.get("benchmark") == "gateway_vs_dp", plot_gateway_vs_dp,
      "SGLang Model Gateway (cache_aware) vs --data-parallel-size 2", True),
+    (lambda d: d.get("benchmark") == "ray_serve_vs_dp", plot_ray_serve_vs_dp,
+     "Ray Serve (--ray --replicas 2) vs --data-parallel-size 2 on one machine", True),
     (lambda d: d.get("benchmark") == "lm_eval_mc", plot_lm_eval_mc,
      "lm-eval multiple choice through each engine (prefix caching on and off)", True),
     (lambda d: isinstance(d.get("ttft_s"), dict) and d.get("results") == [], plot_grammar_ttft,

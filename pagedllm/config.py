@@ -139,8 +139,13 @@ class KVEventsConfig:
     max_queue_size: int = 100_000
     topic: str = ""
     data_parallel_rank: int | None = None
+    # Ours: a block under a tenant's cache salt is announced without its token ids (its hashes
+    # still), so a subscriber never reads a tenant's prompt; true restores vLLM's behaviour.
+    salted_token_ids: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.salted_token_ids, bool):
+            raise ValueError(f"kv_events_config: salted_token_ids must be true or false, got {self.salted_token_ids!r}")
         if not isinstance(self.enable_kv_cache_events, bool):
             raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, "
                              f"got {self.enable_kv_cache_events!r}")

@@ -85,7 +85,7 @@ class LLMEngine:
         # vLLM's KV events for KV-aware routers (engine.kv_events), when configured.
         self.kv_events = start_publisher(cfg.kv_events_config, kv_medium(self.runner))
         if self.kv_events is not None:
-            self.kv.record_events()
+            self.kv.record_events(salted_token_ids=cfg.kv_events_config.salted_token_ids)
         self._weights = self.runner.weights
         self._check_pool_holds_max_model_len()
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)

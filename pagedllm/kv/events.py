@@ -50,14 +50,22 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass(slots=True)
 class KVEventLog:
-    """The events since the last take(), and the keys announced so far (key -> group)."""
+    """The events since the last take(), and the keys announced so far (key -> group).
+    salted_token_ids False: a block under a tenant's cache salt is announced without its
+    token ids (its keys still), so a subscriber never reads a tenant's prompt; a router
+    matching tokens could not match salted keys anyway."""
     block_size: int
+    salted_token_ids: bool = False
     events: list[KVEvent] = field(default_factory=list)
     announced: dict[int, int] = field(default_factory=dict)
 
-    def stored(self, group: int, keys: Sequence[int], parent: int | None, token_ids: Sequence[int]) -> None:
+    def stored(self, group: int, keys: Sequence[int], parent: int | None, token_ids: Sequence[int],
+               salted: bool = False) -> None:
         """A run of consecutive blocks (keys[i] holds token_ids[i*B:(i+1)*B]); those already
-        announced are left out, splitting the run where they sit."""
+        announced are left out, splitting the run where they sit. `salted`: under a tenant's
+        cache salt (its token ids are left out unless salted_token_ids)."""
+        if salted and not self.salted_token_ids:
+            token_ids = ()
         run: list[int] = []
         first = 0
         for i, key in enumerate(keys):
@@ -74,8 +82,8 @@ class KVEventLog:
         if run:
             B = self.block_size
             before = keys[first - 1] if first else parent
-            self.events.append(BlockStored(list(run), before, list(token_ids[first * B:(first + len(run)) * B]),
-                                           B, group))
+            tokens = list(token_ids[first * B:(first + len(run)) * B]) if token_ids else []
+            self.events.append(BlockStored(list(run), before, tokens, B, group))
 
     def removed(self, key: int) -> None:
         group = self.announced.pop(key, None)

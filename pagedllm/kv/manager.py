@@ -94,9 +94,10 @@ class KVCacheManager:
         wanted = self.listener is not None or self.connector is not None
         self.pool.on_evict = self._on_evict if wanted else None
 
-    def record_events(self, on: bool = True) -> None:
-        """Keep vLLM's KV events (kv.events) for take_events(); off, they cost nothing."""
-        self.events = KVEventLog(self.block_size) if on and self.enable_prefix_caching else None
+    def record_events(self, on: bool = True, salted_token_ids: bool = False) -> None:
+        """Keep vLLM's KV events (kv.events) for take_events(); off, they cost nothing.
+        salted_token_ids: announce a tenant-salted block's token ids too."""
+        self.events = KVEventLog(self.block_size, salted_token_ids) if on and self.enable_prefix_caching else None
         for g in self.groups:
             g.log = self.events
 

@@ -219,7 +219,8 @@ class GroupManager:
             j = i
             while j < end and table.block_ids[j] != RELEASED:
                 j += 1
-            self.log.stored(self.gid, keys[i:j], keys[i - 1] if i else None, token_ids[i * B:j * B])
+            self.log.stored(self.gid, keys[i:j], keys[i - 1] if i else None, token_ids[i * B:j * B],
+                            salted=table.hashes.salt is not None)
             i = j
 
     # -- sequences -----------------------------------------------------------

@@ -94,3 +94,17 @@ def test_a_busy_endpoint_is_named():
         KVEventsConfig(enable_kv_cache_events=True, topic=3)
     with pytest.raises(ValueError, match=r"kv_events_config: unknown keys \['endpoints'\]"):
         EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "endpoints": "tcp://*:5557"}')
+
+
+def test_a_tenants_blocks_are_announced_without_their_tokens():
+    from pagedllm.kv import KVCacheManager
+
+    kv = KVCacheManager(16, 4)
+    kv.record_events()
+    toks = list(range(9))
+    for seq, salt in ((0, "tenant-a"), (1, None)):
+        h = kv.new_hashes(salt)
+        kv.allocate_slots(seq, toks, len(toks), kv.lookup_prefix(toks, h), h)
+    salted, plain = kv.take_events()
+    assert len(salted.block_hashes) == 2 and salted.token_ids == []
+    assert plain.token_ids == toks[:8] and set(plain.block_hashes).isdisjoint(salted.block_hashes)

@@ -59,7 +59,7 @@ class TierMachine(RuleBasedStateMachine):
         self.kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(self.store, self.POLICY))
         self.replay = KVReplay(NUM_BLOCKS)
         self.kv.watch(self.replay.apply)
-        self.kv.record_events()
+        self.kv.record_events(salted_token_ids=True)   # every block's tokens, to check them against its key
         self.index: dict[int, None] = {}          # what a KV-aware router learns from the events
         self.slots: dict[int, tuple] = {}         # pool slot -> history written there
         self.tokens: dict[int, list[int]] = {}

@@ -15,14 +15,21 @@ LOCK = ROOT / "constraints.txt"
 
 
 def test_install_script_uses_this_python_and_asks_before_the_browser():
+    """apt-get only for what is missing: redis-server always, Chromium when asked."""
     text = INSTALL.read_text()
     commands = [line.strip() for line in text.splitlines() if not line.strip().startswith("#")]
     assert not [c for c in commands if re.match(r"(\|\|\s*)?pip3? ", c)], "bare pip: use python -m pip"
     assert "python -m pip install" in text
-    # apt-get runs only inside the --with-browser branch
-    branch_at = next(i for i, c in enumerate(commands) if c.startswith('if [ "$with_browser" = 1 ]'))
-    assert not [c for c in commands[:branch_at] if "apt-get" in c]
-    assert any("apt-get install" in c for c in commands[branch_at:])
+    # apt-get runs only where a package is missing: redis-server (a few MB, the Redis tier's tests
+    # need it) when it is not installed, Chromium (~330 MB) only inside the --with-browser branch
+    redis_at = next(i for i, c in enumerate(commands) if c.startswith("if ! command -v redis-server"))
+    browser_at = next(i for i, c in enumerate(commands) if c.startswith('if [ "$with_browser" = 1 ]'))
+    assert redis_at < browser_at
+    assert not [c for c in commands[:redis_at] if "apt-get" in c]
+    assert [c for c in commands[redis_at:browser_at] if "apt-get install" in c] == [
+        c for c in commands[redis_at:browser_at] if "apt-get" in c and "install" in c]
+    assert all("redis-server" in c for c in commands[redis_at:browser_at] if "apt-get install" in c)
+    assert any("apt-get install" in c and "chromium" in c for c in commands[browser_at:])
     assert not [c for c in commands if "pip install" in c and "triton" in c], "triton is an extra (CI installs it, see .ci/run)"
     # an unknown option stops before anything is installed
     r = subprocess.run(["bash", str(INSTALL), "--with-brwoser"], capture_output=True, text=True, timeout=30)

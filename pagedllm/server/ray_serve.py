@@ -18,8 +18,8 @@ prefixes spread by a hash ring), each replica holding a slot of the ring while i
 
 Run it:
     pagedllm serve --ray --replicas 2 [--min-replicas 1 --max-replicas 4] [engine and server flags]
-or with Serve's own CLI, from a config naming `pagedllm.server.ray_serve:app_builder` and the
-same flags as its args (`serve run pagedllm.server.ray_serve:app_builder model=...`).
+or with Serve's own CLI, from a config naming `pagedllm.ray_app:app_builder` and the same flags
+as its args (`serve run pagedllm.ray_app:app_builder model=...`).
 Every node needs PagedLLM installed and the model at the same path.
 """
 from __future__ import annotations
@@ -271,19 +271,6 @@ def application(cfg: EngineConfig, opts: ServerOptions, scaling: ReplicaScaling)
     ingress = serve.deployment(Ingress, name="Ingress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=max(opts.max_queue_len, 1) * 4)
     return ingress.bind(replicas.bind(cfg, opts))
-
-
-def app_builder(args: dict[str, Any]):
-    """For `serve run` / a Serve config: `args` are `pagedllm serve`'s flags by name
-    (model=..., replicas=2, max_num_seqs=64, ...)."""
-    from ..cli import build_parser, engine_config
-
-    argv = ["serve", "--ray"]
-    for k, v in args.items():
-        flag = "--" + k.replace("_", "-")
-        argv += [flag] if v is True else [] if v is False else [flag, str(v)]
-    parsed = build_parser().parse_args(argv)
-    return application(engine_config(parsed), server_options(parsed), scaling_of(parsed))
 
 
 def server_options(args) -> ServerOptions:

@@ -90,10 +90,9 @@ def test_tp2_one_rank_per_node_matches_tp1_then_a_killed_actor_is_named(cluster,
 
 
 def test_a_placement_the_cluster_cannot_give_is_named(cluster, tiny_model, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT_TIMEOUT", "3")
     import pagedllm.runtime.ray_launch as rl
 
-    monkeypatch.setattr(rl, "READY_TIMEOUT", 3.0)
+    monkeypatch.setattr(rl, "READY_TIMEOUT", 1.0)
     with pytest.raises(ValueError, match=r"cannot place 2 bundles of 2 CPU \(STRICT_SPREAD\)"):
         LLM(tiny_model, tensor_parallel_size=2, distributed_executor_backend="ray",
             ray_placement_strategy="STRICT_SPREAD", num_threads=2, dtype="float32", max_model_len=256)
@@ -168,3 +167,37 @@ def test_a_killed_replica_is_restarted_and_then_serves(served):
     with ThreadPoolExecutor(4) as pool:
         after = list(pool.map(lambda i: chat(served, 100 + i), range(8)))
     assert all(r.status_code == 200 for r in after), [r.text for r in after if r.status_code != 200]
+
+
+def test_serve_pieces_without_a_cluster(tiny_model):
+    """The app builder (a Serve config's import path) takes `pagedllm serve`'s flags; scaling is
+    fixed or autoscaled; the router reads a prompt's start; the health check fails a replica
+    whose engine can never step again."""
+    from ray.serve.config import AutoscalingConfig
+
+    from pagedllm.ray_app import app_builder
+    from pagedllm.server.ray_serve import EngineReplica, ReplicaScaling, routing_text
+
+    assert type(app_builder({"model": tiny_model, "min_replicas": 1, "max_replicas": 3})).__name__ == "Application"
+    assert ReplicaScaling(2).options() == {"num_replicas": 2}
+    auto = ReplicaScaling(1, 1, 3, 4.0).options()["autoscaling_config"]
+    assert isinstance(auto, AutoscalingConfig) and (auto.min_replicas, auto.max_replicas) == (1, 3)
+    with pytest.raises(ValueError, match="need 0 <= min <= max"):
+        ReplicaScaling(1, 4, 2).options()
+    chat = b'{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text", "text": "U"}]}]}'
+    assert routing_text(chat) == "system: S\nuser: U\n"
+    assert routing_text(b'{"prompt": "Hello"}') == "Hello" and routing_text(b'{"prompt": [1, 2]}') == "1 2"
+    assert routing_text(b"not json") == routing_text(b"[1]") == ""
+
+    class Dead:
+        error = WorkerDiedError("tensor-parallel rank 1 died")
+
+        def shutdown(self) -> None:
+            pass
+
+    replica = object.__new__(EngineReplica)
+    replica.engine = Dead()
+    with pytest.raises(RuntimeError, match="the engine failed: tensor-parallel rank 1 died"):
+        replica.check_health()
+    Dead.error = None
+    replica.check_health()

@@ -160,15 +160,16 @@ def test_random_proposals_never_change_greedy_output(make_llm, tiny_fp32, tiny_m
 def test_bf16_batch_invariant_greedy_is_the_same_with_speculation(make_llm, prompts, tiny_model):
     """In bf16 a change of batch shape moves matmul results by a rounding step, and drafts
     change the shapes; in batch-invariant mode (fixed reduction order, per row) greedy output
-    with speculation is bit-for-bit the plain engine's in bf16 too. Measured: 24 of 24.
+    with speculation is bit-for-bit the plain engine's in bf16 too (8 prompts of 40 tokens; the
+    measurement that set this was 24 of 24).
     Where the CPU emulates bf16 the check is of the mechanism only (fp32), on the tiny model."""
 
-    p = SamplingParams(temperature=0, max_tokens=48 if NATIVE_BF16 else 32)
+    p = SamplingParams(temperature=0, max_tokens=40 if NATIVE_BF16 else 32)
     outs = []
     for spec in (None, NGRAM):   # where the CPU emulates bf16, fp32 (FAST_DTYPE) on 6 of the prompts
         llm = make_llm(model=None if NATIVE_BF16 else tiny_model, dtype=FAST_DTYPE, batch_invariant=True,
                        max_model_len=1024, kv_cache_memory="128MiB", speculative_config=spec)
-        outs.append(_ids(llm.generate(prompts[:10 if NATIVE_BF16 else 6], p, use_tqdm=False)))
+        outs.append(_ids(llm.generate(prompts[:8 if NATIVE_BF16 else 6], p, use_tqdm=False)))
     assert outs[0] == outs[1]
     assert llm.engine.stats().spec.num_accepted_tokens > 20
 

@@ -1,5 +1,5 @@
-"""Ray over a two-node local cluster (ray.cluster_utils.Cluster: two raylets, no dashboard),
-started once for the module (~5 s, ~1 GB):
+"""Ray over a two-node local cluster (ray.cluster_utils.Cluster: two raylets of one CPU each,
+no dashboard), started once for the module (~5 s, ~1 GB):
 
 - tensor parallelism on Ray (`distributed_executor_backend="ray"`): TP=2 placed one rank per
   node gives TP=1's greedy tokens in fp32; a killed worker actor fails the next request with
@@ -26,34 +26,22 @@ PROMPTS = [[5, 17, 300, 4000, 12], list(range(100, 150)), list(range(1000, 1040)
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model):
-    """Two nodes of 3 logical CPUs (room for both Serve replicas and a TP rank on either), and
-    the Serve application deploying in the background from the start: its replicas load while
-    the TP tests run (`served` waits for it)."""
-    import threading
-
+def cluster():
     from ray.cluster_utils import Cluster
 
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    c.add_node(num_cpus=3)
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
     ray.init(address=c.address, include_dashboard=False, log_to_driver=False)
     c.wait_for_nodes()
-    deploying: dict = {}
-    thread = threading.Thread(target=_deploy, args=(tiny_model, deploying), daemon=True)
-    thread.start()
-    yield c, thread, deploying
-    thread.join()
-    from ray import serve
-
-    serve.shutdown()
+    yield c
     ray.shutdown()
     c.shutdown()
 
 
-def cpus_come_back(want: float, timeout: float = 15.0) -> bool:
-    """`want` CPUs free again (Ray removes a placement group asynchronously)."""
+def cpus_come_back(timeout: float = 15.0) -> bool:
+    """Both CPUs free again (Ray removes a placement group asynchronously)."""
     end = time.monotonic() + timeout
-    while ray.available_resources().get("CPU", 0) < want:
+    while ray.available_resources().get("CPU", 0) != 2:
         if time.monotonic() > end:
             return False
         time.sleep(0.2)
@@ -80,7 +68,6 @@ def tp1(tiny_model) -> list[list[int]]:
 
 def test_tp2_one_rank_per_node_matches_tp1_then_a_killed_actor_is_named(cluster, tiny_model, tp1):
     llm = on_ray(tiny_model)
-    pg = llm.engine._launcher.placement_group
     try:
         launcher = llm.engine._launcher
         assert len(set(launcher.nodes)) == 2, "STRICT_SPREAD: one rank per node"
@@ -93,14 +80,11 @@ def test_tp2_one_rank_per_node_matches_tp1_then_a_killed_actor_is_named(cluster,
         assert time.monotonic() - t0 < 30
     finally:
         llm.close()
-    # The engine took its placement group with it: a new engine places again.
-    end = time.monotonic() + 15
-    while ray.util.placement_group_table(pg)["state"] != "REMOVED":
-        assert time.monotonic() < end, "the placement group outlived its engine"
-        time.sleep(0.2)
+    # The placement group went with the engine: a new one is placed on the same two CPUs.
+    assert cpus_come_back()
     again = on_ray(tiny_model)
     try:
-        assert tokens(again)[:1] == tp1[:1]
+        assert tokens(again) == tp1
     finally:
         again.close()
 
@@ -109,47 +93,34 @@ def test_a_placement_the_cluster_cannot_give_is_named(cluster, tiny_model, monke
     import pagedllm.runtime.ray_launch as rl
 
     monkeypatch.setattr(rl, "READY_TIMEOUT", 1.0)
-    free = ray.available_resources().get("CPU", 0)
-    with pytest.raises(ValueError, match=r"cannot place 2 bundles of 4 CPU \(STRICT_SPREAD\)"):
+    with pytest.raises(ValueError, match=r"cannot place 2 bundles of 2 CPU \(STRICT_SPREAD\)"):
         LLM(tiny_model, tensor_parallel_size=2, distributed_executor_backend="ray",
-            ray_placement_strategy="STRICT_SPREAD", num_threads=4, dtype="float32", max_model_len=256)
-    assert cpus_come_back(free), "the unplaced group was removed"
+            ray_placement_strategy="STRICT_SPREAD", num_threads=2, dtype="float32", max_model_len=256)
+    assert cpus_come_back(), "the unplaced group was removed"
 
 
 # -- replicas on Ray Serve ----------------------------------------------------------------
 SYSTEM = "You are the warehouse's careful assistant. Answer with the record's figure only. " * 8
 
 
-def _deploy(model: str, out: dict) -> None:
-    """Two engine replicas of the tiny model behind the ingress, on a free port (in a thread:
-    serve.run returns once the replicas are up)."""
-    try:
-        from ray import serve
-
-        from pagedllm.cli import build_parser, engine_config
-        from pagedllm.server import ray_serve
-        from pagedllm.util import free_port
-
-        port = free_port()
-        args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--model", model,
-                                          "--served-model-name", "tiny", "--port", str(port), "--max-model-len",
-                                          "1024", "--num-threads", "1", "--dtype", "float32",
-                                          "--kv-cache-memory", "64MiB"])
-        app = ray_serve.application(engine_config(args), ray_serve.server_options(args), ray_serve.scaling_of(args))
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(app, name="pagedllm", route_prefix="/")
-        out["url"] = f"http://127.0.0.1:{port}"
-    except BaseException as e:  # the tests that need it fail with this
-        out["error"] = e
-
-
 @pytest.fixture(scope="module")
-def served(cluster) -> str:
-    _, thread, deploying = cluster
-    thread.join(300)
-    if "error" in deploying:
-        raise deploying["error"]
-    return deploying["url"]
+def served(cluster, tiny_model):
+    """Two engine replicas of the tiny model behind the ingress, on a free port."""
+    from ray import serve
+
+    from pagedllm.cli import build_parser, engine_config
+    from pagedllm.server import ray_serve
+    from pagedllm.util import free_port
+
+    port = free_port()
+    args = build_parser().parse_args(["serve", "--ray", "--replicas", "2", "--model", tiny_model,
+                                      "--served-model-name", "tiny", "--port", str(port), "--max-model-len", "1024",
+                                      "--num-threads", "1", "--dtype", "float32", "--kv-cache-memory", "64MiB"])
+    app = ray_serve.application(engine_config(args), ray_serve.server_options(args), ray_serve.scaling_of(args))
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(app, name="pagedllm", route_prefix="/")
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
 
 
 def chat(url: str, i: int) -> httpx.Response:

@@ -9,7 +9,8 @@ The wire is vLLM's (`vllm.distributed.kv_events`, 0.32):
 - with a replay_endpoint, a ROUTER socket answers a request [b"", start_seq (8 bytes)] with
   every buffered batch from start_seq on, then a frame of sequence -1.
 
-The engine thread only queues a batch; one background thread owns the sockets (ZMQ
+The engine thread only queues a step's events; one background thread makes them a batch,
+encodes it and owns the sockets (ZMQ
 sockets are not thread-safe) and sends. A full queue drops the batch with a warning: a slow
 subscriber never slows the engine.
 """
@@ -125,9 +126,8 @@ class ZmqEventPublisher:
         """Queue one step's events as a batch (nothing when there are none)."""
         if not events:
             return
-        batch = KVEventBatch(time.time(), [wire(e, self.medium) for e in events], self.cfg.data_parallel_rank)
-        try:
-            self._queue.put_nowait(batch)
+        try:   # made into vLLM's structs and encoded on the sender thread, not the engine's
+            self._queue.put_nowait((time.time(), events))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1000 == 0:
@@ -145,7 +145,9 @@ class ZmqEventPublisher:
             except queue.Empty:
                 batch = None
             if batch is not None:
-                payload = self._encoder.encode(batch)
+                ts, events = batch
+                payload = self._encoder.encode(KVEventBatch(ts, [wire(e, self.medium) for e in events],
+                                                            self.cfg.data_parallel_rank))
                 seq = self._seq
                 self._seq += 1
                 self._buffer.append((seq, payload))

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 
 import redis
 
-from .block_store import QueuedStore, TierStats, check, seal
+from .block_store import HEADER, QueuedStore, TierStats, check, seal
 
 logger = logging.getLogger(__name__)
 
@@ -130,21 +130,17 @@ class RedisStore(QueuedStore):
         with self._lock:
             self._remember(key)
             self.stats.read_blocks += 1
-        return data[len(data) - self.block_bytes:]
+        return data[HEADER.size:]
 
     def _remember(self, key: int) -> None:
         """(lock held) A key seen present; the set starts over at its cap."""
         if len(self._known) >= KNOWN_CAP:
             self._known.clear()
         self._known.add(key)
-        self.stats.blocks = len(self._known)
-        self.stats.bytes = self.stats.blocks * self.entry_bytes
 
     def _forget(self, key: int) -> None:
         with self._lock:
             self._known.discard(key)
-            self.stats.blocks = len(self._known)
-            self.stats.bytes = self.stats.blocks * self.entry_bytes
 
     # -- writes --------------------------------------------------------------
     def _write(self, key: int, parts: list) -> bool:
@@ -157,6 +153,15 @@ class RedisStore(QueuedStore):
             self._remember(key)
             self.stats.written_blocks += 1
         return True
+
+    def snapshot(self) -> TierStats:
+        """The counters; blocks and bytes are those this engine knows the store holds (a shared
+        server's total is its own)."""
+        s = super().snapshot()
+        with self._lock:
+            s.blocks = len(self._known)
+        s.bytes = s.blocks * self.entry_bytes
+        return s
 
     def close(self) -> None:
         super().close()

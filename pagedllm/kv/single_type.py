@@ -210,7 +210,7 @@ class GroupManager:
     def announce(self, table: BlockTable, token_ids: Sequence[int], start: int, end: int) -> None:
         """Tell the event log of blocks start..end-1 of a table (those it holds; the log skips
         the ones it announced before)."""
-        B, keys = self.block_size, self.keys(table.hashes, end)
+        B, keys, salt = self.block_size, table.hashes.keys, self.salt
         i = start
         while i < end:
             if table.block_ids[i] == RELEASED:
@@ -219,8 +219,8 @@ class GroupManager:
             j = i
             while j < end and table.block_ids[j] != RELEASED:
                 j += 1
-            self.log.stored(self.gid, keys[i:j], keys[i - 1] if i else None, token_ids[i * B:j * B],
-                            salted=table.hashes.salt is not None)
+            self.log.stored(self.gid, [k ^ salt for k in keys[i:j]], keys[i - 1] ^ salt if i else None,
+                            token_ids[i * B:j * B], salted=table.hashes.salt is not None)
             i = j
 
     # -- sequences -----------------------------------------------------------

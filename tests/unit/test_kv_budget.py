@@ -4,8 +4,6 @@ a share of free RAM. The CUDA arithmetic is checked with the device's memory fig
 stubbed, since this machine has no GPU."""
 from __future__ import annotations
 
-import gc
-import os
 import sys
 
 import pytest
@@ -86,50 +84,3 @@ def test_pool_is_advised_to_huge_pages_unless_turned_off(monkeypatch, wanted):
         assert pool.abs().sum().item() == 0
         assert _advised(pool, "hg") == (wanted == "1") and _advised(pool, "nh") == (wanted == "0")
         del pool
-
-
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_pool_is_faulted_in_at_start_up_unless_left_lazy(monkeypatch):
-    """A CPU pool is memory the kernel zeroes page by page. By default it is all faulted in at
-    start-up; with PAGEDLLM_KV_POPULATE=0 (the test suite's setting) a 256 MiB pool holds no RAM
-    until written, the pages written are held, reading untouched ones gives zeros, and the
-    memory goes back when the last view of the pool does."""
-    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
-    before = _rss()
-    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "1")
-    pool = kv_cache.allocate_pool((64, 2**20), torch.float32, torch.device("cpu"))   # 64 blocks of 4 MiB
-    assert _rss() - before >= 250 * 2**20, "the pool was not faulted in at start-up"
-    assert pool.abs().max().item() == 0
-    del pool
-    gc.collect()
-    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "0")
-    before = _rss()
-    pool = kv_cache.allocate_pool((64, 2**20), torch.float32, torch.device("cpu"))
-    assert _rss() - before < 16 * 2**20, "allocating the lazy pool wrote it"
-    pool[:16] = 1.0
-    assert _rss() - before >= 60 * 2**20, "a written quarter of the pool holds no memory"
-    assert pool[16:].abs().max().item() == 0 and pool[:16].min().item() == 1
-    view = pool[20]
-    del pool
-    gc.collect()
-    assert _rss() - before >= 60 * 2**20, "a view of the pool lost the memory under it"
-    del view
-    gc.collect()
-    assert _rss() - before < 16 * 2**20, "the pool's memory was not given back"
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
-def test_pools_are_faulted_in_together(monkeypatch):
-    """An engine's pools (a K and a V per layer) are faulted in on a few threads at once."""
-    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
-    monkeypatch.setenv("PAGEDLLM_KV_POPULATE", "0")
-    pools = [kv_cache.allocate_pool((16, 2**20), torch.float32, torch.device("cpu")) for _ in range(4)]  # 4 x 64 MiB
-    before = _rss()
-    kv_cache.populate_all(pools)
-    assert _rss() - before >= 250 * 2**20, "the pools were not faulted in"
-    assert all(p.abs().max().item() == 0 for p in pools)

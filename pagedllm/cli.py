@@ -448,6 +448,9 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
                          "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
+    sv.add_argument("--max-stored-responses", type=_number(int, 0), default=256, metavar="N",
+                    help="Responses API: the responses kept per tenant (API key) for previous_response_id, least "
+                         "recently used out, at most 64 MiB of them; 0 keeps none (default: %(default)s)")
     ray = sv.add_argument_group("replicas on Ray Serve (--ray)")
     ray.add_argument("--ray", action="store_true",
                      help="serve engine replicas on Ray Serve (on the cluster RAY_ADDRESS names, else a local one): "

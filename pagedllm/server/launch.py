@@ -29,6 +29,7 @@ from ..engine.engine import LLMEngine
 from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
 from .lora import parse_lora_modules, served_loras
+from .response_store import ResponseStore
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ServerOptions:
     enable_auto_tool_choice: bool      # tool_choice "auto": the output read by tool_call_parser
     tool_call_parser: str | None
     lora_modules: list[str] | None = None   # adapters served under their names (--enable-lora)
+    max_stored_responses: int = 256         # per tenant, for the Responses API's previous_response_id; 0: none
 
 
 class Attachment(Protocol):
@@ -117,6 +119,7 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
                             body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
                             tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
         state.loras = served_loras(async_engine.info, name, opts.lora_modules)
+        state.responses = ResponseStore(opts.max_stored_responses)
     except ValueError:
         async_engine.shutdown()
         raise

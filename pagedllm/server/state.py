@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.client import EngineClient
 from .lora import ServedLoRAs
 from .metrics import ServerMetrics
+from .response_store import ResponseStore
 from .shared_read import SharedRead
 from .tool_parsers import TOOL_PARSERS
 from .unsupported import unsupported_field
@@ -65,13 +66,15 @@ class ServerState:
         self.walk_slots = SharedRead(engine.get_stats, SLOT_WALK_TTL_S)
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
         self.loras = ServedLoRAs(model_name, None, False)   # launch.build sets the served ones
+        self.responses = ResponseStore(0)   # launch.build sets the server's (Responses API: store)
 
     # -- request checks ------------------------------------------------------
     def authenticate(self, request: Request, query_key: bool = False) -> str | None:
         """The caller's API key (None when the server has none). query_key also takes
         ?api_key=, for clients that cannot set headers (a browser's EventSource)."""
         auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        # Anthropic's clients send their key as x-api-key
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
         if not key and query_key:
             key = request.query_params.get("api_key", "")
         if self.is_admin(key):
@@ -79,7 +82,7 @@ class ServerState:
         if not self.api_keys:
             return None
         if not any(hmac.compare_digest(key.encode(), k) for k in self.api_keys):
-            how = "Authorization: Bearer <key>" + (", or ?api_key=<key>" if query_key else "")
+            how = "Authorization: Bearer <key> or x-api-key: <key>" + (", or ?api_key=<key>" if query_key else "")
             raise APIError(401, f"invalid or missing API key ({how})", "authentication_error")
         return key
 

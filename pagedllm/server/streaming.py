@@ -8,8 +8,9 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -24,10 +25,23 @@ from .state import APIError, ServerState
 from .tool_output import ChoiceCalls, ToolOutput
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
-async def serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
-                key: str | None, chat: bool, echo: list[str] | None = None, tools: ToolOutput | None = None):
+@dataclass
+class Submitted:
+    """A prepared request queued on the engine: its id, its outputs (merged over its prompts,
+    as (prompt index, output); closing them aborts what is still running) and the served
+    adapter's name, if it names one."""
+    rid: str
+    merged: AsyncIterator[tuple[int, RequestOutput]]
+    lora_name: str | None
+
+
+async def submit(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
+                 key: str | None) -> Submitted:
+    """Queue every prompt of a prepared request (chat's, completions', or another API's made
+    into chat's) on the engine; APIError (503, 400) when it refuses one, the others aborted."""
     engine = state.engine
     if isinstance(params, SamplingParams):  # a stream writes what is new; a response needs only the end
         params.output_kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
@@ -51,25 +65,42 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         for s in streams:
             await s.aclose()
         raise APIError(400, str(e)) from None
-    resp = ResponseBuilder(state, req, rid, chat, params.n, echo, tools, lora.lora_name if lora else None)
     # A client that leaves (before its first token, too: a long prefill sends nothing)
     # aborts its requests and frees their blocks before the next step.
     merged = until(_merge(streams), _wait_disconnect(request), ClientGone)
-    if req.stream:
-        return StreamingResponse(resp.sse(merged), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Submitted(rid, merged, lora.lora_name if lora else None)
+
+
+async def whole(collect: Awaitable[T]) -> T:
+    """A whole (not streamed) answer's collection, its failures as APIErrors (ClientGone
+    passes: nobody is left to answer)."""
     try:
-        # Plain JSON types already: a JSONResponse spares FastAPI's jsonable_encoder walking a
-        # response of thousands of prompt-logprob entries (on the event loop, under the GIL).
-        return JSONResponse(await resp.collect(merged))
-    except ClientGone:
-        return Response(status_code=499)
+        return await collect
     except RequestFailedError as e:
         raise APIError(500, str(e), "internal_error") from None
     except EngineDeadError as e:
         raise APIError(503, str(e), "service_unavailable") from None
     except ValueError as e:  # any other refusal of the engine loop's add names what is wrong
         raise APIError(400, str(e)) from None
+
+
+async def serve(state: ServerState, request: Request, req, prefix: str, prompts: list[list[int]], params,
+                key: str | None, chat: bool, echo: list[str] | None = None, tools: ToolOutput | None = None):
+    sub = await submit(state, request, req, prefix, prompts, params, key)
+    resp = ResponseBuilder(state, req, sub.rid, chat, params.n, echo, tools, sub.lora_name)
+    if req.stream:
+        return event_stream(resp.sse(sub.merged))
+    try:
+        # Plain JSON types already: a JSONResponse spares FastAPI's jsonable_encoder walking a
+        # response of thousands of prompt-logprob entries (on the event loop, under the GIL).
+        return JSONResponse(await whole(resp.collect(sub.merged)))
+    except ClientGone:
+        return Response(status_code=499)
+
+
+def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 class ClientGone(Exception):
@@ -190,45 +221,12 @@ class ResponseBuilder:
         return completion_logprobs(entries or [], self.req.logprobs, offset)
 
     async def sse(self, merged) -> AsyncIterator[str]:
-        """One chunk per new piece of each choice, as the engine's DELTA outputs give them:
-        their text is already safe to send (no partial stop string, no broken character)."""
-        opened: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
-        prompt_lps: dict[int, list] = {}  # per prompt: its logprob entries, which arrive in pieces
-        offsets: dict[int, int] = {}      # per choice: where its next token's text starts
-        calls: dict[int, ChoiceCalls] = {}  # per choice: its text read for tool calls
-        chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
+        """Chat's or completions' stream: `chunks` as SSE data lines, then [DONE]; an error
+        after the headers went out travels as an error event."""
+        opts = self.req.stream_options
         try:
-            async for i, out in until_closing(merged, self.state.closing):
-                if out.finished:
-                    finals[i] = out
-                if out.prompt_logprobs:
-                    prompt_lps.setdefault(i, []).extend(out.prompt_logprobs)
-                for c in out.outputs:
-                    idx = self._index(i, c)
-                    done = c.finish_reason is not None
-                    if idx not in opened:
-                        opened.add(idx)
-                        if self.chat:  # OpenAI opens each choice with the assistant role
-                            yield self._chunk(chunk_obj, idx, {"role": "assistant", "content": ""}, None, None)
-                        elif self.echo:  # the prompt comes first, in a chunk of its own
-                            yield self._echo_chunk(chunk_obj, idx, i, out, prompt_lps.get(i))
-                            offsets[idx] = len(self.echo[i])
-                    if self.prompt_only:  # the token run for it is nobody's answer
-                        if done:
-                            yield self._chunk(chunk_obj, idx, "", "length", None)
-                        continue
-                    delta, finish = c.text, c.finish_reason
-                    if self.tools is not None:
-                        delta, finish = self._tool_delta(calls, idx, c.text, finish)
-                    if not delta and not done and not c.logprobs:
-                        continue
-                    yield self._chunk(chunk_obj, idx, delta, finish, self._delta_logprobs(c, idx, offsets),
-                                      c.stop_reason if done else None)
-            opts = self.req.stream_options
-            if opts is not None and opts.include_usage:
-                yield _sse({"id": self.rid, "object": chunk_obj, "created": self.created,
-                            "model": self.model, "choices": [], "usage": self.usage(finals)})
+            async for chunk in self.chunks(merged, usage=opts is not None and opts.include_usage):
+                yield _sse(chunk)
             yield "data: [DONE]\n\n"
         except ServerClosing as e:  # the shutdown grace is over: end cleanly, the requests aborted
             yield _sse({"error": {"message": str(e), "type": "service_unavailable", "param": None, "code": 503}})
@@ -239,6 +237,47 @@ class ResponseBuilder:
             logger.warning("stream %s failed: %s", self.rid, e)
             yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
             yield "data: [DONE]\n\n"
+
+    async def chunks(self, merged, usage: bool = False) -> AsyncIterator[dict]:
+        """One chunk per new piece of each choice, as the engine's DELTA outputs give them:
+        their text is already safe to send (no partial stop string, no broken character).
+        usage: a last chunk with no choices and the usage. Failures are raised: each API
+        tells its client in its own stream's terms (ServerClosing, ClientGone, others)."""
+        opened: set[int] = set()
+        finals: dict[int, RequestOutput] = {}
+        prompt_lps: dict[int, list] = {}  # per prompt: its logprob entries, which arrive in pieces
+        offsets: dict[int, int] = {}      # per choice: where its next token's text starts
+        calls: dict[int, ChoiceCalls] = {}  # per choice: its text read for tool calls
+        chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
+        async for i, out in until_closing(merged, self.state.closing):
+            if out.finished:
+                finals[i] = out
+            if out.prompt_logprobs:
+                prompt_lps.setdefault(i, []).extend(out.prompt_logprobs)
+            for c in out.outputs:
+                idx = self._index(i, c)
+                done = c.finish_reason is not None
+                if idx not in opened:
+                    opened.add(idx)
+                    if self.chat:  # OpenAI opens each choice with the assistant role
+                        yield self._chunk(chunk_obj, idx, {"role": "assistant", "content": ""}, None, None)
+                    elif self.echo:  # the prompt comes first, in a chunk of its own
+                        yield self._echo_chunk(chunk_obj, idx, i, out, prompt_lps.get(i))
+                        offsets[idx] = len(self.echo[i])
+                if self.prompt_only:  # the token run for it is nobody's answer
+                    if done:
+                        yield self._chunk(chunk_obj, idx, "", "length", None)
+                    continue
+                delta, finish = c.text, c.finish_reason
+                if self.tools is not None:
+                    delta, finish = self._tool_delta(calls, idx, c.text, finish)
+                if not delta and not done and not c.logprobs:
+                    continue
+                yield self._chunk(chunk_obj, idx, delta, finish, self._delta_logprobs(c, idx, offsets),
+                                  c.stop_reason if done else None)
+        if usage:
+            yield {"id": self.rid, "object": chunk_obj, "created": self.created, "model": self.model,
+                   "choices": [], "usage": self.usage(finals)}
 
     def _tool_delta(self, calls: dict[int, ChoiceCalls], idx: int, text: str,
                     finish: str | None) -> tuple[dict, str | None]:
@@ -268,11 +307,11 @@ class ResponseBuilder:
         offsets[idx] = offsets.get(idx, 0) + sum(map(len, lps["tokens"]))
         return lps
 
-    def _echo_chunk(self, obj: str, idx: int, i: int, out: RequestOutput, entries: list | None) -> str:
+    def _echo_chunk(self, obj: str, idx: int, i: int, out: RequestOutput, entries: list | None) -> dict:
         lps = self._echo_logprobs(out.prompt_token_ids, entries) if self.req.logprobs is not None else None
         return self._chunk(obj, idx, self.echo[i], None, lps)
 
-    def _chunk(self, obj: str, idx: int, delta, finish, lps: dict | None, stop_reason=None) -> str:
+    def _chunk(self, obj: str, idx: int, delta, finish, lps: dict | None, stop_reason=None) -> dict:
         """lps: the logprobs object already in the endpoint's shape."""
         choice: dict[str, Any] = {"index": idx, "finish_reason": finish}
         if self.chat:
@@ -282,8 +321,7 @@ class ResponseBuilder:
         choice["logprobs"] = lps
         if finish is not None:
             choice["stop_reason"] = stop_reason
-        return _sse({"id": self.rid, "object": obj, "created": self.created, "model": self.model,
-                     "choices": [choice]})
+        return {"id": self.rid, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
 
 
 def _joined(a: dict | None, b: dict) -> dict:

@@ -89,6 +89,17 @@ def tiny_server(tiny_flags):
 
 
 @pytest.fixture(scope="session")
+def tool_server():
+    """The default model's server reading tool calls (--enable-auto-tool-choice --tool-call-parser
+    hermes), in process: what the chat, Responses and Messages APIs' tool tests share."""
+    from .inproc import serve_in_process
+
+    s = serve_in_process("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
 def socket_server(tmp_path_factory):
     """The default server as a process of its own, for what needs a socket."""
     s = start_server(tmp_path_factory)

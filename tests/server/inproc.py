@@ -53,6 +53,20 @@ class InProcessServer:
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, http_client=self.client(), **kw)
 
+    def anthropic(self, api_key: str = "none", **kw):
+        """The anthropic client, whose HTTP library is httpx2 (a transport of its own kind)."""
+        import anthropic
+        import httpx2
+
+        http = httpx2.Client(transport=Httpx2Transport(self.transport), base_url=self.url, timeout=300)
+        return anthropic.Anthropic(base_url=self.url, api_key=api_key, http_client=http, **kw)
+
+    def async_openai(self, api_key: str = "none", **kw):
+        import openai
+
+        http = httpx.AsyncClient(transport=AsyncASGITransport(self.built.app, self.loop), base_url=self.url)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=api_key, http_client=http, **kw)
+
     @property
     def engine(self):
         return self.built.async_engine
@@ -85,3 +99,29 @@ def serve_in_process(*flags: str, engine=None) -> InProcessServer:
 
 async def _build(build, cfg, opts, attach, engine):
     return build(cfg, opts, attach, engine=engine)
+
+
+class AsyncASGITransport(httpx.AsyncBaseTransport):
+    """For async clients on an event loop of their own (the openai-agents SDK's): each request
+    runs on the server's loop and is awaited from the caller's."""
+
+    def __init__(self, app, loop: asyncio.AbstractEventLoop) -> None:
+        self.inner, self.loop = SyncASGITransport(app, loop), loop
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        sync = httpx.Request(request.method, request.url, headers=request.headers, content=body)
+        resp = await asyncio.get_running_loop().run_in_executor(None, self.inner.handle_request, sync)
+        return httpx.Response(resp.status_code, headers=resp.headers, content=resp.content, request=request)
+
+
+def Httpx2Transport(inner: SyncASGITransport):
+    """SyncASGITransport for clients built on httpx2 (the anthropic client's)."""
+    import httpx2
+
+    class Transport(httpx2.BaseTransport):
+        def handle_request(self, request):
+            sync = httpx.Request(request.method, str(request.url), headers=request.headers.raw, content=request.read())
+            resp = inner.handle_request(sync)
+            return httpx2.Response(resp.status_code, headers=resp.headers.raw, content=resp.content, request=request)
+    return Transport()

@@ -14,7 +14,6 @@ import pytest
 from pydantic import BaseModel
 
 from .conftest import MODEL
-from .inproc import serve_in_process
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
@@ -28,13 +27,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
          {"type": "function", "function": {"name": "get_time", "description": "Time in a zone",
                                            "parameters": TIME_PARAMS}}]
 PARAMS = {"get_weather": WEATHER_PARAMS, "get_time": TIME_PARAMS}
-
-
-@pytest.fixture(scope="module")
-def tool_server():
-    s = serve_in_process("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
-    yield s
-    s.close()
 
 
 @pytest.fixture(scope="module")

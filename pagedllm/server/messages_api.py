@@ -1,0 +1,86 @@
+"""POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens.
+
+As /v1/responses does, a request becomes a chat completion request (messages_request.py)
+and its chat answer becomes Anthropic's shapes (messages_output.py). Errors, those of the
+shared steps too, are answered in Anthropic's error shape, which its clients read."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .http import ServerClosing
+from .messages_output import MessageEvents, MessageShape, error_response, new_id
+from .messages_request import CHAT_TO_MESSAGES, MessagesRequest, chat_body, refused_field
+from .prepare import check_structured, prepare_chat, renamed
+from .state import APIError, ServerState
+from .streaming import ClientGone, ResponseBuilder, event_stream, submit, whole
+from .structured import FieldError
+
+
+async def create_message(state: ServerState, request: Request):
+    try:
+        return await _create(state, request)
+    except APIError as e:
+        return error_response(e.status, e.message)
+
+
+async def count_tokens(state: ServerState, request: Request):
+    try:
+        state.authenticate(request)
+        body = await state.read_json(request)
+        body = {**body, "max_tokens": 1} if isinstance(body, dict) else body   # not a field of this request
+        _, _, _, prompts, _ = await state.off_loop(_prepare, state, body)
+        return JSONResponse({"input_tokens": len(prompts[0])})
+    except APIError as e:
+        return error_response(e.status, e.message)
+
+
+async def _create(state: ServerState, request: Request):
+    key = state.authenticate(request)
+    body = await state.read_json(request)
+    req, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body)
+    try:
+        await check_structured(state, chat_req, params)
+    except APIError as e:
+        raise renamed(e, CHAT_TO_MESSAGES) from None
+    sub = await submit(state, request, chat_req, "msg", prompts, params, key)
+    builder = ResponseBuilder(state, chat_req, sub.rid, True, 1, None, tools, sub.lora_name)
+    shape = MessageShape(new_id(), builder.model, len(prompts[0]))
+    if req.stream:
+        return event_stream(_stream(shape, builder, sub.merged))
+    try:
+        return JSONResponse(shape.whole(await whole(builder.collect(sub.merged))))
+    except ClientGone:
+        return Response(status_code=499)
+
+
+async def _stream(shape: MessageShape, builder: ResponseBuilder, merged):
+    events = MessageEvents(shape)
+    for e in events.start():
+        yield e
+    try:
+        async for e in events.events(builder.chunks(merged, usage=True)):
+            yield e
+    except ServerClosing as e:
+        yield events.failed(503, str(e))
+    except ClientGone:
+        return
+    except Exception as e:  # after the headers went out, errors travel in the stream
+        yield events.failed(500, str(e))
+
+
+def _prepare(state: ServerState, body: Any):
+    req: MessagesRequest = state.parse(MessagesRequest, body)
+    refused = refused_field(body)
+    if refused is not None:
+        raise APIError(400, f"{refused}: not supported by this server; leave it out", param=refused)
+    try:
+        chat = chat_body(req, req.custom_tools())
+        chat_req, params, prompts, tools = prepare_chat(state, chat)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except APIError as e:
+        raise renamed(e, CHAT_TO_MESSAGES) from None
+    return req, chat_req, params, prompts, tools

@@ -1,0 +1,126 @@
+"""POST /v1/responses (OpenAI's Responses API), with GET and DELETE of a stored response.
+
+A request is made into a chat completion request (responses_request.py), prepared, checked
+and queued exactly as one (prepare.py, streaming.submit), and its chat answer, whole or
+streamed, made into the Responses shapes (responses_output.py). With `store` (the default,
+as OpenAI's) the conversation is kept for `previous_response_id`, per tenant
+(response_store.py)."""
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from .http import ServerClosing
+from .prepare import check_structured, prepare_chat, renamed
+from .response_store import StoredResponse
+from .responses_output import ResponsesEvents, ResponseShape, assistant_messages, new_id
+from .responses_request import (CHAT_TO_RESPONSES, ResponsesRequest, chat_body, conversation_bytes, input_messages,
+                                refused_field)
+from .state import APIError, ServerState
+from .streaming import ClientGone, ResponseBuilder, event_stream, submit, whole
+from .structured import FieldError
+
+
+async def create_response(state: ServerState, request: Request):
+    key = state.authenticate(request)
+    body = await state.read_json(request)
+    req, convo, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body, key)
+    try:
+        await check_structured(state, chat_req, params)
+    except APIError as e:
+        raise renamed(e, CHAT_TO_RESPONSES) from None
+    sub = await submit(state, request, chat_req, "resp", prompts, params, key)
+    builder = ResponseBuilder(state, chat_req, sub.rid, True, 1, None, tools, sub.lora_name)
+    shape = ResponseShape(req, new_id("resp"), builder.model, [dict(t, type="function") for t in
+                                                                 _tool_dicts(chat_req)])
+    tenant = state.tenant(key)
+
+    def keep(response: dict) -> None:
+        if req.store:
+            messages = convo + assistant_messages(response["output"])
+            state.responses.put(tenant, response["id"], StoredResponse(response, messages,
+                                                                       conversation_bytes(messages)))
+
+    if req.stream:
+        return event_stream(_stream(shape, builder, sub.merged, keep))
+    try:
+        response = shape.whole(await whole(builder.collect(sub.merged)))
+    except ClientGone:
+        return Response(status_code=499)
+    keep(response)
+    return JSONResponse(response)
+
+
+async def _stream(shape: ResponseShape, builder: ResponseBuilder, merged, keep):
+    events = ResponsesEvents(shape)
+    for e in events.start():
+        yield e
+    try:
+        async for e in events.events(builder.chunks(merged, usage=True)):
+            yield e
+    except ServerClosing as e:
+        yield events.failed(str(e), "server_shutting_down")
+        return
+    except ClientGone:
+        return
+    except Exception as e:  # after the headers went out, errors travel in the stream
+        yield events.failed(str(e), "server_error")
+        return
+    if events.final is not None:
+        keep(events.final)
+
+
+def get_response(state: ServerState, request: Request, response_id: str) -> dict:
+    stored = state.responses.get(state.tenant(state.authenticate(request)), response_id)
+    if stored is None:
+        raise _not_found(response_id)
+    return stored.response
+
+
+def delete_response(state: ServerState, request: Request, response_id: str) -> dict:
+    if not state.responses.delete(state.tenant(state.authenticate(request)), response_id):
+        raise _not_found(response_id)
+    return {"id": response_id, "object": "response", "deleted": True}
+
+
+def _not_found(response_id: str) -> APIError:
+    # Another tenant's response is not found either: whether an id exists is not told across keys.
+    return APIError(404, f"no stored response with id {response_id!r}", "NotFoundError", "response_id")
+
+
+# -- preparation, on the worker threads ------------------------------------------------
+def _prepare(state: ServerState, body: Any, key: str | None):
+    req: ResponsesRequest = state.parse(ResponsesRequest, body)
+    refused = refused_field(body)
+    if refused is not None:
+        raise APIError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
+    try:
+        history = _history(state, req, key)
+        convo = history + input_messages(req.input)
+        chat = chat_body(req, convo, req.function_tools())
+        chat_req, params, prompts, tools = prepare_chat(state, chat)
+    except FieldError as e:
+        raise APIError(400, str(e), param=e.param) from None
+    except APIError as e:
+        raise renamed(e, CHAT_TO_RESPONSES) from None
+    return req, convo, chat_req, params, prompts, tools
+
+
+def _history(state: ServerState, req: ResponsesRequest, key: str | None) -> list[dict]:
+    rid = req.previous_response_id
+    if rid is None:
+        return []
+    if not state.responses.enabled:
+        raise APIError(400, "previous_response_id: this server keeps no responses (--max-stored-responses 0); "
+                            "send the whole conversation as input", param="previous_response_id")
+    stored = state.responses.get(state.tenant(key), rid)
+    if stored is None:
+        raise APIError(400, f"previous_response_id: no stored response with id {rid!r} (made with store: false, "
+                            "evicted, deleted, or never made)", param="previous_response_id")
+    return [dict(m) for m in stored.messages]
+
+
+def _tool_dicts(chat_req) -> list[dict]:
+    return [t.function.model_dump(exclude_none=True) for t in chat_req.tools or []]

@@ -91,6 +91,27 @@ def llm(llm_fp32):
     return llm_fp32  # the session's fp32 engine: one model load less
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+ASKED = ["Describe a person.", "Tell me about your friend.", "Who is Ada Lovelace?", "Make up a character.",
+         "Give me a JSON profile.", "Introduce yourself.", "Describe a teacher.", "Who is your hero?",
+         "Invent a pirate.", "Describe a chef.", "A person who likes music.", "Describe an athlete.",
+         "Write about a scientist.", "Who lives next door?", "Describe a child.", "A famous painter."]
+
+
+def test_json_answers_end_within_their_budget(llm):
+    """Short chat prompts under a schema, as a new user asks them: with JSON's whitespace
+    unbounded (xgrammar's default, and vLLM's), 2 of these 16 greedy answers were newlines
+    until max_tokens cut them, invalid; bounded (20 a run, llama.cpp's bound), all end."""
+    prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in ASKED]
+    outs = llm.generate(prompts, _json_params(PERSON, temperature=0, max_tokens=120), use_tqdm=False)
+    for out in outs:
+        c = out.outputs[0]
+        assert c.finish_reason == "stop", (c.finish_reason, c.text)
+        _valid(PERSON, c.text)
+        assert max(map(len, re.findall(r"\s+", c.text)), default=0) <= 20, c.text
+
+
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
 def test_every_output_validates_against_its_schema(llm, sampled):
     """24 schemas in one batch: nested objects, bounded arrays, enums, optional fields,

@@ -41,6 +41,23 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: per prompt token, its logprob given the tokens before
     # it, then the top k (vLLM's shape); None for the first token, which nothing predicts.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # With SamplingParams.embed: the prompt's embedding (the last token's final hidden state).
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """vLLM's LLM.embed output: a prompt's embedding (`outputs.embedding`)."""
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
+    num_cached_tokens: int = 0
+    finished: bool = True
 
 
 @dataclass

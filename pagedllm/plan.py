@@ -160,3 +160,5 @@ class StepResult:
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     # Speculative decoding: each proposing sequence's draft tokens for its next step.
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    # SamplingParams.embed: the prompt's last hidden state, float32, by the seq that sampled after it.
+    embeddings: dict[int, array] = field(default_factory=dict)

@@ -93,6 +93,10 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Constrained decoding: every output token keeps the output a prefix of a match.
     structured_outputs: StructuredOutputsParams | None = None
+    # Pooling: the prompt's embedding in RequestOutput.embedding, the decoder's last hidden state
+    # (after its final norm) at the prompt's last token. It rides on the prefill of a one-token
+    # generation, so a cached prefix is not computed again (LLM.embed and /v1/embeddings set it).
+    embed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +117,9 @@ class SamplingParams:
             return ValueError(f"{name} must be {rule}, got {getattr(self, name)!r}")
         if not _int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
+        if self.embed is not False and (self.embed is not True or self.n != 1 or self.best_of not in (None, 1)):
+            raise ValueError(f"embed must be a boolean, with n 1 (one embedding a prompt), got embed={self.embed!r} "
+                             f"n={self.n!r}")
         if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise bad("temperature", "a finite number >= 0")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:

@@ -8,7 +8,8 @@ from tqdm.auto import tqdm
 
 from ..config import EngineConfig
 from ..lora.request import LoRARequest
-from ..outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from ..outputs import BeamSearchOutput, BeamSearchSequence, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from ..pooling import pooled
 from ..sampling_params import BeamSearchParams, SamplingParams
 from .engine import LLMEngine
 from .stats import EngineStats
@@ -96,6 +97,18 @@ class LLM:
                 self.engine.abort_request(rid)
             raise ValueError(f"prompt {len(ids)}: {e}") from None
         return self._run(ids, use_tqdm)
+
+    def embed(self, prompts: Prompt | Seq[Prompt], use_tqdm: bool = True, normalize: bool = True,
+              cache_salt: str | None = None) -> list[EmbeddingRequestOutput]:
+        """vLLM's LLM.embed for a decoder: each prompt's last-token pooling (its last hidden
+        state after the final norm), L2-normalized unless normalize=False. The prompt is
+        prefilled as any other (a cached prefix is not computed again); its one sampled
+        token is dropped. Sensible for embedding models with last-token pooling (Qwen3-Embedding,
+        gte-Qwen2, e5-mistral); a chat model's vectors are its last state, not trained to embed."""
+        params = SamplingParams(max_tokens=1, temperature=0, embed=True)
+        outs = self._generate(prompts, params, use_tqdm, cache_salt, add_special_tokens=True)
+        return [EmbeddingRequestOutput(o.request_id, o.prompt_token_ids, EmbeddingOutput(
+            pooled(o.embedding, normalize)), o.num_cached_tokens) for o in outs]
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None,

@@ -176,7 +176,8 @@ class OutputProcessor:
             return None
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              req.num_cached_tokens, self._metrics(req, [s.num_output_tokens for s in seqs]),
-                             req.error, self._prompt_logprobs(req, delta))
+                             req.error, self._prompt_logprobs(req, delta),
+                             req.embedding.tolist() if req.embedding is not None and req.finished else None)
 
     def _delta(self, index: int, seq: Sequence, st: _SeqText, cumulative: float | None) -> CompletionOutput | None:
         """What is new of one sequence since its last output; None if nothing is."""

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,7 @@ class Request:
     # 0 has none), at the k kept beside cached blocks (the output processor cuts to the
     # request's).
     prompt_scores: PromptScores | None = None
+    embedding: array | None = None   # SamplingParams.embed: the prompt's last hidden state, once computed
     # Structured outputs: the grammar's compile (a Future of structured.compiler.Grammar)
     # and, once it is done, the grammar. The request waits in the queue until then.
     compiling: Any = None

@@ -516,6 +516,7 @@ class ModelRunner:
             out.accepted, out.tokens, errors = verify(logits, checks, self.eos_token_ids, self.generators)
             out.errors.update(errors)
         if sample_rows:
+            self._embeddings(sample_rows, out)
             rows = logits if not checks else logits[torch.tensor([i for i, _ in sample_rows], device=logits.device)]
             tokens, out.logprobs, errors = sample(rows, [t for _, t in sample_rows], self.model.ops.k,
                                                   self.eos_token_ids, self.generators)
@@ -526,6 +527,15 @@ class ModelRunner:
         if self.proposer is not None:
             out.drafts = self.proposer.propose(plan, out)
         return out
+
+    def _embeddings(self, sample_rows: list, out: StepResult) -> None:
+        """The prompt's last hidden state of each row sampling for a request that asked for its
+        embedding (its one row samples after the prompt's last token: a pooling request's
+        only generated token, which nobody reads)."""
+        for i, targets in sample_rows:
+            if targets[0].params.embed:
+                vec = self._sampled_hidden[i].float().cpu().numpy()
+                out.embeddings[targets[0].seq_id] = array("f", vec.tobytes())
 
     @staticmethod
     def _constrained(sample_rows: list, checks: list[Verify]) -> list[GrammarRow]:
@@ -639,8 +649,9 @@ class ModelRunner:
         scores = self._score_prompt(hidden, step) if step.score_rows else []
         if not step.logit_rows:
             return None, scores
-        logits = self.model.compute_logits(hidden[torch.tensor(step.logit_rows, device=hidden.device)])
-        return self.tp.gather_vocab(logits), scores
+        rows = hidden[torch.tensor(step.logit_rows, device=hidden.device)]
+        self._sampled_hidden = rows   # the rows' hidden states, for the embeddings asked for (execute)
+        return self.tp.gather_vocab(self.model.compute_logits(rows)), scores
 
     def _score_prompt(self, hidden: torch.Tensor, step: StepInputs) -> list[torch.Tensor]:
         """Each scored row's next prompt token: [its logprob, its rank, the top-k ids, their

@@ -19,6 +19,7 @@ from .info import model_info, server_info
 from .lora import RUNTIME_FLAG, runtime_updates_allowed
 from .messages_api import count_tokens, create_message
 from .messages_request import MessagesRequest
+from .pooling_api import EmbeddingRequest, RerankRequest, ScoreRequest, embeddings, rerank, score
 from .prepare import check_structured, detokenize_body, prepare_chat, prepare_completion, tokenize_body
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import create_response, delete_response, get_response
@@ -39,6 +40,7 @@ def create_app(state: ServerState) -> FastAPI:
     _add_generation_routes(app, state)
     _add_responses_routes(app, state)
     _add_messages_routes(app, state)
+    _add_pooling_routes(app, state)
     _add_token_routes(app, state)
     app.openapi = lambda: _openapi(app)
     return app
@@ -165,6 +167,23 @@ def _add_messages_routes(app: FastAPI, state: ServerState) -> None:
         return await count_tokens(state, request)
 
 
+def _add_pooling_routes(app: FastAPI, state: ServerState) -> None:
+    @app.post("/v1/embeddings", openapi_extra=_body(EmbeddingRequest))
+    async def embeddings_route(request: Request):
+        return await embeddings(state, request)
+
+    @app.post("/score", openapi_extra=_body(ScoreRequest))
+    @app.post("/v1/score", include_in_schema=False)
+    async def score_route(request: Request):
+        return await score(state, request)
+
+    @app.post("/rerank", openapi_extra=_body(RerankRequest))
+    @app.post("/v1/rerank", include_in_schema=False)
+    @app.post("/v2/rerank", include_in_schema=False)
+    async def rerank_route(request: Request):
+        return await rerank(state, request)
+
+
 def _add_token_routes(app: FastAPI, state: ServerState) -> None:
     @app.post("/tokenize", openapi_extra=_body(TokenizeCompletionRequest, TokenizeChatRequest))
     async def tokenize_route(request: Request):
@@ -179,8 +198,8 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         return await state.off_loop(detokenize_body, state, body)
 
 
-BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest, TokenizeCompletionRequest,
-          TokenizeChatRequest, DetokenizeRequest)
+BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest, EmbeddingRequest,
+          ScoreRequest, RerankRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
 
 
 def _body(*models: type[BaseModel]) -> dict:

@@ -448,6 +448,12 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
                          "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
+    from .server.reasoning_parsers import REASONING_PARSERS
+
+    sv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
+                    help="split a reasoning model's <think>...</think> from its answer into chat's reasoning_content, "
+                         "and start a structured output's grammar after it (vLLM's flag): "
+                         f"{', '.join(sorted(REASONING_PARSERS))}")
     sv.add_argument("--max-stored-responses", type=_number(int, 0), default=256, metavar="N",
                     help="Responses API: the responses kept per tenant (API key) for previous_response_id, least "
                          "recently used out, at most 64 MiB of them; 0 keeps none (default: %(default)s)")

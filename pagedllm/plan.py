@@ -87,8 +87,10 @@ class SampleTarget(PromptThenOutput):
     # Speculative decoding: after sampling, propose up to this many draft tokens for the
     # sequence's next step (StepResult.drafts).
     num_spec: int = 0
-    # Structured outputs: the request's compiled grammar (structured.compiler.Grammar), or None.
+    # Structured outputs: the request's compiled grammar (structured.compiler.Grammar), or None,
+    # and the output position it starts at (None: not yet, a reasoning model still thinking).
     grammar: Any = None
+    grammar_from: int | None = 0
 
 
 @dataclass(slots=True, eq=False)

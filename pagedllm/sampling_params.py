@@ -38,6 +38,9 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     # vLLM's: JSON without free whitespace between tokens (", " and ": " only).
     disable_any_whitespace: bool = False
+    # A reasoning model's end of thinking (the token ids of "</think>"): the output is free
+    # until they appear, and what follows them must match (the server's --reasoning-parser sets it).
+    reasoning_end: list[int] | None = None
 
     def __post_init__(self) -> None:
         asked = [k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False)]
@@ -60,6 +63,9 @@ class StructuredOutputsParams:
             raise ValueError("structured_outputs.disable_any_whitespace must be a boolean")
         if self.choice is not None:
             self.choice = list(self.choice)
+        if self.reasoning_end is not None and (not self.reasoning_end or not all(
+                _int(t) and t >= 0 for t in self.reasoning_end)):
+            raise ValueError("structured_outputs.reasoning_end must be a non-empty list of token ids")
 
     @property
     def kind(self) -> str:

@@ -347,3 +347,22 @@ def test_grammar_figures(llm):
     assert rows["grammar_compile_seconds"] > 0
     assert s.requests > 0 and s.compiles > 0 and s.cache_hits > 0 and s.compile_seconds > 0
     assert llm.get_stats().as_dict()["grammar"]["requests"] == s.requests
+
+
+def test_a_grammar_waits_for_the_end_of_thinking(llm):
+    """structured_outputs.reasoning_end (a reasoning parser's "</think>"): the output runs free
+    until those tokens, and what follows them matches. The end marker here is two tokens the
+    free answer writes, so the constrained answer must start as the free one does."""
+    prompt = _prompt(llm, "a city")
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0].outputs[0].token_ids
+    marker = free[3:5]
+    assert all(free[i:i + 2] != marker for i in range(3)), "the marker must first appear at 3"
+    choice = StructuredOutputsParams(choice=["yes", "no"], reasoning_end=marker)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=choice),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids[:5] == free[:5], "the thinking was constrained"
+    assert llm.tokenizer.decode(out.token_ids[5:], skip_special_tokens=True) in ("yes", "no") and \
+        out.finish_reason == "stop", out.text
+    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, structured_outputs=StructuredOutputsParams(
+        choice=["yes", "no"])), use_tqdm=False)[0].outputs[0]
+    assert plain.text in ("yes", "no")

@@ -242,7 +242,8 @@ class Scheduler:
                 seq.seq_id, s.start, seq.token_ids[s.start:end - len(seq.draft)] + seq.draft, slots[0],
                 tables[0].block_ids[:cdiv(end, B)],
                 [SampleTarget(t.seq_id, t.params, t.seed, t.token_ids, t.num_prompt_tokens,
-                              t.request.beam.num_candidates if t.request.beam else 0, 0, t.request.grammar)
+                              t.request.beam.num_candidates if t.request.beam else 0, 0, t.request.grammar,
+                              t.grammar_from() if t.request.grammar is not None else 0)
                  for t in s.sample_for], list(seq.draft))
             chunk.lora_id = seq.request.lora_id
             if len(tables) > 1:

@@ -44,10 +44,34 @@ class Sequence(PromptThenOutput):
     # step's draft tokens (in lookahead slots, not in token_ids until verified).
     spec_tokens: list[int] = field(default_factory=list)
     draft: list[int] = field(default_factory=list)
+    # Structured outputs after a reasoning model's thinking: the output position its grammar
+    # starts at once the end marker is seen, and how far the output was searched for it.
+    _grammar_from: int | None = None
+    _searched: int = 0
 
     @property
     def params(self) -> SamplingParams:
         return self.request.params
+
+    def grammar_from(self) -> int | None:
+        """The output position this sequence's grammar starts at: 0, or after the first
+        structured_outputs.reasoning_end marker in its output (None while there is none).
+        Each token is searched once however long the thinking runs; tokens dropped since (a
+        stop string's tail) are searched again."""
+        so = self.params.structured_outputs
+        end = so.reasoning_end if so is not None else None
+        if not end:
+            return 0
+        out = self.token_ids[self.num_prompt_tokens:]
+        if self._grammar_from is not None and self._grammar_from <= len(out):
+            return self._grammar_from
+        self._grammar_from, start = None, max(0, min(self._searched, len(out)) - len(end) + 1)
+        for i in range(start, len(out) - len(end) + 1):
+            if out[i:i + len(end)] == end:
+                self._grammar_from = i + len(end)
+                break
+        self._searched = len(out)
+        return self._grammar_from
 
     @property
     def finished(self) -> bool:

@@ -86,7 +86,8 @@ class GrammarMatchers:
         """The target's matcher at its output tokens so far."""
         import xgrammar as xgr
 
-        out = t.num_output_tokens
+        start = t.grammar_from or 0   # the output before it is a reasoning model's thinking, free
+        out = t.num_output_tokens - start
         entry = self._matchers.get(t.seq_id)
         m, n = entry if entry is not None else (None, 0)
         if m is not None and n > out:  # tokens it took were dropped since (a stop string's tail)
@@ -94,7 +95,7 @@ class GrammarMatchers:
             n = out
         if m is None:
             m, n = xgr.GrammarMatcher(t.grammar.compiled), 0
-        for token in t.token_ids[t.num_prompt_tokens + n:]:
+        for token in t.token_ids[t.num_prompt_tokens + start + n:]:
             if not m.accept_token(token):
                 self._matchers.pop(t.seq_id, None)
                 raise ValueError(f"structured outputs: output token {token} does not follow the grammar")

@@ -541,8 +541,10 @@ class ModelRunner:
     def _constrained(sample_rows: list, checks: list[Verify]) -> list[GrammarRow]:
         """The rows a grammar constrains: a row's first target speaks for the samples of n
         that fork off it (they all start from the same output, none)."""
-        rows = [GrammarRow(i, ts[0], []) for i, ts in sample_rows if ts[0].grammar is not None]
-        rows += [GrammarRow(c.row, c.target, c.draft) for c in checks if c.target.grammar is not None]
+        rows = [GrammarRow(i, ts[0], []) for i, ts in sample_rows
+                if ts[0].grammar is not None and ts[0].grammar_from is not None]
+        rows += [GrammarRow(c.row, c.target, c.draft) for c in checks
+                 if c.target.grammar is not None and c.target.grammar_from is not None]
         return rows
 
     def _grammars(self, logits: torch.Tensor) -> GrammarMatchers:

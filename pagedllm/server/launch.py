@@ -57,6 +57,7 @@ class ServerOptions:
     tool_call_parser: str | None
     lora_modules: list[str] | None = None   # adapters served under their names (--enable-lora)
     max_stored_responses: int = 256         # per tenant, for the Responses API's previous_response_id; 0: none
+    reasoning_parser: str | None = None     # splits <think>...</think> into reasoning_content
 
 
 class Attachment(Protocol):
@@ -117,7 +118,8 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
         state = ServerState(async_engine, name, keys, isolation, opts.max_body_bytes,
                             admin_key=opts.admin_key or os.environ.get("PAGEDLLM_ADMIN_KEY") or None,
                             body_timeout=opts.body_timeout, metrics_prefix=opts.metrics_prefix,
-                            tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None)
+                            tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,
+                            reasoning_parser=opts.reasoning_parser)
         state.loras = served_loras(async_engine.info, name, opts.lora_modules)
         state.responses = ResponseStore(opts.max_stored_responses)
     except ValueError:

@@ -10,6 +10,7 @@ from ..engine.client import EngineDeadError
 from ..sampling_params import SamplingParams
 from .chat_template import render_chat
 from .protocol import ChatCompletionRequest, CompletionRequest
+from .reasoning_parsers import END as THINK_END, START as THINK_START
 from .state import APIError, ServerState
 from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
 from .tool_output import ToolOutput
@@ -49,7 +50,22 @@ def prepare_chat(state: ServerState, body: Any):
     params = _params(req, req.max_completion_tokens or req.max_tokens, logprobs, req.prompt_logprobs)
     if tools is not None and isinstance(params, SamplingParams) and tools.needs_special_tokens(state.tokenizer):
         params.skip_special_tokens = False
+    if state.reasoning_parser is not None and isinstance(params, SamplingParams):
+        _after_thinking(state, params, prompt)
     return req, params, _token_ids(state, [prompt], params, chat=True), tools
+
+
+def _after_thinking(state: ServerState, params: SamplingParams, prompt: str) -> None:
+    """A reasoning model's thinking stays in the text (its tags may be special tokens), and a
+    structured output's grammar starts after it, as vLLM's does: unless the prompt ends by
+    closing the block (Qwen3's template with enable_thinking false writes an empty one there;
+    blocks in earlier turns, a few-shot prompt's, say nothing of this answer)."""
+    special = set(state.tokenizer.all_special_tokens)
+    if THINK_START in special or THINK_END in special:
+        params.skip_special_tokens = False
+    closed = prompt.rstrip().endswith(THINK_END)
+    if params.structured_outputs is not None and not closed:
+        params.structured_outputs.reasoning_end = state.tokenizer.encode(THINK_END, add_special_tokens=False)
 
 
 def _tool_output(state: ServerState, req: ChatCompletionRequest) -> ToolOutput | None:

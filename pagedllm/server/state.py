@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from ..engine.client import EngineClient
 from .lora import ServedLoRAs
 from .metrics import ServerMetrics
+from .reasoning_parsers import REASONING_PARSERS
 from .response_store import ResponseStore
 from .shared_read import SharedRead
 from .tool_parsers import TOOL_PARSERS
@@ -45,12 +46,17 @@ class APIError(Exception):
 class ServerState:
     def __init__(self, engine: EngineClient, model_name: str, api_keys: list[str], isolation: str,
                  max_body_bytes: int, admin_key: str | None = None, body_timeout: float = 30.0,
-                 metrics_prefix: str = "pagedllm", tool_call_parser: str | None = None) -> None:
+                 metrics_prefix: str = "pagedllm", tool_call_parser: str | None = None,
+                 reasoning_parser: str | None = None) -> None:
         if isolation not in ISOLATION_MODES:
             raise ValueError(f"prefix_cache_isolation must be one of {ISOLATION_MODES}, got {isolation!r}")
         if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {', '.join(sorted(TOOL_PARSERS))}, "
                              f"got {tool_call_parser!r}")
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(sorted(REASONING_PARSERS))}, "
+                             f"got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser   # None: the answer's text is all content
         self.engine = engine
         self.model_name = model_name
         self.api_keys = [k.encode() for k in api_keys]

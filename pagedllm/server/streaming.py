@@ -21,6 +21,7 @@ from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
 from ..engine.detokenizer import token_text
 from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .reasoning_parsers import REASONING_PARSERS, ThinkSplitter, split_all
 from .state import APIError, ServerState
 from .tool_output import ChoiceCalls, ToolOutput
 
@@ -157,6 +158,8 @@ class ResponseBuilder:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self.text_of = functools.partial(token_text, state.tokenizer)
+        # chat: how a choice's text splits into reasoning and answer (--reasoning-parser)
+        self.reasoning = REASONING_PARSERS[state.reasoning_parser] if chat and state.reasoning_parser else None
 
     def _index(self, prompt_idx: int, c: CompletionOutput) -> int:
         return prompt_idx * self.n + c.index
@@ -189,9 +192,14 @@ class ResponseBuilder:
 
     def _message(self, c: CompletionOutput) -> dict:
         lps = chat_logprobs(c.logprobs, self.req.top_logprobs or 0) if c.logprobs is not None else None
-        message, finish = {"role": "assistant", "content": c.text}, c.finish_reason
+        text, reasoning = c.text, None
+        if self.reasoning is not None:
+            reasoning, text = split_all(self.reasoning(), text)
+        message, finish = {"role": "assistant", "content": text}, c.finish_reason
         if self.tools is not None:
-            message, finish = self.tools.message(c.text, finish)
+            message, finish = self.tools.message(text, finish)
+        if self.reasoning is not None:
+            message["reasoning_content"] = reasoning or None
         return {"finish_reason": finish, "stop_reason": c.stop_reason, "message": message, "logprobs": lps}
 
     def _completion_choice(self, out: RequestOutput, i: int, c: CompletionOutput) -> dict:
@@ -248,6 +256,7 @@ class ResponseBuilder:
         prompt_lps: dict[int, list] = {}  # per prompt: its logprob entries, which arrive in pieces
         offsets: dict[int, int] = {}      # per choice: where its next token's text starts
         calls: dict[int, ChoiceCalls] = {}  # per choice: its text read for tool calls
+        thinking: dict[int, ThinkSplitter] = {}  # per choice: its text split into reasoning and answer
         chunk_obj = "chat.completion.chunk" if self.chat else "text_completion"
         async for i, out in until_closing(merged, self.state.closing):
             if out.finished:
@@ -268,9 +277,14 @@ class ResponseBuilder:
                     if done:
                         yield self._chunk(chunk_obj, idx, "", "length", None)
                     continue
-                delta, finish = c.text, c.finish_reason
+                delta, finish, think = c.text, c.finish_reason, ""
+                if self.reasoning is not None:
+                    think, delta = self._reasoning_delta(thinking, idx, c.text, done)
                 if self.tools is not None:
-                    delta, finish = self._tool_delta(calls, idx, c.text, finish)
+                    delta, finish = self._tool_delta(calls, idx, delta, finish)
+                if think:
+                    delta = {**(delta if isinstance(delta, dict) else {"content": delta} if delta else {}),
+                             "reasoning_content": think}
                 if not delta and not done and not c.logprobs:
                     continue
                 yield self._chunk(chunk_obj, idx, delta, finish, self._delta_logprobs(c, idx, offsets),
@@ -278,6 +292,17 @@ class ResponseBuilder:
         if usage:
             yield {"id": self.rid, "object": chunk_obj, "created": self.created, "model": self.model,
                    "choices": [], "usage": self.usage(finals)}
+
+    def _reasoning_delta(self, thinking: dict[int, ThinkSplitter], idx: int, text: str,
+                         done: bool) -> tuple[str, str]:
+        """A choice's new (reasoning, answer) text; its last piece flushes what was held."""
+        if idx not in thinking:
+            thinking[idx] = self.reasoning()
+        think, answer = thinking[idx].feed(text)
+        if done:
+            more, rest = thinking[idx].end()
+            think, answer = think + more, answer + rest
+        return think, answer
 
     def _tool_delta(self, calls: dict[int, ChoiceCalls], idx: int, text: str,
                     finish: str | None) -> tuple[dict, str | None]:

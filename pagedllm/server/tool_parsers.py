@@ -97,7 +97,7 @@ class HermesParser:
             else:
                 start = self.pending.find(self.OPEN)
                 if start < 0:
-                    keep = _partial_tag(self.pending, self.OPEN)  # "<tool" may be a tag's start
+                    keep = partial_tag(self.pending, self.OPEN)  # "<tool" may be a tag's start
                     events += self.content.add(self.pending[:len(self.pending) - keep])
                     self.pending = self.pending[len(self.pending) - keep:]
                     return events
@@ -133,7 +133,7 @@ def _json_call(body: str) -> CallPart | None:
     return CallPart(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -1,0 +1,45 @@
+"""--reasoning-parser qwen3 end to end on the default model, which writes Qwen3's
+`<think>...</think>` format after three examples of it: reasoning_content apart from the
+answer, whole and streamed alike, and a JSON schema that constrains only what follows the
+thinking (the grammar starts after </think>, as vLLM's)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from .conftest import MODEL
+from .inproc import serve_in_process
+
+SHOTS = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "content": "<think>One plus one is two.</think>2"},
+         {"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "<think>Two plus three is five.</think>5"},
+         {"role": "user", "content": "What is 3 + 3?"}, {"role": "assistant", "content": "<think>Three plus three is six.</think>6"},
+         {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    s = serve_in_process("--reasoning-parser", "qwen3")
+    yield s.openai(max_retries=0, timeout=120)
+    s.close()
+
+
+def test_reasoning_content_whole_and_streamed(client):
+    r = client.chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=40, temperature=0)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Two plus two is four." and msg.content == "4"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=40, temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    assert sum(1 for d in deltas if getattr(d, "reasoning_content", None)) > 1, "the reasoning streams in pieces"
+
+
+def test_a_schema_constrains_only_the_answer(client):
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}}, "required": ["sum"]}
+    r = client.chat.completions.create(model=MODEL, messages=SHOTS, max_tokens=60, temperature=0,
+                                       response_format={"type": "json_schema",
+                                                        "json_schema": {"name": "sum", "schema": schema}})
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "Two plus two is four.", "the thinking was constrained"
+    assert isinstance(json.loads(msg.content)["sum"], int), msg.content

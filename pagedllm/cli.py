@@ -443,8 +443,9 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
                          "writes free text, the --tool-call-parser reads its calls (vLLM's flag)")
     sv.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
                     help="what reads tool calls from the model's text under --enable-auto-tool-choice: "
-                         f"{', '.join(sorted(TOOL_PARSERS))} (hermes: <tool_call>{{\"name\": ..., "
-                         '"arguments": {...}}</tool_call>, for Hermes and Qwen models)')
+                         f"{', '.join(sorted(TOOL_PARSERS))} (hermes: Hermes and Qwen's <tool_call> JSON; "
+                         "llama3_json: Llama 3.1's JSON; mistral: [TOOL_CALLS]; pythonic: Llama 3.2/4's "
+                         "[f(x=1)]; qwen3_coder: Qwen3-Coder's <function=...> XML)")
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
                          "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")

@@ -4,6 +4,7 @@ request's grammar compiled before it is queued. Completions and chat here; the R
 Messages APIs become chat requests first (responses_api.py, messages_api.py)."""
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from ..engine.client import EngineDeadError
@@ -83,7 +84,8 @@ def _tool_output(state: ServerState, req: ChatCompletionRequest) -> ToolOutput |
         raise APIError(400, 'tool_choice: "auto" (the default when tools are given) needs the server started '
                             "with --enable-auto-tool-choice and --tool-call-parser; or ask for \"required\", "
                             "a named function, or \"none\"", param="tool_choice")
-    return ToolOutput("auto", parser=TOOL_PARSERS[state.tool_call_parser], parallel=parallel)
+    return ToolOutput("auto", parser=functools.partial(TOOL_PARSERS[state.tool_call_parser], tools=tool_dicts(req.tools)),
+                      parallel=parallel)
 
 
 async def check_structured(state: ServerState, req, params) -> None:

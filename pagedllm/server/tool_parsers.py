@@ -1,8 +1,9 @@
 """Tool-call parsers for `tool_choice: "auto"`, chosen by name (vLLM's --tool-call-parser).
 
 A parser reads a model's free text, as it streams, into events: plain text (the message's
-content) and tool calls. Each parser knows one model family's way of writing calls; a new
-one registers itself with `@register("name")`. A call that does not parse stays in the
+content) and tool calls. Each parser knows one model family's way of writing calls, and is
+made for one answer with the request's tools (OpenAI's shape), whose schemas it may read; a
+new one registers itself with `@register("name")` (more in tool_call_formats.py). A call that does not parse stays in the
 content, as text: a model's malformed call is its answer, never a server error.
 
 This module imports nothing heavy: the CLI reads its names for --tool-call-parser.
@@ -36,7 +37,7 @@ class ToolParser(Protocol):
     def end(self) -> list[Event]: ...
 
 
-TOOL_PARSERS: dict[str, Callable[[], ToolParser]] = {}
+TOOL_PARSERS: dict[str, Callable[..., ToolParser]] = {}   # name -> parser(tools=...)
 
 
 def register(name: str):
@@ -51,7 +52,7 @@ def parse_all(parser: ToolParser, text: str) -> list[Event]:
     return parser.feed(text) + parser.end()
 
 
-class _TrimmedContent:
+class TrimmedContent:
     """Content with its leading and trailing whitespace dropped, as it streams: whitespace is
     held until text follows it, so streamed and whole answers have the same content (the
     newlines around a tool call are layout, not an answer)."""
@@ -78,10 +79,10 @@ class HermesParser:
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
     tags = (OPEN, CLOSE)
 
-    def __init__(self) -> None:
+    def __init__(self, tools: list[dict] | None = None) -> None:
         self.pending = ""      # text not yet told apart
         self.in_call = False
-        self.content = _TrimmedContent()
+        self.content = TrimmedContent()
 
     def feed(self, text: str) -> list[Event]:
         self.pending += text
@@ -139,3 +140,6 @@ def partial_tag(text: str, tag: str) -> int:
         if text.endswith(tag[:n]):
             return n
     return 0
+
+
+from . import tool_call_formats  # noqa: E402,F401  (registers llama3_json, mistral, pythonic, qwen3_coder)

@@ -1,7 +1,8 @@
-"""--reasoning-parser qwen3 end to end on the default model, which writes Qwen3's
-`<think>...</think>` format after three examples of it: reasoning_content apart from the
-answer, whole and streamed alike, and a JSON schema that constrains only what follows the
-thinking (the grammar starts after </think>, as vLLM's)."""
+"""The reasoning and tool-call parsers end to end on the default model, which writes a
+family's format after a few examples of it: --reasoning-parser qwen3 (Qwen3's `<think>...
+</think>`) gives reasoning_content apart from the answer, whole and streamed alike, and a
+JSON schema constrains only what follows the thinking (the grammar starts after </think>, as
+vLLM's); --tool-call-parser pythonic reads Llama 3.2's `[f(x=...)]` into tool_calls."""
 from __future__ import annotations
 
 import json
@@ -19,7 +20,7 @@ SHOTS = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "c
 
 @pytest.fixture(scope="module")
 def client():
-    s = serve_in_process("--reasoning-parser", "qwen3")
+    s = serve_in_process("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
     yield s.openai(max_retries=0, timeout=120)
     s.close()
 
@@ -43,3 +44,17 @@ def test_a_schema_constrains_only_the_answer(client):
     msg = r.choices[0].message
     assert msg.reasoning_content == "Two plus two is four.", "the thinking was constrained"
     assert isinstance(json.loads(msg.content)["sum"], int), msg.content
+
+
+def test_pythonic_calls_are_tool_calls(client):
+    shots = [{"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": '[get_weather(city="Oslo")]'},
+             {"role": "user", "content": "Weather in Rome?"},
+             {"role": "assistant", "content": '[get_weather(city="Rome")]'},
+             {"role": "user", "content": "Weather in Paris?"}]
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+    r = client.chat.completions.create(model=MODEL, messages=shots, tools=tools, max_tokens=30, temperature=0)
+    (call,) = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
+    assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content

@@ -455,6 +455,11 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
                     help="split a reasoning model's <think>...</think> from its answer into chat's reasoning_content, "
                          "and start a structured output's grammar after it (vLLM's flag): "
                          f"{', '.join(sorted(REASONING_PARSERS))}")
+    sv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                    help="send an OpenTelemetry trace of each request (an llm_request span with vLLM's gen_ai.* "
+                         "attributes, and its queue, prefill and decode) to this OTLP/HTTP endpoint, e.g. "
+                         "http://localhost:4318/v1/traces; a request's traceparent header joins the caller's trace "
+                         "(default: no tracing)")
     sv.add_argument("--max-stored-responses", type=_number(int, 0), default=256, metavar="N",
                     help="Responses API: the responses kept per tenant (API key) for previous_response_id, least "
                          "recently used out, at most 64 MiB of them; 0 keeps none (default: %(default)s)")

@@ -58,6 +58,7 @@ class ServerOptions:
     lora_modules: list[str] | None = None   # adapters served under their names (--enable-lora)
     max_stored_responses: int = 256         # per tenant, for the Responses API's previous_response_id; 0: none
     reasoning_parser: str | None = None     # splits <think>...</think> into reasoning_content
+    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces of each request; none: no tracing at all
 
 
 class Attachment(Protocol):
@@ -122,6 +123,11 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
                             reasoning_parser=opts.reasoning_parser)
         state.loras = served_loras(async_engine.info, name, opts.lora_modules)
         state.responses = ResponseStore(opts.max_stored_responses)
+        if opts.otlp_traces_endpoint:
+            from .tracing import Observers, RequestTracer
+
+            state.tracer = RequestTracer(opts.otlp_traces_endpoint, name)
+            async_engine.observer = Observers(state.metrics, state.tracer)
     except ValueError:
         async_engine.shutdown()
         raise
@@ -200,6 +206,8 @@ def _lifespan(state: ServerState, async_engine, attached: Attachment | None, on_
         for task in tasks:
             task.cancel()
         async_engine.shutdown()  # after uvicorn drained (or gave up on) in-flight requests
+        if state.tracer is not None:
+            state.tracer.shutdown()   # the last spans out
     return lifespan
 
 

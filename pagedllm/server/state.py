@@ -73,6 +73,7 @@ class ServerState:
         self.workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="pagedllm-request")
         self.loras = ServedLoRAs(model_name, None, False)   # launch.build sets the served ones
         self.responses = ResponseStore(0)   # launch.build sets the server's (Responses API: store)
+        self.tracer = None   # a tracing.RequestTracer with --otlp-traces-endpoint
 
     # -- request checks ------------------------------------------------------
     def authenticate(self, request: Request, query_key: bool = False) -> str | None:

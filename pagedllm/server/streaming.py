@@ -54,17 +54,18 @@ async def submit(state: ServerState, request: Request, req, prefix: str, prompts
     rid = f"{prefix}-{uuid.uuid4().hex}"
     lora = state.loras.get(req.model)   # a served adapter's name picks it; anything else is the base
     streams = []
+    if state.tracer is not None:
+        for i in range(len(prompts)):
+            state.tracer.begin(f"{rid}-{i}", request.headers, params)
     try:
         for i, ids in enumerate(prompts):
             streams.append(engine.submit(f"{rid}-{i}", ids, params, salt, owner=state.tenant(key),
                                          priority=req.priority, lora_request=lora))
     except (QueueFullError, EngineDeadError) as e:
-        for s in streams:
-            await s.aclose()
+        await _refused(state, rid, prompts, streams)
         raise APIError(503, str(e), "service_unavailable") from None
     except ValueError as e:
-        for s in streams:
-            await s.aclose()
+        await _refused(state, rid, prompts, streams)
         raise APIError(400, str(e)) from None
     # A client that leaves (before its first token, too: a long prefill sends nothing)
     # aborts its requests and frees their blocks before the next step.
@@ -102,6 +103,16 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _refused(state: ServerState, rid: str, prompts: list, streams: list) -> None:
+    """The engine refused one prompt of a request: abort those it took (their ends are traced
+    as any abort), and forget the traces of those it never saw."""
+    for s in streams:
+        await s.aclose()
+    if state.tracer is not None:
+        for i in range(len(streams), len(prompts)):
+            state.tracer.forget(f"{rid}-{i}")
 
 
 class ClientGone(Exception):

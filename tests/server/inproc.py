@@ -75,6 +75,8 @@ class InProcessServer:
         if self.built.attached is not None:
             self.built.attached.close()
         self.built.async_engine.shutdown()
+        if self.built.state.tracer is not None:
+            self.built.state.tracer.shutdown()
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
 

@@ -128,10 +128,10 @@ class DataParallelEngine:
         """By the engines' own rules, here: the smallest replica's pool decides what can ever fit."""
         return self.info.rules.validate(prompt, params, add_special_tokens)
 
-    async def check_structured(self, so: StructuredOutputsParams) -> None:
+    async def check_structured(self, so: StructuredOutputsParams, tenant: str | None = None) -> None:
         """Compiled here to refuse a bad grammar with a 400 (the replica compiles its own,
         off its engine thread; the front's figures count the lookups, the replicas' the requests)."""
-        await asyncio.wrap_future(self.grammars.submit(so))
+        await asyncio.wrap_future(self.grammars.submit(so, tenant=tenant))
         mark_checked(so)
 
     async def get_stats(self, timeout: float = 2.0) -> EngineStats:

@@ -94,8 +94,8 @@ class AsyncLLMEngine:
     def validate(self, prompt: str | Seq[int], params: SamplingParams, add_special_tokens: bool = True) -> list[int]:
         return self.engine.validate(prompt, params, add_special_tokens)
 
-    async def check_structured(self, so: StructuredOutputsParams) -> None:
-        await asyncio.wrap_future(self.engine.grammars.submit(so))
+    async def check_structured(self, so: StructuredOutputsParams, tenant: str | None = None) -> None:
+        await asyncio.wrap_future(self.engine.grammars.submit(so, tenant=tenant))
         mark_checked(so)
 
     def submit(self, request_id: str, prompt: str | Seq[int], params: SamplingParams,

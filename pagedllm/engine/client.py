@@ -81,9 +81,10 @@ class EngineClient(Protocol):
                cache_salt: str | None = None, owner: str | None = None,
                priority: int = 0, lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]: ...
 
-    async def check_structured(self, so: StructuredOutputsParams) -> None:
+    async def check_structured(self, so: StructuredOutputsParams, tenant: str | None = None) -> None:
         """Compile a constrained request's grammar (cached) before it is submitted; ValueError
-        naming what is wrong (the server's 400). Compiles off the event loop."""
+        naming what is wrong (the server's 400). Compiles off the event loop, the tenants'
+        compiles taking turns."""
 
     async def get_stats(self) -> EngineStats:
         """The figures now, KV slot figures included (a /metrics scrape)."""

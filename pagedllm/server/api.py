@@ -131,7 +131,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         key = state.authenticate(request)
         body = await state.read_json(request)
         req, params, prompts, echo = await state.off_loop(prepare_completion, state, body)
-        await check_structured(state, req, params)
+        await check_structured(state, req, params, key)
         return await serve(state, request, req, "cmpl", prompts, params, key, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
@@ -139,7 +139,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
         key = state.authenticate(request)
         body = await state.read_json(request)
         req, params, prompts, tools = await state.off_loop(prepare_chat, state, body)
-        await check_structured(state, req, params)
+        await check_structured(state, req, params, key)
         return await serve(state, request, req, "chatcmpl", prompts, params, key, chat=True, tools=tools)
 
 

@@ -42,7 +42,7 @@ async def _create(state: ServerState, request: Request):
     body = await state.read_json(request)
     req, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body)
     try:
-        await check_structured(state, chat_req, params)
+        await check_structured(state, chat_req, params, key)
     except APIError as e:
         raise renamed(e, CHAT_TO_MESSAGES) from None
     sub = await submit(state, request, chat_req, "msg", prompts, params, key)

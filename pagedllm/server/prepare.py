@@ -88,13 +88,13 @@ def _tool_output(state: ServerState, req: ChatCompletionRequest) -> ToolOutput |
                       parallel=parallel)
 
 
-async def check_structured(state: ServerState, req, params) -> None:
+async def check_structured(state: ServerState, req, params, key: str | None) -> None:
     """A constrained request's grammar is compiled (or found cached) before it is queued: a
     bad schema, regex or grammar is a 400, streaming or not, and never reaches a step."""
     if not isinstance(params, SamplingParams) or params.structured_outputs is None:
         return
     try:
-        await state.engine.check_structured(params.structured_outputs)
+        await state.engine.check_structured(params.structured_outputs, state.tenant(key))
     except ValueError as e:
         field = req.constraint()[0]
         if field == "tool_choice":  # the forced call's schema is made of the tools' parameters

@@ -28,7 +28,7 @@ async def create_response(state: ServerState, request: Request):
     body = await state.read_json(request)
     req, convo, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body, key)
     try:
-        await check_structured(state, chat_req, params)
+        await check_structured(state, chat_req, params, key)
     except APIError as e:
         raise renamed(e, CHAT_TO_RESPONSES) from None
     sub = await submit(state, request, chat_req, "resp", prompts, params, key)

@@ -1,5 +1,7 @@
-"""More model families' ways of writing tool calls, beside tool_parsers.py's hermes:
+"""Model families' ways of writing tool calls, each a parser registered by name:
 
+- hermes (Hermes, Qwen2.5): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+  number of them, text around them the content;
 - llama3_json (Llama 3.1-3.3): the answer is `{"name": ..., "parameters": {...}}`, maybe after
   `<|python_tag|>`, several joined by `;`;
 - mistral: content, then `[TOOL_CALLS]` and a JSON array of {"name", "arguments"} (v3
@@ -19,7 +21,71 @@ import json
 import re
 from typing import Any
 
-from .tool_parsers import CallPart, Event, HermesParser, TrimmedContent, partial_tag, register
+from .tool_parser_base import CallPart, Event, TrimmedContent, partial_tag, register
+
+
+@register("hermes")
+class HermesParser:
+    """Hermes / Qwen style: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, any
+    number of them; text outside the tags is content. A call left open at the end (the
+    output cut short) is read if its JSON is complete."""
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    tags = (OPEN, CLOSE)
+
+    def __init__(self, tools: list[dict] | None = None) -> None:
+        self.pending = ""      # text not yet told apart
+        self.in_call = False
+        self.content = TrimmedContent()
+
+    def feed(self, text: str) -> list[Event]:
+        self.pending += text
+        events: list[Event] = []
+        while True:
+            if self.in_call:
+                end = self.pending.find(self.CLOSE)
+                if end < 0:
+                    return events
+                events += self._call(self.pending[:end], closed=True)
+                self.pending = self.pending[end + len(self.CLOSE):]
+                self.in_call = False
+            else:
+                start = self.pending.find(self.OPEN)
+                if start < 0:
+                    keep = partial_tag(self.pending, self.OPEN)  # "<tool" may be a tag's start
+                    events += self.content.add(self.pending[:len(self.pending) - keep])
+                    self.pending = self.pending[len(self.pending) - keep:]
+                    return events
+                events += self.content.add(self.pending[:start])
+                self.pending = self.pending[start + len(self.OPEN):]
+                self.in_call = True
+
+    def end(self) -> list[Event]:
+        rest, self.pending = self.pending, ""
+        if self.in_call:
+            self.in_call = False
+            return self._call(rest, closed=False)
+        return self.content.add(rest)
+
+    def _call(self, body: str, closed: bool) -> list[Event]:
+        call = _json_call(body)
+        if call is not None:
+            return [call]
+        return self.content.add(self.OPEN + body + (self.CLOSE if closed else ""))
+
+
+def _json_call(body: str) -> CallPart | None:
+    """{"name": str, "arguments": object} as a call, or None."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = obj.get("arguments", {})
+    if not isinstance(args, dict):
+        return None
+    return CallPart(obj["name"], json.dumps(args, ensure_ascii=False))
+
 
 
 class _HeldCalls:

@@ -6,6 +6,11 @@ scheduler admits it when the future is done (a cache hit is done already). A com
 that passes its deadline kills the worker (a new one starts for the next job), and fails
 only the requests waiting for that grammar; the failure is cached like a success, so a
 hostile schema sent again costs nothing.
+
+Compiles are shared fairly between tenants (the server's API keys): each tenant's jobs wait
+in a queue of its own, the queues take turns, and no tenant holds more than all workers but
+one. A tenant that sends hostile schemas back to back (each up to the deadline) holds one
+worker; another tenant's cold grammar starts on the next at once.
 """
 from __future__ import annotations
 
@@ -17,7 +22,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -85,6 +90,9 @@ class _Worker:
             raise GrammarError(f"structured_outputs.{spec.field or spec.kind}: {answer[1]}")
         return answer[1], answer[2]
 
+    def start(self) -> None:
+        self._start()
+
     def _start(self) -> subprocess.Popen:
         if self._proc is None or self._proc.poll() is not None:
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -133,7 +141,9 @@ class _Exact:
 # one process (tests, benchmarks, an offline script with several LLMs) share them. A worker
 # exits by itself when its parent does (its stdin closes).
 _IDLE: dict[str, list[_Worker]] = {}
+_MADE: dict[str, int] = {}   # workers made per digest, idle or busy
 _IDLE_LOCK = threading.Lock()
+_NONE = object()   # no tenant may start a job now
 
 
 class GrammarCompiler:
@@ -149,15 +159,20 @@ class GrammarCompiler:
         self._lock = threading.Lock()
         self._workers = workers
         self._pool: ThreadPoolExecutor | None = None   # started on the first compile
+        # Jobs not started, by tenant, the next to take its turn first; compiles running, by tenant.
+        self._waiting: OrderedDict[str | None, deque[tuple[GrammarSpec, Future]]] = OrderedDict()
+        self._running: dict[str | None, int] = {}
+        self._per_tenant = max(1, workers - 1)
         self._info = None   # xgrammar's TokenizerInfo, built on the first compile
         self._info_lock = threading.Lock()
         self._here = threading.local()   # each compiling thread's own xgrammar compiler
         self.stats = GrammarStats()
 
-    def submit(self, so: StructuredOutputsParams, count: bool = True) -> Future:
+    def submit(self, so: StructuredOutputsParams, count: bool = True, tenant: str | None = None) -> Future:
         """The grammar of `so`, compiled or being compiled. Raises ValueError at once for
         what the checks of spec.grammar_spec refuse; a compile error fails the future.
-        `count`: the request's first lookup (a checked request's second is not counted)."""
+        `count`: the request's first lookup (a checked request's second is not counted).
+        `tenant`: whose turn a new compile waits for (None: the server has no keys)."""
         spec = grammar_spec(so)
         with self._lock:
             self.stats.cache_queries += count
@@ -168,7 +183,9 @@ class GrammarCompiler:
                 return fut
             if self._pool is None:  # closed (an engine's close()): a later request starts it again
                 self._pool = ThreadPoolExecutor(max_workers=self._workers, thread_name_prefix="grammar")
-            fut = self._pool.submit(self._compile, spec)
+            fut: Future = Future()
+            self._waiting.setdefault(tenant, deque()).append((spec, fut))
+            self._dispatch()
             self._cache[spec.key] = fut
             while len(self._cache) > self._max_entries:
                 oldest = next(iter(self._cache))
@@ -176,6 +193,31 @@ class GrammarCompiler:
                     break
                 del self._cache[oldest]
             return fut
+
+    def _dispatch(self) -> None:
+        """Start waiting jobs on free workers, the tenants in turn (the lock held)."""
+        while self._pool is not None and sum(self._running.values()) < self._workers:
+            tenant = next((t for t in self._waiting if self._running.get(t, 0) < self._per_tenant), _NONE)
+            if tenant is _NONE:
+                return
+            queue = self._waiting.pop(tenant)
+            spec, fut = queue.popleft()
+            if queue:
+                self._waiting[tenant] = queue   # at the back: the others' turn first
+            self._running[tenant] = self._running.get(tenant, 0) + 1
+            self._pool.submit(self._run, spec, fut, tenant)
+
+    def _run(self, spec: GrammarSpec, fut: Future, tenant: str | None) -> None:
+        try:
+            fut.set_result(self._compile(spec))
+        except BaseException as e:   # the future carries it to whoever waits
+            fut.set_exception(e)
+        finally:
+            with self._lock:
+                self._running[tenant] -= 1
+                if not self._running[tenant]:
+                    del self._running[tenant]
+                self._dispatch()
 
     def compile(self, so: StructuredOutputsParams) -> Grammar:
         """Blocking: the compiled grammar, or GrammarError/ValueError naming the problem."""
@@ -196,7 +238,25 @@ class GrammarCompiler:
                 # serialized once (1.6 MB for a 49k vocabulary), not on every compile.
                 self._table = self._info.serialize_json()
                 self._digest = hashlib.blake2b(self._table.encode(), digest_size=16).hexdigest()
+                threading.Thread(target=self._start_workers, name="grammar-workers", daemon=True).start()
             return self._info
+
+    def _start_workers(self) -> None:
+        """Start all the workers now, in the background: a worker starts in about a second
+        (imports, the tokenizer table), and the second compile at once (one tenant's slow
+        schema beside another's) should not pay that."""
+        while True:
+            with _IDLE_LOCK:
+                if _MADE.get(self._digest, 0) >= self._workers:
+                    return
+                _MADE[self._digest] = _MADE.get(self._digest, 0) + 1
+            worker = _Worker(self._table)
+            try:
+                worker.start()
+            except (OSError, EOFError, TimeoutError):
+                logger.warning("a grammar compiling process did not start; one will be started when needed")
+            with _IDLE_LOCK:
+                _IDLE.setdefault(self._digest, []).append(worker)
 
     def _compile(self, spec: GrammarSpec) -> Grammar:
         import xgrammar as xgr
@@ -207,6 +267,8 @@ class GrammarCompiler:
             worker = idle.pop() if idle else None
         if worker is None:
             worker = _Worker(self._table)
+            with _IDLE_LOCK:
+                _MADE[self._digest] = _MADE.get(self._digest, 0) + 1
         t0 = time.perf_counter()
         try:
             data, _ = worker.run(spec, self.timeout)
@@ -252,5 +314,10 @@ class GrammarCompiler:
         a request after it starts again."""
         with self._lock:
             pool, self._pool = self._pool, None
+            waiting, self._waiting = self._waiting, OrderedDict()
+            for queue in waiting.values():   # never started: their requests fail, as a cancelled job's did
+                for spec, fut in queue:
+                    self._cache.pop(spec.key, None)
+                    fut.cancel()
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)

@@ -503,6 +503,18 @@ def plot_moe(fig, data: dict) -> None:
         ax.set_visible(False)
 
 
+def plot_parsers_and_tracing(fig, data: dict) -> None:
+    """Streaming chat throughput: plain, with the reasoning parser, with tracing on; the median
+    over the rounds as a bar, each round as a dot."""
+    med = data["median_output_throughput"]
+    labels = list(med)
+    rounds = [[r["output_throughput"] for r in data["results"] if r["label"] == label] for label in labels]
+    fig.set_size_inches(8, 2.4)
+    ax = fig.subplots()
+    _bars(ax, labels, [med[label] for label in labels], [OTHER_COLOUR, OURS, OURS], "{:.0f}", rounds)
+    ax.set_xlabel("output tok/s, streamed chat")
+
+
 def plot_shared_tier(fig, data: dict) -> None:
     """A document one replica computed, asked on another: TTFT cold, from Redis, from a local
     disk tier, and from the engine's own pool (medians, each round a dot)."""
@@ -606,6 +618,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
     (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
     (lambda d: d.get("benchmark") == "moe", plot_moe, "A mixture of experts (Qwen3-MoE shape, 1.9B, 0.28B active)", True),
+    (lambda d: d.get("benchmark") == "parsers_and_tracing", plot_parsers_and_tracing,
+     "Streaming chat with the reasoning parser and with tracing on, against neither", True),
     (lambda d: d.get("benchmark") == "shared_tier", plot_shared_tier,
      "A shared KV tier on Redis: a prefix computed on one replica, asked on another", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,

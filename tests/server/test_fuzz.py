@@ -24,22 +24,26 @@ def _shorten(body: object) -> None:
     """Keep generation short: the point is parsing and validation, not decoding."""
     if not isinstance(body, dict):
         return
-    for k in ("max_tokens", "max_completion_tokens"):
+    for k in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         if isinstance(body.get(k), int) and body[k] > 2:
             body[k] = 2
-    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+    if all(body.get(k) is None for k in ("max_tokens", "max_completion_tokens", "max_output_tokens")):
         body["max_tokens"] = 2  # chat's default is the rest of the context
+        body["max_output_tokens"] = 2  # as the Responses API's
     if isinstance(body.get("n"), int) and body["n"] > 2:
         body["n"] = 2
-    if isinstance(body.get("prompt"), list) and len(body["prompt"]) > 2:
-        body["prompt"] = body["prompt"][:2]
     # Nor prefill: a generated prompt of thousands of characters costs seconds of compute and
-    # says nothing more about parsing (it made this test's time swing from 12 s to 55 s).
-    prompt = body.get("prompt")
-    if isinstance(prompt, str):
-        body["prompt"] = prompt[:MAX_TEXT]
-    elif isinstance(prompt, list):
-        body["prompt"] = [p[:MAX_TEXT] if isinstance(p, (str, list)) else p for p in prompt]
+    # says nothing more about parsing (it made this test's time swing from 12 s to 55 s); nor
+    # hundreds of inputs (an embeddings request takes up to 256).
+    for k in ("prompt", "input"):
+        v = body.get(k)
+        if isinstance(v, str):
+            body[k] = v[:MAX_TEXT]
+        elif isinstance(v, list):
+            body[k] = [p[:MAX_TEXT] if isinstance(p, (str, list)) else p for p in v[:2]]
+    for k in ("system", "instructions"):
+        if isinstance(body.get(k), str):
+            body[k] = body[k][:MAX_TEXT]
     for m in body.get("messages") or [] if isinstance(body.get("messages"), list) else []:
         if isinstance(m, dict) and isinstance(m.get("content"), str):
             m["content"] = m["content"][:MAX_TEXT]

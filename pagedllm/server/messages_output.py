@@ -63,7 +63,9 @@ class MessageShape:
     def whole(self, chat: dict) -> dict:
         choice = chat["choices"][0]
         msg = choice["message"]
-        content = [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
+        content = [{"type": "thinking", "thinking": msg["reasoning_content"], "signature": ""}] \
+            if msg.get("reasoning_content") else []
+        content += [{"type": "text", "text": msg["content"]}] if msg.get("content") else []
         content += [tool_use(c) for c in msg.get("tool_calls") or []]
         return self.obj(content, *stop_reason(choice["finish_reason"], choice.get("stop_reason")), chat["usage"])
 
@@ -92,6 +94,11 @@ class MessageEvents:
                 continue
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                if self.open != "thinking":
+                    yield from_list(self._open({"type": "thinking", "thinking": "", "signature": ""}))
+                yield sse("content_block_delta", {"index": self.index, "delta": {
+                    "type": "thinking_delta", "thinking": delta["reasoning_content"]}})
             if delta.get("content"):
                 if self.open != "text":
                     yield from_list(self._open({"type": "text", "text": ""}))

@@ -129,6 +129,8 @@ def chat_messages(messages: list[AnthropicMessage]) -> list[dict[str, Any]]:
         for j, block in enumerate(m.content):
             where = f"messages.{i}.content.{j}"
             kind = block.get("type") if isinstance(block, dict) else None
+            if kind in ("thinking", "redacted_thinking") and m.role == "assistant":
+                continue   # an earlier turn's thinking: chat templates drop it too
             if kind == "tool_use" and m.role == "assistant":
                 calls.append(_call(block, where))
             elif kind == "tool_result" and m.role == "user":

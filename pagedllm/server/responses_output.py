@@ -43,6 +43,11 @@ def message_item(text: str, status: str = "completed", item_id: str | None = Non
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
 
 
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}]}
+
+
 def call_item(call_id: str, name: str, arguments: str, status: str = "completed", item_id: str | None = None) -> dict:
     return {"type": "function_call", "id": item_id or new_id("fc"), "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
@@ -77,7 +82,8 @@ class ResponseShape:
         """The Response for a whole chat completion (n is 1)."""
         choice = chat["choices"][0]
         msg = choice["message"]
-        output = [message_item(msg["content"])] if msg.get("content") or not msg.get("tool_calls") else []
+        output = [reasoning_item(msg["reasoning_content"])] if msg.get("reasoning_content") else []
+        output += [message_item(msg["content"])] if msg.get("content") or not msg.get("tool_calls") else []
         output += [call_item(c["id"], c["function"]["name"], c["function"]["arguments"])
                    for c in msg.get("tool_calls") or []]
         status, incomplete = _status(choice["finish_reason"])
@@ -87,7 +93,7 @@ class ResponseShape:
 def assistant_messages(output: list[dict]) -> list[dict]:
     """A response's output items as the chat messages that continue its conversation."""
     out: list[dict] = []
-    for item in output:
+    for item in output:   # reasoning items stay out: chat templates drop earlier turns' thinking
         if item["type"] == "message":
             out.append({"role": "assistant", "content": "".join(p["text"] for p in item["content"])})
         elif item["type"] == "function_call":
@@ -130,6 +136,9 @@ class ResponsesEvents:
                 continue
             choice = chunk["choices"][0]
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                for e in self._reasoning(delta["reasoning_content"]):
+                    yield e
             if delta.get("content"):
                 for e in self._text(delta["content"]):
                     yield e
@@ -164,6 +173,18 @@ class ResponsesEvents:
                                content_index=0, delta=text, logprobs=[]))
         return out
 
+    def _reasoning(self, text: str) -> list[str]:
+        out = []
+        if self.open is None or self.open["type"] != "reasoning":
+            out += self._close()
+            self.open = reasoning_item("", "in_progress")
+            out.append(self._event("response.output_item.added", output_index=len(self.output),
+                                   item={**self.open, "content": []}))
+        self.open["content"][0]["text"] += text
+        out.append(self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output),
+                               content_index=0, delta=text))
+        return out
+
     def _call(self, delta: dict) -> list[str]:
         out = []
         fn = delta.get("function") or {}
@@ -186,7 +207,10 @@ class ResponsesEvents:
         idx = len(self.output)
         item["status"] = "completed"
         out = []
-        if item["type"] == "message":
+        if item["type"] == "reasoning":
+            out.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=idx,
+                                   content_index=0, text=item["content"][0]["text"]))
+        elif item["type"] == "message":
             part = item["content"][0]
             out.append(self._event("response.output_text.done", item_id=item["id"], output_index=idx,
                                    content_index=0, text=part["text"], logprobs=[]))

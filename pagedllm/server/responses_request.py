@@ -143,13 +143,15 @@ def input_messages(input_: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
                 last["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue   # an earlier response's thinking, sent back: chat templates drop it too
         elif kind == "function_call_output":
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": _text_field(item, "call_id", i),
                         "content": output if isinstance(output, str) else _parts_text(output, f"input.{i}.output")})
         else:
             raise FieldError(f"input.{i}.type", f"{kind!r} items are not supported here; supported: message, "
-                                                 "function_call, function_call_output")
+                                                 "function_call, function_call_output, reasoning")
     return out
 
 

@@ -19,10 +19,15 @@ SHOTS = [{"role": "user", "content": "What is 1 + 1?"}, {"role": "assistant", "c
 
 
 @pytest.fixture(scope="module")
-def client():
+def server():
     s = serve_in_process("--reasoning-parser", "qwen3", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
-    yield s.openai(max_retries=0, timeout=120)
+    yield s
     s.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return server.openai(max_retries=0, timeout=120)
 
 
 def test_reasoning_content_whole_and_streamed(client):
@@ -58,3 +63,21 @@ def test_pythonic_calls_are_tool_calls(client):
     (call,) = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Paris"}
     assert r.choices[0].finish_reason == "tool_calls" and not r.choices[0].message.content
+
+
+def test_reasoning_in_the_responses_and_messages_apis(server, client):
+    """A Responses reasoning item (streamed as reasoning_text events) and an Anthropic thinking
+    block (streamed as thinking_delta) carry the same thinking as chat's reasoning_content."""
+    r = client.responses.create(model=MODEL, input=SHOTS, max_output_tokens=40, temperature=0)
+    assert [o.type for o in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Two plus two is four." and r.output_text == "4"
+    with client.responses.stream(model=MODEL, input=SHOTS, max_output_tokens=40, temperature=0) as stream:
+        events = list(stream)
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == "Two plus two is four." and events[-1].response.output_text == "4"
+    anthropic = server.anthropic(max_retries=0)
+    m = anthropic.messages.create(model=MODEL, max_tokens=40, messages=SHOTS, extra_body={"temperature": 0})
+    assert [b.type for b in m.content] == ["thinking", "text"] and m.content[0].thinking == "Two plus two is four."
+    with anthropic.messages.stream(model=MODEL, max_tokens=40, messages=SHOTS, extra_body={"temperature": 0}) as st:
+        final = st.get_final_message()
+    assert final.content[0].thinking == "Two plus two is four." and final.content[1].text == "4"

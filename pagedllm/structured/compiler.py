@@ -9,7 +9,7 @@ hostile schema sent again costs nothing.
 
 Compiles are shared fairly between tenants (the server's API keys): each tenant's jobs wait
 in a queue of its own, the queues take turns, and no tenant holds more than all workers but
-one. A tenant that sends hostile schemas back to back (each up to the deadline) holds one
+one (on a server without keys, where everyone is one tenant, it may hold them all). A tenant that sends hostile schemas back to back (each up to the deadline) holds one
 worker; another tenant's cold grammar starts on the next at once.
 """
 from __future__ import annotations
@@ -197,7 +197,7 @@ class GrammarCompiler:
     def _dispatch(self) -> None:
         """Start waiting jobs on free workers, the tenants in turn (the lock held)."""
         while self._pool is not None and sum(self._running.values()) < self._workers:
-            tenant = next((t for t in self._waiting if self._running.get(t, 0) < self._per_tenant), _NONE)
+            tenant = next((t for t in self._waiting if self._running.get(t, 0) < self._share(t)), _NONE)
             if tenant is _NONE:
                 return
             queue = self._waiting.pop(tenant)
@@ -206,6 +206,11 @@ class GrammarCompiler:
                 self._waiting[tenant] = queue   # at the back: the others' turn first
             self._running[tenant] = self._running.get(tenant, 0) + 1
             self._pool.submit(self._run, spec, fut, tenant)
+
+    def _share(self, tenant: str | None) -> int:
+        """The workers a tenant may hold: all but one, so that another tenant's compile always
+        finds one; all of them on a server without keys (tenant None: everyone is one tenant)."""
+        return self._workers if tenant is None else self._per_tenant
 
     def _run(self, spec: GrammarSpec, fut: Future, tenant: str | None) -> None:
         try:

@@ -95,16 +95,16 @@ def test_some_sequences_speculate_while_others_decode_normally(tiny_fp32, spec_l
 
 def test_seeded_sampling_keeps_the_target_distribution(llm_fp32, spec_real):
     """Temperature 1 on a prompt whose continuation the n-gram lookup drafts: each of the
-    first output tokens' frequencies over 180 seeds, with and without speculation, come
+    first output tokens' frequencies over 120 seeds, with and without speculation, come
     from the same distribution (chi-square test of homogeneity per position, tokens seen
     fewer than 10 times pooled)."""
     prompt = "Repeat after me three times: the quick brown fox jumps over the lazy dog. " \
              "the quick brown fox jumps over the lazy dog. the quick brown"
-    reqs = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in range(180)]
+    reqs = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in range(120)]
     before = spec_real.engine.stats().spec.num_accepted_tokens
     plain = _ids(llm_fp32.generate([prompt] * len(reqs), reqs, use_tqdm=False))
     spec = _ids(spec_real.generate([prompt] * len(reqs), reqs, use_tqdm=False))
-    assert spec_real.engine.stats().spec.num_accepted_tokens - before > 150
+    assert spec_real.engine.stats().spec.num_accepted_tokens - before > 100
     assert plain != spec   # seeded, but drawn differently: the distributions are compared, not the tokens
     for pos in range(6):
         a, b = [t[pos] for t in plain], [t[pos] for t in spec]

@@ -94,18 +94,18 @@ def llm(llm_fp32):
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
                                            "city": {"type": "string"}}, "required": ["name", "age", "city"]}
+# Short chat prompts as a new user asks them; with JSON's whitespace unbounded, "Who is your
+# hero?" and "Who lives next door?" ran newlines until max_tokens (2 of 16 such prompts).
 ASKED = ["Describe a person.", "Tell me about your friend.", "Who is Ada Lovelace?", "Make up a character.",
-         "Give me a JSON profile.", "Introduce yourself.", "Describe a teacher.", "Who is your hero?",
-         "Invent a pirate.", "Describe a chef.", "A person who likes music.", "Describe an athlete.",
-         "Write about a scientist.", "Who lives next door?", "Describe a child.", "A famous painter."]
+         "Who is your hero?", "Describe an athlete.", "Who lives next door?", "A famous painter."]
 
 
 def test_json_answers_end_within_their_budget(llm):
     """Short chat prompts under a schema, as a new user asks them: with JSON's whitespace
-    unbounded (xgrammar's default, and vLLM's), 2 of these 16 greedy answers were newlines
-    until max_tokens cut them, invalid; bounded (20 a run, llama.cpp's bound), all end."""
+    unbounded (xgrammar's default, and vLLM's), 2 of these 8 greedy answers are newlines until
+    max_tokens cuts them, invalid; bounded (20 a run, llama.cpp's bound), all end (in ~30-40)."""
     prompts = [llm.apply_chat_template([{"role": "user", "content": p}]) for p in ASKED]
-    outs = llm.generate(prompts, _json_params(PERSON, temperature=0, max_tokens=120), use_tqdm=False)
+    outs = llm.generate(prompts, _json_params(PERSON, temperature=0, max_tokens=80), use_tqdm=False)
     for out in outs:
         c = out.outputs[0]
         assert c.finish_reason == "stop", (c.finish_reason, c.text)

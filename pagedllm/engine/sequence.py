@@ -62,15 +62,16 @@ class Sequence(PromptThenOutput):
         end = so.reasoning_end if so is not None else None
         if not end:
             return 0
-        out = self.token_ids[self.num_prompt_tokens:]
-        if self._grammar_from is not None and self._grammar_from <= len(out):
+        p, n, k = self.num_prompt_tokens, len(self.token_ids) - self.num_prompt_tokens, len(end)
+        if self._grammar_from is not None and self._grammar_from <= n:
             return self._grammar_from
-        self._grammar_from, start = None, max(0, min(self._searched, len(out)) - len(end) + 1)
-        for i in range(start, len(out) - len(end) + 1):
-            if out[i:i + len(end)] == end:
-                self._grammar_from = i + len(end)
+        self._grammar_from, start = None, max(0, min(self._searched, n) - k + 1)
+        ids = self.token_ids
+        for i in range(start, n - k + 1):   # the new tokens only, read in place: no copy a step
+            if ids[p + i:p + i + k] == end:
+                self._grammar_from = i + k
                 break
-        self._searched = len(out)
+        self._searched = n
         return self._grammar_from
 
     @property

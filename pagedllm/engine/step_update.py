@@ -57,7 +57,7 @@ class StepApplier:
                     target.token_ids = list(seq.token_ids)
                     sched.fork(seq, target)
             for target in sampled:
-                if target.seq_id in res.embeddings:
+                if res.embeddings and target.seq_id in res.embeddings:
                     target.request.embedding = res.embeddings[target.seq_id]
                 self.append(up, target, [res.tokens[target.seq_id]], res.logprobs, now)
         for hook in hooks:

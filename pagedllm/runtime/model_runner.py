@@ -494,7 +494,7 @@ class ModelRunner:
         self._place_adapters(plan)
         if self.draft is not None:  # its pool mirrors the target's blocks: the same copies
             self.draft.copy_blocks(plan.copies)
-        step, sample_rows, checks, scored = self._inputs(plan)
+        step, sample_rows, checks, scored, embeds = self._inputs(plan)
         if self.tp.distributed:
             step.adapter_events, self._adapter_events = self._adapter_events, []
             self.tp.broadcast(step)
@@ -515,8 +515,9 @@ class ModelRunner:
         if checks:
             out.accepted, out.tokens, errors = verify(logits, checks, self.eos_token_ids, self.generators)
             out.errors.update(errors)
+        if embeds:
+            self._embeddings(embeds, out)
         if sample_rows:
-            self._embeddings(sample_rows, out)
             rows = logits if not checks else logits[torch.tensor([i for i, _ in sample_rows], device=logits.device)]
             tokens, out.logprobs, errors = sample(rows, [t for _, t in sample_rows], self.model.ops.k,
                                                   self.eos_token_ids, self.generators)
@@ -528,14 +529,12 @@ class ModelRunner:
             out.drafts = self.proposer.propose(plan, out)
         return out
 
-    def _embeddings(self, sample_rows: list, out: StepResult) -> None:
-        """The prompt's last hidden state of each row sampling for a request that asked for its
-        embedding (its one row samples after the prompt's last token: a pooling request's
+    def _embeddings(self, embeds: list[tuple[int, int]], out: StepResult) -> None:
+        """The prompt's last hidden state of each (logits row, seq id) whose request asked for
+        its embedding (its one row samples after the prompt's last token: a pooling request's
         only generated token, which nobody reads)."""
-        for i, targets in sample_rows:
-            if targets[0].params.embed:
-                vec = self._sampled_hidden[i].float().cpu().numpy()
-                out.embeddings[targets[0].seq_id] = array("f", vec.tobytes())
+        for i, seq_id in embeds:
+            out.embeddings[seq_id] = array("f", self._sampled_hidden[i].float().cpu().numpy().tobytes())
 
     @staticmethod
     def _constrained(sample_rows: list, checks: list[Verify]) -> list[GrammarRow]:
@@ -574,9 +573,11 @@ class ModelRunner:
             self._forward(step)
 
     @staticmethod
-    def _inputs(plan: StepPlan) -> tuple[StepInputs, list, list[Verify], list[tuple[int, int, int]]]:
+    def _inputs(plan: StepPlan) -> tuple[StepInputs, list, list[Verify], list[tuple[int, int, int]],
+                                         list[tuple[int, int]]]:
         """The step's inputs; the rows that sample, as (logits row, [targets]); the drafts
-        to verify; and (seq id, prompt tokens scored, top k) in the order of step.score_rows."""
+        to verify; (seq id, prompt tokens scored, top k) in the order of step.score_rows; and
+        (logits row, seq id) of the rows whose prompt's embedding is asked (SamplingParams.embed)."""
         # Single-token queries first, shortest context first: they attend in padded
         # groups of similar length.
         order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
@@ -589,6 +590,7 @@ class ModelRunner:
         checks: list[Verify] = []
         scores: tuple[list[int], list[int], list[int]] = ([], [], [])
         scored: list[tuple[int, int, int]] = []
+        embeds: list[tuple[int, int]] = []
         more = len(order[0].groups) if order else 0   # layer groups 1..
         group_slots: list[list[int]] = [[] for _ in range(more)]
         group_tables: list[list[list[int]]] = [[] for _ in range(more)]
@@ -608,6 +610,8 @@ class ModelRunner:
                 checks.append(Verify(len(logit_rows), c.samples[0], c.draft))
                 logit_rows.extend(range(len(ids) - len(c.draft) - 1, len(ids)))
             elif c.samples:
+                if c.samples[0].params.embed:
+                    embeds.append((len(logit_rows), c.samples[0].seq_id))
                 sample_rows.append((len(logit_rows), c.samples))
                 logit_rows.append(len(ids) - 1)
             if c.score_ids:
@@ -619,7 +623,7 @@ class ModelRunner:
         nd = sum(1 for c in order if c.num_tokens == 1)
         step = StepInputs(ids, positions, slots, [c.block_ids for c in order], [c.end for c in order], q_starts,
                           nd, logit_rows, plan.copies, *scores, group_slots, group_tables, lora_rows)
-        return step, sample_rows, checks, scored
+        return step, sample_rows, checks, scored, embeds
 
     def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """The step's forward on this rank: logits of the rows that sample (the whole

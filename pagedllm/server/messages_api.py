@@ -10,12 +10,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .http import ServerClosing
 from .messages_output import MessageEvents, MessageShape, error_response, new_id
-from .messages_request import CHAT_TO_MESSAGES, MessagesRequest, chat_body, refused_field
+from .messages_request import CHAT_TO_MESSAGES, REFUSED, MessagesRequest, chat_body
 from .prepare import check_structured, prepare_chat, renamed
 from .state import APIError, ServerState
-from .streaming import ClientGone, ResponseBuilder, event_stream, submit, whole
+from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
 from .structured import FieldError
 
 
@@ -56,26 +55,13 @@ async def _create(state: ServerState, request: Request):
         return Response(status_code=499)
 
 
-async def _stream(shape: MessageShape, builder: ResponseBuilder, merged):
-    events = MessageEvents(shape)
-    for e in events.start():
-        yield e
-    try:
-        async for e in events.events(builder.chunks(merged, usage=True)):
-            yield e
-    except ServerClosing as e:
-        yield events.failed(503, str(e))
-    except ClientGone:
-        return
-    except Exception as e:  # after the headers went out, errors travel in the stream
-        yield events.failed(500, str(e))
+def _stream(shape: MessageShape, builder: ResponseBuilder, merged):
+    return translated(MessageEvents(shape), builder.chunks(merged, usage=True))
 
 
 def _prepare(state: ServerState, body: Any):
     req: MessagesRequest = state.parse(MessagesRequest, body)
-    refused = refused_field(body)
-    if refused is not None:
-        raise APIError(400, f"{refused}: not supported by this server; leave it out", param=refused)
+    state.refuse_unsupported(MessagesRequest, body, REFUSED)   # server.unsupported's rule, as chat's
     try:
         chat = chat_body(req, req.custom_tools())
         chat_req, params, prompts, tools = prepare_chat(state, chat)

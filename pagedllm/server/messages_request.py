@@ -97,12 +97,6 @@ REFUSED = {
 }
 
 
-def refused_field(body: dict) -> str | None:
-    for name, is_noop in REFUSED.items():
-        if name in body and not is_noop(body[name]):
-            return name
-    return None
-
 
 def system_text(system: str | list[dict[str, Any]] | None) -> str | None:
     if system is None or isinstance(system, str):

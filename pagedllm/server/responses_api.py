@@ -12,14 +12,13 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .http import ServerClosing
 from .prepare import check_structured, prepare_chat, renamed
 from .response_store import StoredResponse
 from .responses_output import ResponsesEvents, ResponseShape, assistant_messages, new_id
-from .responses_request import (CHAT_TO_RESPONSES, ResponsesRequest, chat_body, conversation_bytes, input_messages,
-                                refused_field)
+from .responses_request import (CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body,
+                                conversation_bytes, input_messages)
 from .state import APIError, ServerState
-from .streaming import ClientGone, ResponseBuilder, event_stream, submit, whole
+from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
 from .structured import FieldError
 
 
@@ -53,23 +52,9 @@ async def create_response(state: ServerState, request: Request):
     return JSONResponse(response)
 
 
-async def _stream(shape: ResponseShape, builder: ResponseBuilder, merged, keep):
+def _stream(shape: ResponseShape, builder: ResponseBuilder, merged, keep):
     events = ResponsesEvents(shape)
-    for e in events.start():
-        yield e
-    try:
-        async for e in events.events(builder.chunks(merged, usage=True)):
-            yield e
-    except ServerClosing as e:
-        yield events.failed(str(e), "server_shutting_down")
-        return
-    except ClientGone:
-        return
-    except Exception as e:  # after the headers went out, errors travel in the stream
-        yield events.failed(str(e), "server_error")
-        return
-    if events.final is not None:
-        keep(events.final)
+    return translated(events, builder.chunks(merged, usage=True), lambda: keep(events.final))
 
 
 def get_response(state: ServerState, request: Request, response_id: str) -> dict:
@@ -93,9 +78,9 @@ def _not_found(response_id: str) -> APIError:
 # -- preparation, on the worker threads ------------------------------------------------
 def _prepare(state: ServerState, body: Any, key: str | None):
     req: ResponsesRequest = state.parse(ResponsesRequest, body)
-    refused = refused_field(body)
-    if refused is not None:
-        raise APIError(400, f"{refused[0]}: {refused[1]}", param=refused[0])
+    if body.get("truncation") not in (None, "disabled"):
+        raise APIError(400, TRUNCATION, param="truncation")
+    state.refuse_unsupported(ResponsesRequest, body, REFUSED)   # server.unsupported's rule, as chat's
     try:
         history = _history(state, req, key)
         convo = history + input_messages(req.input)

@@ -153,8 +153,9 @@ class ResponsesEvents:
         yield self._event("response.completed" if status == "completed" else "response.incomplete",
                           response=self.final)
 
-    def failed(self, message: str, code: str) -> str:
+    def failed(self, status: int, message: str) -> str:
         """The stream's last event when the answer cannot be finished."""
+        code = "server_shutting_down" if status == 503 else "server_error"
         return self._event("response.failed", response=self.shape.obj(
             "failed", self.output, error={"code": code, "message": message}))
 

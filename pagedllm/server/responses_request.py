@@ -105,18 +105,9 @@ REFUSED = {
     "include": _no_op,
     "max_tool_calls": _no_op,
     "top_logprobs": lambda v: v is None or v == 0,
-    "truncation": lambda v: v is None or v == "disabled",
 }
-
-
-def refused_field(body: dict) -> tuple[str, str] | None:
-    """(field, why) for the first field this server would have to ignore to answer."""
-    for name, is_noop in REFUSED.items():
-        if name in body and not is_noop(body[name]):
-            why = ('"auto" would drop input to fit the context; this server refuses a prompt that does not '
-                   'fit instead' if name == "truncation" else "not supported by this server; leave it out")
-            return name, why
-    return None
+TRUNCATION = ('truncation: "auto" would drop input to fit the context; this server refuses a prompt that does not '
+              'fit instead')
 
 
 # -- input items -> chat messages ------------------------------------------------------

@@ -1,6 +1,8 @@
-"""Offline throughput with the float matmuls on weights reordered for oneDNN (the default on
-CPU, models/prepack.py) against plain weights (PAGEDLLM_PREPACK=0), alternately, each run in
-a fresh process on the same ShareGPT requests; the ratio of the medians.
+"""Offline throughput with the float matmuls' weights in one layout against another (models/prepack.py),
+alternately, each run in a fresh process on the same ShareGPT requests; the ratio of the medians.
+--variants names two settings of PAGEDLLM_PREPACK, baseline first: the default compares oneDNN's
+reordered weights (onednn) with our bf16 kernel's panels (1, the default on CPUs with AVX512-BF16);
+plain=0,reordered=onednn is §30's comparison (plain weights against oneDNN's reordered ones).
 
     python -m benchmarks prepack_ab --rounds 2 --out benchmarks/results/prepack_ab.json
 """
@@ -20,13 +22,18 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--variants", default="onednn=onednn,panels=1", help="name=PAGEDLLM_PREPACK,name=... (baseline first)")
     ap.add_argument("--out", default="benchmarks/results/prepack_ab.json")
     args = ap.parse_args()
     reqs = sharegpt_truncated(args.num_prompts, args.max_prompt_len, args.max_output_len)
     kwargs = {"dtype": args.dtype, "max_model_len": 2048}
-    runs: dict[str, list[dict]] = {"plain": [], "reordered": []}
+    variants = [tuple(v.split("=", 1)) for v in args.variants.split(",")]
+    if len(variants) != 2:
+        raise SystemExit("--variants: two name=value pairs, the baseline first")
+    (base, _), (new, _) = variants
+    runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for _ in range(args.rounds):
-        for name, env in (("plain", "0"), ("reordered", "1")):
+        for name, env in variants:
             r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name} weights", use_tqdm=False,
                                env={"PAGEDLLM_PREPACK": env})
             runs[name].append(r)
@@ -34,10 +41,10 @@ def main() -> None:
                   f"{r['cold']['output_tok_s']:8.1f} cold")
     med = {k: statistics.median(r["output_tok_s"] for r in v) for k, v in runs.items()}
     cold = {k: statistics.median(r["cold"]["output_tok_s"] for r in v) for k, v in runs.items()}
-    print(f"reordered / plain: warm {med['reordered'] / med['plain']:.2f}x ({med['reordered']:.1f} / "
-          f"{med['plain']:.1f}), cold {cold['reordered'] / cold['plain']:.2f}x")
+    print(f"{new} / {base}: warm {med[new] / med[base]:.2f}x ({med[new]:.1f} / "
+          f"{med[base]:.1f}), cold {cold[new] / cold[base]:.2f}x")
     save({"args": vars(args), "median_warm": med, "median_cold": cold,
-          "warm_ratio": med["reordered"] / med["plain"], "cold_ratio": cold["reordered"] / cold["plain"],
+          "warm_ratio": med[new] / med[base], "cold_ratio": cold[new] / cold[base],
           "results": [r for v in runs.values() for r in v]}, args.out)
     print(f"saved {args.out}")
 

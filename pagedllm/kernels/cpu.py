@@ -1,5 +1,5 @@
 """Builds the CPU kernels (csrc/: paged attention, fused norm / SiLU / RoPE, sampling, prompt scoring, the
-batch-invariant matmul, the quantized-block matmuls, W8A8's
+batch-invariant matmul, the bf16 matmul on panels, the quantized-block matmuls, W8A8's
 quantize and scale passes) once, caches them, loads them as torch.ops.pagedllm_cpu.
 
 The library is compiled for this CPU (-march=native) by torch's extension builder (g++,
@@ -26,7 +26,7 @@ logger = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "quant_linear.cpp",
            CSRC / "sampling.cpp", CSRC / "scoring.cpp", CSRC / "shm_allreduce.cpp", CSRC / "grammar_mask.cpp",
-           CSRC / "w8a8.cpp", CSRC / "lora.cpp", CSRC / "moe.cpp"]
+           CSRC / "w8a8.cpp", CSRC / "lora.cpp", CSRC / "moe.cpp", CSRC / "panel_linear.cpp"]
 
 
 def _arch_flags() -> list[str]:

@@ -84,6 +84,8 @@ def invariant_linear(layer: nn.Linear, x: torch.Tensor, kernels) -> torch.Tensor
     """layer(x) with each row's result independent of the other rows."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
+        if hasattr(layer, "panels"):  # our bf16 kernel: a row's sums never depend on the other rows
+            return packed_linear(layer, x, kernels)
         if hasattr(layer, "packed"):  # reordered for oneDNN: the same tiles, on the reordered weight
             return tiled(x, lambda t: packed_linear(layer, t))
         return tiled_linear(x, layer.weight, layer.bias)

@@ -24,9 +24,10 @@ class WeightBytes:
 def _tensors(mod: nn.Module):
     yield from mod.parameters(recurse=False)
     yield from mod.buffers(recurse=False)
-    packed = getattr(mod, "packed", None)   # prepack.py's oneDNN copy (an attribute, not a buffer)
-    if isinstance(packed, torch.Tensor):
-        yield packed
+    for name in ("packed", "panels"):   # prepack.py's reordered copy (an attribute, not a buffer)
+        packed = getattr(mod, name, None)
+        if isinstance(packed, torch.Tensor):
+            yield packed
 
 
 def _key(t: torch.Tensor) -> int:

@@ -24,7 +24,7 @@ from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .mlp import MLP
 from .moe import SparseMoE, experts_torch, quantize_experts
-from .prepack import packed_linear, prepack_linears, prepack_wanted
+from .prepack import is_packed, packed_linear, prepack_linears, prepack_wanted
 from .quantization import GGUF_RUNNABLE, GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
@@ -60,7 +60,7 @@ class Ops:
         self.k = kernels
         self.batch_invariant = False
         self.quant: str | None = None  # the linear layers hold quantized weights (quantization.py, w8a8.py)
-        self.packed = False  # the float linear layers' weights are reordered for oneDNN (prepack.py)
+        self.packed = False  # the float linear layers' weights are reordered, in panels or for oneDNN (prepack.py)
         self.lora = None  # the step's adapters (lora.batch.LoRAStep), set by the runner around a forward
         # W8A8 experts have a kernel where the library was built with VNNI (asked once, not every layer's step)
         self.w8a8_experts = kernels is not None and kernels.moe_can_w8a8()
@@ -79,7 +79,7 @@ class Ops:
             return block_linear(layer, x, self.k)
         if self.batch_invariant:
             return invariant_linear(layer, x, self.k)
-        return packed_linear(layer, x) if self.packed and hasattr(layer, "packed") else layer(x)
+        return packed_linear(layer, x, self.k) if self.packed and is_packed(layer) else layer(x)
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.k is not None and x.device.type == "cpu" and x.shape[-1] % 16 == 0
@@ -360,15 +360,16 @@ class LlamaForCausalLM(nn.Module):
         return f"{packed} of {total} matmuls on AMX in a fixed order, the rest on {ROW_TILE}-row tiles"
 
     def prepack(self) -> int:
-        """Reorders the float matmuls' weights for oneDNN (prepack.py), and W8A8's int8 ones
-        (w8a8.py), once the weights are loaded, in their dtype, quantized and made
+        """Reorders the float matmuls' weights, in panels for our bf16 kernel or for oneDNN
+        (prepack.py), and W8A8's int8 ones (w8a8.py), once the weights are loaded, in their dtype, quantized and made
         batch-invariant (whose row tiles then run on them).
         A tied LM head's weight stays plain too: the embedding looks its rows up in it.
         Returns how many were reordered: none where the weights are not on a CPU oneDNN takes
         them on, or with PAGEDLLM_PREPACK=0."""
         if not prepack_wanted():
             return 0
-        n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set())
+        n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set(),
+                            self.ops.k)
         self.ops.packed = n > 0
         if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps (once, at load)
             for moe in self.mixtures():

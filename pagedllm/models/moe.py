@@ -25,6 +25,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .mlp import MLP
+from .prepack import PANEL, from_panels, panels_shape, to_panels
 from .quantization import FORMAT_IDS, Blocks, RawBlocks, pack, quantize_q4_1, quantize_q8_0, unpack
 
 
@@ -124,16 +125,16 @@ class SparseMoE(nn.Module):
         return self._block_args
 
     def can_pack(self) -> bool:
-        """Whether pack_bf16 applies: float bf16 experts of 16-column slabs and K pairs."""
+        """Whether pack_bf16 applies: float bf16 experts of whole 32-column panels and K pairs."""
         return not self.quantized and not self.packed and self.w13.dtype == torch.bfloat16 \
-            and self.w13.shape[1] % 16 == 0 and self.w2.shape[1] % 16 == 0 and self.w13.shape[2] % 2 == 0 \
+            and self.w13.shape[1] % PANEL == 0 and self.w2.shape[1] % PANEL == 0 and self.w13.shape[2] % 2 == 0 \
             and self.w2.shape[2] % 2 == 0
 
     def pack_bf16(self) -> None:
-        """The bf16 experts reordered once for the kernel's vdpbf16ps tiles (moe.cpp packed_mm: to_slabs,
-        runs of 2), in place."""
+        """The bf16 experts reordered once in panels for the vdpbf16ps kernel (bf16_panels.h), in place:
+        the same shape, another order."""
         for p in (self.w13, self.w2):
-            p.data = to_slabs(p.data, 2)
+            p.data = to_panels(p.data).view(p.shape)
         self.packed = True
 
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,7 +143,7 @@ class SparseMoE(nn.Module):
         if self.w8a8:
             return tuple((from_slabs(q[e], 4).float() * s[e][:, None]).to(dtype) for q, s, _ in self._w8_args)
         if self.packed:
-            return from_slabs(self.w13[e], 2), from_slabs(self.w2[e], 2)
+            return tuple(from_panels(w[e].view(panels_shape(*w.shape[1:])), w.shape[1]) for w in (self.w13, self.w2))
         if not self.quantized:
             return self.w13[e], self.w2[e]
         _, p13, _, p2, width = self.block_args()

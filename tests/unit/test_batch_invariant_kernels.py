@@ -12,7 +12,7 @@ from torch import nn
 from pagedllm.config import EngineConfig
 from pagedllm.kernels import load_ops
 from pagedllm.models.batch_invariant import ROW_TILE, can_pack, invariant_linear, pack_weight, tiled_linear
-from pagedllm.models.prepack import can_prepack, prepack_linears
+from pagedllm.models.prepack import can_prepack, panels_wanted, prepack_linears
 
 
 # ShareGPT-like: questions, instructions, pasted text and code, many short, a few long.
@@ -37,6 +37,17 @@ def _linears(kernels, dtype: torch.dtype):
                 layers[w.data_ptr()] = layer
             return invariant_linear(layers[w.data_ptr()], x, kernels)
         out.append(("tiled, reordered", reordered))
+    if dtype == torch.bfloat16 and panels_wanted(kernels):
+        panel_layers: dict[int, nn.Linear] = {}
+
+        def panels(x, w, p):  # our kernel on the weight packed in panels: invariant with no tiles
+            if w.data_ptr() not in panel_layers:
+                layer = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
+                layer.weight = nn.Parameter(w.clone(), requires_grad=False)
+                assert prepack_linears(layer, keep=set(), kernels=kernels) == 1 and hasattr(layer, "panels")
+                panel_layers[w.data_ptr()] = layer
+            return invariant_linear(panel_layers[w.data_ptr()], x, kernels)
+        out.append(("panels", panels))
     if can_pack(torch.zeros(32, 32, dtype=dtype), kernels):
         def amx(x, w, p):
             y = x.new_empty(x.shape[0], w.shape[0])

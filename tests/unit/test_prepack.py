@@ -57,3 +57,67 @@ def test_prepack_can_be_turned_off(monkeypatch):
     assert prepack_wanted()
     monkeypatch.setenv("PAGEDLLM_PREPACK", "0")
     assert not prepack_wanted()
+
+
+# --- bf16 weights in panels for our kernel (kernels/csrc/bf16_panels.h) ---------------------------
+
+def test_panels_round_trip_any_width():
+    from pagedllm.models.prepack import from_panels, to_panels
+
+    for n in (1, 31, 32, 33, 100):
+        w = torch.randn(n, 6)
+        p = to_panels(w)
+        assert p.shape == (-(-n // 32), 3, 32, 2)
+        assert torch.equal(from_panels(p, n), w)
+        assert torch.equal(p[0, 1, 0], w[0, 2:4])  # column 0's second pair of k
+    e = torch.randn(3, 64, 8)   # a mixture's experts: each its own panels
+    assert torch.equal(from_panels(to_panels(e)[1], 64), e[1])
+
+
+def _panel_kernels():
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.prepack import panels_wanted
+
+    k = load_ops()
+    if not panels_wanted(k):
+        pytest.skip("the CPU kernels have no AVX512-BF16 here")
+    return k
+
+
+@pytest.mark.parametrize("rows", [0, 1, 13, 14, 15, 300])
+def test_panel_products_match_fp32(rows):
+    """bf16 products summed in fp32 and rounded once: within bf16's rounding of the fp32 result,
+    for widths that fill no whole panel, a bias, rows past a 256-row sweep, and strided rows."""
+    kernels = _panel_kernels()
+    m = _model(torch.bfloat16)
+    m.c = nn.Linear(64, 45, bias=True).to(torch.bfloat16)   # 45 columns: a panel and a part
+    plain = {k: (m[k].weight.detach().clone(), m[k].bias) for k in ("a", "b", "c")}
+    assert prepack_linears(m, keep=set(), kernels=kernels) == 3
+    assert m.a.weight is None and hasattr(m.a, "panels") and not hasattr(m.a, "packed")
+    wide = torch.randn(rows, 80).to(torch.bfloat16)
+    x = wide[:, 8:72]   # rows 80 apart
+    with torch.inference_mode():
+        for name, y in (("a", packed_linear(m.a, x, kernels)), ("c", packed_linear(m.c, x, kernels))):
+            w, b = plain[name]
+            want = x.float() @ w.float().t() + (b.float() if b is not None else 0)
+            torch.testing.assert_close(y.float(), want.bfloat16().float(), atol=1e-2, rtol=2 ** -7)
+        y = packed_linear(m.b, packed_linear(m.a, x, kernels), kernels)
+        assert y.shape == (rows, 32)
+
+
+def test_panel_rows_independent_of_the_batch():
+    kernels = _panel_kernels()
+    layer = nn.Linear(576, 100, bias=False).to(torch.bfloat16)
+    prepack_linears(layer, keep=set(), kernels=kernels)
+    x = torch.randn(40, 576).to(torch.bfloat16)
+    alone = torch.cat([packed_linear(layer, x[i:i + 1], kernels) for i in range(40)])
+    assert torch.equal(packed_linear(layer, x, kernels), alone)
+
+
+def test_onednn_layout_can_be_asked_for(monkeypatch):
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.prepack import panels_wanted
+
+    monkeypatch.setenv("PAGEDLLM_PREPACK", "onednn")
+    assert prepack_wanted() and not panels_wanted(load_ops())
+    assert not panels_wanted(None)

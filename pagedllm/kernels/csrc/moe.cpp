@@ -8,7 +8,7 @@
 //      workspace of the step (no tensor allocated per expert);
 //   3. combine: out[row] = sum over its k slots of weight * y[slot's place], in fp32, rounded once.
 //
-// bf16 experts packed at load (packed_mm) run one vdpbf16ps kernel at every row count; other float
+// bf16 experts packed at load in panels (bf16_panels.h) run one vdpbf16ps kernel at every row count; other float
 // experts' matmuls are ATen's (oneDNN), or small_mm at a few rows; quantized experts
 // (moe_experts_blocks: q8_0, q4_1, GGUF's K-quants...) run quant_linear.cpp's block kernels
 // on each expert's blocks in place (blocks.h), one expert's weights never unpacked whole.
@@ -25,6 +25,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_panels.h"
 #include "blocks.h"
 #include "vec.h"
 
@@ -82,9 +83,9 @@ void small_mm_bf16(c10::BFloat16* y, const c10::BFloat16* x, const c10::BFloat16
 }
 #endif
 
-// Packed experts (bf16 for vdpbf16ps, int8 for vpdpbusd) hold W [N, K] as slabs of 16 output columns,
-// each slab's K one vector of the 16 columns' pairs (bf16) or quads (int8) after another; a tile is
-// at most MR rows of x by 2 slabs (32 columns): 16 accumulators of the 32 zmm registers.
+// W8A8 experts packed for vpdpbusd hold W [N, K] as slabs of 16 output columns, each slab's K one
+// vector of the 16 columns' quads after another; a tile is at most MR rows of x by 2 slabs (32
+// columns): 16 accumulators of the 32 zmm registers. (bf16 experts are packed in panels: bf16_panels.h.)
 constexpr int64_t SLAB = 16;
 constexpr int MR = 8;
 
@@ -130,52 +131,6 @@ void over_tiles(int64_t m, int64_t n, const Tile& tile, const Store& store) {
   });
 }
 
-#ifdef __AVX512BF16__
-// bf16 experts' weights packed once at load for vdpbf16ps (models/moe.py pack_bf16): W [N, K] as
-// [N/16][K/2][16][2], each 16 output columns' K pairs one after another, a pair of 16 columns one
-// 64-byte vector. One instruction then adds a row's pair of x (broadcast) times 16 columns' pairs
-// into 16 fp32 sums: an outer product, no horizontal sums, each weight read once per tile of rows.
-// One kernel for every row count: at a decode step's few rows it streams the weights at memory speed
-// (small_mm's job), at a prefill's hundreds it runs register tiles of MR x 32 near the bf16 peak,
-// where oneDNN reordered the plain weights on every call (measured ~60 % of its peak in the layer).
-// acc[r][v] over rows x[0..R) (ldx apart) and columns v*16.. of the slabs at wp (slab apart).
-template <int R, int NV>
-inline void packed_tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* wp, int64_t slab, int64_t k,
-                        float* res) {
-  __m512 acc[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (int64_t kk = 0; kk < k / 2; ++kk) {
-    __m512bh w[NV];
-    for (int v = 0; v < NV; ++v) w[v] = (__m512bh)_mm512_loadu_si512(wp + v * slab + kk * 2 * SLAB);
-    for (int r = 0; r < R; ++r) {
-      int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * kk, 4);
-      const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
-      for (int v = 0; v < NV; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xb, w[v]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) _mm512_storeu_ps(res + (r * NV + v) * SLAB, acc[r][v]);
-}
-
-// out [m, n] (ldo apart) = x [m, k] . W^T, W packed (n a multiple of 16, k of 2).
-void packed_mm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t m, const c10::BFloat16* wp,
-               int64_t n, int64_t k) {
-  const int64_t slab = k * SLAB;
-  over_tiles<float>(
-      m, n,
-      [&](auto r, auto nv, int64_t m0, int64_t n0, float* res) {
-        packed_tile<decltype(r)::value, decltype(nv)::value>(x + m0 * k, k, wp + (n0 / SLAB) * slab, slab, k, res);
-      },
-      [&](int rows, int nv, int64_t m0, int64_t n0, const float* res) {
-        for (int r = 0; r < rows; ++r)
-          for (int v = 0; v < nv; ++v)
-            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (m0 + r) * ldo + n0 + v * SLAB),
-                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(res + (r * nv + v) * SLAB)));
-      });
-}
-#endif
 
 #ifdef __AVX512VNNI__
 // W8A8 experts (models/moe.py set_w8a8): int8 weights with a scale per output channel, packed once
@@ -290,11 +245,11 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (packed) {
       const int64_t hid = xs.size(1);
-      packed_mm(h.data_ptr<T>() + start * 2 * width, 2 * width, xs.data_ptr<T>() + start * hid, n,
-                w13.data_ptr<T>() + e * 2 * width * hid, 2 * width, hid);
+      panels::gemm(h.data_ptr<T>() + start * 2 * width, 2 * width, xs.data_ptr<T>() + start * hid, hid, n,
+                   w13.data_ptr<T>() + e * 2 * width * hid, 2 * width, hid, nullptr);
       act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, silu);
-      packed_mm(y.data_ptr<T>() + start * hid, hid, a.data_ptr<T>() + start * width, n,
-                w2.data_ptr<T>() + e * hid * width, hid, width);
+      panels::gemm(y.data_ptr<T>() + start * hid, hid, a.data_ptr<T>() + start * width, width, n,
+                   w2.data_ptr<T>() + e * hid * width, hid, width, nullptr);
       return;
     }
   }

@@ -105,13 +105,18 @@ def test_panel_products_match_fp32(rows):
         assert y.shape == (rows, 32)
 
 
-def test_panel_rows_independent_of_the_batch():
+@pytest.mark.parametrize("k", [576, 2048, 2050])
+def test_panel_rows_independent_of_the_batch(k):
+    """Alone (read in place) or among 40 (rows 4 KB apart, K = 2048, are packed first): the same
+    bits, and near fp32; an odd row stride (2050 elements of 2052) read in place."""
     kernels = _panel_kernels()
-    layer = nn.Linear(576, 100, bias=False).to(torch.bfloat16)
+    layer = nn.Linear(k, 100, bias=False).to(torch.bfloat16)
+    w = layer.weight.detach().float()
     prepack_linears(layer, keep=set(), kernels=kernels)
-    x = torch.randn(40, 576).to(torch.bfloat16)
+    x = torch.randn(40, k + 2).to(torch.bfloat16)[:, 1:k + 1] if k % 4 else torch.randn(40, k).to(torch.bfloat16)
     alone = torch.cat([packed_linear(layer, x[i:i + 1], kernels) for i in range(40)])
     assert torch.equal(packed_linear(layer, x, kernels), alone)
+    torch.testing.assert_close(alone.float(), (x.float() @ w.t()).bfloat16().float(), atol=2e-2, rtol=2 ** -7)
 
 
 def test_onednn_layout_can_be_asked_for(monkeypatch):

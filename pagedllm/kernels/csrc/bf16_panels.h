@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace pagedllm {
 namespace panels {
@@ -37,10 +38,12 @@ constexpr int ROWS = 14;          // rows of x of a tile
 constexpr int64_t AHEAD = 16;     // k pairs the tile prefetches ahead (2 KB of the panel)
 constexpr int64_t ROW_CHUNK = 256;  // rows a sweep over the panels takes (x's chunk stays in L2 / L3)
 
-// out[r][0..n_valid) = x[r] . panel (+ bias) for r < R; x rows ldx apart, out rows ldo apart.
+// out[r][0..n_valid) = x[r] . panel (+ bias) in bf16 for r < R (ldo apart); x's pair kp of row r
+// at xp + kp * s_kp + r * s_r (elements: packed by pack_rows, s_kp = 2 * ROWS and s_r = 2; or in
+// place, s_kp = 2 and s_r = the row stride).
 template <int R>
-inline void tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2, int64_t n_valid,
-                 c10::BFloat16* out, int64_t ldo, const float* bias) {
+inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel, int64_t k2,
+                 int64_t n_valid, c10::BFloat16* out, int64_t ldo, const float* bias) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const char* p = reinterpret_cast<const char*>(panel);
@@ -53,7 +56,7 @@ inline void tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel
 #pragma GCC unroll 14
     for (int r = 0; r < R; ++r) {
       int32_t pair;
-      std::memcpy(&pair, x + r * ldx + 2 * kp, 4);
+      std::memcpy(&pair, xp + kp * s_kp + r * s_r, 4);
       const __m512bh xb = (__m512bh)_mm512_set1_epi32(pair);
       acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xb, w0);
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
@@ -74,29 +77,67 @@ inline void tile(const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel
 
 // tile<rows>, rows in 1..R chosen at run time.
 template <int R>
-inline void tile_of(int rows, const c10::BFloat16* x, int64_t ldx, const c10::BFloat16* panel, int64_t k2,
-                    int64_t n_valid, c10::BFloat16* out, int64_t ldo, const float* bias) {
+inline void tile_of(int rows, const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel,
+                    int64_t k2, int64_t n_valid, c10::BFloat16* out, int64_t ldo, const float* bias) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R>(x, ldx, panel, k2, n_valid, out, ldo, bias);
-    return tile_of<R - 1>(rows, x, ldx, panel, k2, n_valid, out, ldo, bias);
+    if (rows == R) return tile<R>(xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
+    return tile_of<R - 1>(rows, xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
+  }
+}
+
+// Whether a tile's rows, ldx elements apart, put more than half of an L1 set's 8 ways on one set
+// (64 sets of 64-byte lines): rows 4 KB apart (K = 2048) all fall in one, and a tile of them ran
+// at ~80 % of the peak where oneDNN ran ~97 % (blocking K to keep a panel's block in L1 changed
+// nothing). Such rows are packed first; others are read in place (packing them cost ~6 % on
+// SmolLM2's K = 576 and 1536).
+inline bool rows_collide(int64_t ldx) {
+  int per_set[64] = {}, worst = 0;
+  for (int r = 0; r < ROWS; ++r) worst = std::max(worst, ++per_set[(r * ldx * 2 / 64) % 64]);
+  return worst > 4;
+}
+
+// A tile's rows of x as its kernel reads them: pair kp of row r at dst[kp * ROWS + r], so the
+// broadcasts of one k pair read one line.
+inline void pack_rows(c10::BFloat16* dst, const c10::BFloat16* x, int64_t ldx, int rows, int64_t k2) {
+  for (int r = 0; r < rows; ++r) {
+    const c10::BFloat16* row = x + r * ldx;
+    for (int64_t kp = 0; kp < k2; ++kp) std::memcpy(dst + 2 * (kp * ROWS + r), row + 2 * kp, 4);
   }
 }
 
 // out [m, n] (ldo apart) = x [m, k] (ldx apart, k even) . W^T (+ bias), W packed in panels.
-// Panels are spread over the threads (`grain` panels at least a thread); inside a parallel
-// region (a decode step's experts) it runs inline on the caller's thread.
+// Rows go in chunks of ROW_CHUNK, packed once a chunk; panels are spread over the threads
+// (`grain` panels at least a thread), every tile of the chunk's rows over a panel before the
+// next. Inside a parallel region (a decode step's experts) it runs inline on the caller's thread.
 inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t ldx, int64_t m,
                  const c10::BFloat16* w, int64_t n, int64_t k, const float* bias, int64_t grain = 1) {
   const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS, panel = k2 * COLS * 2;
+  const bool pack = m > ROWS / 2 && rows_collide(ldx);
+  // the caller's thread's buffer, kept between calls (a fresh one of ~100 KB+ is an mmap, its
+  // pages faulted in every call)
+  thread_local std::vector<c10::BFloat16> packed;
+  if (pack) packed.resize(std::max<size_t>(packed.size(), ((std::min(m, ROW_CHUNK) + ROWS - 1) / ROWS) * k * ROWS));
+  c10::BFloat16* xp = packed.data();
   for (int64_t c0 = 0; c0 < m; c0 += ROW_CHUNK) {
-    const int64_t c1 = std::min(m, c0 + ROW_CHUNK);
+    const int64_t c1 = std::min(m, c0 + ROW_CHUNK), tiles = (c1 - c0 + ROWS - 1) / ROWS;
+    if (pack) {
+      at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          pack_rows(xp + t * k * ROWS, x + (c0 + t * ROWS) * ldx, ldx, int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS)),
+                    k2);
+      });
+    }
     at::parallel_for(0, np, grain, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n_valid = std::min(COLS, n - p * COLS);
-        for (int64_t r = c0; r < c1; r += ROWS) {
-          const int rows = int(std::min<int64_t>(ROWS, c1 - r));
-          tile_of<ROWS>(rows, x + r * ldx, ldx, w + p * panel, k2, n_valid, out + r * ldo + p * COLS, ldo,
-                        bias != nullptr ? bias + p * COLS : nullptr);
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int rows = int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS));
+          c10::BFloat16* o = out + (c0 + t * ROWS) * ldo + p * COLS;
+          const float* b = bias != nullptr ? bias + p * COLS : nullptr;
+          if (pack)
+            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w + p * panel, k2, n_valid, o, ldo, b);
+          else
+            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w + p * panel, k2, n_valid, o, ldo, b);
         }
       }
     });

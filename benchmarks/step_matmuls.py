@@ -100,7 +100,7 @@ def main() -> None:
             print(f"  M {m:>3}: oneDNN {r['onednn']['ms']:6.1f} ms ({r['onednn']['of_peak']:4.0%} of peak, "
                   f"{r['onednn']['of_bandwidth']:4.0%} of bandwidth)   panels {r['panels']['ms']:6.1f} ms "
                   f"({r['panels']['of_peak']:4.0%}, {r['panels']['of_bandwidth']:4.0%})   {r['speedup']:.2f}x")
-    save({"args": vars(args), "peak_gflops": peak, "results": rows}, args.out)
+    save({"benchmark": "step_matmuls", "args": vars(args), "peak_gflops": peak, "results": rows}, args.out)
     print(f"wrote {args.out}")
 
 

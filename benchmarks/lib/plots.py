@@ -581,7 +581,30 @@ def plot_linear_prepack(ax, data: dict) -> None:
     ax.legend(fontsize=7)
 
 
+def plot_step_matmuls(fig, data: dict) -> None:
+    """Per model: a step's matmuls (weights from memory) as a share of the GEMM peak by rows M,
+    oneDNN on reordered weights against our panels, with ours ÷ oneDNN written above."""
+    models = sorted({r["model"] for r in data["results"]})
+    for i, model in enumerate(models):
+        ax = fig.add_subplot(1, len(models), i + 1)
+        rows = sorted((r for r in data["results"] if r["model"] == model), key=lambda r: r["m"])
+        ms = [r["m"] for r in rows]
+        for key, style, label in (("onednn", "s--", "oneDNN, reordered"), ("panels", "o-", "ours, panels")):
+            ax.plot(ms, [100 * r[key]["of_peak"] for r in rows], style, label=label)
+        for r in rows:
+            ax.annotate(f"{r['speedup']:.2f}×", (r["m"], 100 * r["panels"]["of_peak"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=6)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 110)
+        ax.set_xlabel("rows M")
+        ax.set_ylabel("% of the bf16 GEMM peak")
+        ax.set_title(f"{model}: {len(rows) and rows[0]['weight_bytes'] / 1e6:.0f} MB of weights a step", fontsize=9)
+        ax.legend(fontsize=7)
+
+
 PLOTTERS: list[Plotter] = [
+    (lambda d: d.get("benchmark") == "step_matmuls", plot_step_matmuls,
+     "A decode step's matmuls, weights from memory: ours against oneDNN", True),
     (lambda d: "peak_gflops" in d and isinstance(d.get("results"), list), plot_linear_prepack,
      "Matmuls on weights reordered for oneDNN", False),
     (lambda d: "int8_dot" in d and isinstance(d.get("results"), list), plot_int8_matmul,

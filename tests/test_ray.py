@@ -140,11 +140,15 @@ def replicas() -> dict[str, int]:
 def test_chats_behind_one_system_prompt_go_to_the_replica_holding_it(served):
     first = chat(served, 0)
     assert first.status_code == 200, first.text
-    with ThreadPoolExecutor(8) as pool:
+    # 4 at a time: the router's load bound (dp.router.load_bound: ceil(1.25 x mean) + 1) lets the
+    # holder take a 5th in flight while the other replica idles, so none has to spill over; one may
+    # where a completion reaches the router late. (8 at a time spilled 2-3 whenever the suite's load
+    # slowed the answers: the bound doing its job, and a flaky count.)
+    with ThreadPoolExecutor(4) as pool:
         rest = list(pool.map(lambda i: chat(served, i), range(1, 16)))
     assert all(r.status_code == 200 for r in rest), [r.text for r in rest if r.status_code != 200]
     where = collections.Counter(r.headers["x-pagedllm-replica"] for r in [first, *rest])
-    assert where.most_common(1)[0][1] >= 14, where
+    assert where.most_common(1)[0][1] >= 15, where
     assert where.most_common(1)[0][0] == first.headers["x-pagedllm-replica"]
     stream = httpx.post(served + "/v1/completions", timeout=60,
                         json={"model": "tiny", "prompt": "Hello", "max_tokens": 4, "stream": True})

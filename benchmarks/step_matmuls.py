@@ -14,11 +14,10 @@ share of the read bandwidth, and ours ÷ oneDNN (speed).
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from benchmarks.lib.attention import median_time
 from benchmarks.linear_prepack import SHAPES, packed, peak_gflops
 from pagedllm.bench.throughput import save
 from pagedllm.kernels import load_ops
@@ -36,24 +35,12 @@ def step_shapes(model: str) -> list[tuple[int, int]]:
 def read_bandwidth(nbytes: int, reps: int) -> float:
     """Bytes a second of a sum over nbytes of floats (read once, nothing written)."""
     buf = torch.ones(nbytes // 4)
-    buf.sum()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        buf.sum()
-        ts.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(ts)
+    return nbytes / median_time(buf.sum, reps)
 
 
 def step_time(run, m: int, ks: set[int], reps: int) -> float:
     xs = {k: torch.randn(m, k).to(torch.bfloat16) for k in ks}
-    run(xs)  # warm: primitives and pages
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        run(xs)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return median_time(lambda: run(xs), reps)   # its first call warms primitives and pages
 
 
 def main() -> None:

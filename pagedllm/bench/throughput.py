@@ -36,12 +36,10 @@ def run_engine(reqs: list[BenchRequest], engine_kwargs: dict, n: int = 1, temper
     steps, engine.step_log = engine.step_log, None
     out_tok = sum(len(c.token_ids) for o in outs for c in o.outputs)
     prompt_tok = sum(len(o.prompt_token_ids) for o in outs)
-    governor = getattr(engine.runner, "threads", None)  # the CPU's ThreadGovernor; None elsewhere
     hits, queries = st.kv.prefix_hits - start.kv.prefix_hits, st.kv.prefix_queries - start.kv.prefix_queries
     return {
         "engine": label, "config": {k: v for k, v in engine_kwargs.items()}, "n": n,
         "runner": engine.runner.describe(),
-        "threads_at_end": getattr(governor, "threads", None), "thread_changes": getattr(governor, "changes", None),
         "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
         "output_tokens": out_tok, "prompt_tokens": prompt_tok,
         "output_tok_s": out_tok / dt, "total_tok_s": (out_tok + prompt_tok) / dt,

@@ -83,7 +83,8 @@ def prepack_linears(model: nn.Module, keep: set[int], kernels=None) -> int:
         if w is None or not can_prepack(w):
             continue
         with torch.no_grad():
-            if panels and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0:
+            if panels and w.dtype == torch.bfloat16 and w.shape[1] % 2 == 0 \
+                    and (layer.bias is None or layer.bias.dtype == torch.bfloat16):   # the kernel reads a bf16 bias
                 layer.panels = to_panels(w.detach())
             else:
                 layer.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)

@@ -159,13 +159,20 @@ class ResponsesEvents:
         return self._event("response.failed", response=self.shape.obj(
             "failed", self.output, error={"code": code, "message": message}))
 
+    def _opened(self, kind: str, make) -> list[str]:
+        """The events that close the open item and open a `kind` one (make(text, status)),
+        unless one is open already: then none."""
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        out = self._close()
+        self.open = make("", "in_progress")
+        out.append(self._event("response.output_item.added", output_index=len(self.output),
+                               item={**self.open, "content": []}))
+        return out
+
     def _text(self, text: str) -> list[str]:
-        out = []
-        if self.open is None or self.open["type"] != "message":
-            out += self._close()
-            self.open = message_item("", "in_progress")
-            out.append(self._event("response.output_item.added", output_index=len(self.output),
-                                   item={**self.open, "content": []}))
+        out = self._opened("message", message_item)
+        if out:   # a new message: its one content part
             out.append(self._event("response.content_part.added", item_id=self.open["id"],
                                    output_index=len(self.output), content_index=0,
                                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []}))
@@ -175,12 +182,7 @@ class ResponsesEvents:
         return out
 
     def _reasoning(self, text: str) -> list[str]:
-        out = []
-        if self.open is None or self.open["type"] != "reasoning":
-            out += self._close()
-            self.open = reasoning_item("", "in_progress")
-            out.append(self._event("response.output_item.added", output_index=len(self.output),
-                                   item={**self.open, "content": []}))
+        out = self._opened("reasoning", reasoning_item)
         self.open["content"][0]["text"] += text
         out.append(self._event("response.reasoning_text.delta", item_id=self.open["id"], output_index=len(self.output),
                                content_index=0, delta=text))

@@ -43,7 +43,7 @@ constexpr int64_t ROW_CHUNK = 256;  // rows a sweep over the panels takes (x's c
 // place, s_kp = 2 and s_r = the row stride).
 template <int R>
 inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel, int64_t k2,
-                 int64_t n_valid, c10::BFloat16* out, int64_t ldo, const float* bias) {
+                 int64_t n_valid, c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const char* p = reinterpret_cast<const char*>(panel);
@@ -65,9 +65,9 @@ inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::
   const __mmask16 m0 = n_valid >= 16 ? 0xffff : __mmask16((1u << n_valid) - 1);
   const __mmask16 m1 = n_valid >= 32 ? 0xffff : n_valid <= 16 ? 0 : __mmask16((1u << (n_valid - 16)) - 1);
   __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    b0 = _mm512_maskz_loadu_ps(m0, bias);
-    b1 = _mm512_maskz_loadu_ps(m1, bias + 16);
+  if (bias != nullptr) {  // bf16 widened exactly: the bias is read where it lies, no fp32 copy a call
+    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
+    b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
   }
   for (int r = 0; r < R; ++r) {  // fp32 sums (+ bias) rounded once to bf16, to nearest even
     _mm256_mask_storeu_epi16(out + r * ldo, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
@@ -78,7 +78,7 @@ inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::
 // tile<rows>, rows in 1..R chosen at run time.
 template <int R>
 inline void tile_of(int rows, const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel,
-                    int64_t k2, int64_t n_valid, c10::BFloat16* out, int64_t ldo, const float* bias) {
+                    int64_t k2, int64_t n_valid, c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
   if constexpr (R > 0) {
     if (rows == R) return tile<R>(xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
     return tile_of<R - 1>(rows, xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
@@ -110,7 +110,7 @@ inline void pack_rows(c10::BFloat16* dst, const c10::BFloat16* x, int64_t ldx, i
 // (`grain` panels at least a thread), every tile of the chunk's rows over a panel before the
 // next. Inside a parallel region (a decode step's experts) it runs inline on the caller's thread.
 inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t ldx, int64_t m,
-                 const c10::BFloat16* w, int64_t n, int64_t k, const float* bias, int64_t grain = 1) {
+                 const c10::BFloat16* w, int64_t n, int64_t k, const c10::BFloat16* bias, int64_t grain = 1) {
   const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS, panel = k2 * COLS * 2;
   const bool pack = m > ROWS / 2 && rows_collide(ldx);
   // the caller's thread's buffer, kept between calls (a fresh one of ~100 KB+ is an mmap, its
@@ -133,7 +133,7 @@ inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_
         for (int64_t t = 0; t < tiles; ++t) {
           const int rows = int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS));
           c10::BFloat16* o = out + (c0 + t * ROWS) * ldo + p * COLS;
-          const float* b = bias != nullptr ? bias + p * COLS : nullptr;
+          const c10::BFloat16* b = bias != nullptr ? bias + p * COLS : nullptr;
           if (pack)
             tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w + p * panel, k2, n_valid, o, ldo, b);
           else

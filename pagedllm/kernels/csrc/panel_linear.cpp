@@ -24,13 +24,14 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK(k == 2 * panels.size(1) && out.size(0) == m && n <= panels.size(0) * panels::COLS &&
                   n > (panels.size(0) - 1) * panels::COLS, "panel_linear: shapes do not match");
-  at::Tensor b;
+  const c10::BFloat16* b = nullptr;   // read where it lies: no fp32 copy of it a call
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->numel() == n, "panel_linear: bias of N values");
-    b = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+                "panel_linear: bias of N bf16 values");
+    b = bias->data_ptr<c10::BFloat16>();
   }
   panels::gemm(out.data_ptr<c10::BFloat16>(), out.stride(0), x.data_ptr<c10::BFloat16>(), x.stride(0), m,
-               panels.data_ptr<c10::BFloat16>(), n, k, b.defined() ? b.data_ptr<float>() : nullptr);
+               panels.data_ptr<c10::BFloat16>(), n, k, b);
 #else
   TORCH_CHECK(false, "panel_linear: this build has no AVX512-BF16 (the layers keep oneDNN's reordered weights)");
 #endif

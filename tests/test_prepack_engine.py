@@ -32,3 +32,34 @@ def test_reordered_weights_write_the_same_tokens(monkeypatch, tiny_model, dtype)
     assert outs["0"] == outs["onednn"]   # oneDNN on plain or reordered weights: the same kernels, the same bits
     # panels sum each output in another order than oneDNN: the same greedy tokens all the same
     assert outs["0"] == outs["1"]
+
+
+def test_greedy_rows_take_their_tokens_without_logits(tiny_model):
+    """In bf16 on panels, a greedy row nobody reads the logits of gets its token from the head's
+    argmax kernel (Ops.argmax), the rows beside it (logprobs, sampling) their logits as before:
+    the same prompts greedy with and without logprobs write the same tokens in one batch."""
+    if not panels_wanted(load_ops()):
+        pytest.skip("the CPU kernels have no AVX512-BF16 here")
+    llm = LLM(model=tiny_model, dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=256)
+    model = llm.engine.runner.model
+    seen = {"argmax": 0, "logits": 0}
+    greedy_tokens, compute_logits = model.greedy_tokens, model.compute_logits
+
+    def counted(name, f):
+        def g(h):
+            seen[name] += h.shape[0]
+            return f(h)
+        return g
+
+    model.greedy_tokens, model.compute_logits = counted("argmax", greedy_tokens), counted("logits", compute_logits)
+    prompts = PROMPTS[:4]
+    plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    sampled = SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True)
+    outs = llm.generate(prompts * 3, [plain] * 4 + [scored] * 4 + [sampled] * 4)
+    llm.engine.close()
+    assert [o.outputs[0].token_ids for o in outs[:4]] == [o.outputs[0].token_ids for o in outs[4:8]]
+    assert all(len(o.outputs[0].logprobs) == 12 for o in outs[4:8])
+    assert all(len(o.outputs[0].token_ids) == 12 for o in outs[8:])
+    assert seen["argmax"] == 4 * 12            # every plain greedy token, and no other
+    assert seen["logits"] == 8 * 12            # the logprobs and the sampled rows only

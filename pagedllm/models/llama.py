@@ -24,7 +24,7 @@ from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .mlp import MLP
 from .moe import SparseMoE, experts_torch, quantize_experts
-from .prepack import is_packed, packed_linear, prepack_linears, prepack_wanted
+from .prepack import argmax_ready, is_packed, packed_argmax, packed_linear, prepack_linears, prepack_wanted
 from .quantization import GGUF_RUNNABLE, GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
@@ -80,6 +80,15 @@ class Ops:
         if self.batch_invariant:
             return invariant_linear(layer, x, self.k)
         return packed_linear(layer, x, self.k) if self.packed and is_packed(layer) else layer(x)
+
+    def argmax(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+        """int64 [M]: the first index of each row's largest value of linear(layer, x), where a
+        kernel finds it without writing the rows' outputs (the panels'); None where none does."""
+        plain = self.quant is None or getattr(layer, "qformat", None) is None
+        if plain and self.packed and not self.batch_invariant and self.lora is None and x.device.type == "cpu" \
+                and x.dtype == torch.bfloat16 and argmax_ready(layer, self.k):
+            return packed_argmax(layer, x, self.k)
+        return None
 
     def fused(self, x: torch.Tensor) -> bool:
         return self.k is not None and x.device.type == "cpu" and x.shape[-1] % 16 == 0
@@ -490,6 +499,15 @@ class LlamaForCausalLM(nn.Module):
         logits = self.ops.linear(self.lm_head, hidden)
         cap = self.cfg.final_logit_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """int64 [M]: argmax of compute_logits(hidden) a row (the first largest, as torch's),
+        where the head's kernel gives it without writing the logits; None where it does not.
+        A soft cap is monotone but can round two logits to one value, so capped logits keep
+        the full head; so does a vocabulary split over ranks."""
+        if self.cfg.final_logit_softcap or self.tp.distributed:
+            return None
+        return self.ops.argmax(self.lm_head, hidden)
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into single matmuls."""

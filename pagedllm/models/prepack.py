@@ -108,3 +108,15 @@ def packed_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tens
     out = rows.new_empty(rows.shape[0], layer.out_features)
     kernels.panel_linear(out, rows, layer.panels, layer.bias)
     return out.view(*x.shape[:-1], layer.out_features)
+
+
+def argmax_ready(layer: nn.Linear, kernels) -> bool:
+    """Whether packed_argmax can stand for argmax over packed_linear's output: panels, no bias."""
+    return hasattr(layer, "panels") and layer.bias is None and kernels is not None
+
+
+def packed_argmax(layer: nn.Linear, x: torch.Tensor, kernels) -> torch.Tensor:
+    """int64 [M]: the first index of each row's largest value of packed_linear(layer, x), the
+    same numbers rounded the same way, without writing M x out_features of them."""
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    return kernels.panel_argmax(rows, layer.panels, layer.out_features)

@@ -22,7 +22,7 @@ from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..models.footprint import WeightBytes, weight_bytes
-from ..plan import PromptScores, StepPlan, StepResult
+from ..plan import PromptScores, SampleTarget, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
 from ..lora.adapter import LoRAAdapter, load_adapter
 from ..lora.batch import lora_step, name_lora_layers
@@ -149,6 +149,13 @@ def _tp_device(device: torch.device, tp: TPGroup) -> torch.device:
     torch.cuda.set_device(device)
     return device
 
+
+
+def _argmax_only(t: SampleTarget) -> bool:
+    """Whether a sequence's next token is its logits' argmax and nothing else reads them."""
+    p = t.params
+    return p.greedy and p.logprobs is None and not p.ranks_samples and not p.penalized \
+        and not t.beam_candidates and t.grammar is None
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_len: int,
@@ -498,12 +505,22 @@ class ModelRunner:
         if self.tp.distributed:
             step.adapter_events, self._adapter_events = self._adapter_events, []
             self.tp.broadcast(step)
-        logits, scores = self._forward(step)
+        logits, scores, greedy = self._forward(step, self._argmax_rows(sample_rows, checks, embeds))
         if self.tier_io is not None:  # their tokens' KV is written now
             self.tier_io.after_forward(plan.writes)
         out = StepResult(prompt_logprobs=self._split_scores(scores, scored))
-        if logits is None:
-            return out
+        if greedy:
+            sample_rows = self._take_greedy(sample_rows, greedy, out)
+        if logits is not None:
+            self._pick(logits, sample_rows, checks, embeds, out)
+        if self.proposer is not None and (logits is not None or greedy):
+            out.drafts = self.proposer.propose(plan, out)
+        return out
+
+    def _pick(self, logits: torch.Tensor, sample_rows: list, checks: list[Verify], embeds: list[tuple[int, int]],
+              out: StepResult) -> None:
+        """The step's tokens from its logits rows: grammars masked, drafts verified, embeddings
+        kept, the rest sampled."""
         constrained = self._constrained(sample_rows, checks)
         if constrained:
             refused = self._grammars(logits).mask(logits, constrained)
@@ -525,9 +542,28 @@ class ModelRunner:
             out.errors.update(errors)
         if constrained:
             self._advance_grammars(constrained, out)
-        if self.proposer is not None:
-            out.drafts = self.proposer.propose(plan, out)
-        return out
+
+    def _argmax_rows(self, sample_rows: list, checks: list[Verify], embeds: list[tuple[int, int]]) -> list[int]:
+        """The sampled rows whose token is their logits' argmax and whose logits nobody else
+        reads (greedy; no logprobs, penalties, grammar, beam or embedding): the head's kernel
+        can give their tokens without writing their logits (Ops.argmax). A step that verifies
+        drafts keeps every row's logits."""
+        if checks or self.tp.distributed:
+            return []
+        skip = {i for i, _ in embeds}
+        return [i for i, ts in sample_rows if i not in skip and all(map(_argmax_only, ts))]
+
+    @staticmethod
+    def _take_greedy(sample_rows: list, greedy: dict[int, int], out: StepResult) -> list:
+        """The tokens of the rows the head's argmax decided (by their logits row); the other rows,
+        renumbered as the rows of the logits that came without them."""
+        rest = []
+        for i, ts in sample_rows:
+            if i in greedy:
+                out.tokens.update((t.seq_id, greedy[i]) for t in ts)
+            else:
+                rest.append((i - sum(1 for g in greedy if g < i), ts))
+        return rest
 
     def _embeddings(self, embeds: list[tuple[int, int]], out: StepResult) -> None:
         """The prompt's last hidden state of each (logits row, seq id) whose request asked for
@@ -625,10 +661,12 @@ class ModelRunner:
                           nd, logit_rows, plan.copies, *scores, group_slots, group_tables, lora_rows)
         return step, sample_rows, checks, scored, embeds
 
-    def _forward(self, step: StepInputs) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+    def _forward(self, step: StepInputs, argmax_rows: list[int] = ()
+                 ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[int, int]]:
         """The step's forward on this rank: logits of the rows that sample (the whole
-        vocabulary on rank 0, None on the other ranks and when nothing samples), and the
-        scored prompt tokens' logprobs."""
+        vocabulary on rank 0, None on the other ranks and when nothing samples), the scored
+        prompt tokens' logprobs, and the tokens of `argmax_rows` (logits rows) where the head
+        gave them without logits ({row: token}); the logits then leave those rows out."""
         self.kv_cache.copy_blocks(step.copies)
         ids, positions, slots = step.ids, step.positions, step.slots
         nd, n = step.num_decodes, len(step.seq_lens)
@@ -654,10 +692,19 @@ class ModelRunner:
                 self.model.ops.lora = None
         scores = self._score_prompt(hidden, step) if step.score_rows else []
         if not step.logit_rows:
-            return None, scores
+            return None, scores, {}
         rows = hidden[torch.tensor(step.logit_rows, device=hidden.device)]
         self._sampled_hidden = rows   # the rows' hidden states, for the embeddings asked for (execute)
-        return self.tp.gather_vocab(self.model.compute_logits(rows)), scores
+        greedy = {}
+        if argmax_rows:
+            picked = self.model.greedy_tokens(rows[torch.tensor(argmax_rows, device=rows.device)])
+            if picked is not None:
+                greedy = dict(zip(argmax_rows, picked.tolist()))
+                rest = [i for i in range(len(step.logit_rows)) if i not in greedy]
+                if not rest:
+                    return None, scores, greedy
+                rows = rows[torch.tensor(rest, device=rows.device)]
+        return self.tp.gather_vocab(self.model.compute_logits(rows)), scores, greedy
 
     def _score_prompt(self, hidden: torch.Tensor, step: StepInputs) -> list[torch.Tensor]:
         """Each scored row's next prompt token: [its logprob, its rank, the top-k ids, their

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
 from torch import nn
 
 from pagedllm.models.prepack import (
@@ -117,6 +118,55 @@ def test_panel_rows_independent_of_the_batch(k):
     alone = torch.cat([packed_linear(layer, x[i:i + 1], kernels) for i in range(40)])
     assert torch.equal(packed_linear(layer, x, kernels), alone)
     torch.testing.assert_close(alone.float(), (x.float() @ w.t()).bfloat16().float(), atol=2e-2, rtol=2 ** -7)
+
+
+def _argmax_of_products(kernels, x: torch.Tensor, p: torch.Tensor, n: int) -> torch.Tensor:
+    out = x.new_empty(x.shape[0], n)
+    kernels.panel_linear(out, x, p, None)
+    return out.float().max(dim=-1).indices   # torch's rule: the first largest, a NaN the largest
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.sampled_from([2, 64, 578]),
+       kind=st.sampled_from(["normal", "ties", "nan", "-inf"]), seed=st.integers(0, 2 ** 31 - 1))
+def test_panel_argmax_is_the_argmax_of_the_products(m, n, k, kind, seed):
+    """The greedy head (panel_argmax) picks what argmax over panel_linear's bf16 output picks:
+    the first of equal values (small integers make many), a NaN column first, index 0 for a row of
+    -inf only, widths that fill no whole panel."""
+    from pagedllm.models.prepack import to_panels
+
+    kernels = _panel_kernels()
+    g = torch.Generator().manual_seed(seed)
+    if kind == "ties":
+        w = torch.randint(-2, 3, (n, k), generator=g).float()
+        x = torch.randint(-2, 3, (m, k), generator=g).float()
+    else:
+        w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    if kind == "nan":
+        w[torch.randint(0, n, (2,), generator=g)] = float("nan")
+    if kind == "-inf":
+        w, x = torch.full((n, k), float("-inf")), x.abs() + 1
+    w, x = w.to(torch.bfloat16), x.to(torch.bfloat16)
+    p = to_panels(w)
+    assert torch.equal(kernels.panel_argmax(x, p, n), _argmax_of_products(kernels, x, p, n))
+
+
+@pytest.mark.parametrize("m,k", [(300, 64), (40, 2048)])
+def test_panel_argmax_past_a_sweep_and_on_packed_rows(m, k):
+    """Rows past one 256-row sweep; rows 4 KB apart (K = 2048), which the kernel packs first;
+    and the LM head's layer-level call (packed_argmax) on a strided view."""
+    from pagedllm.models.prepack import argmax_ready, packed_argmax
+
+    kernels = _panel_kernels()
+    head = nn.Linear(k, 1000, bias=False).to(torch.bfloat16)
+    prepack_linears(head, keep=set(), kernels=kernels)
+    assert argmax_ready(head, kernels)
+    x = torch.randn(m, k + 2).to(torch.bfloat16)[:, 1:k + 1]
+    want = _argmax_of_products(kernels, x.contiguous(), head.panels, 1000)
+    assert torch.equal(packed_argmax(head, x, kernels), want)
+    biased = nn.Linear(k, 10, bias=True).to(torch.bfloat16)
+    prepack_linears(biased, keep=set(), kernels=kernels)
+    assert not argmax_ready(biased, kernels)   # the kernel adds no bias: such a head keeps its logits
 
 
 def test_onednn_layout_can_be_asked_for(monkeypatch):

@@ -1,6 +1,7 @@
 // bf16 matmuls on weights packed once into panels for AVX512-BF16's pair dot products
 // (vdpbf16ps: 32 products an instruction, each exact in fp32, summed in fp32). Used by the
-// dense linear layers (panel_linear.cpp) and a mixture's bf16 experts (moe.cpp).
+// dense linear layers (panel_linear.cpp), a greedy LM head's argmax (gemm_argmax: the tokens
+// without the logits) and a mixture's bf16 experts (moe.cpp).
 //
 // Layout (models/prepack.py to_panels): W [N, K] as [ceil(N / 32)][K / 2][32][2], N padded with
 // zero columns to a multiple of 32. A panel is 32 output columns; its K pairs follow one another,
@@ -26,6 +27,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -38,12 +40,12 @@ constexpr int ROWS = 14;          // rows of x of a tile
 constexpr int64_t AHEAD = 16;     // k pairs the tile prefetches ahead (2 KB of the panel)
 constexpr int64_t ROW_CHUNK = 256;  // rows a sweep over the panels takes (x's chunk stays in L2 / L3)
 
-// out[r][0..n_valid) = x[r] . panel (+ bias) in bf16 for r < R (ldo apart); x's pair kp of row r
-// at xp + kp * s_kp + r * s_r (elements: packed by pack_rows, s_kp = 2 * ROWS and s_r = 2; or in
-// place, s_kp = 2 and s_r = the row stride).
-template <int R>
+// The fp32 sums of x[r] . panel for r < R, handed to sink(r, sums of columns 0-15, 16-31); x's
+// pair kp of row r at xp + kp * s_kp + r * s_r (elements: packed by pack_rows, s_kp = 2 * ROWS
+// and s_r = 2; or in place, s_kp = 2 and s_r = the row stride).
+template <int R, typename Sink>
 inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel, int64_t k2,
-                 int64_t n_valid, c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
+                 Sink& sink) {
   __m512 acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
   const char* p = reinterpret_cast<const char*>(panel);
@@ -62,28 +64,45 @@ inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::
       acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xb, w1);
     }
   }
-  const __mmask16 m0 = n_valid >= 16 ? 0xffff : __mmask16((1u << n_valid) - 1);
-  const __mmask16 m1 = n_valid >= 32 ? 0xffff : n_valid <= 16 ? 0 : __mmask16((1u << (n_valid - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {  // bf16 widened exactly: the bias is read where it lies, no fp32 copy a call
-    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
-    b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
-  }
-  for (int r = 0; r < R; ++r) {  // fp32 sums (+ bias) rounded once to bf16, to nearest even
-    _mm256_mask_storeu_epi16(out + r * ldo, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][0], b0)));
-    _mm256_mask_storeu_epi16(out + r * ldo + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r][1], b1)));
-  }
+  for (int r = 0; r < R; ++r) sink(r, acc[r][0], acc[r][1]);
 }
 
 // tile<rows>, rows in 1..R chosen at run time.
-template <int R>
+template <int R, typename Sink>
 inline void tile_of(int rows, const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel,
-                    int64_t k2, int64_t n_valid, c10::BFloat16* out, int64_t ldo, const c10::BFloat16* bias) {
+                    int64_t k2, Sink& sink) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R>(xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
-    return tile_of<R - 1>(rows, xp, s_kp, s_r, panel, k2, n_valid, out, ldo, bias);
+    if (rows == R) return tile<R>(xp, s_kp, s_r, panel, k2, sink);
+    return tile_of<R - 1>(rows, xp, s_kp, s_r, panel, k2, sink);
   }
 }
+
+inline __mmask16 low_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
+
+// fp32 sums to bf16, to nearest even, and back: the values a bf16 output holds, in fp32 lanes.
+inline __m512 as_bf16(__m512 v) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+
+// A tile's sink that writes out[r][0..n_valid) = sums (+ bias) rounded once to bf16 (ldo apart).
+struct Store {
+  c10::BFloat16* out;
+  int64_t ldo;
+  __mmask16 m0, m1;
+  __m512 b0, b1;
+  Store(c10::BFloat16* out, int64_t ldo, int64_t n_valid, const c10::BFloat16* bias)
+      : out(out), ldo(ldo), m0(low_lanes(n_valid)), m1(low_lanes(n_valid - 16)),
+        b0(_mm512_setzero_ps()), b1(_mm512_setzero_ps()) {
+    if (bias != nullptr) {  // bf16 widened exactly: the bias is read where it lies, no fp32 copy a call
+      b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m0, bias)), 16));
+      b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m1, bias + 16)), 16));
+    }
+  }
+  void operator()(int r, __m512 s0, __m512 s1) {
+    _mm256_mask_storeu_epi16(out + r * ldo, m0, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s0, b0)));
+    _mm256_mask_storeu_epi16(out + r * ldo + 16, m1, (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(s1, b1)));
+  }
+};
 
 // Whether a tile's rows, ldx elements apart, put more than half of an L1 set's 8 ways on one set
 // (64 sets of 64-byte lines): rows 4 KB apart (K = 2048) all fall in one, and a tile of them ran
@@ -105,12 +124,14 @@ inline void pack_rows(c10::BFloat16* dst, const c10::BFloat16* x, int64_t ldx, i
   }
 }
 
-// out [m, n] (ldo apart) = x [m, k] (ldx apart, k even) . W^T (+ bias), W packed in panels.
-// Rows go in chunks of ROW_CHUNK, packed once a chunk; panels are spread over the threads
-// (`grain` panels at least a thread), every tile of the chunk's rows over a panel before the
-// next. Inside a parallel region (a decode step's experts) it runs inline on the caller's thread.
-inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t ldx, int64_t m,
-                 const c10::BFloat16* w, int64_t n, int64_t k, const c10::BFloat16* bias, int64_t grain = 1) {
+// Every tile of x [m, k] (ldx apart, k even) over every panel of W (n columns): sink_at(row0, p,
+// n_valid) makes the sink of rows row0.. over panel p. Rows go in chunks of ROW_CHUNK, packed once
+// a chunk; panels are spread over the threads (`grain` panels at least a thread), every tile of the
+// chunk's rows over a panel before the next. Inside a parallel region (a decode step's experts) it
+// runs inline on the caller's thread.
+template <typename SinkAt>
+inline void sweep(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
+                  int64_t grain, const SinkAt& sink_at) {
   const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS, panel = k2 * COLS * 2;
   const bool pack = m > ROWS / 2 && rows_collide(ldx);
   // the caller's thread's buffer, kept between calls (a fresh one of ~100 KB+ is an mmap, its
@@ -132,16 +153,83 @@ inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_
         const int64_t n_valid = std::min(COLS, n - p * COLS);
         for (int64_t t = 0; t < tiles; ++t) {
           const int rows = int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS));
-          c10::BFloat16* o = out + (c0 + t * ROWS) * ldo + p * COLS;
-          const c10::BFloat16* b = bias != nullptr ? bias + p * COLS : nullptr;
+          auto sink = sink_at(c0 + t * ROWS, p, n_valid);
           if (pack)
-            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w + p * panel, k2, n_valid, o, ldo, b);
+            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w + p * panel, k2, sink);
           else
-            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w + p * panel, k2, n_valid, o, ldo, b);
+            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w + p * panel, k2, sink);
         }
       }
     });
   }
+}
+
+// out [m, n] (ldo apart) = x [m, k] (ldx apart, k even) . W^T (+ bias), W packed in panels.
+inline void gemm(c10::BFloat16* out, int64_t ldo, const c10::BFloat16* x, int64_t ldx, int64_t m,
+                 const c10::BFloat16* w, int64_t n, int64_t k, const c10::BFloat16* bias, int64_t grain = 1) {
+  sweep(x, ldx, m, w, n, k, grain, [&](int64_t row0, int64_t p, int64_t n_valid) {
+    return Store(out + row0 * ldo + p * COLS, ldo, n_valid, bias != nullptr ? bias + p * COLS : nullptr);
+  });
+}
+
+// A tile's sink that keeps, for each of its rows, the panel's largest bf16-rounded value and its
+// first column (a NaN counts as the largest, the first NaN wins: torch.max(dim)'s order), at
+// best[(row0 + r) * np + p] and col[...]. Columns past n_valid (the panel's zero padding) are out.
+struct PanelBest {
+  float* best;
+  int32_t* col;
+  int64_t np;
+  __mmask16 m0, m1;
+  PanelBest(float* best, int32_t* col, int64_t np, int64_t n_valid)
+      : best(best), col(col), np(np), m0(low_lanes(n_valid)), m1(low_lanes(n_valid - 16)) {}
+  void operator()(int r, __m512 s0, __m512 s1) {
+    const __m512 lo = _mm512_set1_ps(-INFINITY);
+    const __m512 v0 = _mm512_mask_mov_ps(lo, m0, as_bf16(s0)), v1 = _mm512_mask_mov_ps(lo, m1, as_bf16(s1));
+    const uint32_t nan = uint32_t(_mm512_mask_cmp_ps_mask(m0, v0, v0, _CMP_UNORD_Q)) |
+                         uint32_t(_mm512_mask_cmp_ps_mask(m1, v1, v1, _CMP_UNORD_Q)) << 16;
+    float top;
+    uint32_t at;
+    if (nan != 0) {
+      top = NAN;
+      at = nan;
+    } else {
+      top = _mm512_reduce_max_ps(_mm512_max_ps(v0, v1));
+      const __m512 t = _mm512_set1_ps(top);
+      at = uint32_t(_mm512_cmp_ps_mask(v0, t, _CMP_EQ_OQ)) | uint32_t(_mm512_cmp_ps_mask(v1, t, _CMP_EQ_OQ)) << 16;
+    }
+    best[r * np] = top;
+    col[r * np] = int32_t(__builtin_ctz(at));  // a row of -inf only: every lane equals, column 0
+  }
+};
+
+// idx[r] = the first column of x[r] . W^T's largest value, rounded to bf16 as gemm's output would
+// be (without a bias), which is what argmax over gemm's output gives, without writing m x n of it:
+// each panel's best per row, then the panels in order, per row.
+inline void gemm_argmax(int64_t* idx, const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w,
+                        int64_t n, int64_t k) {
+  const int64_t np = (n + COLS - 1) / COLS;
+  thread_local std::vector<float> best_buf;   // kept between calls, as sweep's buffer
+  thread_local std::vector<int32_t> col_buf;
+  best_buf.resize(std::max<size_t>(best_buf.size(), m * np));
+  col_buf.resize(std::max<size_t>(col_buf.size(), m * np));
+  // pointers, not the names: inside the threads' lambdas a thread_local names that thread's own
+  float* best = best_buf.data();
+  int32_t* col = col_buf.data();
+  sweep(x, ldx, m, w, n, k, 1, [=](int64_t row0, int64_t p, int64_t n_valid) {
+    return PanelBest(best + row0 * np + p, col + row0 * np + p, np, n_valid);
+  });
+  at::parallel_for(0, m, 1, [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* b = best + r * np;
+      int64_t p_best = 0;
+      for (int64_t p = 1; p < np; ++p) {
+        const float v = b[p], top = b[p_best];
+        if (top != top) break;                      // a NaN: nothing later wins
+        if (v > top || v != v) p_best = p;          // strictly larger, or the first NaN
+      }
+      idx[r] = p_best * COLS + col[r * np + p_best];
+    }
+  });
 }
 
 }  // namespace panels

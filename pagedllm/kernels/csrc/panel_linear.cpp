@@ -1,6 +1,7 @@
 // The float linear layers in bf16 on weights packed once in panels (bf16_panels.h; packed by
 // models/prepack.py): out = x . W^T (+ bias), for every row count, in place of oneDNN.
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "bf16_panels.h"
@@ -37,6 +38,26 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 #endif
 }
 
+// The first index of each row's largest value of x . W^T as panel_linear would write it (bf16, no
+// bias), without writing it: a greedy step's LM head (96 x 49,152 logits for SmolLM2, 32 x 262,144
+// for Gemma 3) goes straight to its tokens.
+at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
+  at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
+#ifdef __AVX512BF16__
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16, "panel_argmax: bf16 x and panels");
+  TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.size(2) == panels::COLS && panels.size(3) == 2 &&
+                  panels.is_contiguous() && x.stride(1) == 1, "panel_argmax: x [M, K] with contiguous rows, panels [P, K/2, 32, 2]");
+  TORCH_CHECK(x.size(1) == 2 * panels.size(1) && n <= panels.size(0) * panels::COLS &&
+                  n > (panels.size(0) - 1) * panels::COLS, "panel_argmax: shapes do not match");
+  if (x.size(0) > 0)
+    panels::gemm_argmax(idx.data_ptr<int64_t>(), x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0),
+                        panels.data_ptr<c10::BFloat16>(), n, x.size(1));
+#else
+  TORCH_CHECK(false, "panel_argmax: this build has no AVX512-BF16");
+#endif
+  return idx;
+}
+
 // Whether this build has the kernel (prepack.py asks once, at load).
 bool has_panel_linear() { return PANELS_BUILT; }
 
@@ -45,9 +66,11 @@ bool has_panel_linear() { return PANELS_BUILT; }
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("panel_linear(Tensor(a!) out, Tensor x, Tensor panels, Tensor? bias) -> ()");
+  m.def("panel_argmax(Tensor x, Tensor panels, int n) -> Tensor");
   m.def("has_panel_linear() -> bool", &pagedllm::has_panel_linear);
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("panel_linear", &pagedllm::panel_linear);
+  m.impl("panel_argmax", &pagedllm::panel_argmax);
 }

@@ -1,8 +1,11 @@
-"""Offline throughput with the float matmuls' weights in one layout against another (models/prepack.py),
-alternately, each run in a fresh process on the same ShareGPT requests; the ratio of the medians.
---variants names two settings of PAGEDLLM_PREPACK, baseline first: the default compares oneDNN's
-reordered weights (onednn) with our bf16 kernel's panels (1, the default on CPUs with AVX512-BF16);
+"""Offline throughput with one setting of an engine switch against another, alternately, each run in
+a fresh process on the same ShareGPT requests; the ratio of the medians. --variants names two
+values of the environment variable --env, baseline first. By default the float matmuls' weights
+in one layout against another (PAGEDLLM_PREPACK, models/prepack.py): oneDNN's reordered weights
+(onednn) against our bf16 kernel's panels (1, the default on CPUs with AVX512-BF16);
 plain=0,reordered=onednn is §30's comparison (plain weights against oneDNN's reordered ones).
+--env PAGEDLLM_KV_PREFETCH --variants off=0,on=1 compares the attention kernel's decode without
+and with its prefetch of the keys (§43).
 
     python -m benchmarks prepack_ab --rounds 2 --out benchmarks/results/prepack_ab.json
 """
@@ -22,7 +25,8 @@ def main() -> None:
     ap.add_argument("--max-output-len", type=int, default=128)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--variants", default="onednn=onednn,panels=1", help="name=PAGEDLLM_PREPACK,name=... (baseline first)")
+    ap.add_argument("--env", default="PAGEDLLM_PREPACK", help="the environment variable the variants set")
+    ap.add_argument("--variants", default="onednn=onednn,panels=1", help="name=value,name=value (baseline first)")
     ap.add_argument("--out", default="benchmarks/results/prepack_ab.json")
     args = ap.parse_args()
     reqs = sharegpt_truncated(args.num_prompts, args.max_prompt_len, args.max_output_len)
@@ -34,8 +38,8 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for _ in range(args.rounds):
         for name, env in variants:
-            r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name} weights", use_tqdm=False,
-                               env={"PAGEDLLM_PREPACK": env})
+            r = in_own_process(run_engine, reqs, kwargs, label=f"pagedllm, {name}", use_tqdm=False,
+                               env={args.env: env})
             runs[name].append(r)
             print(f"{r['engine']:<32}{r['output_tok_s']:8.1f} output tok/s warm, "
                   f"{r['cold']['output_tok_s']:8.1f} cold")

@@ -20,7 +20,8 @@ from pagedllm.bench.provenance import provenance
 from pagedllm.bench.workloads import sharegpt_truncated
 
 GROUPS = [  # first match wins
-    ("matmul", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise",
+                "pagedllm_cpu::panel_linear", "pagedllm_cpu::panel_argmax")),
     ("attention", ("pagedllm_cpu::paged_attention", "pagedllm_cpu::write_kv", "scaled_dot_product", "index_select",
                    "index_copy")),
     ("norms", ("rms_norm",)),

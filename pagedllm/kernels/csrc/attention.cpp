@@ -17,6 +17,8 @@
 #include <omp.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -27,6 +29,15 @@
 namespace pagedllm {
 namespace {
 
+// PAGEDLLM_KV_PREFETCH=0 turns the decode's prefetch of its keys off (prefetch_keys; for
+// comparisons: benchmarks/kv_prefetch.py). Read once.
+inline bool kv_prefetch() {
+  static const bool on = [] {
+    const char* v = std::getenv("PAGEDLLM_KV_PREFETCH");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on;
+}
 constexpr int MAX_ROWS = 32;   // query rows (tokens x heads of a group) per prefill item
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
@@ -372,6 +383,36 @@ inline void prefetch_k(const Args<T>& a, const int32_t* table, int j, int h, int
   for (int r = 0; r < d / P; ++r) __builtin_prefetch(kp + int64_t(r) * B * P * sizeof(T));
 }
 
+// A line into L2. As inline asm: GCC takes a function whose only effect is __builtin_prefetch for
+// one without effects, and drops the calls to it (measured: no prefetcht1 left in the object).
+inline void to_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
+
+// Every K and V line of keys [j0, j1) (whole blocks) of KV head h, into L2. Blocks sit anywhere
+// in the pool, so the hardware prefetcher cannot follow a sequence's keys, and a decode reads a
+// few KB a block (SmolLM2: 2 KB of K and 2 KB of V a block and KV head) that would otherwise
+// wait out its misses a tile at a time: asked for all at once they overlap (BENCHMARKS.md §43).
+template <typename T, int D>
+inline void prefetch_keys(const Args<T>& a, const int32_t* table, int h, int j0, int j1) {
+  const int B = a.block_size, P = PAIR<T>;
+  const int64_t k_bytes = int64_t(D) * B * sizeof(T), v_bytes = int64_t((B + P - 1) / P) * D * P * sizeof(T);
+  for (int b = j0 / B; b <= (j1 - 1) / B; ++b) {
+    const char* kp = reinterpret_cast<const char*>(a.k + int64_t(table[b]) * a.k_blk + h * a.k_head);
+    const char* vp = reinterpret_cast<const char*>(a.v + int64_t(table[b]) * a.v_blk + h * a.v_head);
+    for (int64_t o = 0; o < k_bytes; o += 64) to_l2(kp + o);
+    for (int64_t o = 0; o < v_bytes; o += 64) to_l2(vp + o);
+  }
+}
+
+// A decode item's first chunk of keys (prefetch_keys), asked for while the item before it runs.
+template <typename T, int D>
+inline void prefetch_item(const Item& it, const Args<T>& a) {
+  if (a.q_start[it.seq + 1] - a.q_start[it.seq] != 1 || a.block_size % L != 0) return;
+  const int pos = a.ctx_lens[it.seq] - 1;   // the query's position: it sees keys up to it
+  const int need = a.window > 0 ? std::max(0, pos - a.window + 1) : 0;
+  const int c0 = std::max(it.lo, need / L * L), hi = std::min({it.hi, pos + 1, c0 + CHUNK});
+  if (hi > c0) prefetch_keys<T, D>(a, a.tables + it.seq * a.t_row, it.kvh, std::max(c0, need), hi);
+}
+
 template <typename T, int NC, Fmt F>
 void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   constexpr int D = NC * L, P = PAIR<T>;
@@ -512,8 +553,14 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   // The last query row sees keys up to first_pos + t1 - 1; the first, none below `need`
   // (chunks start on a whole tile).
   const int hi = std::min(it.hi, first_pos + it.t1);
-  for (int c0 = std::max(it.lo, need / L * L); c0 < hi; c0 += CHUNK) {
+  // A decode asks for its first chunk's keys now (the item before may have already), and each
+  // chunk for the next one's: at most two chunks on their way (128 KB of SmolLM2's, 512 of Gemma 3's).
+  const bool ahead = F == Fmt::plain && whole_tiles && rows == G && kv_prefetch();
+  const int c_first = std::max(it.lo, need / L * L);
+  if (ahead) prefetch_keys<T, D>(a, table, it.kvh, std::max(c_first, need), std::min(hi, c_first + CHUNK));
+  for (int c0 = c_first; c0 < hi; c0 += CHUNK) {
     const int cn = std::min(CHUNK, hi - c0);
+    if (ahead && c0 + CHUNK < hi) prefetch_keys<T, D>(a, table, it.kvh, c0 + CHUNK, std::min(hi, c0 + 2 * CHUNK));
     // 1. Scores of every row against the chunk's keys: tiles independent of each other.
     for (int t0 = 0; t0 < cn; t0 += L) {
       if constexpr (F == Fmt::plain) {
@@ -786,11 +833,20 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     for (const Split& sp : splits) merge_parts<T, NC>(sp.seq, sp.kvh, sp.p0, sp.np, a);
     return;
   }
+  std::atomic<int64_t> taken{0};
 #pragma omp parallel num_threads(threads)
   {
     Scratch sc;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) run_item<T, NC, F>(items[i], a, sc);
+    // Items go to whichever thread is free, longest first; a thread takes its next item before
+    // it runs the current one, so that the next one's keys are on their way meanwhile.
+    int64_t i = taken.fetch_add(1);
+    while (i < n) {
+      const int64_t next = taken.fetch_add(1);
+      if (F == Fmt::plain && next < n && kv_prefetch()) prefetch_item<T, NC * L>(items[next], a);
+      run_item<T, NC, F>(items[i], a, sc);
+      i = next;
+    }
+#pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < int64_t(splits.size()); ++i)
       merge_parts<T, NC>(splits[i].seq, splits[i].kvh, splits[i].p0, splits[i].np, a);

@@ -602,7 +602,56 @@ def plot_step_matmuls(fig, data: dict) -> None:
         ax.legend(fontsize=7)
 
 
+def plot_kv_prefetch(ax, data: dict) -> None:
+    """Per shape: a decode step's attention (every layer's pool from memory) without and with the
+    kernel's key prefetch, ms a step, the speed-up written beside."""
+    rows = data["rows"]
+    names = [r["shape"] for r in rows]
+    y = range(len(rows))
+    ax.barh([i + 0.2 for i in y], [r["median_off_ms"] for r in rows], height=0.4, label="without", color="C7")
+    ax.barh([i - 0.2 for i in y], [r["median_on_ms"] for r in rows], height=0.4, label="with the prefetch", color="C0")
+    for i, r in zip(y, rows):
+        ax.annotate(f"{r['speedup']:.2f}×", (r["median_off_ms"], i), xytext=(4, -3), textcoords="offset points",
+                    fontsize=7)
+    ax.set_yticks(list(y))
+    ax.set_yticklabels(names, fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("ms a decode step (all layers' attention)")
+    ax.legend(fontsize=7)
+
+
+def plot_greedy_head(fig, data: dict) -> None:
+    """Left: the head alone, the argmax kernel's speed over linear + argmax by rows, per model's
+    head. Right: decode steps of the engine with each head, ms a step."""
+    ax = fig.add_subplot(1, 2, 1)
+    for name, rows in data["head_alone"].items():
+        ax.plot([r["rows"] for r in rows], [r["speedup"] for r in rows], "o-", label=name)
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("rows")
+    ax.set_ylabel("argmax kernel ÷ linear + argmax, speed")
+    ax.set_title("the head alone", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = fig.add_subplot(1, 2, 2)
+    steps = data["decode_steps"]
+    names = list(steps)
+    x = range(len(names))
+    ax.bar([i - 0.2 for i in x], [steps[n]["median_full_ms"] for n in names], width=0.4, label="logits, then argmax",
+           color="C7")
+    ax.bar([i + 0.2 for i in x], [steps[n]["median_kernel_ms"] for n in names], width=0.4, label="argmax kernel",
+           color="C0")
+    ax.set_xticks(list(x))
+    ax.set_xticklabels([f"{n} x {steps[n]['batch']}" for n in names], fontsize=7)
+    ax.set_ylabel("ms a decode step")
+    ax.set_title("the engine's decode steps", fontsize=9)
+    ax.legend(fontsize=7)
+
+
 PLOTTERS: list[Plotter] = [
+    (lambda d: isinstance(d.get("rows"), list) and d["rows"] and "median_on_ms" in d["rows"][0], plot_kv_prefetch,
+     "A decode step's attention with and without its key prefetch", False),
+    (lambda d: isinstance(d.get("head_alone"), dict) and isinstance(d.get("decode_steps"), dict), plot_greedy_head,
+     "The greedy head: an argmax kernel against logits then argmax", True),
     (lambda d: d.get("benchmark") == "step_matmuls", plot_step_matmuls,
      "A decode step's matmuls, weights from memory: ours against oneDNN", True),
     (lambda d: "peak_gflops" in d and isinstance(d.get("results"), list), plot_linear_prepack,

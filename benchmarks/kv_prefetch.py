@@ -1,7 +1,8 @@
 """The attention kernel's decode with and without its prefetch of the keys (kernels/csrc/attention.cpp:
 prefetch_keys; PAGEDLLM_KV_PREFETCH=0 turns it off). A decode step's attention as the step runs it:
 every layer's call over its own pool, so each block comes from memory, blocks scattered over twice
-the space they fill (as in a busy pool), ShareGPT-like context lengths drawn per sequence. Each
+the space they fill (as in a busy pool), ShareGPT-like context lengths drawn per sequence; bf16 KV,
+and int8 KV (codes and scales written by the kernel's own writer). Each
 setting runs in a fresh process (the kernel reads the variable once), alternating, --rounds times;
 the ratio of the medians. The bytes a second are the K and V the step reads.
 
@@ -21,17 +22,20 @@ from benchmarks.lib.attention import allocate_pool
 from pagedllm.bench.throughput import in_own_process, save
 from pagedllm.util import cdiv
 
-# name: (sequences, shortest and longest context, (query heads, KV heads, head dim), layers)
+# name: (sequences, shortest and longest context, (query heads, KV heads, head dim), layers, KV dtype)
 SHAPES = {
-    "smollm2 x 96, context 20-300": (96, 20, 300, (9, 3, 64), 30),
-    "smollm2 x 64, context 100-1200": (64, 100, 1200, (9, 3, 64), 30),
-    "smollm2 x 8, context 20-300": (8, 20, 300, (9, 3, 64), 30),
-    "smollm2 x 1, context 4000": (1, 4000, 4001, (9, 3, 64), 30),
-    "gemma3-270m x 32, context 20-300": (32, 20, 300, (4, 1, 256), 18),
+    "smollm2 x 96, context 20-300": (96, 20, 300, (9, 3, 64), 30, "auto"),
+    "smollm2 x 64, context 100-1200": (64, 100, 1200, (9, 3, 64), 30, "auto"),
+    "smollm2 x 8, context 20-300": (8, 20, 300, (9, 3, 64), 30, "auto"),
+    "smollm2 x 1, context 4000": (1, 4000, 4001, (9, 3, 64), 30, "auto"),
+    "gemma3-270m x 32, context 20-300": (32, 20, 300, (4, 1, 256), 18, "auto"),
+    "smollm2 x 96, context 20-300, int8 KV": (96, 20, 300, (9, 3, 64), 30, "int8"),
+    "smollm2 x 64, context 100-1200, int8 KV": (64, 100, 1200, (9, 3, 64), 30, "int8"),
 }
 
 
-def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], layers: int, reps: int) -> dict:
+def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], layers: int, kv_dtype: str,
+                   reps: int) -> dict:
     from pagedllm.attention import StepLayout, get_backend
     from pagedllm.kv_dtype import resolve_kv_dtype
 
@@ -47,16 +51,23 @@ def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], la
         tables.append(perm[i:i + n])
         i += n
     cpu = get_backend("cpu")
-    cpu.use_kv_dtype(resolve_kv_dtype("auto", "bfloat16"))
-    fmt = cpu.kv_dtype_of(torch.bfloat16).fmt
+    cpu.use_kv_dtype(resolve_kv_dtype(kv_dtype, "bfloat16"))
+    kv = cpu.kv_dtype_of(torch.bfloat16)
+    fmt = kv.fmt
     # decodes that write nothing (slot -1): attention alone is timed
     meta = cpu.build_metadata(StepLayout([-1] * batch, tables, ctx, list(range(batch + 1)), batch), "cpu")
     pools = []
     for _ in range(layers):
         kc, vc = (allocate_pool(s, cpu.pool_dtype(torch.bfloat16), torch.device("cpu"))
                   for s in cpu.cache_shapes(pool, block, kvh, d, torch.bfloat16))
-        kc.copy_(torch.randn(kc.shape, generator=g))
-        vc.copy_(torch.randn(vc.shape, generator=g))
+        if kv.quantized:   # codes and scales as the kernel's own writer makes them
+            for i in range(0, pool * block, 8192):
+                n = min(8192, pool * block - i)
+                cpu.ops.write_kv(torch.randn(n, kvh, d, generator=g).to(torch.bfloat16),
+                                 torch.randn(n, kvh, d, generator=g).to(torch.bfloat16), kc, vc, torch.arange(i, i + n), fmt)
+        else:
+            kc.copy_(torch.randn(kc.shape, generator=g))
+            vc.copy_(torch.randn(vc.shape, generator=g))
         pools.append((kc, vc))
     q = torch.randn(batch, h, d, generator=g).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -72,7 +83,7 @@ def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], la
         step()
         ts.append(time.perf_counter() - t0)
     t = statistics.median(ts)
-    kv_bytes = sum(ctx) * kvh * d * 2 * 2 * layers
+    kv_bytes = sum(ctx) * kvh * (kv.k_head_bytes(d) + kv.v_head_bytes(d)) * layers
     return {"step_ms": t * 1e3, "kv_gb_s": kv_bytes / t / 1e9, "mean_context": sum(ctx) / batch}
 
 

@@ -387,30 +387,35 @@ inline void prefetch_k(const Args<T>& a, const int32_t* table, int j, int h, int
 // one without effects, and drops the calls to it (measured: no prefetcht1 left in the object).
 inline void to_l2(const char* p) { asm volatile("prefetcht1 %0" : : "m"(*p)); }
 
-// Every K and V line of keys [j0, j1) (whole blocks) of KV head h, into L2. Blocks sit anywhere
+// Every K and V line of keys [j0, j1) (whole blocks) of KV head h, into L2: a block's K (and V)
+// of one head is one run of bytes, its codes and scales in a quantized pool. Blocks sit anywhere
 // in the pool, so the hardware prefetcher cannot follow a sequence's keys, and a decode reads a
-// few KB a block (SmolLM2: 2 KB of K and 2 KB of V a block and KV head) that would otherwise
-// wait out its misses a tile at a time: asked for all at once they overlap (BENCHMARKS.md §43).
-template <typename T, int D>
+// few KB a block (SmolLM2: 2 KB of K and 2 KB of V a block and KV head in bf16) that would
+// otherwise wait out its misses a tile at a time: asked for all at once they overlap (BENCHMARKS.md §43).
+template <typename T, Fmt F>
 inline void prefetch_keys(const Args<T>& a, const int32_t* table, int h, int j0, int j1) {
-  const int B = a.block_size, P = PAIR<T>;
-  const int64_t k_bytes = int64_t(D) * B * sizeof(T), v_bytes = int64_t((B + P - 1) / P) * D * P * sizeof(T);
+  constexpr bool quant = F != Fmt::plain;
+  constexpr int64_t unit = quant ? 1 : sizeof(T);   // quantized pools' strides are in bytes
+  const char* k = quant ? reinterpret_cast<const char*>(a.kq) : reinterpret_cast<const char*>(a.k);
+  const char* v = quant ? reinterpret_cast<const char*>(a.vq) : reinterpret_cast<const char*>(a.v);
+  const int64_t k_bytes = a.k_head * unit, v_bytes = a.v_head * unit;
+  const int B = a.block_size;
   for (int b = j0 / B; b <= (j1 - 1) / B; ++b) {
-    const char* kp = reinterpret_cast<const char*>(a.k + int64_t(table[b]) * a.k_blk + h * a.k_head);
-    const char* vp = reinterpret_cast<const char*>(a.v + int64_t(table[b]) * a.v_blk + h * a.v_head);
+    const char* kp = k + (int64_t(table[b]) * a.k_blk + h * a.k_head) * unit;
+    const char* vp = v + (int64_t(table[b]) * a.v_blk + h * a.v_head) * unit;
     for (int64_t o = 0; o < k_bytes; o += 64) to_l2(kp + o);
     for (int64_t o = 0; o < v_bytes; o += 64) to_l2(vp + o);
   }
 }
 
 // A decode item's first chunk of keys (prefetch_keys), asked for while the item before it runs.
-template <typename T, int D>
+template <typename T, Fmt F>
 inline void prefetch_item(const Item& it, const Args<T>& a) {
   if (a.q_start[it.seq + 1] - a.q_start[it.seq] != 1 || a.block_size % L != 0) return;
   const int pos = a.ctx_lens[it.seq] - 1;   // the query's position: it sees keys up to it
   const int need = a.window > 0 ? std::max(0, pos - a.window + 1) : 0;
   const int c0 = std::max(it.lo, need / L * L), hi = std::min({it.hi, pos + 1, c0 + CHUNK});
-  if (hi > c0) prefetch_keys<T, D>(a, a.tables + it.seq * a.t_row, it.kvh, std::max(c0, need), hi);
+  if (hi > c0) prefetch_keys<T, F>(a, a.tables + it.seq * a.t_row, it.kvh, std::max(c0, need), hi);
 }
 
 template <typename T, int NC, Fmt F>
@@ -555,12 +560,12 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   const int hi = std::min(it.hi, first_pos + it.t1);
   // A decode asks for its first chunk's keys now (the item before may have already), and each
   // chunk for the next one's: at most two chunks on their way (128 KB of SmolLM2's, 512 of Gemma 3's).
-  const bool ahead = F == Fmt::plain && whole_tiles && rows == G && kv_prefetch();
+  const bool ahead = whole_tiles && rows == G && kv_prefetch();
   const int c_first = std::max(it.lo, need / L * L);
-  if (ahead) prefetch_keys<T, D>(a, table, it.kvh, std::max(c_first, need), std::min(hi, c_first + CHUNK));
+  if (ahead) prefetch_keys<T, F>(a, table, it.kvh, std::max(c_first, need), std::min(hi, c_first + CHUNK));
   for (int c0 = c_first; c0 < hi; c0 += CHUNK) {
     const int cn = std::min(CHUNK, hi - c0);
-    if (ahead && c0 + CHUNK < hi) prefetch_keys<T, D>(a, table, it.kvh, c0 + CHUNK, std::min(hi, c0 + 2 * CHUNK));
+    if (ahead && c0 + CHUNK < hi) prefetch_keys<T, F>(a, table, it.kvh, c0 + CHUNK, std::min(hi, c0 + 2 * CHUNK));
     // 1. Scores of every row against the chunk's keys: tiles independent of each other.
     for (int t0 = 0; t0 < cn; t0 += L) {
       if constexpr (F == Fmt::plain) {
@@ -842,7 +847,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
     int64_t i = taken.fetch_add(1);
     while (i < n) {
       const int64_t next = taken.fetch_add(1);
-      if (F == Fmt::plain && next < n && kv_prefetch()) prefetch_item<T, NC * L>(items[next], a);
+      if (next < n && kv_prefetch()) prefetch_item<T, F>(items[next], a);
       run_item<T, NC, F>(items[i], a, sc);
       i = next;
     }

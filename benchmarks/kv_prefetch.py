@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from benchmarks.lib.attention import allocate_pool
+from benchmarks.lib.attention import allocate_pool, fill_pool, median_time
 from pagedllm.bench.throughput import in_own_process, save
 from pagedllm.util import cdiv
 
@@ -60,14 +59,7 @@ def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], la
     for _ in range(layers):
         kc, vc = (allocate_pool(s, cpu.pool_dtype(torch.bfloat16), torch.device("cpu"))
                   for s in cpu.cache_shapes(pool, block, kvh, d, torch.bfloat16))
-        if kv.quantized:   # codes and scales as the kernel's own writer makes them
-            for i in range(0, pool * block, 8192):
-                n = min(8192, pool * block - i)
-                cpu.ops.write_kv(torch.randn(n, kvh, d, generator=g).to(torch.bfloat16),
-                                 torch.randn(n, kvh, d, generator=g).to(torch.bfloat16), kc, vc, torch.arange(i, i + n), fmt)
-        else:
-            kc.copy_(torch.randn(kc.shape, generator=g))
-            vc.copy_(torch.randn(vc.shape, generator=g))
+        fill_pool(cpu, kv, kc, vc, pool * block, kvh, d, torch.bfloat16, g)
         pools.append((kc, vc))
     q = torch.randn(batch, h, d, generator=g).to(torch.bfloat16)
     out = torch.empty_like(q)
@@ -76,13 +68,7 @@ def step_attention(batch: int, lo: int, hi: int, heads: tuple[int, int, int], la
         for kc, vc in pools:
             cpu.ops.paged_attention(out, q, kc, vc, meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                     d ** -0.5, True, fmt, 0)
-    step()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        step()
-        ts.append(time.perf_counter() - t0)
-    t = statistics.median(ts)
+    t = median_time(step, reps)   # its first call warms up
     kv_bytes = sum(ctx) * kvh * (kv.k_head_bytes(d) + kv.v_head_bytes(d)) * layers
     return {"step_ms": t * 1e3, "kv_gb_s": kv_bytes / t / 1e9, "mean_context": sum(ctx) / batch}
 

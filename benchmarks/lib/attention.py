@@ -43,6 +43,20 @@ def median_time(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
+def fill_pool(cpu, kv, kc: torch.Tensor, vc: torch.Tensor, slots: int, kvh: int, d: int, dtype: torch.dtype,
+              g: torch.Generator) -> None:
+    """Random K/V in a CPU backend's pool of `slots` tokens: quantized kinds through the kernel's
+    own writer (codes and scales as the engine writes them, from normal values), others directly."""
+    if not kv.quantized:
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc.copy_(torch.randn(vc.shape, generator=g))
+        return
+    for i in range(0, slots, 8192):
+        n = min(8192, slots - i)
+        cpu.ops.write_kv(torch.randn(n, kvh, d, generator=g).to(dtype), torch.randn(n, kvh, d, generator=g).to(dtype),
+                         kc, vc, torch.arange(i, i + n), kv.fmt)
+
+
 def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 16, dtype=torch.bfloat16,
                  reps: int = 15, reference: bool = True, kv_cache_dtype: str = "auto") -> dict:
     """kv_cache_dtype: how the kernel's pool stores K/V (quantized kinds are filled by the
@@ -66,14 +80,7 @@ def bench_decode(batch: int, context: int, heads=(9, 3, 64), block_size: int = 1
     fmt = kv.fmt
     kc, vc = (allocate_pool(s, cpu.pool_dtype(dtype), torch.device("cpu"))
               for s in cpu.cache_shapes(pool, block_size, kvh, d, dtype))
-    if kv.quantized:
-        for i in range(0, pool * block_size, 8192):
-            n = min(8192, pool * block_size - i)
-            cpu.ops.write_kv(torch.randn(n, kvh, d, generator=g).to(dtype), torch.randn(n, kvh, d, generator=g).to(dtype),
-                             kc, vc, torch.arange(i, i + n), fmt)
-    else:
-        kc.copy_(torch.randn(kc.shape, generator=g))
-        vc.copy_(torch.randn(vc.shape, generator=g))
+    fill_pool(cpu, kv, kc, vc, pool * block_size, kvh, d, dtype, g)
     ops = cpu.ops
     res = torch.empty_like(q)
     out["kernel_s"] = median_time(lambda: ops.paged_attention(res, q, kc, vc, meta.block_tables, meta.seq_lens,

@@ -81,12 +81,15 @@ class Ops:
             return invariant_linear(layer, x, self.k)
         return packed_linear(layer, x, self.k) if self.packed and is_packed(layer) else layer(x)
 
+    def argmax_ready(self, layer: nn.Linear) -> bool:
+        """Whether argmax gives linear(layer, x)'s argmax from a kernel (the panels'): settled at load."""
+        plain = self.quant is None or getattr(layer, "qformat", None) is None
+        return plain and self.packed and not self.batch_invariant and argmax_ready(layer, self.k)
+
     def argmax(self, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
         """int64 [M]: the first index of each row's largest value of linear(layer, x), where a
         kernel finds it without writing the rows' outputs (the panels'); None where none does."""
-        plain = self.quant is None or getattr(layer, "qformat", None) is None
-        if plain and self.packed and not self.batch_invariant and self.lora is None and x.device.type == "cpu" \
-                and x.dtype == torch.bfloat16 and argmax_ready(layer, self.k):
+        if self.lora is None and x.dtype == torch.bfloat16 and self.argmax_ready(layer):
             return packed_argmax(layer, x, self.k)
         return None
 
@@ -500,14 +503,16 @@ class LlamaForCausalLM(nn.Module):
         cap = self.cfg.final_logit_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 
+    def greedy_head(self) -> bool:
+        """Whether greedy_tokens gives tokens (settled at load). A soft cap is monotone but can
+        round two logits to one value, so capped logits keep the full head; so does a
+        vocabulary split over ranks."""
+        return not self.cfg.final_logit_softcap and not self.tp.distributed and self.ops.argmax_ready(self.lm_head)
+
     def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """int64 [M]: argmax of compute_logits(hidden) a row (the first largest, as torch's),
-        where the head's kernel gives it without writing the logits; None where it does not.
-        A soft cap is monotone but can round two logits to one value, so capped logits keep
-        the full head; so does a vocabulary split over ranks."""
-        if self.cfg.final_logit_softcap or self.tp.distributed:
-            return None
-        return self.ops.argmax(self.lm_head, hidden)
+        where the head's kernel gives it without writing the logits; None where it does not."""
+        return self.ops.argmax(self.lm_head, hidden) if self.greedy_head() else None
 
     def load_hf_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load HF-named tensors, fusing q/k/v and gate/up into single matmuls."""

@@ -237,6 +237,7 @@ class ModelRunner:
         invariant = model.make_batch_invariant() if cfg.batch_invariant else None
         packed = model.prepack()
         self.model = model
+        self._greedy_head = model.greedy_head()   # greedy rows' tokens from the head's argmax kernel (settled now)
         log = logger.info if tp.is_driver else logger.debug
         log("model loaded in %.1f s (%s, %s, %s attention%s%s)", time.perf_counter() - t0, self.dtype, self.device,
             backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "",
@@ -548,7 +549,7 @@ class ModelRunner:
         reads (greedy; no logprobs, penalties, grammar, beam or embedding): the head's kernel
         can give their tokens without writing their logits (Ops.argmax). A step that verifies
         drafts keeps every row's logits."""
-        if checks or self.tp.distributed:
+        if checks or not self._greedy_head:
             return []
         skip = {i for i, _ in embeds}
         return [i for i, ts in sample_rows if i not in skip and all(map(_argmax_only, ts))]
@@ -557,12 +558,13 @@ class ModelRunner:
     def _take_greedy(sample_rows: list, greedy: dict[int, int], out: StepResult) -> list:
         """The tokens of the rows the head's argmax decided (by their logits row); the other rows,
         renumbered as the rows of the logits that came without them."""
-        rest = []
-        for i, ts in sample_rows:
+        rest, taken = [], 0
+        for i, ts in sample_rows:   # in the order of their rows, as the logits
             if i in greedy:
                 out.tokens.update((t.seq_id, greedy[i]) for t in ts)
+                taken += 1
             else:
-                rest.append((i - sum(1 for g in greedy if g < i), ts))
+                rest.append((i - taken, ts))
         return rest
 
     def _embeddings(self, embeds: list[tuple[int, int]], out: StepResult) -> None:

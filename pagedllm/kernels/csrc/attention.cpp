@@ -561,9 +561,8 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
   // A decode asks for its first chunk's keys now (the item before may have already), and each
   // chunk for the next one's: at most two chunks on their way (128 KB of SmolLM2's, 512 of Gemma 3's).
   const bool ahead = whole_tiles && rows == G && kv_prefetch();
-  const int c_first = std::max(it.lo, need / L * L);
-  if (ahead) prefetch_keys<T, F>(a, table, it.kvh, std::max(c_first, need), std::min(hi, c_first + CHUNK));
-  for (int c0 = c_first; c0 < hi; c0 += CHUNK) {
+  if (ahead) prefetch_item<T, F>(it, a);
+  for (int c0 = std::max(it.lo, need / L * L); c0 < hi; c0 += CHUNK) {
     const int cn = std::min(CHUNK, hi - c0);
     if (ahead && c0 + CHUNK < hi) prefetch_keys<T, F>(a, table, it.kvh, c0 + CHUNK, std::min(hi, c0 + 2 * CHUNK));
     // 1. Scores of every row against the chunk's keys: tiles independent of each other.

@@ -15,16 +15,26 @@
 namespace pagedllm {
 namespace {
 
+#ifdef __AVX512BF16__
+// x [M, K] bf16 with contiguous rows against panels [P, K/2, 32, 2] of n output columns.
+void check_panels(const at::Tensor& x, const at::Tensor& panels, int64_t n, const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16, op, ": bf16 x and panels");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && panels.dim() == 4 && panels.size(2) == panels::COLS &&
+                  panels.size(3) == 2 && panels.is_contiguous(),
+              op, ": x [M, K] with contiguous rows, panels [P, K/2, 32, 2]");
+  TORCH_CHECK(x.size(1) == 2 * panels.size(1) && n <= panels.size(0) * panels::COLS &&
+                  n > (panels.size(0) - 1) * panels::COLS, op, ": shapes do not match");
+}
+#endif
+
 void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias) {
 #ifdef __AVX512BF16__
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16, "panel_linear: bf16 x, panels and out");
-  TORCH_CHECK(x.dim() == 2 && out.dim() == 2 && panels.dim() == 4 && panels.size(2) == panels::COLS &&
-                  panels.size(3) == 2 && panels.is_contiguous(), "panel_linear: x [M, K], out [M, N], panels [P, K/2, 32, 2]");
-  TORCH_CHECK(x.stride(1) == 1 && out.stride(1) == 1, "panel_linear: rows of x and out must be contiguous");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(k == 2 * panels.size(1) && out.size(0) == m && n <= panels.size(0) * panels::COLS &&
-                  n > (panels.size(0) - 1) * panels::COLS, "panel_linear: shapes do not match");
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.dim() == 2 && out.stride(1) == 1,
+              "panel_linear: out [M, N] bf16 with contiguous rows");
+  const int64_t n = out.size(1);
+  check_panels(x, panels, n, "panel_linear");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(out.size(0) == m, "panel_linear: out has ", out.size(0), " rows, x ", m);
   const c10::BFloat16* b = nullptr;   // read where it lies: no fp32 copy of it a call
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->numel() == n && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
@@ -44,11 +54,7 @@ void panel_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& panels,
 at::Tensor panel_argmax(const at::Tensor& x, const at::Tensor& panels, int64_t n) {
   at::Tensor idx = at::empty({x.size(0)}, x.options().dtype(at::kLong));
 #ifdef __AVX512BF16__
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && panels.scalar_type() == at::kBFloat16, "panel_argmax: bf16 x and panels");
-  TORCH_CHECK(x.dim() == 2 && panels.dim() == 4 && panels.size(2) == panels::COLS && panels.size(3) == 2 &&
-                  panels.is_contiguous() && x.stride(1) == 1, "panel_argmax: x [M, K] with contiguous rows, panels [P, K/2, 32, 2]");
-  TORCH_CHECK(x.size(1) == 2 * panels.size(1) && n <= panels.size(0) * panels::COLS &&
-                  n > (panels.size(0) - 1) * panels::COLS, "panel_argmax: shapes do not match");
+  check_panels(x, panels, n, "panel_argmax");
   if (x.size(0) > 0)
     panels::gemm_argmax(idx.data_ptr<int64_t>(), x.data_ptr<c10::BFloat16>(), x.stride(0), x.size(0),
                         panels.data_ptr<c10::BFloat16>(), n, x.size(1));

@@ -368,6 +368,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(vz)
     vz.set_defaults(func=cmd_viz, engine_defaults=engine_defaults(vz))
 
+    e = sub.add_parser("env", help="this machine's CPU, its measured GEMM peaks, and the kernel chosen for each "
+                       "matmul shape of a model (paste it into a bug report)")
+    e.add_argument("--model", default=None, help="model whose matmul shapes to show (default: SmolLM2-135M-Instruct)")
+    e.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the matmuls' dtype (auto: bf16 where the CPU has it natively, as the engine's)")
+    e.add_argument("--quantization", choices=["w8a8"], default=None, help="show W8A8's int8 paths instead")
+    e.add_argument("--no-peaks", dest="peaks", action="store_false", help="skip measuring the GEMM peaks (~5 s)")
+    e.add_argument("--json", action="store_true", help="print it as JSON")
+    e.set_defaults(func=cmd_env)
+
     d = sub.add_parser("demo", help="worked examples on the real block manager")
     d.add_argument("name", choices=["library"], help="which example")
     d.set_defaults(func=cmd_demo)
@@ -382,6 +392,12 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--log-level", type=_log_level, default=argparse.SUPPRESS,
                            help="logging level (default: as given before the subcommand, else INFO)")
     return parser
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    from .env_report import main as env_main
+
+    return env_main(args.model, args.dtype, args.quantization, args.peaks, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

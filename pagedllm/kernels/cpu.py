@@ -79,7 +79,8 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
-def _key() -> str:
+def build_key() -> str:
+    """What names this machine's build of the library: its sources, flags, torch and CPU."""
     h = hashlib.sha256()
     for part in (*(p.read_bytes() for p in sorted(CSRC.iterdir())), " ".join(p.name for p in SOURCES).encode(),
                  torch.__version__.encode(),
@@ -94,7 +95,7 @@ def load_ops():
     Raises RuntimeError saying why when it cannot be built (no compiler, say)."""
     import fcntl
 
-    key = _key()
+    key = build_key()
     name = f"pagedllm_cpu_{key}"
     build_dir = cache_root() / "ext" / name
     lib = build_dir / f"{name}.so"

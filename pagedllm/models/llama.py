@@ -381,7 +381,7 @@ class LlamaForCausalLM(nn.Module):
         if not prepack_wanted():
             return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set(),
-                            self.ops.k)
+                            self.ops.k, head=self.lm_head)
         self.ops.packed = n > 0
         if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps (once, at load)
             for moe in self.mixtures():
@@ -389,7 +389,7 @@ class LlamaForCausalLM(nn.Module):
                     moe.pack_bf16()
                     n += 2
         # W8A8's int8 weights too; a tied head whose embedding was dropped keeps its rows to look up.
-        return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set())
+        return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set(), self.ops.k)
 
     def quantize(self, method: str, gguf: GGUFBlocks | None = None,
                  maxima: dict[str, torch.Tensor] | None = None) -> str:

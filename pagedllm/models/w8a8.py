@@ -15,11 +15,14 @@ Without them oneDNN's int8 path runs 5-28x slower than float32 sgemm (measured o
 AVX2: 112 ms against 20 ms for 8 rows of the 576 x 49152 head), so there the same integer sums
 go through sgemm in float32, exactly (int_matmul).
 
-On a CPU, weights of 4M entries and more are reordered once at load into oneDNN's blocked
-layout (`pack_w8a8`, onednn::qlinear_pointwise), as the float weights are (prepack.py);
-torch._int_mm reorders the plain weight on every call. Measured on the 2-core Zen 4 over
-TinyLlama-1.1B's shapes (benchmarks/linear_prepack.py --dtype int8), the reordered weights run
-1.7-3.3x at 8 rows, 1.35-1.9x at 32, 1.05-1.37x at 96-256, and 0.7-1.6x at one row. VNNI
+On a CPU, a weight is reordered once at load into oneDNN's blocked layout (`pack_w8a8`,
+onednn::qlinear_pointwise), as the float weights are (prepack.py), where the chooser
+(kernels/chooser.py) finds that faster here than torch._int_mm on the plain weight, which
+reorders it on every call: per shape and row range, timed at first load and cached. On the
+2-core Zen 4 over TinyLlama-1.1B's shapes (benchmarks/linear_prepack.py --dtype int8) the
+reordered weights ran 1.7-3.3x at 8 rows, 1.35-1.9x at 32, 1.05-1.37x at 96-256, and 0.7-1.6x
+at one row; on SmolLM2's 576-wide layers, where onednn::qlinear_pointwise's ~20 us a call
+outweighs a reorder of a few hundred KiB, 0.5x at one row. An AMX-INT8 CPU moves all of these. VNNI
 multiplies unsigned activations by signed weights, so the reordered path takes each code plus
 128 as uint8 with a zero point of 128: oneDNN subtracts 128 * sum(w) in int32, and the sums
 are the same integers.
@@ -30,11 +33,13 @@ expressions.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 from torch import nn
 
+from ..kernels.chooser import ROWS as CHOICE_ROWS, Candidate, Route, Verdict, chooser
 from ..util import cpu_flags
 
 W8A8 = "w8a8"
@@ -79,13 +84,6 @@ def quantize_rows(x: torch.Tensor, kernels=None, offset: bool = False) -> tuple[
     return ((q.to(torch.int16) + ZERO_POINT).to(torch.uint8) if offset else q), s
 
 
-# Smaller int8 weights stay plain: onednn::qlinear_pointwise costs ~20 us a call before it
-# multiplies (torch._int_mm ~2 us), and reordering a weight of a few hundred KiB on each call
-# costs less than that (SmolLM2's 576-wide layers: the reordered path 0.5x at one row, level
-# at 8-256 rows; its 28M-weight LM head 1.4x at one row, 1.65x at 8).
-PACK_MIN_WEIGHTS = 4 << 20
-
-
 def can_pack_w8a8() -> bool:
     """oneDNN's int8 kernels on reordered weights: where the CPU has int8 dot products."""
     return torch.backends.mkldnn.is_available() and cpu_has_int8_dot() and \
@@ -107,17 +105,53 @@ def pack_w8a8(layer: nn.Linear, keep_plain: bool = False) -> None:
         layer.wq = None
 
 
-def pack_w8a8_linears(model: nn.Module, keep: set[int]) -> int:
-    """pack_w8a8 on every W8A8 layer (those whose id() is in `keep` keep their plain weight
-    too); how many. None where the CPU has no int8 dot products."""
+@dataclass
+class Int8Weight:
+    """What w8a8_linear reads of a layer, for timing its paths on a weight of no layer."""
+    wq: torch.Tensor | None
+    ws: torch.Tensor
+    out_features: int
+    wq_packed: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
+    w8_route: Route | None = None
+
+
+def w8a8_candidates(kernels) -> list[Candidate]:
+    """W8A8's paths here: oneDNN's int8 on the reordered weight (where the CPU has int8 dot
+    products), torch._int_mm (or exact sgemm) on the plain one. Both give the same int32 sums."""
+    plain = Candidate("plain", lambda w: w, lambda w, x: w8a8_linear(w, x, kernels))
     if not can_pack_w8a8():
-        return 0
+        return [plain]
+    reordered = Candidate("onednn", lambda w: Int8Weight(None, w.ws, w.out_features,
+                                                         torch.ops.onednn.qlinear_prepack(w.wq, None)),
+                          lambda w, x: w8a8_linear(w, x, kernels))
+    return [reordered, plain]
+
+
+def w8a8_verdict(n: int, k: int, dtype: torch.dtype, kernels) -> Verdict:
+    """Which W8A8 path multiplies a [n, k] int8 weight, with activations of `dtype`, per row count."""
+    def weight(g: torch.Generator) -> Int8Weight:
+        return Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 100, n)
+
+    return chooser().choose(f"w8a8-{str(dtype).removeprefix('torch.')}", (n, k), 2 * n * k, w8a8_candidates(kernels),
+                            weight, n * k, lambda m: torch.randn(m, k).to(dtype), CHOICE_ROWS)
+
+
+def pack_w8a8_linears(model: nn.Module, keep: set[int], kernels=None) -> int:
+    """Reorders the int8 weight of each CPU W8A8 layer where the chooser finds oneDNN's reordered
+    path fastest for its shape (w8a8_verdict), keeping the plain one too where that wins some row
+    counts (`layer.w8_route` then says which runs) or the layer's id() is in `keep`; how many."""
     n = 0
     for mod in model.modules():
-        if getattr(mod, "qformat", None) == W8A8 and mod.wq is not None and mod.wq.device.type == "cpu" \
-                and mod.wq.numel() >= PACK_MIN_WEIGHTS and not hasattr(mod, "wq_packed"):
-            pack_w8a8(mod, keep_plain=id(mod) in keep)
-            n += 1
+        if getattr(mod, "qformat", None) != W8A8 or mod.wq is None or mod.wq.device.type != "cpu" \
+                or hasattr(mod, "wq_packed"):
+            continue
+        route = w8a8_verdict(mod.out_features, mod.in_features, mod.qdtype, kernels).route
+        if "onednn" not in route.paths:
+            continue
+        pack_w8a8(mod, keep_plain=id(mod) in keep or "plain" in route.paths)
+        mod.w8_route = route if len(route.paths) > 1 else None
+        n += 1
     return n
 
 
@@ -168,7 +202,8 @@ def packed_int_matmul(xu: torch.Tensor, layer: nn.Linear) -> torch.Tensor:
 
 def w8a8_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    packed = getattr(layer, "wq_packed", None) is not None  # only ever set on a CPU layer
+    route = getattr(layer, "w8_route", None)   # only ever set on a CPU layer, as wq_packed
+    packed = getattr(layer, "wq_packed", None) is not None if route is None else route.pick(x2.shape[0]) == "onednn"
     xq, sx = quantize_rows(x2, kernels, offset=packed)
     acc = packed_int_matmul(xq, layer) if packed else int_matmul(xq, layer.wq)
     if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32) and acc.shape[1] % 16 == 0:

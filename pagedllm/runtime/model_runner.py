@@ -16,12 +16,14 @@ from ..attention import AttentionBackend, StepLayout, get_backend, pick_backend
 from ..config import EngineConfig, canonical_dtype
 from ..distributed import TPGroup
 from ..kernels import load_ops
+from ..kernels.chooser import chooser
 from ..kv import KVLayout, kv_layout
 from ..kv.groups import merged
 from ..kv_dtype import resolve_kv_dtype
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..models.footprint import WeightBytes, weight_bytes
+from ..models.prepack import describe_paths
 from ..plan import PromptScores, SampleTarget, StepPlan, StepResult
 from ..util import cdiv, cpu_flags
 from ..lora.adapter import LoRAAdapter, load_adapter
@@ -241,7 +243,13 @@ class ModelRunner:
         log = logger.info if tp.is_driver else logger.debug
         log("model loaded in %.1f s (%s, %s, %s attention%s%s)", time.perf_counter() - t0, self.dtype, self.device,
             backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "",
-            f"; {packed} matmuls on weights reordered for oneDNN" if packed else "")
+            f"; matmuls {describe_paths(model)}" if packed else "")
+        measured = chooser().take_measured()
+        if measured:
+            log("kernel choice: %d matmul shapes timed on this CPU in %.1f s, %s (`pagedllm env` prints them)",
+                len(measured), sum(v.measure_s for v in measured),
+                "cached for later starts" if all(v.source == "measured" for v in measured)
+                else "not cached: other processes were using the CPUs")
         spec = cfg.speculative_config
         self.draft = None
         if spec is not None and spec.method == "draft_model":

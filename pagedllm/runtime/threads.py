@@ -20,14 +20,10 @@ from pathlib import Path
 
 import torch
 
+from ..util import allowed_cpus
+from ..util import busy_cpu_seconds as _busy_seconds
+
 logger = logging.getLogger(__name__)
-
-
-def allowed_cpus() -> list[int]:
-    try:
-        return sorted(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return list(range(os.cpu_count() or 1))
 
 
 def physical_cores(cpus: list[int] | None = None) -> int:
@@ -58,30 +54,6 @@ def resolve_num_threads(requested: int | None) -> tuple[int, str]:
             raise ValueError(f"OMP_NUM_THREADS must be a positive integer, got {env!r}")
         return n, "OMP_NUM_THREADS"
     return physical_cores(), "physical cores"
-
-
-def _busy_seconds(cpus: list[int]) -> float | None:
-    """CPU time spent on these CPUs by anyone (user, system, irq, steal), from /proc/stat.
-
-    Time of niced processes ("nice") counts only when we are niced ourselves: a process of
-    lower priority than ours gives us its core whenever we want it (a `nice -n 19` compile
-    beside a 2-thread engine left it at full speed, while dropping to one thread for it cost
-    40 %), so it is no reason to run on fewer threads. Its system calls still count: the kernel
-    books them as system time, whoever makes them."""
-    try:
-        with open("/proc/stat") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    want = {f"cpu{c}" for c in cpus}
-    count_nice = os.getpriority(os.PRIO_PROCESS, 0) > 0
-    ticks = 0
-    for ln in lines:
-        parts = ln.split()
-        if parts and parts[0] in want:
-            user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, parts[1:9])
-            ticks += user + system + irq + softirq + steal + (nice if count_nice else 0)
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 class ThreadGovernor:

@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("dp",),
     ("server",),
-    ("viz", "bench", "analysis", "cli", "demo", "preflight", "__main__", "ray_app"),  # what users run
+    ("viz", "bench", "analysis", "cli", "demo", "preflight", "__main__", "ray_app", "env_report"),  # what users run
 ]
 
 # Arrows up that are meant: (importing module, imported module), each with its reason.

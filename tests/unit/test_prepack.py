@@ -75,21 +75,25 @@ def test_panels_round_trip_any_width():
     assert torch.equal(from_panels(to_panels(e)[1], 64), e[1])
 
 
-def _panel_kernels():
+@pytest.fixture
+def panel_kernels(monkeypatch):
+    """The CPU kernels with the panels forced wherever a weight can take them (the chooser would
+    pick by timing, which these tests of the panels' arithmetic must not hang on)."""
     from pagedllm.kernels import load_ops
     from pagedllm.models.prepack import panels_wanted
 
     k = load_ops()
     if not panels_wanted(k):
         pytest.skip("the CPU kernels have no AVX512-BF16 here")
+    monkeypatch.setenv("PAGEDLLM_PREPACK", "panels")
     return k
 
 
 @pytest.mark.parametrize("rows", [0, 1, 13, 14, 15, 300])
-def test_panel_products_match_fp32(rows):
+def test_panel_products_match_fp32(rows, panel_kernels):
     """bf16 products summed in fp32 and rounded once: within bf16's rounding of the fp32 result,
     for widths that fill no whole panel, a bias, rows past a 256-row sweep, and strided rows."""
-    kernels = _panel_kernels()
+    kernels = panel_kernels
     m = _model(torch.bfloat16)
     m.c = nn.Linear(64, 45, bias=True).to(torch.bfloat16)   # 45 columns: a panel and a part
     plain = {k: (m[k].weight.detach().clone(), m[k].bias) for k in ("a", "b", "c")}
@@ -107,10 +111,10 @@ def test_panel_products_match_fp32(rows):
 
 
 @pytest.mark.parametrize("k", [576, 2048, 2050])
-def test_panel_rows_independent_of_the_batch(k):
+def test_panel_rows_independent_of_the_batch(k, panel_kernels):
     """Alone (read in place) or among 40 (rows 4 KB apart, K = 2048, are packed first): the same
     bits, and near fp32; an odd row stride (2050 elements of 2052) read in place."""
-    kernels = _panel_kernels()
+    kernels = panel_kernels
     layer = nn.Linear(k, 100, bias=False).to(torch.bfloat16)
     w = layer.weight.detach().float()
     prepack_linears(layer, keep=set(), kernels=kernels)
@@ -133,9 +137,12 @@ def test_panel_argmax_is_the_argmax_of_the_products(m, n, k, kind, seed):
     """The greedy head (panel_argmax) picks what argmax over panel_linear's bf16 output picks:
     the first of equal values (small integers make many), a NaN column first, index 0 for a row of
     -inf only, widths that fill no whole panel."""
-    from pagedllm.models.prepack import to_panels
+    from pagedllm.kernels import load_ops
+    from pagedllm.models.prepack import panels_wanted, to_panels
 
-    kernels = _panel_kernels()
+    kernels = load_ops()
+    if not panels_wanted(kernels):
+        pytest.skip("the CPU kernels have no AVX512-BF16 here")
     g = torch.Generator().manual_seed(seed)
     if kind == "ties":
         w = torch.randint(-2, 3, (n, k), generator=g).float()
@@ -152,20 +159,20 @@ def test_panel_argmax_is_the_argmax_of_the_products(m, n, k, kind, seed):
 
 
 @pytest.mark.parametrize("m,k", [(300, 64), (40, 2048)])
-def test_panel_argmax_past_a_sweep_and_on_packed_rows(m, k):
+def test_panel_argmax_past_a_sweep_and_on_packed_rows(m, k, panel_kernels):
     """Rows past one 256-row sweep; rows 4 KB apart (K = 2048), which the kernel packs first;
     and the LM head's layer-level call (packed_argmax) on a strided view."""
     from pagedllm.models.prepack import argmax_ready, packed_argmax
 
-    kernels = _panel_kernels()
+    kernels = panel_kernels
     head = nn.Linear(k, 1000, bias=False).to(torch.bfloat16)
-    prepack_linears(head, keep=set(), kernels=kernels)
+    prepack_linears(head, keep=set(), kernels=kernels, head=head)
     assert argmax_ready(head, kernels)
     x = torch.randn(m, k + 2).to(torch.bfloat16)[:, 1:k + 1]
     want = _argmax_of_products(kernels, x.contiguous(), head.panels, 1000)
     assert torch.equal(packed_argmax(head, x, kernels), want)
     biased = nn.Linear(k, 10, bias=True).to(torch.bfloat16)
-    prepack_linears(biased, keep=set(), kernels=kernels)
+    prepack_linears(biased, keep=set(), kernels=kernels, head=biased)
     assert not argmax_ready(biased, kernels)   # the kernel adds no bias: such a head keeps its logits
 
 

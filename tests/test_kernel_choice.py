@@ -1,0 +1,59 @@
+"""The kernel chooser beside other processes and in the engine: a verdict measured while a
+neighbour spins is not cached; an engine records how each matmul runs; `pagedllm env` prints the
+machine and the choice for each shape of the default model."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pagedllm.kernels.chooser import KernelChooser
+from pagedllm.models.prepack import layer_path
+
+from unit.test_kernel_chooser import _choose
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="/proc/stat tells whether others use our CPUs")
+def test_a_verdict_measured_beside_a_busy_neighbour_is_not_cached(tmp_path):
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)   # spinning before the measurement starts
+        v = _choose(KernelChooser(tmp_path, "b"), k=1024, rows=(1, 64, 256))
+    finally:
+        spin.kill()
+        spin.wait()
+    assert v.source == "measured-busy" and v.measure_s > 0.05
+    assert not list(tmp_path.glob("*.json"))
+
+
+def test_the_engine_runs_each_matmul_on_the_path_chosen_for_its_shape(tiny_model):
+    from pagedllm import LLM
+    from pagedllm.kernels.chooser import chooser
+    from pagedllm.models.prepack import linear_verdict
+
+    llm = LLM(model=tiny_model, dtype="bfloat16", kv_cache_memory="32MiB", max_model_len=256)
+    model = llm.engine.runner.model
+    kernels = model.ops.k
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and m.weight is None:
+            v = linear_verdict(m.out_features, m.in_features, torch.bfloat16, kernels, head=m is model.lm_head)
+            assert layer_path(m) == v.route.describe(), name   # the engine's layer, the chooser's verdict
+    assert chooser().forced is None
+    llm.engine.close()
+
+
+def test_env_prints_the_machine_and_the_choice_for_each_shape():
+    out = subprocess.run([sys.executable, "-m", "pagedllm", "env", "--no-peaks", "--json"], capture_output=True,
+                         text=True, timeout=300, check=True).stdout
+    r = json.loads(out)
+    assert r["machine"]["cpu"] and r["machine"]["threads"] >= 1 and r["machine"]["torch"] == torch.__version__
+    ops = {(c["op"], c["n"], c["k"]) for c in r["choices"]}
+    assert ("linear", 960, 576) in ops and ("linear", 49152, 576) in ops   # SmolLM2's qkv and LM head
+    assert all(c["route"] for c in r["choices"]) and sum(c["layers"] for c in r["choices"] if c["op"] == "linear") == 121
+    text = subprocess.run([sys.executable, "-m", "pagedllm", "env", "--no-peaks"], capture_output=True, text=True,
+                          timeout=300, check=True).stdout
+    assert "CPU:" in text and "kernel choice for" in text and "960 x 576" in text

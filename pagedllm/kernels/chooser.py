@@ -43,6 +43,7 @@ VERSION = 1   # of the timing method: a change here retires every cached verdict
 ROWS = (1, 4, 16, 32, 96, 256, 512)   # one sequence, a few, decode batches, a prefill chunk
 COLD_ROWS = 32     # up to here a product is limited by its weight's bytes: time it from memory
 REPS = 3
+HOPELESS = 8
 # A second layout of a weight costs its memory again: kept only where the path it serves
 # wins by more than this at some row count; otherwise the one path closest to the best
 # everywhere runs every row count.
@@ -180,10 +181,20 @@ def time_candidates(candidates: list[Candidate], make_weight: Callable[[torch.Ge
         x = make_input(m)
         use = copies if m <= COLD_ROWS else max(1, math.ceil(copies * COLD_ROWS / m))
         passes: dict[str, list[float]] = {c.name: [] for c in candidates}
+        first = {}
         for c in candidates:   # first calls build oneDNN's primitives and fault in pages
+            t0 = time.perf_counter()
             c.run(layouts[c.name][0], x)
+            first[c.name] = time.perf_counter() - t0
+        # A candidate whose first call took HOPELESS x the fastest's keeps that time: its passes
+        # would cost the most and change nothing (a weight dequantized on every call, say).
+        hopeless = {n for n, t in first.items() if t > HOPELESS * min(first.values()) and t > 2e-3}
+        for n in hopeless:
+            passes[n].append(first[n])
         for rep in range(REPS):
             for c in (candidates if rep % 2 == 0 else candidates[::-1]):
+                if c.name in hopeless:
+                    continue
                 ws = layouts[c.name][:use]
                 t0 = time.perf_counter()
                 for w in ws:
@@ -212,7 +223,11 @@ class KernelChooser:
 
     def choose(self, op: str, shape: tuple[int, ...], flops_per_row: int, candidates: list[Candidate],
                make_weight: Callable[[torch.Generator], Any], weight_bytes: int,
-               make_input: Callable[[int], torch.Tensor], rows: tuple[int, ...] = ROWS) -> Verdict:
+               make_input: Callable[[int], torch.Tensor], rows: tuple[int, ...] = ROWS,
+               gain: float = SECOND_LAYOUT_GAIN) -> Verdict:
+        """The verdict for `op` on a weight of `shape`; gain: how much faster a path must be at some
+        row count to run there beside another (math.inf: one path for all, where the layouts
+        cannot live side by side)."""
         names = [c.name for c in candidates]
         if not candidates:
             raise ValueError(f"no candidate computes {op} {shape}")
@@ -229,14 +244,16 @@ class KernelChooser:
         if cached is not None:
             verdict = Verdict.from_json(cached)
         else:
-            verdict = self._measure(op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows)
+            verdict = self._measure(op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
+                                    gain)
             if verdict.source == "measured":
                 _store(path, mach, key, verdict)
             self.measured.append(verdict)
         self.memo[memo_key] = verdict
         return verdict
 
-    def _measure(self, op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows) -> Verdict:
+    def _measure(self, op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
+                 gain) -> Verdict:
         cpus = allowed_cpus()
         busy0, own0, t0 = busy_cpu_seconds(cpus), time.process_time(), time.perf_counter()
         seconds = time_candidates(candidates, make_weight, weight_bytes, make_input, rows)
@@ -247,7 +264,7 @@ class KernelChooser:
         if source != "measured":
             logger.info("kernel choice for %s %s measured while other processes used %.1f CPUs: kept for this "
                         "process only", op, shape, others)
-        return Verdict(op, shape, flops_per_row, rows, seconds, route_of(rows, seconds), source, wall)
+        return Verdict(op, shape, flops_per_row, rows, seconds, route_of(rows, seconds, gain), source, wall)
 
     def take_measured(self) -> list[Verdict]:
         out, self.measured = self.measured, []

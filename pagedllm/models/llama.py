@@ -23,9 +23,10 @@ from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, invariant_linear, pack_linears
 from .config import ModelConfig
 from .mlp import MLP
-from .moe import SparseMoE, experts_torch, quantize_experts
+from .moe import SparseMoE, experts_torch, experts_verdict, quantize_experts
 from .prepack import argmax_ready, is_packed, packed_argmax, packed_linear, prepack_linears, prepack_wanted
-from .quantization import GGUF_RUNNABLE, GGUFBlocks, block_linear, cat_rows, embed_rows, is_router, quantize_linears, set_blocks
+from .quantization import (GGUF_RUNNABLE, GGUFBlocks, block_linear, cat_rows, choose_block_paths, embed_rows, is_router,
+                           quantize_linears, set_blocks)
 from .rope import RotaryEmbedding, apply_rope
 from .smoothing import ALPHA, smooth
 from .w8a8 import W8A8, pack_w8a8_linears, w8a8_linear
@@ -384,10 +385,12 @@ class LlamaForCausalLM(nn.Module):
                             self.ops.k, head=self.lm_head)
         self.ops.packed = n > 0
         if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps (once, at load)
-            for moe in self.mixtures():
-                if moe.can_pack() and moe.w13.device.type == "cpu":
+            for moe in self.mixtures():   # where the chooser times that faster than plain weights here
+                if moe.can_pack() and moe.w13.device.type == "cpu" \
+                        and experts_verdict(moe, self.ops.k).route.paths == ("panels",):
                     moe.pack_bf16()
                     n += 2
+        choose_block_paths(self, self.ops.k)   # quantized blocks: the kernel, or dequantized where that wins
         # W8A8's int8 weights too; a tied head whose embedding was dropped keeps its rows to look up.
         return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set(), self.ops.k)
 

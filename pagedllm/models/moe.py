@@ -19,10 +19,13 @@ the same compiled call with quant_linear.cpp's block kernels on each expert in p
 router stays float, as llama.cpp keeps ffn_gate_inp: its scores pick the experts."""
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.chooser import Candidate, Verdict, chooser
 from .config import ModelConfig
 from .mlp import MLP
 from .prepack import PANEL, from_panels, panels_shape, to_panels
@@ -167,6 +170,37 @@ class SparseMoE(nn.Module):
         if hasattr(self, "shared_expert"):
             out += torch.sigmoid(ops.linear(self.shared_expert_gate, x)) * self.shared_expert(x, ops)
         return out
+
+
+def experts_verdict(moe: SparseMoE, kernels) -> Verdict:
+    """Whether a bf16 mixture's experts run faster packed in panels (vdpbf16ps, pack_bf16) or plain
+    (a few rows: the kernel's own dot products; more: torch's matmul, oneDNN's, on AMX where the CPU
+    has it), timed on this machine over random routings of its shape. One path for every row
+    count: packing is in place, and two copies of every expert would double the model."""
+    e, n2, h = moe.w13.shape
+    width, k, silu = moe.w2.shape[2], moe.top_k, moe.activation == "silu"
+    routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def run(packed: bool):
+        def go(w, x):
+            m = x.shape[0]
+            if m not in routes:   # the same random top-k routing for both paths
+                scores = torch.rand(m, e, generator=torch.Generator().manual_seed(m))
+                weights, experts = torch.softmax(scores, dim=-1).topk(k, dim=-1)
+                routes[m] = (weights.float().contiguous(), experts.contiguous())
+            kernels.moe_experts(torch.empty_like(x), x, w[0], w[1], *routes[m], silu, 0, e, packed)
+        return go
+
+    def panels(w):
+        return tuple(to_panels(t).view(t.shape) for t in w)
+
+    def weight(g: torch.Generator):
+        return tuple((torch.randn(*s, generator=g) * 0.02).to(torch.bfloat16) for s in ((e, n2, h), (e, h, width)))
+
+    cands = [Candidate("panels", panels, run(True)), Candidate("plain", lambda w: w, run(False))]
+    return chooser().choose(f"moe-experts-top{k}", (e, n2, h), 2 * k * (n2 * h + h * width), cands, weight,
+                            2 * e * (n2 * h + h * width), lambda m: torch.randn(m, h).to(torch.bfloat16),
+                            gain=math.inf)
 
 
 def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

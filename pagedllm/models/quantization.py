@@ -19,11 +19,13 @@ bf16's arithmetic, reads a third of its bytes, and no layer is ever dequantized 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels.chooser import Candidate, Verdict, chooser
 from .w8a8 import W8A8
 from .w8a8 import embed_rows as w8a8_rows
 
@@ -191,8 +193,7 @@ def layer_blocks(layer: nn.Linear, rows: torch.Tensor | None = None) -> Blocks:
     """The blocks a layer runs (output rows `rows`, default all), unpacked again (tests,
     embedding lookups: only the looked-up rows)."""
     pick = (lambda t: t) if rows is None else (lambda t: t[rows])
-    names = ("qraw",) if layer.qformat in RAW_TYPES else ("qs", "qd") if layer.qformat == Q8_0 else ("qs", "qd", "qm")
-    return unpack(layer.qformat, [pick(getattr(layer, n)) for n in names], layer.in_features)
+    return unpack(layer.qformat, [pick(getattr(layer, n)) for n in _block_parts(layer.qformat)], layer.in_features)
 
 
 def dequantize(layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
@@ -201,10 +202,13 @@ def dequantize(layer: nn.Linear, dtype: torch.dtype) -> torch.Tensor:
 
 
 def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tensor:
-    """layer(x) from its blocks: the block kernel at any number of rows; the weight
-    dequantized and torch's matmul only where the kernels are missing (or for fp16)."""
+    """layer(x) from its blocks: the block kernel, except at the row counts where the chooser
+    found the weight dequantized and torch's matmul faster here (`layer.block_route`: a
+    prefill's rows on AMX, say); the latter too where the kernels are missing (or for fp16)."""
     x2 = x.reshape(-1, x.shape[-1])
-    if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32):
+    route = getattr(layer, "block_route", None)
+    if kernels is not None and x2.dtype in (torch.bfloat16, torch.float32) \
+            and (route is None or route.pick(x2.shape[0]) == "blocks"):
         out = x2.new_empty((x2.shape[0], layer.out_features))
         if layer.qformat == Q4_1:
             kernels.q4_1_linear(out, x2.contiguous(), layer.qs, layer.qd, layer.qm)
@@ -217,6 +221,46 @@ def block_linear(layer: nn.Linear, x: torch.Tensor, kernels=None) -> torch.Tenso
     if layer.bias is not None:
         out = out + layer.bias
     return out.reshape(*x.shape[:-1], layer.out_features)
+
+
+def _block_parts(fmt: str) -> tuple[str, ...]:
+    return ("qraw",) if fmt in RAW_TYPES else ("qs", "qd") if fmt == Q8_0 else ("qs", "qd", "qm")
+
+
+def blocks_verdict(layer: nn.Linear, kernels) -> Verdict:
+    """Which path multiplies a quantized layer's blocks at each row count here: the block kernel,
+    or the weight dequantized on each call and torch's matmul (oneDNN's: AMX where the CPU has
+    it). Timed on copies of the layer's own blocks (their format and shape are what matters)."""
+    parts = _block_parts(layer.qformat)
+    n, k, dtype = layer.out_features, layer.in_features, layer.qdtype
+
+    def weight(_g: torch.Generator) -> SimpleNamespace:
+        return SimpleNamespace(qformat=layer.qformat, in_features=k, out_features=n, bias=None,
+                               **{p: getattr(layer, p).clone() for p in parts})
+
+    cands = [Candidate("blocks", lambda w: w, lambda w, x: block_linear(w, x, kernels))]
+    if layer.qformat in (Q8_0, Q4_1):   # (a GGUF file's own types dequantize through numpy: never a match)
+        cands.append(Candidate("dequant", lambda w: w, lambda w, x: F.linear(x, dequantize(w, x.dtype))))
+    nbytes = sum(getattr(layer, p).numel() * getattr(layer, p).element_size() for p in parts)
+    return chooser().choose(f"blocks-{layer.qformat}-{str(dtype).removeprefix('torch.')}", (n, k), 2 * n * k, cands,
+                            weight, nbytes, lambda m: torch.randn(m, k).to(dtype))
+
+
+def choose_block_paths(model: nn.Module, kernels) -> int:
+    """Gives each CPU layer on quantized blocks its route (blocks_verdict) where dequantizing wins
+    some row counts; the routes share the one copy of the blocks. How many got one."""
+    if kernels is None:
+        return 0
+    n = 0
+    for layer in model.modules():
+        fmt = getattr(layer, "qformat", None)
+        if not isinstance(layer, nn.Linear) or fmt is None or fmt == W8A8 or layer.qdtype not in (torch.bfloat16, torch.float32):
+            continue
+        route = blocks_verdict(layer, kernels).route
+        if "dequant" in route.paths:
+            layer.block_route = route
+            n += 1
+    return n
 
 
 def embed_rows(layer: nn.Linear, ids: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from . import __version__
+from .bench.provenance import provenance
 from .kernels import cpu_kernels_available, load_ops
 from .kernels.chooser import ROWS, Verdict, chooser, machine
 from .kernels.cpu import build_key
@@ -99,7 +100,7 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
     torch_dtype = getattr(torch, dtype)
     name, shapes = model_shapes(model)
     mach = machine(build_key() if kernels is not None else None)
-    out = {"pagedllm": __version__, "machine": mach, "cpu_kernels": kernels_error or "built",
+    out = {"pagedllm": __version__, "provenance": provenance(), "machine": mach, "cpu_kernels": kernels_error or "built",
            "panel_kernel": bool(kernels is not None and kernels.has_panel_linear()),
            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
            "forced": chooser().forced, "model": name, "dtype": dtype, "quantization": quantization}
@@ -118,7 +119,8 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
 
 def print_report(r: dict) -> None:
     m = r["machine"]
-    print(f"PagedLLM {r['pagedllm']} · torch {m['torch']} · {m['threads']} threads")
+    print(f"PagedLLM {r['pagedllm']} (commit {r['provenance']['commit'][:12]}) · torch {m['torch']} · "
+          f"{m['threads']} threads")
     print(f"CPU: {m['cpu']}")
     print(f"features: {' '.join(m['features']) or '(none of interest)'}"
           f"{'' if 'amx_tile' in m['features'] else ' · no AMX'}")

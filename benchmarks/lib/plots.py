@@ -647,7 +647,41 @@ def plot_greedy_head(fig, data: dict) -> None:
     ax.legend(fontsize=7)
 
 
+def plot_kernel_choice(fig, data: dict) -> None:
+    """`pagedllm env --json`: per matmul shape of the model, each candidate's GFLOP/s by rows, the
+    chooser's route in the title."""
+    choices = [c for c in data["choices"] if c["gflops"]]
+    cols = min(3, max(1, len(choices)))
+    rows = -(-len(choices) // cols)
+    for i, c in enumerate(choices):
+        ax = fig.add_subplot(rows, cols, i + 1)
+        for name, g in c["gflops"].items():
+            ax.plot(c["rows"], g, "o-", ms=3, label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{c['op']} {c['n']}x{c['k']}: {c['route']}", fontsize=7)
+        ax.tick_params(labelsize=6)
+        if i % cols == 0:
+            ax.set_ylabel("GFLOP/s", fontsize=7)
+        if i == 0:
+            ax.legend(fontsize=6)
+    fig.text(0.5, -0.02, f"rows; {data['machine']['cpu']}, {' '.join(data['machine']['features'][-3:])}, "
+             f"{data['machine']['threads']} threads", ha="center", fontsize=7)
+
+
+def plot_kv_quality(ax, data: dict) -> None:
+    """Quantized KV's perplexity against bf16 KV's, per dtype, on the CPU the file names."""
+    vs = data["rows"][0]["vs_bf16"]
+    kinds = [k for k in vs if k != "bfloat16"]
+    _bars(ax, kinds, [100 * vs[k] for k in kinds], ["C0"] * len(kinds), fmt="{:+.2f} %")
+    ax.set_xlabel("perplexity against bf16 KV, %")
+    ax.set_title(data.get("provenance", {}).get("cpu", ""), fontsize=8)
+
+
 PLOTTERS: list[Plotter] = [
+    (lambda d: isinstance(d.get("choices"), list) and isinstance(d.get("machine"), dict), plot_kernel_choice,
+     "The kernel chosen for each matmul shape, timed on this CPU", True),
+    (lambda d: d.get("benchmark") == "kv_quality", plot_kv_quality,
+     "Quantized KV's perplexity on ShareGPT prompts against bf16 KV", False),
     (lambda d: isinstance(d.get("rows"), list) and d["rows"] and "median_on_ms" in d["rows"][0], plot_kv_prefetch,
      "A decode step's attention with and without its key prefetch", False),
     (lambda d: isinstance(d.get("head_alone"), dict) and isinstance(d.get("decode_steps"), dict), plot_greedy_head,

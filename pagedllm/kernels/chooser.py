@@ -247,7 +247,7 @@ class KernelChooser:
             verdict = self._measure(op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
                                     gain)
             if verdict.source == "measured":
-                _store(path, mach, key, verdict)
+                verdict = _store(path, mach, key, verdict)
             self.measured.append(verdict)
         self.memo[memo_key] = verdict
         return verdict
@@ -278,31 +278,41 @@ def _read(path: Path) -> dict:
         return {}
 
 
-def _store(path: Path, mach: dict, key: str, verdict: Verdict) -> None:
-    """Adds a verdict to the machine's file, under a lock (two engines may start at once)."""
+def _store(path: Path, mach: dict, key: str, verdict: Verdict) -> Verdict:
+    """Adds a verdict to the machine's file, under a lock; where another process stored one for
+    the same key first (two engines starting at once), that one stands and is returned, so that
+    every process on the machine runs the same paths."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             data = _read(path) or {"machine": mach, "verdicts": {}}
+            if key in data["verdicts"]:
+                return Verdict.from_json(data["verdicts"][key])
             data["verdicts"][key] = verdict.to_json()
             tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(data, indent=1))
             os.replace(tmp, path)
     except OSError as e:   # a read-only cache costs a re-measure next start, nothing else
         logger.warning("could not cache the kernel choice in %s: %s", path, e)
+    return verdict
 
 
 _CHOOSER: KernelChooser | None = None
 
 
 def chooser() -> KernelChooser:
-    """The process's chooser: PAGEDLLM_PREPACK=panels|onednn forces that path where an op has it."""
+    """The process's chooser. PAGEDLLM_PREPACK=panels|onednn forces that path where an op has it;
+    PAGEDLLM_KERNEL_CHOICE_DIR keeps the verdicts elsewhere than ~/.cache/pagedllm/kernel_choice,
+    and PAGEDLLM_KERNEL_CHOICE_BUSY_CPUS sets how many CPUs other processes may use during a
+    measurement that is cached (the test suite, whose two workers always keep each other busy,
+    caches its verdicts in a directory of its own so that all its processes run the same paths)."""
     global _CHOOSER
     forced = os.environ.get("PAGEDLLM_PREPACK", "1").strip().lower()
-    forced = forced if forced in ("panels", "onednn") else None
-    if _CHOOSER is None:
+    directory = Path(os.environ.get("PAGEDLLM_KERNEL_CHOICE_DIR") or cache_root() / "kernel_choice")
+    if _CHOOSER is None or _CHOOSER.directory != directory:
         from .cpu import build_key
-        _CHOOSER = KernelChooser(cache_root() / "kernel_choice", build_key())
-    _CHOOSER.forced = forced
+        _CHOOSER = KernelChooser(directory, build_key())
+    _CHOOSER.forced = forced if forced in ("panels", "onednn") else None
+    _CHOOSER.busy_cpus = float(os.environ.get("PAGEDLLM_KERNEL_CHOICE_BUSY_CPUS", BUSY_CPUS))
     return _CHOOSER

@@ -84,9 +84,11 @@ def invariant_linear(layer: nn.Linear, x: torch.Tensor, kernels) -> torch.Tensor
     """layer(x) with each row's result independent of the other rows."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None:
-        if hasattr(layer, "panels"):  # our bf16 kernel: a row's sums never depend on the other rows
+        route = getattr(layer, "route", None)   # prepacked for this mode: one path for every row count
+        assert route is None or not route.bounds, "a batch-invariant layer runs one path"
+        if route is not None and route.paths[0] == "panels":  # our kernel: a row's sums never depend on the rest
             return packed_linear(layer, x, kernels)
-        if hasattr(layer, "packed"):  # reordered for oneDNN: the same tiles, on the reordered weight
+        if route is not None:  # reordered for oneDNN: the same tiles, on the reordered weight
             return tiled(x, lambda t: packed_linear(layer, t))
         return tiled_linear(x, layer.weight, layer.bias)
     out = x.new_empty((x.shape[0], layer.out_features))

@@ -382,7 +382,7 @@ class LlamaForCausalLM(nn.Module):
         if not prepack_wanted():
             return 0
         n = prepack_linears(self, {id(self.embed_tokens.weight)} if self.embed_tokens.weight is not None else set(),
-                            self.ops.k, head=self.lm_head)
+                            self.ops.k, head=self.lm_head, single=self.ops.batch_invariant)
         self.ops.packed = n > 0
         if self.ops.k is not None and self.ops.k.moe_can_pack():   # bf16 experts: packed for vdpbf16ps (once, at load)
             for moe in self.mixtures():   # where the chooser times that faster than plain weights here

@@ -25,12 +25,13 @@ can take it (for comparisons: benchmarks/prepack_ab.py).
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
 from torch import nn
 
-from ..kernels.chooser import ROWS, Candidate, Route, Verdict, chooser
+from ..kernels.chooser import ROWS, SECOND_LAYOUT_GAIN, Candidate, Route, Verdict, chooser
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 PANEL = 32  # output columns of a panel (bf16_panels.h)
@@ -109,20 +110,26 @@ def argmax_candidates(n: int, k: int, dtype: torch.dtype, kernels) -> list[Candi
     return out
 
 
-def _verdict(op: str, cands: list[Candidate], n: int, k: int, dtype: torch.dtype, rows=ROWS) -> Verdict:
+def _verdict(op: str, cands: list[Candidate], n: int, k: int, dtype: torch.dtype, rows=ROWS,
+             gain: float = SECOND_LAYOUT_GAIN) -> Verdict:
     return chooser().choose(op, (n, k, dtype.itemsize), 2 * n * k, cands,
                             lambda g: (torch.randn(n, k, generator=g) * 0.02).to(dtype), n * k * dtype.itemsize,
-                            lambda m: torch.randn(m, k).to(dtype), rows)
+                            lambda m: torch.randn(m, k).to(dtype), rows, gain)
 
 
 HEAD_ROWS = ROWS[:-1]   # the LM head runs on sampled rows only: at most a decode batch
 
 
 def linear_verdict(n: int, k: int, dtype: torch.dtype, kernels, panels_ok: bool = True,
-                   head: bool = False) -> Verdict | None:
-    """Which path multiplies a [n, k] weight of `dtype` at each row count (None: none here)."""
+                   head: bool = False, single: bool = False) -> Verdict | None:
+    """Which path multiplies a [n, k] weight of `dtype` at each row count (None: none here);
+    single: one path for every row count (batch-invariant mode: a row's sums may not change
+    with the number of rows beside it)."""
     cands = linear_candidates(n, k, dtype, kernels, panels_ok)
-    return _verdict(f"linear-{dtype_name(dtype)}", cands, n, k, dtype, HEAD_ROWS if head else ROWS) if cands else None
+    if not cands:
+        return None
+    return _verdict(f"linear{'-single' if single else ''}-{dtype_name(dtype)}", cands, n, k, dtype,
+                    HEAD_ROWS if head else ROWS, math.inf if single else SECOND_LAYOUT_GAIN)
 
 
 def argmax_verdict(n: int, k: int, dtype: torch.dtype, kernels) -> Verdict | None:
@@ -135,14 +142,16 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def prepack_linears(model: nn.Module, keep: set[int], kernels=None, head: nn.Module | None = None) -> int:
+def prepack_linears(model: nn.Module, keep: set[int], kernels=None, head: nn.Module | None = None,
+                    single: bool = False) -> int:
     """Reorders the weight of every float nn.Linear in `model` for the path the chooser picks
     for its shape (linear_verdict): in panels (`layer.panels`), for oneDNN (`layer.packed`), or
     both; `layer.route` says which runs at how many rows, and Ops.linear follows it. `head`
     (the LM head) also gets `layer.argmax_route` where its argmax kernel wins somewhere. Not
     the layers that run their own way (quantized ones carry a qformat, batch-invariant AMX ones
     a packed_weight, a mixture's router is read by moe_route). Weights whose id() is in `keep`
-    stay as they are beside the packed copies. Returns how many were packed."""
+    stay as they are beside the packed copies. single: one path and one layout a layer, whatever
+    the rows (batch-invariant mode; no argmax kernel). Returns how many were packed."""
     n = 0
     for layer in model.modules():
         if not isinstance(layer, nn.Linear) or getattr(layer, "qformat", None) is not None \
@@ -153,11 +162,11 @@ def prepack_linears(model: nn.Module, keep: set[int], kernels=None, head: nn.Mod
             continue
         out, k = w.shape
         panels_ok = layer.bias is None or layer.bias.dtype == torch.bfloat16   # the kernel reads a bf16 bias
-        verdict = linear_verdict(out, k, w.dtype, kernels, panels_ok, head=layer is head)
+        verdict = linear_verdict(out, k, w.dtype, kernels, panels_ok, head=layer is head, single=single)
         if verdict is None:
             continue
         paths = set(verdict.route.paths)
-        if layer is head and layer.bias is None:
+        if layer is head and layer.bias is None and not single:
             best = argmax_verdict(out, k, w.dtype, kernels)
             if best is not None and "panels" in best.route.paths:
                 layer.argmax_route = best.route

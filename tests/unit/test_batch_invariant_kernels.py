@@ -3,6 +3,8 @@ run alone, in any batch, and after preemption and recompute; and the pieces that
 so (matmuls, attention) give a row the same bits whatever else is in the call."""
 from __future__ import annotations
 
+import os
+from unittest import mock
 
 import pytest
 import torch
@@ -33,7 +35,7 @@ def _linears(kernels, dtype: torch.dtype):
             if w.data_ptr() not in layers:
                 layer = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
                 layer.weight = nn.Parameter(w.clone(), requires_grad=False)
-                prepack_linears(layer, keep=set())
+                prepack_linears(layer, keep=set(), single=True)
                 layers[w.data_ptr()] = layer
             return invariant_linear(layers[w.data_ptr()], x, kernels)
         out.append(("tiled, reordered", reordered))
@@ -44,7 +46,9 @@ def _linears(kernels, dtype: torch.dtype):
             if w.data_ptr() not in panel_layers:
                 layer = nn.Linear(w.shape[1], w.shape[0], bias=False, dtype=w.dtype)
                 layer.weight = nn.Parameter(w.clone(), requires_grad=False)
-                assert prepack_linears(layer, keep=set(), kernels=kernels) == 1 and hasattr(layer, "panels")
+                with mock.patch.dict(os.environ, {"PAGEDLLM_PREPACK": "panels"}):   # whatever the chooser would time
+                    assert prepack_linears(layer, keep=set(), kernels=kernels, single=True) == 1
+                assert hasattr(layer, "panels") and layer.route.paths == ("panels",)
                 panel_layers[w.data_ptr()] = layer
             return invariant_linear(panel_layers[w.data_ptr()], x, kernels)
         out.append(("panels", panels))

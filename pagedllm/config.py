@@ -159,8 +159,11 @@ class KVEventsConfig:
                 raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {v!r}")
         for name in ("endpoint", "replay_endpoint"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, str) or "://" not in v):
-                raise ValueError(f"kv_events_config: {name} must be a ZMQ endpoint such as tcp://*:5557, got {v!r}")
+            if v is not None and (not isinstance(v, str) or v.split("://", 1)[0] not in ("tcp", "ipc")
+                                  or "://" not in v):
+                # (inproc:// would publish inside this process only: no subscriber could reach it)
+                raise ValueError(f"kv_events_config: {name} must be a tcp:// or ipc:// ZMQ endpoint such as "
+                                 f"tcp://*:5557, got {v!r}")
         if not isinstance(self.topic, str):
             raise ValueError(f"kv_events_config: topic must be a string, got {self.topic!r}")
 

@@ -131,3 +131,28 @@ def test_bad_urls_are_named(tiny_model):
         LLM(tiny_model, kv_offload_url="http://127.0.0.1:6379")
     with pytest.raises(ValueError, match="cannot reach the store"):
         replica(tiny_model, "redis://127.0.0.1:1")
+
+
+def test_a_store_that_lost_its_blocks_is_filled_again(tiny_model):
+    """A store restarted empty (flushed: what a restart without persistence leaves), or one whose
+    keys were evicted, gets the blocks written again when the same prompt is computed again, and
+    another replica then hits them: what the engine wrote before is a hint, not the store's word."""
+    with RedisServer(maxmemory="256mb") as server:
+        a = replica(tiny_model, server.url)
+        want = answer(a)
+        tier(a).store.flush()
+        keys = doc_keys(a)
+        client = server.client()
+        names = [tier(a).store.name(k) for k in keys]
+        assert client.exists(*names) == len(keys)
+        for lose in (client.flushall, lambda: client.delete(*names[::2])):   # an empty restart; evictions
+            lose()
+            a.reset_prefix_cache()   # the pool forgets too: the prompt is computed again
+            assert answer(a) == want
+            tier(a).store.flush()
+            assert client.exists(*names) >= 0.9 * len(keys), "written again"
+        b = replica(tiny_model, server.url)
+        assert answer(b) == want
+        assert tier(b).figures().loaded_blocks == len(keys), "the other replica is served from the refilled store"
+        a.close()
+        b.close()

@@ -49,6 +49,10 @@ class CpuPagedAttention(AttentionBackend):
         # Batch-invariant mode turns it off: merging the parts sums in another order than
         # one pass over the keys, so a row's result would depend on what else is decoding.
         self.split_k = True
+        # The split is planned for this many threads (the engine's configured count; 0: however
+        # many run), not for the count of the moment: when the thread governor drops a thread
+        # under load, a request's sums keep their order and its greedy text its tokens.
+        self.plan_threads = 0
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -77,5 +81,5 @@ class CpuPagedAttention(AttentionBackend):
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         out = torch.empty_like(q)
         self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale, self.split_k, fmt, window)
+                                 scale, self.split_k, fmt, window, self.plan_threads)
         return out

@@ -34,7 +34,12 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "pagedllm:kv"
 RETRY_AFTER = 5.0   # seconds a store that failed is left alone before it is asked again
-KNOWN_CAP = 1 << 20  # keys remembered as present (~70 MiB at most); past it, asked again
+KNOWN_CAP = 1 << 20  # keys remembered as present (~100 MiB at most); past it, asked again
+# How long a key this engine wrote or read stays a hint that the store holds it, for the write
+# path's per-block question (a round trip each otherwise). A prefix lookup (`have`) always asks the
+# server and drops the hint of every key it lacks: after a restart, flush or eviction a request's
+# lookup clears the hints of its blocks, and they are written again when computed.
+KNOWN_TTL = 30.0
 
 
 def client_url(url: str) -> str:
@@ -62,7 +67,7 @@ class RedisStore(QueuedStore):
         if self.stats.capacity_bytes and policy == "noeviction":
             logger.warning("KV tier %s: maxmemory %d bytes with noeviction: writes fail once it is full "
                            "(a cache is run with maxmemory-policy allkeys-lru)", url, self.stats.capacity_bytes)
-        self._known: set[int] = set()   # keys this engine wrote or read back: no question for them
+        self._known: dict[int, float] = {}   # keys this engine wrote or read back -> when: hints (KNOWN_TTL)
         self._down_until = 0.0
 
     def name(self, key: int) -> bytes:
@@ -80,12 +85,21 @@ class RedisStore(QueuedStore):
 
     # -- queries -------------------------------------------------------------
     def __contains__(self, key: int) -> bool:
+        """Whether to take the store as holding it (the write path's question): a fresh hint, else
+        the server's answer."""
+        with self._lock:
+            seen = self._known.get(key)
+            if key in self._inflight or (seen is not None and time.monotonic() - seen < KNOWN_TTL):
+                return True
         return bool(self.have([key]))
 
     def have(self, keys: Sequence[int]) -> set[int]:
-        """The keys held or being written, in one pipelined round trip for those not known."""
+        """The keys being written, and those the store holds now, in one pipelined round trip.
+        What this engine wrote or read before is no answer: the server may since have restarted
+        empty, been flushed or evicted them (a block it lost is written again when next computed,
+        as LMCache and any Redis client treat a missing key: a miss)."""
         with self._lock:
-            found = {k for k in keys if k in self._known or k in self._inflight}
+            found = {k for k in keys if k in self._inflight}
         ask = [k for k in keys if k not in found]
         if not ask or not self._up():
             return found
@@ -93,9 +107,17 @@ class RedisStore(QueuedStore):
             pipe = self.client.pipeline(transaction=False)
             for k in ask:
                 pipe.exists(self.name(k))
-            found.update(k for k, n in zip(ask, pipe.execute()) if n)
+            answers = pipe.execute()
         except redis.RedisError as e:
             self._failed("a lookup", e)
+            return found
+        with self._lock:
+            for k, n in zip(ask, answers):
+                if n:
+                    found.add(k)
+                    self._remember(k)
+                else:
+                    self._known.pop(k, None)
         return found
 
     # -- reads ---------------------------------------------------------------
@@ -136,11 +158,11 @@ class RedisStore(QueuedStore):
         """(lock held) A key seen present; the set starts over at its cap."""
         if len(self._known) >= KNOWN_CAP:
             self._known.clear()
-        self._known.add(key)
+        self._known[key] = time.monotonic()
 
     def _forget(self, key: int) -> None:
         with self._lock:
-            self._known.discard(key)
+            self._known.pop(key, None)
 
     # -- writes --------------------------------------------------------------
     def _write(self, key: int, parts: list) -> bool:

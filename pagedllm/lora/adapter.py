@@ -34,6 +34,11 @@ _REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully train
             "alpha_pattern": "alpha_pattern"}
 
 
+# The largest lora_alpha / r accepted: PEFT's adapters use 0.5-4 (alpha = r or 2r); past a few
+# hundred the delta swamps the base layer and a bf16 B^T overflows to inf.
+MAX_SCALING = 256.0
+
+
 @dataclass
 class LoRAPart:
     a: torch.Tensor   # [r, in]
@@ -104,8 +109,10 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
         raise ValueError(f"lora: {path} has no adapter_config.json (a PEFT LoRA adapter directory is expected)")
     try:
         cfg = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"lora: {cfg_file} is not valid JSON ({e.msg})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"lora: {cfg_file} is not valid JSON ({getattr(e, 'msg', e)})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"lora: {cfg_file} must hold a JSON object, not a {type(cfg).__name__}")
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"lora: {path} is a {cfg.get('peft_type')} adapter; only LORA is supported")
     for key, what in _REFUSED.items():
@@ -118,7 +125,13 @@ def read_config(path: Path, max_rank: int) -> tuple[int, float]:
         raise ValueError(f"lora: {path}: r must be a positive int, got {r!r}")
     if r > max_rank:
         raise ValueError(f"lora: {path} has rank {r}, above max_lora_rank {max_rank}")
-    return r, float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha <= 0:
+        raise ValueError(f"lora: {path}: lora_alpha must be a finite number > 0, got {alpha!r}")
+    scaling = float(alpha) / (math.sqrt(r) if cfg.get("use_rslora") else r)
+    if scaling > MAX_SCALING:
+        raise ValueError(f"lora: {path}: lora_alpha {alpha!r} over r {r} scales the adapter by {scaling:g}, above "
+                         f"{MAX_SCALING:g} (PEFT's adapters use 0.5-4)")
+    return r, scaling
 
 
 # Tensor parallelism cuts an adapter as its base layer: column-parallel q/k/v and gate/up keep
@@ -172,6 +185,9 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         layer = int(m.group(1))
         if layer >= mc.num_layers:
             raise ValueError(f"lora: {path}: {key!r} is for layer {layer}; the base model has {mc.num_layers}")
+        if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
+            raise ValueError(f"lora: {path}: tensor {key!r} must hold finite floats (it has "
+                             f"{'NaN or Inf values' if t.is_floating_point() else t.dtype})")
         pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = t
     columns = part_columns(mc)
     pieces: dict[str, list[LoRAPart]] = {}
@@ -196,5 +212,8 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     for name, parts in pieces.items():
         cols = columns[name.split(".", 2)[2]]
         m = stack_parts(parts, cols[-1][0] + cols[-1][1], scaling)   # scaled in fp32, then rounded once
-        modules[name] = LoRAModule(m.a.to(dtype), [(c, bt.to(dtype)) for c, bt in m.bt], m.out_features)
+        module = LoRAModule(m.a.to(dtype), [(c, bt.to(dtype)) for c, bt in m.bt], m.out_features)
+        if not all(bool(torch.isfinite(t).all()) for t in (module.a, *(bt for _, bt in module.bt))):
+            raise ValueError(f"lora: {path}: {name}'s weights, scaled by {scaling:g}, overflow {dtype}")
+        modules[name] = module
     return LoRAAdapter(req, rank, modules)

@@ -192,6 +192,8 @@ class ModelRunner:
         _use_kv_dtype(backend, cfg.kv_cache_dtype, self.dtype, model_cfg)
         self.backend = backend
         self.backend_name = backend.name
+        if self.threads is not None and hasattr(backend, "plan_threads"):
+            backend.plan_threads = self.threads.max_threads   # the governor's changes change no sum's order
         self.batch_invariant = cfg.batch_invariant
         if cfg.batch_invariant:
             if backend.name != "cpu" or self.device.type != "cpu":

@@ -92,8 +92,11 @@ class ThreadGovernor:
         if self._pending != target:  # wait for a second reading: one busy interval is noise
             self._pending = target
             return
-        logger.info("other processes use %.1f of %d CPUs: running on %d threads (was %d)", others,
-                    len(self.cpus), target, self.threads)
+        logger.info("other processes use %.1f of %d CPUs: running on %d threads (was %d; the attention keeps its "
+                    "plan for %d and our matmul kernels sum in a fixed order, but a matmul given to oneDNN may add "
+                    "in another order and flip a near-tie: --batch-invariant pins every sum, "
+                    "PAGEDLLM_ADAPT_THREADS=0 the count)",
+                    others, len(self.cpus), target, self.threads, self.max_threads)
         self.threads = target
         self._pending = None
         self.changes += 1

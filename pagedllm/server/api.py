@@ -15,15 +15,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
+from .body_schemas import CountTokensBody, LoadLoRAAdapterRequest, MessagesBody, ResponsesBody, UnloadLoRAAdapterRequest
 from .info import model_info, server_info
 from .lora import RUNTIME_FLAG, runtime_updates_allowed
 from .messages_api import count_tokens, create_message
-from .messages_request import MessagesRequest
 from .pooling_api import EmbeddingRequest, RerankRequest, ScoreRequest, embeddings, rerank, score
 from .prepare import check_structured, detokenize_body, prepare_chat, prepare_completion, tokenize_body
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .responses_api import create_response, delete_response, get_response
-from .responses_request import ResponsesRequest
 from .state import APIError, ServerState
 from .streaming import serve
 from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
@@ -77,18 +76,21 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request):
-        state.authenticate(request)
+        key = state.authenticate(request)
         s, now = state.engine.stats, int(time.time())
         base = {"id": state.model_name, "object": "model", "created": now, "owned_by": "pagedllm",
                 "max_model_len": state.engine.info.max_model_len, "kv_cache_blocks": s.kv.num_blocks,
                 "block_size": s.kv.block_size}
-        # adapters as vLLM lists them: their path as root, the base as parent
+        # adapters as vLLM lists them, the base as parent; their path as root for the operator only
+        # (a tenant learns nothing of the server's file system), their name for everyone else
+        operator = state.is_admin(key) or (state.admin_key is None and not state.api_keys)
         return {"object": "list", "data": [base] + [
-            {"id": name, "object": "model", "created": now, "owned_by": "pagedllm", "root": r.lora_path,
-             "parent": state.model_name, "max_model_len": base["max_model_len"]}
+            {"id": name, "object": "model", "created": now, "owned_by": "pagedllm",
+             "root": r.lora_path if operator else name, "parent": state.model_name,
+             "max_model_len": base["max_model_len"]}
             for name, r in list(state.loras.by_name.items())]}
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=_body(LoadLoRAAdapterRequest))
     async def load_lora_adapter(request: Request):
         body = await _lora_admin(state, request)
         name, path = body.get("lora_name"), body.get("lora_path")
@@ -100,14 +102,19 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
             raise APIError(400, str(e)) from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_body(UnloadLoRAAdapterRequest))
     async def unload_lora_adapter(request: Request):
         body = await _lora_admin(state, request)
         name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "lora_name must be a non-empty string", param="lora_name")
         try:
             state.loras.remove(name)
         except KeyError:
             raise APIError(404, f"the adapter {name!r} is not served", "NotFoundError", "lora_name") from None
+        except PermissionError:
+            raise APIError(403, f"the adapter {name!r} is served by --lora-modules: it cannot be unloaded at run "
+                           "time", "permission_error", "lora_name") from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     # What a gateway reads of a worker (the SGLang Model Gateway names a model by them),
@@ -144,7 +151,7 @@ def _add_generation_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/responses", openapi_extra=_body(ResponsesRequest))
+    @app.post("/v1/responses", openapi_extra=_body(ResponsesBody))
     async def responses(request: Request):
         return await create_response(state, request)
 
@@ -158,11 +165,11 @@ def _add_responses_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_messages_routes(app: FastAPI, state: ServerState) -> None:
-    @app.post("/v1/messages", openapi_extra=_body(MessagesRequest))
+    @app.post("/v1/messages", openapi_extra=_body(MessagesBody))
     async def messages(request: Request):
         return await create_message(state, request)
 
-    @app.post("/v1/messages/count_tokens")
+    @app.post("/v1/messages/count_tokens", openapi_extra=_body(CountTokensBody))
     async def messages_count_tokens(request: Request):
         return await count_tokens(state, request)
 
@@ -198,8 +205,9 @@ def _add_token_routes(app: FastAPI, state: ServerState) -> None:
         return await state.off_loop(detokenize_body, state, body)
 
 
-BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest, EmbeddingRequest,
-          ScoreRequest, RerankRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest)
+BODIES = (CompletionRequest, ChatCompletionRequest, ResponsesBody, MessagesBody, CountTokensBody, EmbeddingRequest,
+          ScoreRequest, RerankRequest, TokenizeCompletionRequest, TokenizeChatRequest, DetokenizeRequest,
+          LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
 
 
 def _body(*models: type[BaseModel]) -> dict:
@@ -225,14 +233,16 @@ def _openapi(app: FastAPI) -> dict:
 
 async def _lora_admin(state: ServerState, request: Request) -> dict:
     """The body of a runtime adapter change, once the server allows them (vLLM's
-    VLLM_ALLOW_RUNTIME_LORA_UPDATING) and the caller may: the admin key where the server has one
-    (an adapter changes what every tenant may ask for), else any accepted key."""
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING) and the caller may: an adapter changes what every tenant is
+    served, so wherever the server has API keys only the admin key may (with keys and no admin
+    key, nobody); a server with no keys at all is one user's."""
     key = state.authenticate(request)
     if not runtime_updates_allowed():
         raise APIError(404, f"runtime adapter updates are off; start the server with {RUNTIME_FLAG}=True",
                        "NotFoundError")
-    if state.admin_key is not None and not state.is_admin(key):
-        raise APIError(403, "runtime adapter updates need the admin key", "permission_error")
+    if (state.admin_key is not None or state.api_keys) and not state.is_admin(key):
+        why = "" if state.admin_key is not None else " (this server has API keys and no --admin-key: none may)"
+        raise APIError(403, f"runtime adapter updates need the admin key{why}", "permission_error")
     body = await state.read_json(request)
     if not isinstance(body, dict):
         raise APIError(400, "request body must be a JSON object")

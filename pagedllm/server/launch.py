@@ -28,7 +28,7 @@ from ..engine.core_loop import StepGate, is_fatal
 from ..engine.engine import LLMEngine
 from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
-from .lora import parse_lora_modules, served_loras
+from .lora import RUNTIME_FLAG, parse_lora_modules, runtime_updates_allowed, served_loras
 from .response_store import ResponseStore
 from .state import ServerState
 
@@ -122,6 +122,10 @@ def build(cfg: EngineConfig, opts: ServerOptions, attach: Attach | None = None,
                             tool_call_parser=opts.tool_call_parser if opts.enable_auto_tool_choice else None,
                             reasoning_parser=opts.reasoning_parser)
         state.loras = served_loras(async_engine.info, name, opts.lora_modules)
+        if runtime_updates_allowed() and keys and state.admin_key is None:
+            logger.warning("%s=True, but runtime adapter loads and unloads stay refused: this server has API keys "
+                           "and no --admin-key (or PAGEDLLM_ADMIN_KEY), and an adapter changes what every tenant "
+                           "is served; give an admin key to allow them to its holder", RUNTIME_FLAG)
         state.responses = ResponseStore(opts.max_stored_responses)
         if opts.otlp_traces_endpoint:
             from .tracing import Observers, RequestTracer

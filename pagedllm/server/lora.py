@@ -3,7 +3,9 @@
 lists them beside the base. Each is read and checked against the base model when it is
 registered, so a bad one is refused then (at start: exit 2; at run time: 400), never at a
 request. Runtime changes need VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, as vLLM does, and the
-admin key where the server has one."""
+admin key wherever the server has API keys (an adapter changes what every tenant is served:
+with keys and no admin key nobody may change them). The operator's --lora-modules adapters are
+pinned: no runtime call unloads them or takes their names."""
 from __future__ import annotations
 
 import json
@@ -52,10 +54,11 @@ class ServedLoRAs:
 
     def __post_init__(self) -> None:
         self.by_name: dict[str, LoRARequest] = {}
+        self.pinned: set[str] = set()   # the operator's --lora-modules: never unloaded at run time
         self.next_id = 1
         self.lock = threading.Lock()   # loads run off the event loop
 
-    def add(self, name: str, path: str) -> LoRARequest:
+    def add(self, name: str, path: str, pinned: bool = False) -> LoRARequest:
         if not self.enabled:
             raise ValueError("adapters need the engine started with --enable-lora")
         with self.lock:
@@ -68,10 +71,15 @@ class ServedLoRAs:
             if name in self.by_name:
                 raise ValueError(f"the model name {name!r} is already served")
             self.by_name[name] = req
+            if pinned:
+                self.pinned.add(name)
         return req
 
     def remove(self, name: str) -> None:
+        """KeyError: not served; PermissionError: one of the operator's --lora-modules."""
         with self.lock:
+            if name in self.pinned:
+                raise PermissionError(name)
             if self.by_name.pop(name, None) is None:
                 raise KeyError(name)
 
@@ -98,5 +106,5 @@ def served_loras(info, base_name: str, modules: list[str] | None) -> ServedLoRAs
 
     served = ServedLoRAs(base_name, check, cfg.enable_lora)
     for name, path in parse_lora_modules(modules):
-        served.add(name, path)
+        served.add(name, path, pinned=True)
     return served

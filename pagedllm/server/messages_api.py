@@ -5,6 +5,7 @@ and its chat answer becomes Anthropic's shapes (messages_output.py). Errors, tho
 shared steps too, are answered in Anthropic's error shape, which its clients read."""
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import Request
@@ -17,12 +18,17 @@ from .state import APIError, ServerState
 from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
 from .structured import FieldError
 
+logger = logging.getLogger(__name__)
+
 
 async def create_message(state: ServerState, request: Request):
     try:
         return await _create(state, request)
     except APIError as e:
         return error_response(e.status, e.message)
+    except Exception:   # a bug of ours: still in the shape Anthropic's clients read
+        logger.exception("/v1/messages failed")
+        return error_response(500, "internal error")
 
 
 async def count_tokens(state: ServerState, request: Request):
@@ -34,6 +40,9 @@ async def count_tokens(state: ServerState, request: Request):
         return JSONResponse({"input_tokens": len(prompts[0])})
     except APIError as e:
         return error_response(e.status, e.message)
+    except Exception:
+        logger.exception("/v1/messages/count_tokens failed")
+        return error_response(500, "internal error")
 
 
 async def _create(state: ServerState, request: Request):

@@ -153,6 +153,8 @@ def _result(block: dict, where: str) -> dict[str, Any]:
     if not isinstance(block.get("tool_use_id"), str):
         raise FieldError(where, "a tool_result block needs the tool_use_id it answers")
     content = block.get("content", "")
+    if not isinstance(content, (str, list)):
+        raise FieldError(f"{where}.content", "a tool_result's content must be a string or a list of text blocks")
     text = content if isinstance(content, str) else "".join(
         _text_block(b, f"{where}.content.{k}") for k, b in enumerate(content))
     if block.get("is_error"):

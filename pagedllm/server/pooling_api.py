@@ -76,7 +76,8 @@ async def embeddings(state: ServerState, request: Request) -> dict:
     key = state.authenticate(request)
     req: EmbeddingRequest = state.parse(EmbeddingRequest, await state.read_json(request))
     dims = _dimensions(state, req.dimensions)
-    vectors, used = await _embed(state, request, req, req.inputs(), key, "input")
+    texts = req.inputs()
+    vectors, used = await _embed(state, request, req, texts, key, _numbered("input", len(texts)))
     data = [{"object": "embedding", "index": i, "embedding": _encoded(pooled(v, True, dims), req.encoding_format)}
             for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": state.model_name,
@@ -92,7 +93,8 @@ async def score(state: ServerState, request: Request) -> dict:
         raise APIError(400, f"text_1: one text, or one per text_2 ({len(right)}); got {len(left)}", param="text_1")
     if len(left) + len(right) > MAX_INPUTS:
         raise APIError(400, f"text_2: at most {MAX_INPUTS} texts per request in all", param="text_2")
-    vectors, used = await _embed(state, request, req, left + right, key, "text_1")
+    vectors, used = await _embed(state, request, req, left + right, key,
+                                 _numbered("text_1", len(left)) + _numbered("text_2", len(right)))
     a, b = vectors[:len(left)], vectors[len(left):]
     pairs = [(a[0] if len(a) == 1 else a[i], v) for i, v in enumerate(b)]
     return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
@@ -103,7 +105,8 @@ async def score(state: ServerState, request: Request) -> dict:
 async def rerank(state: ServerState, request: Request) -> dict:
     key = state.authenticate(request)
     req: RerankRequest = state.parse(RerankRequest, await state.read_json(request))
-    vectors, used = await _embed(state, request, req, [req.query, *req.documents], key, "documents")
+    vectors, used = await _embed(state, request, req, [req.query, *req.documents], key,
+                                 [("query", "query")] + _numbered("documents", len(req.documents), always=True))
     results = [{"index": i, "relevance_score": cosine(vectors[0], v)} for i, v in enumerate(vectors[1:])]
     results.sort(key=lambda r: -r["relevance_score"])
     if req.top_n is not None:
@@ -115,11 +118,17 @@ async def rerank(state: ServerState, request: Request) -> dict:
             "results": results}
 
 
+def _numbered(field: str, n: int, always: bool = False) -> list[tuple[str, str]]:
+    """(what an error calls text i, its param) for n texts of one field: "input 2", or "input" alone."""
+    return [(f"{field} {i}" if n > 1 or always else field, field) for i in range(n)]
+
+
 async def _embed(state: ServerState, request: Request, req: _Pooling, texts: list, key: str | None,
-                 field: str) -> tuple[list[list[float]], int]:
-    """Each text's raw embedding (its last hidden state), and the prompt tokens they took."""
+                 names: list[tuple[str, str]]) -> tuple[list[list[float]], int]:
+    """Each text's raw embedding (its last hidden state), and the prompt tokens they took; names:
+    each text's (label, param) for an error about it."""
     params = SamplingParams(max_tokens=1, temperature=0, embed=True)
-    prompts = await state.off_loop(_token_ids, state, texts, params, field)
+    prompts = await state.off_loop(_token_ids, state, texts, params, names)
     sub = await submit(state, request, req, "embd", prompts, params, key)
     try:
         finals = await whole(_finals(sub.merged))
@@ -138,14 +147,13 @@ async def _finals(merged) -> dict:
     return out
 
 
-def _token_ids(state: ServerState, texts: list, params: SamplingParams, field: str) -> list[list[int]]:
+def _token_ids(state: ServerState, texts: list, params: SamplingParams, names: list[tuple[str, str]]) -> list[list[int]]:
     out = []
-    for i, t in enumerate(texts):
+    for t, (label, param) in zip(texts, names):
         try:
             out.append(state.engine.validate(t, params, add_special_tokens=True))
         except ValueError as e:
-            where = f"{field} {i}: " if len(texts) > 1 else f"{field}: "
-            raise APIError(400, where + str(e), param=field) from None
+            raise APIError(400, f"{label}: {e}", param=param) from None
     return out
 
 

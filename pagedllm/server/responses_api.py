@@ -16,7 +16,7 @@ from .prepare import check_structured, prepare_chat, renamed
 from .response_store import StoredResponse
 from .responses_output import ResponsesEvents, ResponseShape, assistant_messages, new_id
 from .responses_request import (CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body,
-                                conversation_bytes, input_messages)
+                                input_messages)
 from .state import APIError, ServerState
 from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
 from .structured import FieldError
@@ -37,10 +37,11 @@ async def create_response(state: ServerState, request: Request):
     tenant = state.tenant(key)
 
     def keep(response: dict) -> None:
+        """Stores the response (before it goes out: a refused store says store: false in it)."""
         if req.store:
             messages = convo + assistant_messages(response["output"])
-            state.responses.put(tenant, response["id"], StoredResponse(response, messages,
-                                                                       conversation_bytes(messages)))
+            if not state.responses.put(tenant, response["id"], StoredResponse.of(response, messages)):
+                response["store"] = False
 
     if req.stream:
         return event_stream(_stream(shape, builder, sub.merged, keep))
@@ -53,8 +54,7 @@ async def create_response(state: ServerState, request: Request):
 
 
 def _stream(shape: ResponseShape, builder: ResponseBuilder, merged, keep):
-    events = ResponsesEvents(shape)
-    return translated(events, builder.chunks(merged, usage=True), lambda: keep(events.final))
+    return translated(ResponsesEvents(shape, on_final=keep), builder.chunks(merged, usage=True))
 
 
 def get_response(state: ServerState, request: Request, response_id: str) -> dict:

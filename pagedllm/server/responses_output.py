@@ -109,10 +109,12 @@ def assistant_messages(output: list[dict]) -> list[dict]:
 class ResponsesEvents:
     """The Responses stream's events, from the chat stream's chunk dicts: open an output item
     when its first piece comes, close it (its .done events) when the next one opens or the
-    answer ends. `final` is the completed Response once the stream has ended."""
+    answer ends. `final` is the completed Response once the stream has ended; on_final(final) runs
+    before its event goes out (the store says there whether it kept it)."""
 
-    def __init__(self, shape: ResponseShape) -> None:
+    def __init__(self, shape: ResponseShape, on_final=None) -> None:
         self.shape = shape
+        self.on_final = on_final
         self.seq = 0
         self.output: list[dict] = []     # closed items
         self.open: dict | None = None    # the item being written
@@ -150,6 +152,8 @@ class ResponsesEvents:
             yield e
         status, incomplete = _status(finish)
         self.final = self.shape.obj(status, self.output, chat_usage, incomplete)
+        if self.on_final is not None:
+            self.on_final(self.final)
         yield self._event("response.completed" if status == "completed" else "response.incomplete",
                           response=self.final)
 

@@ -8,10 +8,9 @@ runs, reasoning settings) is refused with a 400 naming the field, never ignored.
 """
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from .structured import FieldError
 
@@ -69,12 +68,26 @@ class ResponsesRequest(BaseModel):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] | None = None   # OpenAI's bounds: 16 keys of <= 64 characters, values <= 512
     user: str | None = None
     # vLLM's extras, as on chat
     seed: int | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=256)
     priority: int = 0
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, v: dict[str, str] | None) -> dict[str, str] | None:
+        if v is not None:
+            if len(v) > 16:
+                raise ValueError(f"at most 16 keys, got {len(v)}")
+            long_key = next((k for k in v if len(k) > 64), None)
+            if long_key is not None:
+                raise ValueError(f"keys are at most 64 characters, {long_key[:20]!r}... has {len(long_key)}")
+            long_value = next((k for k, x in v.items() if len(x) > 512), None)
+            if long_value is not None:
+                raise ValueError(f"values are at most 512 characters, {long_value!r}'s has {len(v[long_value])}")
+        return v
 
     def function_tools(self) -> list[FunctionTool] | None:
         if self.tools is None:
@@ -166,6 +179,8 @@ def _parts_text(parts: Any, where: str) -> str:
     for j, part in enumerate(parts):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "refusal":
+            if not isinstance(part.get("refusal", ""), str):
+                raise FieldError(f"{where}.{j}.refusal", "must be a string")
             texts.append(part.get("refusal") or "")
             continue
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
@@ -218,7 +233,3 @@ def chat_body(req: ResponsesRequest, convo: list[dict[str, Any]], tools: list[Fu
 # A chat field's error, named as the Responses request names it.
 CHAT_TO_RESPONSES = {"max_completion_tokens": "max_output_tokens", "messages": "input",
                      "response_format": "text.format"}
-
-
-def conversation_bytes(messages: list[dict[str, Any]]) -> int:
-    return len(json.dumps(messages, ensure_ascii=False))

@@ -1,8 +1,9 @@
 """Adapters served under their own names (--enable-lora --lora-modules, vLLM's flags): /v1/models
 lists them with the base as parent, a request's `model` picks one and gets the tokens the
 offline engine gives under it, and /v1/load_lora_adapter and /v1/unload_lora_adapter change them
-at run time only under VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, behind the admin key. A bad
-adapter is refused by name: at start, or with a 400 at run time."""
+at run time only under VLLM_ALLOW_RUNTIME_LORA_UPDATING=True, behind the admin key (with API keys
+and no admin key: nobody), never the operator's --lora-modules. A bad adapter (a setting, a shape,
+a NaN, an absurd lora_alpha) is refused by name: at start, or with a 400 at run time."""
 from __future__ import annotations
 
 import pytest
@@ -41,7 +42,9 @@ def completion(server, model: str, prompt: list[int], **kw):
 def test_adapters_are_models_and_answer_as_offline(lora_server, paths, make_llm, monkeypatch):
     models = {m["id"]: m for m in lora_server.client().get("/v1/models", timeout=30).json()["data"]}
     base = next(m["id"] for m in models.values() if "parent" not in m)
-    assert models["sql"]["parent"] == base and models["sql"]["root"] == paths[0] and "fr" in models
+    assert models["sql"]["parent"] == base and models["sql"]["root"] == "sql" and "fr" in models  # no path
+    admin = lora_server.client().get("/v1/models", headers={"Authorization": "Bearer root"}, timeout=30).json()
+    assert {m["id"]: m for m in admin["data"]}["sql"]["root"] == paths[0]   # the operator sees where it lives
     prompt = [1, 504, 3458, 282, 4649, 314]
     llm = make_llm(dtype="float32", kv_cache_memory="32MiB", enable_lora=True, max_loras=2, max_lora_rank=8)
     greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -77,6 +80,87 @@ def test_runtime_updates_are_gated_and_checked(lora_server, paths, tmp_path, mon
     assert c.post("/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin).status_code == 200
     assert completion(lora_server, "late", prompt).status_code == 404
     assert c.post("/v1/unload_lora_adapter", json={"lora_name": "late"}, headers=admin).status_code == 404
+    for bad in (5, None, "", ["sql"]):
+        r = c.post("/v1/unload_lora_adapter", json={"lora_name": bad}, headers=admin)
+        assert r.status_code == 400 and "lora_name" in r.json()["error"]["message"], (bad, r.text)
+    # the operator's --lora-modules: neither unloaded nor taken over at run time, even by the admin
+    r = c.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=admin)
+    assert r.status_code == 403 and "--lora-modules" in r.json()["error"]["message"]
+    assert completion(lora_server, "sql", prompt).json()["choices"][0]["text"] == sql.json()["choices"][0]["text"]
+
+
+def test_with_api_keys_and_no_admin_key_no_tenant_changes_an_adapter(paths, monkeypatch, caplog):
+    """Tenant B may neither unload the operator's adapter nor register its own under that name (or
+    any): every tenant keeps being served the operator's weights. The start says how to allow it."""
+    import logging
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+    with caplog.at_level(logging.WARNING, logger="pagedllm.server"):
+        s = serve_in_process(*LORA, "--lora-modules", f"sql={paths[0]}", "--api-key", "tenant-a", "--api-key",
+                             "tenant-b")
+    try:
+        assert "no --admin-key" in caplog.text
+        a, b = ({"Authorization": f"Bearer {k}"} for k in ("tenant-a", "tenant-b"))
+        prompt = [1, 378, 1838, 3549]
+        before = completion(s, "sql", prompt, headers=a).json()["choices"][0]["text"]
+        c = s.client()
+        for path, body in (("unload", {"lora_name": "sql"}), ("load", {"lora_name": "sql", "lora_path": paths[1]}),
+                           ("load", {"lora_name": "mine", "lora_path": paths[1]})):
+            r = c.post(f"/v1/{path}_lora_adapter", json=body, headers=b)
+            assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], r.text
+        assert completion(s, "sql", prompt, headers=a).json()["choices"][0]["text"] == before
+        assert [m["id"] for m in c.get("/v1/models", headers=b).json()["data"]][1:] == ["sql"]
+        assert all(m.get("root") != paths[0] for m in c.get("/v1/models", headers=b).json()["data"])
+    finally:
+        s.close()
+
+
+def test_bad_adapters_are_refused_by_name(paths, tmp_path, monkeypatch):
+    """An adapter whose config is not an object or whose lora_alpha is missing-as-null, a list, NaN,
+    zero or absurd, or whose weights hold a NaN or an Inf, gets a 400 naming what is wrong: never
+    loaded, so never a request's empty text or a 500 from its logprobs."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "True")
+
+    def variant(name: str, config=None, poison=None) -> str:
+        d = tmp_path / name
+        shutil.copytree(paths[0], d)
+        cfg = json.loads((d / "adapter_config.json").read_text())
+        if config is not None:
+            (d / "adapter_config.json").write_text(json.dumps(config(cfg)))
+        if poison is not None:
+            t = load_file(str(d / "adapter_model.safetensors"))
+            key = sorted(t)[3]
+            t[key] = t[key].clone()
+            t[key].view(-1)[7] = poison
+            save_file(t, str(d / "adapter_model.safetensors"))
+        return str(d)
+
+    cases = {
+        "a list": (variant("list", lambda c: [c]), "must hold a JSON object"),
+        "alpha null": (variant("null", lambda c: {**c, "lora_alpha": None}), "lora_alpha must be a finite number"),
+        "alpha list": (variant("alist", lambda c: {**c, "lora_alpha": [16]}), "lora_alpha must be a finite number"),
+        "alpha zero": (variant("zero", lambda c: {**c, "lora_alpha": 0}), "lora_alpha must be a finite number"),
+        "alpha huge": (variant("huge", lambda c: {**c, "lora_alpha": 1e30}), "above 256"),
+        "a NaN": (variant("nan", poison=float("nan")), "must hold finite floats"),
+        "an Inf": (variant("inf", poison=float("inf")), "must hold finite floats"),
+    }
+    s = serve_in_process(*LORA, "--admin-key", "root")
+    try:
+        c = s.client()
+        for i, (what, (path, says)) in enumerate(cases.items()):
+            r = c.post("/v1/load_lora_adapter", json={"lora_name": f"bad{i}", "lora_path": path},
+                       headers={"Authorization": "Bearer root"})
+            assert r.status_code == 400 and says in r.json()["error"]["message"], (what, r.text)
+        assert [m["id"] for m in c.get("/v1/models").json()["data"]][1:] == []
+        assert c.get("/health").status_code == 200
+    finally:
+        s.close()
 
 
 def test_bad_lora_flags_stop_the_start(tmp_path, paths):

@@ -85,3 +85,16 @@ def test_bad_pooling_requests_name_the_field(server, path, body, param):
     r = server.client().post(path, json={"model": MODEL, **body}, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.json()
+
+
+LONG = "word " * 1500   # past the server's max_model_len
+
+
+@pytest.mark.parametrize("body, says, param", [
+    ({"query": LONG, "documents": ["a", "b"]}, "query:", "query"),
+    ({"query": "q", "documents": ["a", LONG]}, "documents 1:", "documents"),
+])
+def test_a_bad_rerank_text_is_named_as_itself(server, body, says, param):
+    r = server.client().post("/rerank", json={"model": MODEL, **body}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["message"].startswith(says), r.text
+    assert r.json()["error"]["param"] == param

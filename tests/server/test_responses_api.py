@@ -166,3 +166,33 @@ def test_a_two_turn_tool_run_of_the_openai_agents_sdk(tool_server):
     assert kinds[:2] == ["tool_call_item", "tool_call_output_item"] and kinds[-1] == "message_output_item", kinds
     assert isinstance(result.final_output, str) and result.final_output
     assert len(result.raw_responses) == 2
+
+
+def test_metadata_is_bounded_and_a_refused_store_says_so(keyed_server):
+    """metadata within OpenAI's bounds (16 keys, 64-character keys, 512-character values), else a
+    400 naming them; a record over what the tenant's store may hold is not kept, and the response
+    (whole or the stream's final event) says store: false."""
+    from pagedllm.server.response_store import ResponseStore
+
+    alice = keyed_server.openai(api_key="alice-key", max_retries=0)
+    name = keyed_server.built.state.model_name
+    for meta, says in (({f"k{i}": "v" for i in range(17)}, "16 keys"), ({"k" * 65: "v"}, "64 characters"),
+                       ({"k": "v" * 513}, "512 characters")):
+        with pytest.raises(openai.BadRequestError, match=says):
+            alice.responses.create(model=name, input="Hi", max_output_tokens=1, metadata=meta)
+    state = keyed_server.built.state
+    saved, state.responses = state.responses, ResponseStore(8, bytes_per_tenant=6_000, bytes_total=40_000)
+    try:
+        http = keyed_server.client(headers={"Authorization": "Bearer alice-key"})
+        big = {f"key{i}": "v" * 500 for i in range(16)}   # 8 KB of metadata: counted with the rest
+        body = {"model": name, "input": "Hi", "max_output_tokens": 1, "metadata": big}
+        whole = http.post("/v1/responses", json=body, timeout=120).json()
+        assert whole["store"] is False and http.get(f"/v1/responses/{whole['id']}").status_code == 404
+        stream = http.post("/v1/responses", json={**body, "stream": True}, timeout=120).text
+        final = json.loads([ln for ln in stream.splitlines() if ln.startswith("data:")][-1][5:])
+        assert final["type"] in ("response.completed", "response.incomplete") and final["response"]["store"] is False
+        kept = http.post("/v1/responses", json={**body, "metadata": {"k": "v"}}, timeout=120).json()
+        assert kept["store"] is True and http.get(f"/v1/responses/{kept['id']}").status_code == 200
+        assert 0 < state.responses.bytes_held(state.tenant("alice-key")) <= 6_000
+    finally:
+        state.responses = saved

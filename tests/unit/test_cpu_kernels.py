@@ -92,6 +92,31 @@ def test_long_decodes_split_across_threads(threads):
         torch.set_num_threads(old)
 
 
+def test_a_split_decode_sums_alike_whatever_the_threads_that_run_it():
+    """plan_threads (the engine's configured count) fixes the split-K plan: one long decode gives
+    the same bits on 1 thread and on 2, as when the governor drops a thread mid-request; planned for
+    the count of the moment, 1 and 2 threads split it differently (the reason for the knob)."""
+    old = torch.get_num_threads()
+    g = torch.Generator().manual_seed(5)
+    _, (cpu, ck, cv), q, k, v, layout, _ = build_step([(3000, 1)], (9, 3, 64), 16, torch.bfloat16, g)
+    meta = cpu.build_metadata(layout, "cpu")
+    cpu.ops.write_kv(k, v, ck, cv, meta.slot_mapping)
+
+    def run(threads: int, plan: int) -> torch.Tensor:
+        torch.set_num_threads(threads)
+        out = torch.empty_like(q)
+        cpu.ops.paged_attention(out, q, ck, cv, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, True,
+                                0, 0, plan)
+        return out
+
+    try:
+        assert torch.equal(run(1, 2), run(2, 2))
+        assert torch.equal(run(2, 0), run(2, 2))   # unthrottled, the plan is the one it always was
+        assert not torch.equal(run(1, 0), run(2, 0)), "1 and 2 threads planned alike: the test shows nothing"
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_padding_rows_are_zero_and_write_nothing():
     g = torch.Generator().manual_seed(3)
     (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, pad = build_step([(10, 1), (0, 5)], (9, 3, 64), 16,

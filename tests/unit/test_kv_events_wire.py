@@ -92,6 +92,9 @@ def test_a_busy_endpoint_is_named():
     pub.close()
     with pytest.raises(ValueError, match="topic must be a string"):
         KVEventsConfig(enable_kv_cache_events=True, topic=3)
+    for where in ("inproc://kv", "udp://x:1", "5557"):   # inproc publishes inside this process only
+        with pytest.raises(ValueError, match="endpoint must be a tcp:// or ipc:// ZMQ endpoint"):
+            KVEventsConfig(enable_kv_cache_events=True, endpoint=where)
     with pytest.raises(ValueError, match=r"kv_events_config: unknown keys \['endpoints'\]"):
         EngineConfig(kv_events_config='{"enable_kv_cache_events": true, "endpoints": "tcp://*:5557"}')
 

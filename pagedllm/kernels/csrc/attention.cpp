@@ -803,11 +803,13 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
 template <typename T, int NC, Fmt F>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale, bool split_k,
-         int64_t block_size, int window) {
+         int64_t block_size, int window, int plan_threads) {
   const int num_seqs = int(ctx_lens.size(0));
   const int kv_heads = int(k_cache.size(1));
   const int group = int(q.size(1) / kv_heads);
-  const int threads = at::get_num_threads();
+  // The split-K plan (and so the sums' order) for plan_threads, not for however many run now:
+  // a thread governor that drops a thread under load then changes no result.
+  const int threads = plan_threads > 0 ? plan_threads : at::get_num_threads();
   std::vector<Split> splits;
   int num_parts = 0;
   std::vector<Item> items = plan(ctx_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(), num_seqs, kv_heads,
@@ -936,12 +938,14 @@ int64_t check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d, int64_
 // out/q [T, H, D]; caches as check_caches says; tables int32 [S, W]; ctx_lens int32 [S] (keys of each sequence after this step's
 // tokens); q_start int32 [S + 1] (rows of each sequence's queries). split_k false: no
 // decode is split across threads, so every row's result is independent of the batch.
+// plan_threads > 0: long decodes are split as for that many threads, whatever the current count.
 // kv_fmt: the caches' format (kv_quant.h). window > 0: sliding-window attention; table
 // entries of blocks wholly below every query's window are not read (they may be -1).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale,
-                     bool split_k, int64_t kv_fmt, int64_t window) {
+                     bool split_k, int64_t kv_fmt, int64_t window, int64_t plan_threads) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D] alike");
+  TORCH_CHECK(plan_threads >= 0 && plan_threads < 4096, "paged_attention: plan_threads must be in [0, 4096)");
   const int64_t B = check_caches(k_cache, v_cache, q.size(2), kv_fmt);
   TORCH_CHECK((kv_fmt != 0 || q.scalar_type() == k_cache.scalar_type()) && q.scalar_type() == out.scalar_type(),
               "paged_attention: q, out and (unquantized) caches must share a dtype");
@@ -976,14 +980,15 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       constexpr Fmt F = decltype(f)::value;
       switch (q.scalar_type()) {
         case at::kFloat:
-          return run<float, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B, int(window));
+          return run<float, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B, int(window),
+                                   int(plan_threads));
         case at::kBFloat16:
           return run<c10::BFloat16, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
-                                           int(window));
+                                           int(window), int(plan_threads));
         case at::kHalf:
           if constexpr (F == Fmt::plain)
             return run<c10::Half, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
-                                         int(window));
+                                         int(window), int(plan_threads));
           [[fallthrough]];
         default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported",
                              kv_fmt ? " with a quantized KV cache (float32 and bfloat16 are)" : "");
@@ -1152,7 +1157,8 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
-        "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True, int kv_fmt=0, int window=0) -> ()");
+        "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True, int kv_fmt=0, int window=0, "
+        "int plan_threads=0) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int kv_fmt=0) -> ()");
 }
 

@@ -38,8 +38,9 @@ class Shape:
     count: int
 
 
-def model_shapes(model: str | None) -> tuple[str, list[Shape]]:
-    """The model's matmul shapes, read from the module it builds (on the meta device: no weights)."""
+def model_shapes(model: str | None) -> tuple[str, list[Shape], ModelConfig]:
+    """The model's matmul shapes, read from the module it builds (on the meta device: no weights),
+    and its config."""
     model_dir = resolve_model_dir(model)
     cfg = ModelConfig.from_hf(load_config(model_dir))
     with torch.device("meta"):
@@ -48,7 +49,7 @@ def model_shapes(model: str | None) -> tuple[str, list[Shape]]:
     for name, m in net.named_modules():
         if isinstance(m, nn.Linear) and not getattr(m, "router", False):
             seen[(m.out_features, m.in_features, m.bias is not None, m is net.lm_head)] += 1
-    return model_dir.name, [Shape(n, k, b, h, c) for (n, k, b, h), c in seen.items()]
+    return model_dir.name, [Shape(n, k, b, h, c) for (n, k, b, h), c in seen.items()], cfg
 
 
 def _best_time(fn, reps: int = 3) -> float:
@@ -79,9 +80,17 @@ def peaks(kernels, size: int = 2048, rows: int = 1024) -> dict[str, float]:
     return out
 
 
-def verdicts(shapes: list[Shape], dtype: torch.dtype, quantization: str | None, kernels) -> list[tuple[Shape, str, Verdict]]:
-    """(shape, op, verdict) for each matmul shape, as the engine would choose at load."""
+def verdicts(shapes: list[Shape], dtype: torch.dtype, quantization: str | None, kernels,
+             cfg: ModelConfig | None = None) -> list[tuple[Shape, str, Verdict]]:
+    """(shape, op, verdict) for each matmul shape, as the engine would choose at load; and the
+    fresh prefill chunks' attention (heads x head_dim), as the CPU backend asks at first use."""
     rows = []
+    if cfg is not None and kernels is not None:
+        from .attention.cpu_backend import CpuPagedAttention
+        from .attention.fresh_prefill import fresh_verdict
+
+        v = fresh_verdict(kernels, CpuPagedAttention(), cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, dtype)
+        rows.append((Shape(cfg.num_heads, cfg.head_dim, False, False, cfg.num_layers), "prefill attn", v))
     for s in shapes:
         if quantization == "w8a8":
             rows.append((s, "w8a8", w8a8_verdict(s.n, s.k, dtype, kernels)))
@@ -98,7 +107,7 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
     kernels_error = cpu_kernels_available()
     kernels = load_ops() if kernels_error is None else None
     torch_dtype = getattr(torch, dtype)
-    name, shapes = model_shapes(model)
+    name, shapes, cfg = model_shapes(model)
     mach = machine(build_key() if kernels is not None else None)
     out = {"pagedllm": __version__, "provenance": provenance(), "machine": mach, "cpu_kernels": kernels_error or "built",
            "panel_kernel": bool(kernels is not None and kernels.has_panel_linear()),
@@ -107,7 +116,7 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
     if with_peaks:
         out["peaks"] = peaks(kernels)
     t0 = time.perf_counter()
-    chosen = verdicts(shapes, torch_dtype, quantization, kernels)
+    chosen = verdicts(shapes, torch_dtype, quantization, kernels, cfg)
     out["choice_seconds"] = time.perf_counter() - t0
     out["cache"] = str(chooser()._file(mach)) if chosen else None
     out["choices"] = [{"op": op, "n": s.n, "k": s.k, "layers": s.count, "head": s.head, "route": v.route.describe(),
@@ -135,6 +144,8 @@ def print_report(r: dict) -> None:
     print(f"{'op':<14}{'N x K':>14}{'layers':>7}  {'route':<28}GFLOP/s at rows {'/'.join(map(str, ROWS))}")
     for c in r["choices"]:
         perf = " | ".join(f"{k} {' '.join(f'{g:.0f}' for g in v)}" for k, v in c["gflops"].items()) or c["source"]
+        if c["rows"] and c["rows"] != list(ROWS):
+            perf += f" (at {'/'.join(map(str, c['rows']))})"
         print(f"{c['op'] + (' (head)' if c['head'] and c['op'] != 'greedy argmax' else ''):<14}"
               f"{c['n']:>7} x {c['k']:<5}{c['layers']:>6}  {c['route']:<28}{perf}")
 

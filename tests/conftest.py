@@ -68,11 +68,12 @@ ROOT = Path(__file__).resolve().parents[1]
 # or a run without workers) and inherited by the workers it spawns: the background jobs' folders
 # are named by it, so that every worker finds the one job of the run.
 RUN_ID = os.environ.setdefault("PAGEDLLM_TEST_RUN", uuid.uuid4().hex[:12])
-# The kernel chooser's verdicts (kernels/chooser.py) in a folder of this run's, cached whatever the
-# load: the two workers keep each other busy, so none would be cached in the user's folder, and
-# every process (workers, servers, their subprocesses) would time its own and might run other
-# paths than the test beside it. The first verdict stored for a shape stands for all of them.
-os.environ.setdefault("PAGEDLLM_KERNEL_CHOICE_DIR", os.path.join(tempfile.gettempdir(), f"pagedllm-kernel-choice-{RUN_ID}"))
+# The kernel chooser's verdicts (kernels/chooser.py) in a folder of the suite's own, cached whatever
+# the load: the two workers keep each other busy, so none would be cached in the user's folder, and
+# every process (workers, servers, their subprocesses) would time its own, a minute of the suite's
+# time, and might run other paths than the test beside it. The first verdict stored for a shape
+# stands for all of them, in this run and the next ones on this machine.
+os.environ.setdefault("PAGEDLLM_KERNEL_CHOICE_DIR", str(cache_root() / "kernel_choice-tests"))
 os.environ.setdefault("PAGEDLLM_KERNEL_CHOICE_BUSY_CPUS", "inf")
 
 

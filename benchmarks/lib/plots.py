@@ -662,8 +662,7 @@ def plot_kernel_choice(fig, data: dict) -> None:
         ax.tick_params(labelsize=6)
         if i % cols == 0:
             ax.set_ylabel("GFLOP/s", fontsize=7)
-        if i == 0:
-            ax.legend(fontsize=6)
+        ax.legend(fontsize=5)
     fig.text(0.5, -0.02, f"rows; {data['machine']['cpu']}, {' '.join(data['machine']['features'][-3:])}, "
              f"{data['machine']['threads']} threads", ha="center", fontsize=7)
 

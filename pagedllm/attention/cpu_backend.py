@@ -16,14 +16,16 @@ or the softmax weights (V).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ..kernels import load_ops
+from ..kernels.chooser import Route
 from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
+from .fresh_prefill import fresh_route, sdpa_chunk
 
 
 @dataclass
@@ -33,6 +35,10 @@ class CpuMetadata:
     block_tables: torch.Tensor     # [S, W] int32, zero-padded
     seq_lens: torch.Tensor         # [S] int32: keys after this step
     query_start_loc: torch.Tensor  # [S + 1] int32: first query row of each sequence
+    # The trailing sequences whose chunk has no keys before it, as (sequence, first row, rows):
+    # fresh_prefill.py may run them on torch's flash attention (the runner orders them last).
+    fresh: list[tuple[int, int, int]] = field(default_factory=list)
+    rows: int = 0                  # real query rows (padding rows after them)
 
 
 @register
@@ -53,6 +59,10 @@ class CpuPagedAttention(AttentionBackend):
         # many run), not for the count of the moment: when the thread governor drops a thread
         # under load, a request's sums keep their order and its greedy text its tokens.
         self.plan_threads = 0
+        # Fresh prefill chunks on torch's flash attention where the chooser times it faster
+        # (fresh_prefill.py); off in batch-invariant mode (one path for every chunk).
+        self.fresh_prefill = True
+        self._routes: dict[tuple, Route] = {}
 
     @staticmethod
     def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
@@ -73,13 +83,45 @@ class CpuPagedAttention(AttentionBackend):
 
     def build_metadata(self, layout: StepLayout, device) -> CpuMetadata:
         i32 = dict(dtype=torch.int32, device=device)
+        starts, lens = layout.query_starts, layout.seq_lens
+        fresh = []
+        for s in range(len(lens) - 1, layout.num_decodes - 1, -1):   # the trailing chunks with no keys before
+            n = starts[s + 1] - starts[s]
+            if n < 2 or lens[s] != n:
+                break
+            fresh.append((s, starts[s], n))
         return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
-                           torch.tensor(layout.seq_lens, **i32), torch.tensor(layout.query_starts, **i32))
+                           torch.tensor(lens, **i32), torch.tensor(starts, **i32), fresh[::-1], starts[-1])
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0):
         fmt = self.kv.fmt if self.kv is not None else 0
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         out = torch.empty_like(q)
-        self.ops.paged_attention(out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                 scale, self.split_k, fmt, window, self.plan_threads)
+        apart = self._on_sdpa(meta, q, k, window)
+        n, rows = (apart[0][0], apart[0][1]) if apart else (len(meta.seq_lens), q.shape[0])
+        if n:
+            self.ops.paged_attention(out[:rows], q[:rows], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n],
+                                     meta.query_start_loc[:n + 1], scale, self.split_k, fmt, window, self.plan_threads)
+        for _, a, m in apart:
+            out[a:a + m] = sdpa_chunk(q[a:a + m], k[a:a + m], v[a:a + m], scale)
+        if apart:
+            out[meta.rows:].zero_()   # padding rows, as the kernel leaves them
         return out
+
+    def _on_sdpa(self, meta: CpuMetadata, q, k, window: int) -> list[tuple[int, int, int]]:
+        """The trailing fresh chunks torch's flash attention runs faster (fresh_prefill.py): those
+        whose length the chooser's route gives to it, from the last back to the first that it does
+        not; none with a window, quantized blocks (the kernel reads their codes back) or in
+        batch-invariant mode."""
+        if not meta.fresh or not self.fresh_prefill or window or self.kv is not None:
+            return []
+        key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+        if key not in self._routes:
+            self._routes[key] = fresh_route(self.ops, self, *key)
+        route = self._routes[key]
+        apart = []
+        for s, a, m in reversed(meta.fresh):
+            if route.pick(m) != "sdpa":
+                break
+            apart.append((s, a, m))
+        return apart[::-1]

@@ -94,19 +94,20 @@ class Verdict:
     route: Route
     source: str = "measured"
     measure_s: float = 0.0
+    power: int = 1   # the work grows as rows ** power (2: attention, each row over every row before it)
 
     def gflops(self, name: str) -> list[float]:
-        return [self.flops_per_row * m / s / 1e9 for m, s in zip(self.rows, self.seconds[name])]
+        return [self.flops_per_row * m ** self.power / s / 1e9 for m, s in zip(self.rows, self.seconds[name])]
 
     def to_json(self) -> dict:
         return {"op": self.op, "shape": list(self.shape), "flops_per_row": self.flops_per_row,
                 "rows": list(self.rows), "seconds": self.seconds, "paths": list(self.route.paths),
-                "bounds": list(self.route.bounds), "measure_s": round(self.measure_s, 3)}
+                "bounds": list(self.route.bounds), "measure_s": round(self.measure_s, 3), "power": self.power}
 
     @classmethod
     def from_json(cls, d: dict) -> Verdict:
         return cls(d["op"], tuple(d["shape"]), d["flops_per_row"], tuple(d["rows"]), d["seconds"],
-                   Route(tuple(d["paths"]), tuple(d["bounds"])), "cache", d.get("measure_s", 0.0))
+                   Route(tuple(d["paths"]), tuple(d["bounds"])), "cache", d.get("measure_s", 0.0), d.get("power", 1))
 
 
 def route_of(rows: tuple[int, ...], seconds: dict[str, list[float]], gain: float = SECOND_LAYOUT_GAIN) -> Route:
@@ -224,7 +225,7 @@ class KernelChooser:
     def choose(self, op: str, shape: tuple[int, ...], flops_per_row: int, candidates: list[Candidate],
                make_weight: Callable[[torch.Generator], Any], weight_bytes: int,
                make_input: Callable[[int], torch.Tensor], rows: tuple[int, ...] = ROWS,
-               gain: float = SECOND_LAYOUT_GAIN) -> Verdict:
+               gain: float = SECOND_LAYOUT_GAIN, power: int = 1) -> Verdict:
         """The verdict for `op` on a weight of `shape`; gain: how much faster a path must be at some
         row count to run there beside another (math.inf: one path for all, where the layouts
         cannot live side by side)."""
@@ -233,7 +234,8 @@ class KernelChooser:
             raise ValueError(f"no candidate computes {op} {shape}")
         if len(candidates) == 1 or self.forced in names:
             pick = self.forced if self.forced in names else names[0]
-            return Verdict(op, shape, flops_per_row, (), {}, Route((pick,)), "only" if len(names) == 1 else "forced")
+            return Verdict(op, shape, flops_per_row, (), {}, Route((pick,)), "only" if len(names) == 1 else "forced",
+                           power=power)
         mach = machine(self.kernels_build)
         key = f"{op}/{'x'.join(map(str, shape))}/{','.join(names)}/{','.join(map(str, rows))}"
         memo_key = f"{mach['threads']}/{key}"
@@ -246,6 +248,7 @@ class KernelChooser:
         else:
             verdict = self._measure(op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
                                     gain)
+            verdict.power = power
             if verdict.source == "measured":
                 verdict = _store(path, mach, key, verdict)
             self.measured.append(verdict)

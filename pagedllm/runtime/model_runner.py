@@ -200,6 +200,7 @@ class ModelRunner:
                 raise ValueError(f"batch_invariant needs the compiled CPU attention kernel, but this engine runs "
                                  f"{backend.name} attention on {self.device.type}")
             backend.split_k = False
+            backend.fresh_prefill = False   # every chunk on the paged kernel: one path whatever the batch
         # oneDNN builds a kernel per matmul shape on first use (5-25 ms each): padding the
         # step's token count to a few buckets bounds how many a run ever builds, so a cold
         # process runs as fast as a warm one. The cpu backend leaves padding rows alone.
@@ -627,8 +628,9 @@ class ModelRunner:
         to verify; (seq id, prompt tokens scored, top k) in the order of step.score_rows; and
         (logits row, seq id) of the rows whose prompt's embedding is asked (SamplingParams.embed)."""
         # Single-token queries first, shortest context first: they attend in padded
-        # groups of similar length.
-        order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start))
+        # groups of similar length. Chunks with no keys before them last: the CPU backend may
+        # run that tail of the step apart (attention/fresh_prefill.py).
+        order = sorted(plan.chunks, key=lambda c: (c.num_tokens != 1, c.start == 0, c.start))
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []

@@ -117,6 +117,33 @@ def test_a_split_decode_sums_alike_whatever_the_threads_that_run_it():
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("path", ["paged", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_chunks_on_either_path_equal_the_reference(path, dtype):
+    """The step's trailing chunks with no keys before them (fresh prompts) on torch's flash
+    attention (attention/fresh_prefill.py) or on the kernel, whichever the route says, beside
+    decodes and a chunk over a cached prefix: the reference's result either way, padding rows
+    zero, every chunk's K/V in its blocks."""
+    from pagedllm.kernels.chooser import Route
+
+    g = torch.Generator().manual_seed(11)
+    seqs = [(40, 1), (300, 1), (3, 9), (0, 23), (0, 33), (0, 70)]
+    (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, pad = build_step(seqs, (9, 3, 64), 16, dtype, g, pad_rows_to=160)
+    cpu._routes[(9, 3, 64, dtype)] = Route((path,))
+    n = len(q)
+    qp, kp, vp = (torch.cat([t, torch.randn(pad, *t.shape[1:]).to(dtype)]) for t in (q, k, v))
+    meta = cpu.build_metadata(layout, "cpu")
+    assert [m for _, _, m in meta.fresh] == [23, 33, 70]
+    got = cpu.forward(qp, kp, vp, ck, cv, meta, 0.125)
+    unpadded = dataclasses.replace(layout, slots=layout.slots[:n])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[:n].float(), attend(ref, q, k, v, rk, rv, unpadded, 0.125).float(), atol=tol, rtol=tol)
+    assert torch.equal(got[n:], torch.zeros_like(got[n:]))
+    again = cpu.forward(q[-1:], k[-1:], v[-1:], ck, cv, cpu.build_metadata(StepLayout(
+        [-1], [layout.block_tables[-1]], [70], [0, 1], 1), "cpu"), 0.125)   # the last key, read from its block
+    assert torch.allclose(again.float(), got[n - 1:n].float(), atol=tol, rtol=tol)
+
+
 def test_padding_rows_are_zero_and_write_nothing():
     g = torch.Generator().manual_seed(3)
     (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, pad = build_step([(10, 1), (0, 5)], (9, 3, 64), 16,

@@ -46,7 +46,7 @@ def test_the_engine_runs_each_matmul_on_the_path_chosen_for_its_shape(tiny_model
     llm.engine.close()
 
 
-def test_env_prints_the_machine_and_the_choice_for_each_shape():
+def test_env_prints_the_machine_and_the_choice_for_each_shape(capsys):
     out = subprocess.run([sys.executable, "-m", "pagedllm", "env", "--no-peaks", "--json"], capture_output=True,
                          text=True, timeout=300, check=True).stdout
     r = json.loads(out)
@@ -54,6 +54,8 @@ def test_env_prints_the_machine_and_the_choice_for_each_shape():
     ops = {(c["op"], c["n"], c["k"]) for c in r["choices"]}
     assert ("linear", 960, 576) in ops and ("linear", 49152, 576) in ops   # SmolLM2's qkv and LM head
     assert all(c["route"] for c in r["choices"]) and sum(c["layers"] for c in r["choices"] if c["op"] == "linear") == 121
-    text = subprocess.run([sys.executable, "-m", "pagedllm", "env", "--no-peaks"], capture_output=True, text=True,
-                          timeout=300, check=True).stdout
-    assert "CPU:" in text and "kernel choice for" in text and "960 x 576" in text
+    from pagedllm.env_report import print_report
+
+    print_report(r)   # the text form of the same report
+    text = capsys.readouterr().out
+    assert "CPU:" in text and "kernel choice for" in text and "960 x 576" in text and "prefill attn" in text

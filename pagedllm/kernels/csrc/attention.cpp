@@ -808,12 +808,14 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
   const int kv_heads = int(k_cache.size(1));
   const int group = int(q.size(1) / kv_heads);
   // The split-K plan (and so the sums' order) for plan_threads, not for however many run now:
-  // a thread governor that drops a thread under load then changes no result.
-  const int threads = plan_threads > 0 ? plan_threads : at::get_num_threads();
+  // a thread governor that drops a thread under load then changes no result. The items still
+  // run on the threads of the moment.
+  const int threads = at::get_num_threads();
+  const int planned = plan_threads > 0 ? plan_threads : threads;
   std::vector<Split> splits;
   int num_parts = 0;
   std::vector<Item> items = plan(ctx_lens.data_ptr<int32_t>(), q_start.data_ptr<int32_t>(), num_seqs, kv_heads,
-                                 group, threads, split_k, window, splits, num_parts);
+                                 group, planned, split_k, window, splits, num_parts);
   std::vector<float> part_acc(size_t(num_parts) * group * NC * L), part_ml(size_t(num_parts) * group * 2);
   constexpr bool quant = F != Fmt::plain;
   Args<T> a{q.data_ptr<T>(), q.stride(0), q.stride(1),

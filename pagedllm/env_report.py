@@ -118,7 +118,7 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
     t0 = time.perf_counter()
     chosen = verdicts(shapes, torch_dtype, quantization, kernels, cfg)
     out["choice_seconds"] = time.perf_counter() - t0
-    out["cache"] = str(chooser()._file(mach)) if chosen else None
+    out["cache"] = str(chooser().path_for(mach)) if chosen else None
     out["choices"] = [{"op": op, "n": s.n, "k": s.k, "layers": s.count, "head": s.head, "route": v.route.describe(),
                        "source": v.source, "rows": list(v.rows),
                        "gflops": {c: [round(g, 1) for g in v.gflops(c)] for c in v.seconds}}

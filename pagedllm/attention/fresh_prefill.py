@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.chooser import Candidate, Route, Verdict, chooser
+from ..kernels.chooser import Candidate, Route, Verdict, chooser, dtype_name
 
 CHUNKS = (16, 64, 256, 1024)   # chunk lengths timed: a short prompt, a chat turn, a document
 POOL_BLOCK = 16
@@ -56,5 +56,5 @@ def fresh_verdict(ops, backend, heads: int, kv_heads: int, head_dim: int, dtype:
     cands = [Candidate("paged", lambda w: w, paged),
              Candidate("sdpa", lambda w: w, lambda _w, x: sdpa_chunk(*x, head_dim ** -0.5))]
     # A causal chunk of m rows: m^2 / 2 query-key pairs, 4 H D flops each (QK^T and PV)
-    return chooser().choose(f"fresh-prefill-{str(dtype).removeprefix('torch.')}", (heads, kv_heads, head_dim),
+    return chooser().choose(f"fresh-prefill-{dtype_name(dtype)}", (heads, kv_heads, head_dim),
                             2 * heads * head_dim, cands, lambda g: None, 1 << 40, make_input, CHUNKS, power=2)

@@ -142,6 +142,11 @@ def cold_bytes() -> int:
     return 64 << 20
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """"bfloat16" for torch.bfloat16: how op names spell a dtype."""
+    return str(dtype).removeprefix("torch.")
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -218,7 +223,8 @@ class KernelChooser:
     memo: dict[str, Verdict] = field(default_factory=dict)
     measured: list[Verdict] = field(default_factory=list)   # since the last take_measured()
 
-    def _file(self, mach: dict) -> Path:
+    def path_for(self, mach: dict) -> Path:
+        """The file holding the verdicts of machine `mach` (machine())."""
         digest = hashlib.sha256(json.dumps(mach, sort_keys=True).encode()).hexdigest()[:16]
         return self.directory / f"{digest}.json"
 
@@ -241,7 +247,7 @@ class KernelChooser:
         memo_key = f"{mach['threads']}/{key}"
         if memo_key in self.memo:
             return self.memo[memo_key]
-        path = self._file(mach)
+        path = self.path_for(mach)
         cached = _read(path).get("verdicts", {}).get(key)
         if cached is not None:
             verdict = Verdict.from_json(cached)

@@ -31,7 +31,7 @@ import os
 import torch
 from torch import nn
 
-from ..kernels.chooser import ROWS, SECOND_LAYOUT_GAIN, Candidate, Route, Verdict, chooser
+from ..kernels.chooser import ROWS, SECOND_LAYOUT_GAIN, Candidate, Route, Verdict, chooser, dtype_name
 
 PACKED_DTYPES = (torch.bfloat16, torch.float32)
 PANEL = 32  # output columns of a panel (bf16_panels.h)
@@ -136,10 +136,6 @@ def argmax_verdict(n: int, k: int, dtype: torch.dtype, kernels) -> Verdict | Non
     """Whether the head's argmax kernel beats its logits and torch's argmax, per row count."""
     cands = argmax_candidates(n, k, dtype, kernels)
     return _verdict(f"argmax-{dtype_name(dtype)}", cands, n, k, dtype, HEAD_ROWS) if len(cands) > 1 else None
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def prepack_linears(model: nn.Module, keep: set[int], kernels=None, head: nn.Module | None = None,

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.chooser import Candidate, Verdict, chooser
+from ..kernels.chooser import Candidate, Verdict, chooser, dtype_name
 from .w8a8 import W8A8
 from .w8a8 import embed_rows as w8a8_rows
 
@@ -242,7 +242,7 @@ def blocks_verdict(layer: nn.Linear, kernels) -> Verdict:
     if layer.qformat in (Q8_0, Q4_1):   # (a GGUF file's own types dequantize through numpy: never a match)
         cands.append(Candidate("dequant", lambda w: w, lambda w, x: F.linear(x, dequantize(w, x.dtype))))
     nbytes = sum(getattr(layer, p).numel() * getattr(layer, p).element_size() for p in parts)
-    return chooser().choose(f"blocks-{layer.qformat}-{str(dtype).removeprefix('torch.')}", (n, k), 2 * n * k, cands,
+    return chooser().choose(f"blocks-{layer.qformat}-{dtype_name(dtype)}", (n, k), 2 * n * k, cands,
                             weight, nbytes, lambda m: torch.randn(m, k).to(dtype))
 
 

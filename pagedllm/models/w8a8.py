@@ -39,7 +39,7 @@ from functools import lru_cache
 import torch
 from torch import nn
 
-from ..kernels.chooser import ROWS as CHOICE_ROWS, Candidate, Route, Verdict, chooser
+from ..kernels.chooser import ROWS as CHOICE_ROWS, Candidate, dtype_name, Route, Verdict, chooser
 from ..util import cpu_flags
 
 W8A8 = "w8a8"
@@ -133,7 +133,7 @@ def w8a8_verdict(n: int, k: int, dtype: torch.dtype, kernels) -> Verdict:
     def weight(g: torch.Generator) -> Int8Weight:
         return Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 100, n)
 
-    return chooser().choose(f"w8a8-{str(dtype).removeprefix('torch.')}", (n, k), 2 * n * k, w8a8_candidates(kernels),
+    return chooser().choose(f"w8a8-{dtype_name(dtype)}", (n, k), 2 * n * k, w8a8_candidates(kernels),
                             weight, n * k, lambda m: torch.randn(m, k).to(dtype), CHOICE_ROWS)
 
 

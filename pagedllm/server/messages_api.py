@@ -22,26 +22,28 @@ logger = logging.getLogger(__name__)
 
 
 async def create_message(state: ServerState, request: Request):
-    try:
-        return await _create(state, request)
-    except APIError as e:
-        return error_response(e.status, e.message)
-    except Exception:   # a bug of ours: still in the shape Anthropic's clients read
-        logger.exception("/v1/messages failed")
-        return error_response(500, "internal error")
+    return await _answered("/v1/messages", lambda: _create(state, request))
 
 
 async def count_tokens(state: ServerState, request: Request):
-    try:
+    async def count():
         state.authenticate(request)
         body = await state.read_json(request)
         body = {**body, "max_tokens": 1} if isinstance(body, dict) else body   # not a field of this request
         _, _, _, prompts, _ = await state.off_loop(_prepare, state, body)
         return JSONResponse({"input_tokens": len(prompts[0])})
+    return await _answered("/v1/messages/count_tokens", count)
+
+
+async def _answered(route: str, call):
+    """call()'s response, its errors in Anthropic's shape: a refusal's status and message, and a
+    bug of ours as a 500 its clients still read."""
+    try:
+        return await call()
     except APIError as e:
         return error_response(e.status, e.message)
     except Exception:
-        logger.exception("/v1/messages/count_tokens failed")
+        logger.exception("%s failed", route)
         return error_response(500, "internal error")
 
 

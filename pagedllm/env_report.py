@@ -25,7 +25,7 @@ from .models import ModelConfig
 from .models.llama import LlamaForCausalLM
 from .models.prepack import argmax_verdict, linear_candidates, linear_verdict
 from .models.w8a8 import Int8Weight, w8a8_candidates, w8a8_verdict
-from .runtime.model_runner import cpu_has_native_bf16
+from .runtime.device import cpu_has_native_bf16
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ runs it in FAST_DTYPE, so its checks hold on the dtype this machine actually ser
 from __future__ import annotations
 
 
-from pagedllm.runtime.model_runner import cpu_has_native_bf16
+from pagedllm.runtime.device import cpu_has_native_bf16
 
 NATIVE_BF16 = cpu_has_native_bf16()
 FAST_DTYPE = "bfloat16" if NATIVE_BF16 else "float32"

@@ -127,7 +127,7 @@ def test_adapter_pages_follow_the_stated_formula(lora_llm, adapters):
     page a layer. A rank-r adapter on every matmul takes a layer r x (q 3+3, k 3+1, v 3+1, o 3+3,
     gate 3+8, up 3+8, down 8+3) = 53 r cells, so ceil(53 r / 32) pages."""
     eng = lora_llm.engine
-    geo = eng.runner.slabs.geometry
+    geo = eng.runner.adapters.slabs.geometry
     assert (geo.slab, geo.width, geo.cells_per_page) == (3072, 192, 32)
     lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=adapters[0])   # rank 8, every matmul
     figures = eng.kv.stats().adapters

@@ -34,7 +34,7 @@ def test_64_requests_over_64_of_500_adapters_in_a_pool_of_few(make_llm, many):
                    max_cpu_loras=16)
     eng = llm.engine
     chosen = many[::7][:64]
-    assert eng.runner.slabs.pages(eng.runner.loras.load_now(chosen[0])) == 3
+    assert eng.runner.adapters.slabs.pages(eng.runner.loras.load_now(chosen[0])) == 3
     assert eng.kv.pool.num_blocks == 34 < 3 * len(chosen)   # the pool holds the pages of at most 11 of them
     first = llm.generate([PROMPT] * 64, GREEDY, use_tqdm=False, lora_request=chosen)
     tokens = [o.outputs[0].token_ids for o in first]

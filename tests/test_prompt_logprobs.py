@@ -187,12 +187,12 @@ def test_prompt_at_max_model_len_is_exact(cached, uncached, hf_model):
 def test_prompt_logprob_logits_go_by_chunk(chunky, monkeypatch):
     """A long prompt's rows are scored SCORE_ROWS at a time, never the whole prompt's
     float32 logits at once."""
-    from pagedllm.runtime import model_runner
+    from pagedllm.runtime import prompt_scores
 
     runner = chunky.engine.runner
     rows: list[int] = []
     real = runner.model.compute_logits
-    monkeypatch.setattr(model_runner, "SCORE_ROWS", 16)
+    monkeypatch.setattr(prompt_scores, "SCORE_ROWS", 16)
     monkeypatch.setattr(runner.model, "compute_logits", lambda h: rows.append(h.shape[0]) or real(h))
     chunky.engine.kv.reset_prefix_cache()
     out = chunky.generate([TEXT], SamplingParams(max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]

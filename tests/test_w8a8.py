@@ -26,12 +26,12 @@ def test_smoothing_leaves_the_float_model_unchanged(monkeypatch):
     runner = llm.engine.runner
     model, cfg = runner.model, llm.engine.model_cfg
     ids = list(range(300, 340))
-    before = runner.prefill_logits(model, ids, 16)
-    maxima = runner.calibrate(model, runner.model_dir, 16)
+    before = runner.scratch.prefill_logits(model, ids, 16)
+    maxima = runner.scratch.calibrate(model, runner.model_dir, 16, runner.rope_rows)
     assert len(maxima) == 4 * cfg.num_layers + 1
     smooth(model, maxima)
     assert model.lm_head.weight is not model.embed_tokens.weight  # the head got its own, scaled copy
-    after = runner.prefill_logits(model, ids, 16)
+    after = runner.scratch.prefill_logits(model, ids, 16)
     torch.testing.assert_close(after, before, atol=2e-3, rtol=1e-3)
     llm.close()
 

@@ -92,6 +92,19 @@ def merged(layer_windows: Sequence[int]) -> KVLayout:
     return KVLayout.single(len(windows), window)
 
 
+def engine_layout(layer_windows: Sequence[int], one_table: str | None = None,
+                  draft_windows: Sequence[int] = ()) -> KVLayout:
+    """An engine's layout: by attention type (windowed layers release their old blocks while
+    full-attention ones keep theirs), unless something reads the pool with one block table per
+    sequence (`one_table` says what: a draft model beside the target, with `draft_windows`,
+    the disk tier's one block per key, reserve-max's one reservation). Then one group,
+    windowed only if every layer that reads it is."""
+    if one_table is None:
+        return kv_layout(layer_windows)
+    one = merged(list(layer_windows) + list(draft_windows))
+    return KVLayout.single(len(layer_windows), one.groups[0].window)
+
+
 def held_blocks(layout_windows: Sequence[int], num_tokens: int, block_size: int, first_query: int | None = None) -> int:
     """The blocks one sequence of num_tokens tokens holds after a step whose first query was at
     `first_query` (default: the last token, a decode), over all groups:

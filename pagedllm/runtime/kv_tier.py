@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from ..config import EngineConfig
 from ..kv.block_store import fingerprint
 from ..kv.connector import BlockStore
 
@@ -83,3 +84,21 @@ def kv_fingerprint(model_dir: Path, draft_dir: Path | None, dtype: torch.dtype, 
     shapes = [(tuple(p.shape[1:]), str(p.dtype)) for p in pools]
     return fingerprint(model_identity(model_dir), model_identity(draft_dir) if draft_dir else "", dtype, kv_dtype,
                        block_size, backend, quantization, shapes)
+
+
+def open_tier(cfg: EngineConfig, model_dir: Path, pools: list[torch.Tensor], draft_dir: Path | None,
+              dtype: torch.dtype, kv_dtype: str, backend: str) -> TierIO:
+    """The second tier over these pools (every tensor a block id indexes): on disk at
+    --kv-offload-dir, or a shared store at --kv-offload-url, keeping blocks of this engine's
+    fingerprint."""
+    blocks = BlockBytes(pools)
+    fp = kv_fingerprint(model_dir, draft_dir, dtype, kv_dtype, cfg.block_size, backend, cfg.quantization, pools)
+    if cfg.kv_offload_url is not None:
+        from ..kv.redis_store import RedisStore
+
+        store: BlockStore = RedisStore(cfg.kv_offload_url, fp, blocks.block_bytes)
+    else:
+        from ..kv.tier_store import TierStore
+
+        store = TierStore(cfg.kv_offload_dir, cfg.kv_offload_size, fp, blocks.block_bytes)
+    return TierIO(store, blocks)

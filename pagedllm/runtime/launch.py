@@ -43,7 +43,7 @@ def torchrun_ranks() -> tuple[int, int, int, int] | None:
 
 
 def _backend(device: str) -> str:
-    from .model_runner import resolve_device
+    from .device import resolve_device
 
     return "nccl" if resolve_device(device).type == "cuda" else "gloo"
 

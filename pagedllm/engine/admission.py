@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .queue_policy import unit_at
 from .sequence import Sequence, SeqStatus
-from .step_types import (COMPILING, LORA_LOADING, LORA_SLOTS, NO_BLOCKS, NO_BUDGET, NO_SEATS, PARTIAL_PREFILLS,
-                         AdmitChunk, SchedulerOutput, Wait)
+from .step_types import (COMPILING, NO_BLOCKS, NO_BUDGET, NO_SEATS, PARTIAL_PREFILLS, AdmitChunk, SchedulerOutput,
+                         Wait)
 
 
 def future_seats(seq: Sequence) -> int:
@@ -69,11 +69,6 @@ def admit_unit(sched, group: list[Sequence], budget: int, long_prefills: int) ->
     req = group[0].request
     if req.compiling is not None:  # its grammar is not compiled yet
         return COMPILING
-    if req.lora is not None:
-        if req.lora_loading is not None:   # its adapter is not read yet
-            return LORA_LOADING
-        if req.lora_id not in kv.adapters.users and len(kv.adapters.users) >= sched.max_loras:
-            return LORA_SLOTS
     chunks: list[AdmitChunk] = []
     alone = len(group) == 1
     for j, seq in enumerate(group):
@@ -97,7 +92,7 @@ def admit_unit(sched, group: list[Sequence], budget: int, long_prefills: int) ->
     if any(c.num_tokens <= 0 for c in chunks):
         return NO_BUDGET
     if not alone and sum(kv.blocks_needed(c.seq.seq_id, _kv_end(c, B), c.hit) for c in chunks) \
-            + kv.adapters.cost(req.lora_id, req.lora_pages) > kv.pool.num_available:
+            + sched.extra_blocks(group[0]) > kv.pool.num_available:
         return NO_BLOCKS
     return chunks
 
@@ -114,10 +109,10 @@ def start_unit(sched, chunks: list[AdmitChunk], out: SchedulerOutput) -> int:
     take their prefix hits before any takes fresh blocks: a fresh block may evict a
     cached-free one, which must not be a sibling's hit."""
     kv, B = sched.kv, sched.kv.block_size
-    if not sched.hold_adapter(chunks[0].seq):   # its adapter's pages first: they were counted with its blocks
+    if not sched.hold(chunks[0].seq):   # what the hooks keep first (an adapter's pages): counted with its blocks
         return 0
     for c in chunks[1:]:
-        sched.hold_adapter(c.seq)
+        sched.hold(c.seq)
     if len(chunks) > 1:
         for c in chunks:
             kv.allocate_slots(c.seq.seq_id, c.seq.token_ids, len(c.hit) * B, c.hit, c.seq.hashes, first_query=c.start)
@@ -130,7 +125,7 @@ def start_unit(sched, chunks: list[AdmitChunk], out: SchedulerOutput) -> int:
         if copies is None:
             if len(chunks) > 1:
                 raise RuntimeError(f"sequence {seq.seq_id}: its group's blocks were counted but it did not fit")
-            sched.drop_adapter(seq)   # resident, idle: revived for free when it fits
+            sched.drop(seq)   # an adapter's pages stay resident, idle: revived for free when it fits
             return 0
         sched.waiting.popleft()
         sched.start(seq, c.start, len(c.hit) * B)

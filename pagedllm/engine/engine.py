@@ -22,8 +22,8 @@ from ..models import ModelConfig
 from ..outputs import RequestOutput
 from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from ..structured import GrammarCompiler, checked, mark_checked
-from ..lora.request import LoRARequest
 from ..util import release_freed_heap
+from .adapters import LoRAHook
 from .beam import BeamGroup
 from .beam_search import BeamSearch
 from .kv_events import kv_medium, start_publisher
@@ -100,7 +100,6 @@ class LLMEngine:
         self.grammars = GrammarCompiler(self.tokenizer, self.model_cfg.vocab_size, self.eos_token_ids,
                                         timeout=cfg.grammar_compile_timeout)
         self._compiling: list[Request] = []   # waiting for their grammar
-        self._loading: list[Request] = []     # waiting for their adapter's read
         self._req_ids = itertools.count()
         self.peak_used_blocks = 0
         self.peak_waste = 0.0
@@ -187,9 +186,12 @@ class LLMEngine:
         self.scheduler = sched = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold,
             cfg.max_num_partial_prefills, self.max_model_len,
-            make_policy(cfg.scheduling_policy, cfg.scheduling_aging_bound), max_loras=cfg.max_loras)
+            make_policy(cfg.scheduling_policy, cfg.scheduling_aging_bound))
         self.applier = StepApplier(sched, self.stop_rules)
         self.speculation = None
+        # First: a request waiting for its adapter starts no tier load.
+        self.adapters = LoRAHook(self.runner.loras, cfg.max_loras)
+        sched.add_hook(self.adapters)
         if self.kv.connector is not None:
             sched.add_hook(TierLoads(cfg.preemption_mode))
         self.scoring = PromptScoring(cfg.max_logprobs)
@@ -211,24 +213,21 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.close()
         self.grammars.close()
-        if getattr(self.runner, "loras", None) is not None:
-            self.runner.loras.close()
+        self.adapters.close()
 
     # -- requests ------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Seq[int],
                     params: SamplingParams | BeamSearchParams | None = None, cache_salt: str | None = None,
                     owner: str | None = None, add_special_tokens: bool = True,
                     prompt_token_ids: list[int] | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> Request:
+                    lora_request=None) -> Request:
         """Validate and queue a request. Raises ValueError naming what is wrong; a
         rejected request touches nothing. A text prompt gets the tokenizer's special
         tokens (BOS), as vLLM's; a chat-templated one already has them: pass False.
         `prompt_token_ids`: a text prompt's ids from validate(), so it is encoded once.
         BeamSearchParams make a beam-search request: one group of up to beam_width beams.
         `priority` (vLLM's): lower runs first under the priority queue policy.
-        `lora_request` (vLLM's; enable_lora): the adapter it runs under. One not in host memory
-        is read on the loader's thread while the request waits in the queue; a read that fails
-        ends the request with its error (check_lora reads one first, raising)."""
+        `lora_request` (vLLM's LoRARequest; enable_lora): the adapter it runs under (adapters.py)."""
         params, beam = self.rules.split_params(params or SamplingParams())
         request_id = str(next(self._req_ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
@@ -239,20 +238,18 @@ class LLMEngine:
             text, token_ids = self.rules.tokenize(prompt, add_special_tokens)
         max_tokens = self.rules.check_lengths(len(token_ids), params, beam.beam_width if beam else 1)
         self.check_priority(priority)
-        lora_read = self._acquire_lora(lora_request)   # last of the checks: it holds the adapter from here
+        read = self.adapters.acquire(lora_request)   # last of the checks: it holds the adapter from here
         try:
             compiling = self._grammar_of(params, beam)
         except BaseException:
-            self._release_lora(lora_request)
+            self.adapters.release(lora_request)
             raise
         req = Request(request_id, text, token_ids, params, max_tokens, cache_salt, time.time(), owner=owner,
                       priority=priority, lora=lora_request)
         if compiling is not None:
             req.compiling = compiling
             self._compiling.append(req)
-        if lora_request is not None:
-            req.lora_loading = lora_read
-            self._loading.append(req)
+        self.adapters.queued(req, read)
         if params.prompt_logprobs is not None:
             req.prompt_scores = self.scoring.new_scores(params.prompt_logprobs)
         base_seed = params.seed if params.seed is not None else request_seed(self.cfg.seed, request_id)
@@ -270,36 +267,6 @@ class LLMEngine:
             if o.active:
                 o.on_request(req)
         return req
-
-    def _adapters(self, lora: LoRARequest):
-        if not isinstance(lora, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora).__name__}")
-        cache = getattr(self.runner, "loras", None)
-        if cache is None:
-            raise ValueError("lora_request: this engine serves no adapters; start it with enable_lora=True "
-                             "(--enable-lora)")
-        return cache
-
-    def _acquire_lora(self, lora: LoRARequest | None) -> Future | None:
-        """The request holds its adapter in host memory from here: its read (started, if it must be)."""
-        return None if lora is None else self._adapters(lora).request(lora)
-
-    def _release_lora(self, lora: LoRARequest | None) -> None:
-        if lora is not None:
-            self.runner.loras.release(lora.lora_int_id)
-
-    def check_lora(self, lora: LoRARequest | None) -> None:
-        """Read `lora`'s adapter now (kept in host memory), blocking; ValueError naming what is
-        wrong with it. An offline batch checks its adapters before queueing anything."""
-        if lora is not None:
-            self._adapters(lora).load_now(lora)
-
-    def _settle_loras(self) -> list[Request]:
-        """Requests whose adapter read ended since the last step: ready to be admitted (their
-        adapter's pages known), or failed with the read's error."""
-        self._loading, failed = self._settle(self._loading, "lora_loading",
-                                             lambda req, adapter: setattr(req, "lora_pages", adapter.num_pages))
-        return failed
 
     def _settle(self, waiting: list[Request], field: str, take) -> tuple[list[Request], list[Request]]:
         """Of requests waiting on a future (their `field`), those whose future ended: its result
@@ -361,7 +328,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        self._release_lora(req.lora)
+        self.adapters.ended(req)
         for seq in req.seqs:
             if seq.status is SeqStatus.PENDING:
                 seq.status = SeqStatus.FINISHED
@@ -388,14 +355,13 @@ class LLMEngine:
         """Schedule, execute, and let the scheduler apply the result (tokens, stops on ids
         and lengths, beams, drafts); None when nothing was scheduled. No text is made here."""
         failed = self._settle_grammars() if self._compiling else []
-        if self._loading:
-            failed += self._settle_loras()
+        failed += self.adapters.settle(self.scheduler.fail)
         out = self.scheduler.schedule()
         if not out.scheduled:
             self.runner.move_blocks(out.plan)
             if failed:
                 return StepUpdate(out, touched={r.request_id: r for r in failed})
-            reads = [r.compiling for r in self._compiling] + [r.lora_loading for r in self._loading]
+            reads = [r.compiling for r in self._compiling] + self.adapters.pending()
             if reads:  # only compiles and reads to wait for: not a busy loop beside them
                 wait(reads, timeout=GRAMMAR_POLL, return_when=FIRST_COMPLETED)
             return None
@@ -430,7 +396,7 @@ class LLMEngine:
                 o.on_step(up.out, up.new_tokens, view)
         for req in up.touched.values():
             if req.finished and self.requests.pop(req.request_id, None) is not None:
-                self._release_lora(req.lora)
+                self.adapters.ended(req)
         return outputs
 
     @property
@@ -480,12 +446,5 @@ class LLMEngine:
             num_waiting=len({s.request.request_id for s in self.scheduler.waiting}),
             spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
             grammar=self.grammars.snapshot(), weights_bytes=self._weights.resident,
-            active_weights_bytes=self._weights.active, **asdict(self.scheduler.counters), **self._lora_figures())
-
-    def _lora_figures(self) -> dict:
-        if not self.cfg.enable_lora:
-            return {}
-        def names(seqs) -> tuple[str, ...]:
-            return tuple(sorted({s.request.lora.lora_name for s in seqs if s.request.lora is not None}))
-        return {"lora_running": names(self.scheduler.running), "lora_waiting": names(self.scheduler.waiting),
-                "max_loras": self.cfg.max_loras}
+            active_weights_bytes=self._weights.active, **asdict(self.scheduler.counters),
+            lora=self.adapters.use(self.scheduler.running, self.scheduler.waiting))

@@ -2,7 +2,7 @@
 
 The scheduler batches: it admits, chunks, budgets, preempts and plans. Features that take
 part in a step (speculative decoding, prompt logprobs kept with cached blocks, the KV tier's
-loads, beam search) each implement the few StepHook points they need and keep their state
+loads, beam search, LoRA adapters) each implement the few StepHook points they need and keep their state
 to themselves; every method's default does nothing. The scheduler calls its hooks in order
 at each point. Prompt scoring and beams are always registered (any request may ask for
 them); the tier's loads and speculation only when the engine has them.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..plan import ChunkPlan, StepResult
+from ..plan import ChunkPlan, StepPlan, StepResult
 
 if TYPE_CHECKING:
     from ..kv.prefix_hit import PrefixHit
@@ -38,6 +38,19 @@ class StepHook:
     def admitted(self, seq: Sequence) -> None:
         """A waiting sequence started running this step."""
 
+    def extra_blocks(self, seq: Sequence) -> int:
+        """Pool blocks a waiting sequence's hold() would take beyond its KV (counted with a
+        group's blocks before any is allocated)."""
+        return 0
+
+    def hold(self, seq: Sequence) -> bool:
+        """A sequence about to run (admitted, or forked off one running) takes what this hook
+        keeps in the pool for it; False, changing nothing, if the pool lacks the room."""
+        return True
+
+    def drop(self, seq: Sequence) -> None:
+        """A sequence that held stops running (preempted, finished, or it did not fit after all)."""
+
     def decode_extra(self, seq: Sequence, room: int) -> int:
         """Tokens a decode carries beyond its one (draft tokens), within `room` of budget."""
         return 0
@@ -55,6 +68,9 @@ class StepHook:
 
     def plan(self, chunk: ChunkPlan, s: ScheduledSeq) -> None:
         """Fill this hook's part of a chunk of the runner's plan."""
+
+    def planned(self, plan: StepPlan) -> None:
+        """Fill this hook's part of the whole step's plan (after every chunk's)."""
 
     # -- after the forward ---------------------------------------------------
     def verified(self, s: ScheduledSeq, res: StepResult) -> list[int] | None:

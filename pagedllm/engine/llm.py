@@ -71,7 +71,7 @@ class LLM:
             if lora is not None and lora not in read:
                 read.add(lora)
                 try:
-                    self.engine.check_lora(lora)
+                    self.engine.adapters.check(lora)
                 except ValueError as e:
                     raise ValueError(f"prompt {i}: {e}") from None
         for i, (p, sp) in enumerate(zip(prompts, params)):

@@ -8,12 +8,16 @@ from typing import Protocol
 from ..config import EngineConfig
 from ..kv import KVLayout
 from ..kv.connector import BlockStore
+from ..lora.registry import AdapterCache
 from ..plan import StepPlan, StepResult
 
 
 class Runner(Protocol):
     kv_layout: KVLayout          # the layer groups its pool is laid out in (kv.groups)
     eos_token_ids: frozenset[int]  # set by the engine: what min_tokens keeps from being sampled
+    # LoRA adapters in host memory, read for the requests that name them (None: it serves none);
+    # each adapter's num_pages: the KV pool pages it takes (the engine's LoRAHook places them).
+    loras: AdapterCache | None
 
     @property
     def num_blocks(self) -> int: ...

@@ -36,12 +36,10 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  long_prefill_token_threshold: int = 0, max_num_partial_prefills: int = 1,
                  max_model_len: int = 1 << 62, policy: QueuePolicy | str = "fcfs",
-                 hooks: Seq[StepHook] = (), max_loras: int = 1) -> None:
+                 hooks: Seq[StepHook] = ()) -> None:
         """policy: the queue policy (queue_policy: fcfs, lpm, priority) or its name.
-        hooks: the features that join each step, in the order they are asked.
-        max_loras: the most LoRA adapters the running sequences use at once (vLLM's)."""
+        hooks: the features that join each step, in the order they are asked."""
         self.kv = kv
-        self.max_loras = max_loras
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -94,8 +92,8 @@ class Scheduler:
             admit_waiting(self, out, budget, long_prefills)
         out.plan = self._plan(out)
         out.plan.saves, out.plan.loads, out.plan.writes = self.kv.take_io()
-        out.plan.adapter_evictions = self.kv.adapters.take_evictions()
-        out.plan.adapter_loads = self.kv.adapters.take_loads()
+        for hook in self.hooks:
+            hook.planned(out.plan)
         return out
 
     def _schedule_running(self, out: SchedulerOutput) -> tuple[int, int]:
@@ -168,16 +166,24 @@ class Scheduler:
     def lookahead(self, seq: Sequence, end: int) -> int:
         return max((h.lookahead(seq, end) for h in self.hooks), default=0)
 
-    def hold_adapter(self, seq: Sequence) -> bool:
-        """A sequence about to run holds its LoRA adapter's pages (placed now if they are not in
-        the pool); False, changing nothing, if the pool has no room for them."""
-        req = seq.request
-        return not req.lora_id or self.kv.adapters.acquire(req.lora_id, req.lora_pages)
+    def hold(self, seq: Sequence) -> bool:
+        """A sequence about to run takes what its hooks keep in the pool for it (an adapter's
+        pages); False, changing nothing, if the pool has no room for them."""
+        for i, hook in enumerate(self.hooks):
+            if not hook.hold(seq):
+                for held in self.hooks[:i]:
+                    held.drop(seq)
+                return False
+        return True
 
-    def drop_adapter(self, seq: Sequence) -> None:
-        """A sequence stops running: its adapter loses a user (the last leaves it idle, resident)."""
-        if seq.request.lora_id:
-            self.kv.adapters.release(seq.request.lora_id)
+    def drop(self, seq: Sequence) -> None:
+        """A sequence stops running: what its hooks held for it goes back."""
+        for hook in self.hooks:
+            hook.drop(seq)
+
+    def extra_blocks(self, seq: Sequence) -> int:
+        """Blocks hold(seq) would take beyond its KV."""
+        return sum(h.extra_blocks(seq) for h in self.hooks)
 
     def start(self, seq: Sequence, start: int, cached: int) -> None:
         """A waiting sequence admitted: it runs from `start`; `cached` prompt tokens came from the prefix cache."""
@@ -219,7 +225,7 @@ class Scheduler:
             for hook in self.hooks:
                 hook.preempted(seq)
             self.kv.free(seq.seq_id)
-            self.drop_adapter(seq)
+            self.drop(seq)
             seq.num_computed_tokens = 0
             seq.reread_until = 0
             seq.status = SeqStatus.WAITING
@@ -245,7 +251,6 @@ class Scheduler:
                               t.request.beam.num_candidates if t.request.beam else 0, 0, t.request.grammar,
                               t.grammar_from() if t.request.grammar is not None else 0)
                  for t in s.sample_for], list(seq.draft))
-            chunk.lora_id = seq.request.lora_id
             if len(tables) > 1:
                 chunk.groups = [(sl, t.block_ids[:cdiv(end, B)]) for sl, t in zip(slots[1:], tables[1:])]
             for hook in self.hooks:
@@ -269,7 +274,7 @@ class Scheduler:
             self.waiting.appendleft(child)
             return
         self.pending_copies.extend(copies)
-        held = self.hold_adapter(child)   # its parent runs under it: held already, nothing to place
+        held = self.hold(child)   # what its parent holds, held once more: nothing to place
         assert held
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = SeqStatus.RUNNING
@@ -284,7 +289,7 @@ class Scheduler:
             return
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
-            self.drop_adapter(seq)
+            self.drop(seq)
         elif seq.status is SeqStatus.WAITING:
             self.waiting.remove(seq)
         self.kv.free(seq.seq_id)

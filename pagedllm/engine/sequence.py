@@ -111,11 +111,7 @@ class Request:
     # and, once it is done, the grammar. The request waits in the queue until then.
     compiling: Any = None
     grammar: Any = None
-    lora: LoRARequest | None = None   # its adapter (enable_lora); None: the base model
-    # Its adapter's read from disk (a Future, on the loader's thread) and, once done, the KV
-    # pages it takes. The request waits in the queue until then.
-    lora_loading: Any = None
-    lora_pages: int = 0
+    lora: LoRARequest | None = None   # its adapter (enable_lora; engine.adapters); None: the base model
 
     @property
     def lora_id(self) -> int:

@@ -5,6 +5,7 @@ from dataclasses import asdict, dataclass
 
 from ..kv import KVStats
 from ..structured.compiler import GrammarStats
+from .adapters import LoRAUse
 from .speculative import SpecStats
 
 
@@ -28,11 +29,7 @@ class EngineStats:
     kv_cache_dtype: str = "bfloat16"     # how the pool stores K/V (kv_dtype.py's names)
     # One pool block: B tokens of every layer, or of one layer group's layers (kv.groups).
     bytes_per_block: int = 0
-    # LoRA (enable_lora): the adapters of running and of waiting requests, by name (vLLM's
-    # lora_requests_info), and the most one step runs.
-    lora_running: tuple[str, ...] = ()
-    lora_waiting: tuple[str, ...] = ()
-    max_loras: int = 0
+    lora: LoRAUse | None = None   # the adapters in use (enable_lora; adapters.py)
     # The model's weights in memory (every rank's share) and what one token reads of them: a
     # mixture of experts holds all its experts and reads its top k (models/footprint.py).
     weights_bytes: int = 0

@@ -67,8 +67,6 @@ NO_SEATS = Wait("max_num_seqs reached", True)
 NO_BUDGET = Wait("step's token budget spent", True)
 NO_BLOCKS = Wait("too few free KV blocks", True)
 PARTIAL_PREFILLS = Wait("max_num_partial_prefills long prompts under way")
-LORA_LOADING = Wait("its LoRA adapter is being read")
-LORA_SLOTS = Wait("max_loras adapters already run")
 
 
 @dataclass(slots=True)

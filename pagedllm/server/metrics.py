@@ -184,7 +184,7 @@ class EngineCollector(Collector):
         f.add_metric([*self.labels, s.kv_cache_dtype], 1.0)
         yield f
         yield from group_families(s, self.prefix, self.labels)
-        if s.max_loras:
+        if s.lora is not None:
             yield lora_info(s, self.prefix)
 
 
@@ -195,7 +195,7 @@ def lora_info(s: EngineStats, prefix: str) -> GaugeMetricFamily:
 
     f = GaugeMetricFamily(f"{prefix}:lora_requests_info", "Running stats on LoRA requests.",
                           labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-    f.add_metric([",".join(s.lora_running), ",".join(s.lora_waiting), str(s.max_loras)], time.time())
+    f.add_metric([",".join(s.lora.running), ",".join(s.lora.waiting), str(s.lora.max_loras)], time.time())
     return f
 
 

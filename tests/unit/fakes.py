@@ -132,6 +132,9 @@ class FakeRunner:
     fail_next: dict[int, str] = field(default_factory=dict)   # seq id -> error for its next sample
     steps: int = 0
     kv_dtype_name: str = "float32"
+    loras: object = None   # engine.runner_api: adapters in host memory (lora.registry.AdapterCache), or None
+    placed: dict[int, list[int]] = field(default_factory=dict)   # adapter id -> the pool pages written
+    adapters_run: list[set[int]] = field(default_factory=list)    # each step's adapter ids
 
     def __post_init__(self) -> None:
         self.kv_layout = kv_layout(self.layer_windows)
@@ -157,7 +160,21 @@ class FakeRunner:
         self.generators.clear()
 
     def move_blocks(self, plan: StepPlan) -> None:
-        pass
+        self._place(plan)
+
+    def _place(self, plan: StepPlan) -> None:
+        """Adapters' pages as the plan places and evicts them; a chunk runs only under one placed,
+        in pages no sequence's table holds."""
+        for a in plan.adapter_evictions:
+            self.placed.pop(a, None)
+        self.placed.update(plan.adapter_loads)
+        used = {c.lora_id for c in plan.chunks if c.lora_id}
+        for c in plan.chunks:
+            assert not c.lora_id or c.lora_id in self.placed, f"seq {c.seq_id}: adapter {c.lora_id} not placed"
+            for a in used:
+                assert not set(self.placed[a]) & set(c.block_ids), f"seq {c.seq_id}'s table holds adapter pages"
+        if used:
+            self.adapters_run.append(used)
 
     def write_blocks(self, pairs) -> None:
         pass
@@ -168,6 +185,7 @@ class FakeRunner:
     # -- a step ------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
         self.steps += 1
+        self._place(plan)
         for seq_id in plan.finished_seq_ids:
             self.generators.pop(seq_id, None)
         B = self.block_size
@@ -272,13 +290,14 @@ class FakeRunner:
         return out
 
 
-def fake_engine(layer_windows: tuple[int, ...] = (0, 0), num_blocks: int = 256, **cfg):
-    """An LLMEngine over a FakeRunner: the real scheduler, KV manager, stops, outputs."""
+def fake_engine(layer_windows: tuple[int, ...] = (0, 0), num_blocks: int = 256, loras=None, **cfg):
+    """An LLMEngine over a FakeRunner: the real scheduler, KV manager, stops, outputs.
+    loras: its adapters in host memory (lora.registry.AdapterCache over fake adapters)."""
     from pagedllm.config import EngineConfig
     from pagedllm.engine.engine import LLMEngine
 
     block_size = cfg.pop("block_size", 16)
-    runner = FakeRunner(num_blocks=num_blocks, block_size=block_size, layer_windows=layer_windows)
+    runner = FakeRunner(num_blocks=num_blocks, block_size=block_size, layer_windows=layer_windows, loras=loras)
     mc = model_config(layer_windows, cfg.pop("max_position_embeddings", 8192))
     return LLMEngine(EngineConfig(model="fake", block_size=block_size, **cfg), runner=runner, model_cfg=mc,
                      tokenizer=byte_tokenizer())

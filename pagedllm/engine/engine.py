@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import time
 import weakref
 from dataclasses import asdict
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
-from ..kv import KVCacheManager, OffloadConnector
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import RequestOutput
@@ -24,6 +22,7 @@ from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutput
 from ..structured import GrammarCompiler, checked, mark_checked
 from ..util import release_freed_heap
 from .adapters import LoRAHook
+from .assembly import kv_manager, model_runner, warn_if_pool_short
 from .beam import BeamGroup
 from .beam_search import BeamSearch
 from .kv_events import kv_medium, start_publisher
@@ -44,10 +43,6 @@ from .validation import RequestRules, check_draft_tokenizer
 
 logger = logging.getLogger(__name__)
 GRAMMAR_POLL = 0.02  # seconds an engine with nothing else to run waits on a compile between polls
-# Prompt logprobs kept beside cached blocks, unless --prompt-logprobs-cache-memory says otherwise:
-# at most this share of the KV pool's bytes (they live outside it), and never less than the floor
-# (a small pool would otherwise keep too few entries to serve a shared few-shot prefix).
-SCORE_CACHE_SHARE, SCORE_CACHE_FLOOR = 0.05, 64 * 2**20
 
 
 class LLMEngine:
@@ -74,20 +69,24 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
                              "(max_position_embeddings)")
         self._launcher = None
-        self.runner = runner if runner is not None else self._model_runner(model_dir)
-        if runner is not None:
+        if runner is None:
+            runner, self._launcher = model_runner(cfg, model_dir, self.model_cfg, self.max_model_len)
+            if self._launcher is not None:   # workers stop when the engine is collected or the process exits
+                weakref.finalize(self, self._launcher.close)
+        else:
             runner.reset_sequences()   # a runner that served another engine: its sequence ids mean nothing now
             held = getattr(runner, "max_model_len", None)
             if held is not None and held < self.max_model_len:  # its RoPE tables end there (build.py)
                 raise ValueError(f"max_model_len {self.max_model_len} exceeds the {held} positions this runner "
                                  "was built for")
-        self.kv = self._kv_manager()
+        self.runner = runner
+        self.kv = kv_manager(cfg, runner, model_dir, self.max_model_len)
         # vLLM's KV events for KV-aware routers (engine.kv_events), when configured.
         self.kv_events = start_publisher(cfg.kv_events_config, kv_medium(self.runner))
         if self.kv_events is not None:
             self.kv.record_events(salted_token_ids=cfg.kv_events_config.salted_token_ids)
         self._weights = self.runner.weights
-        self._check_pool_holds_max_model_len()
+        warn_if_pool_short(cfg, self.kv, self._weights, self.max_model_len)
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
         self._scheduler()
@@ -115,68 +114,6 @@ class LLMEngine:
         self._view: EngineStats = self.stats()
         self._view_step = 0
         release_freed_heap()
-
-    def _model_runner(self, model_dir: Path) -> Runner:
-        from ..runtime.model_runner import ModelRunner  # torch stays out of the pure parts
-
-        cfg, tp = self.cfg, None
-        # PAGEDLLM_TP_GROUP=1: a process group even of one rank, so the GPU check runs
-        # the collectives' code path on its one device.
-        if cfg.tensor_parallel_size > 1 or os.environ.get("PAGEDLLM_TP_GROUP") == "1":
-            if cfg.distributed_executor_backend == "ray":
-                from ..runtime.ray_launch import start_ray_group as start_group
-            else:
-                from ..runtime.launch import start_group
-
-            self.model_cfg.check_tensor_parallel(cfg.tensor_parallel_size, cfg.enable_expert_parallel)
-            self._launcher = start_group(cfg, model_dir, self.model_cfg, self.max_model_len)
-            tp = self._launcher.group
-            # Workers stop when the engine is collected or the process exits, closed or not.
-            weakref.finalize(self, self._launcher.close)
-        try:
-            return ModelRunner(cfg, model_dir, self.model_cfg, self.max_model_len, tp)
-        except BaseException:
-            if self._launcher is not None:
-                self._launcher.close(graceful=False)
-            raise
-
-    def _kv_manager(self) -> KVCacheManager:
-        """The KV manager over the runner's pool, its layer groups and its tier."""
-        cfg, runner = self.cfg, self.runner
-        spec = cfg.speculative_config
-        # A step's slots for one sequence: its chunk (drafts included) within the budget, and lookahead slots past it.
-        lookahead = SpecPolicy.of(spec).num_lookahead_tokens if spec is not None else 0
-        connector = None
-        if cfg.kv_offload is not None:
-            store = runner.attach_tier(cfg, self.model_dir)
-            connector = OffloadConnector(store, cfg.kv_offload_write_policy)
-            size = store.snapshot().capacity_bytes
-            logger.info("KV tier: %s, %s, %s, %d bytes a block", getattr(store, "dir", None) or cfg.kv_offload,
-                        cfg.kv_offload_write_policy, f"up to {size / 2**30:.1f} GiB" if size else "the server's bound",
-                        store.block_bytes)
-        scores = cfg.prompt_logprobs_cache_memory
-        if scores is None:
-            scores = max(int(SCORE_CACHE_SHARE * runner.num_blocks * runner.bytes_per_block), SCORE_CACHE_FLOOR)
-        kv = KVCacheManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.allocation,
-                            self.max_model_len, max_step_tokens=cfg.max_num_batched_tokens + lookahead,
-                            connector=connector, group_windows=runner.kv_layout.windows, score_cache_bytes=scores)
-        windows = [g.window for g in kv.groups]
-        if any(windows):
-            logger.info("KV layer groups %s: each sequence releases its windowed groups' blocks below their windows",
-                        ", ".join(f"sliding window {w}" if w else "full" for w in windows))
-        return kv
-
-    def _check_pool_holds_max_model_len(self) -> None:
-        """vLLM refuses to start when one max_model_len sequence cannot fit the KV pool; here such a
-        sequence is refused when it asks (RequestRules), so the start only warns, naming the figures
-        that decide it: the pool left beside the weights as loaded (all experts of a mixture)."""
-        if not self.kv.shape.can_ever_fit(self.max_model_len):
-            w, tokens = self._weights, self.kv.shape.num_blocks * self.cfg.block_size
-            logger.warning("max_model_len %d does not fit the KV pool's %d tokens (%d blocks of %d), beside %.2f GiB "
-                           "of weights%s: a request longer than the pool is refused; give kv_cache_memory more or "
-                           "lower max_model_len", self.max_model_len, tokens, self.kv.shape.num_blocks,
-                           self.cfg.block_size, w.resident / 2**30,
-                           f" ({w.active / 2**30:.2f} GiB read a token)" if w.active != w.resident else "")
 
     def _scheduler(self) -> None:
         """The scheduler, and the features that join its steps (StepHooks), in the order they
@@ -268,26 +205,6 @@ class LLMEngine:
                 o.on_request(req)
         return req
 
-    def _settle(self, waiting: list[Request], field: str, take) -> tuple[list[Request], list[Request]]:
-        """Of requests waiting on a future (their `field`), those whose future ended: its result
-        given to take(req, result), or the request failed with its error. Returns (still
-        waiting, failed)."""
-        failed, pending = [], []
-        for req in waiting:
-            fut = getattr(req, field)
-            if req.finished:
-                continue
-            if not fut.done():
-                pending.append(req)
-                continue
-            setattr(req, field, None)
-            try:
-                take(req, fut.result())
-            except Exception as e:  # the read or compile's own error: the request's, not the engine's
-                self.scheduler.fail(req, str(e))
-                failed.append(req)
-        return pending, failed
-
     def check_priority(self, priority: int) -> None:
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise ValueError(f"priority must be an integer, got {priority!r}")
@@ -313,8 +230,20 @@ class LLMEngine:
     def _settle_grammars(self) -> list[Request]:
         """Requests whose grammar compile ended since the last step: ready to be admitted,
         or failed (the schema, regex or grammar was refused; they end with its error)."""
-        self._compiling, failed = self._settle(self._compiling, "compiling",
-                                               lambda req, grammar: setattr(req, "grammar", grammar))
+        failed, waiting = [], []
+        for req in self._compiling:
+            if req.finished:
+                continue
+            if not req.compiling.done():
+                waiting.append(req)
+                continue
+            compiling, req.compiling = req.compiling, None
+            try:
+                req.grammar = compiling.result()
+            except Exception as e:  # the compile's own error: the request's, not the engine's
+                self.scheduler.fail(req, str(e))
+                failed.append(req)
+        self._compiling = waiting
         return failed
 
     def validate(self, prompt: str | Seq[int], params: SamplingParams | BeamSearchParams,

@@ -4,7 +4,6 @@ a share of free RAM. The CUDA arithmetic is checked with the device's memory fig
 stubbed, since this machine has no GPU."""
 from __future__ import annotations
 
-import sys
 
 import pytest
 import torch

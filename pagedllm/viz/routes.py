@@ -18,7 +18,7 @@ from ..server.shared_read import SharedRead
 from ..server.state import APIError, ServerState
 from .controller import MAX_STEP_DELAY_S, StepController
 from .hub import VizHub
-from .scenarios import SCENARIOS, prompt_text, trace_path
+from .scenarios import SCENARIOS, Scenario, prompt_text, trace_path, write_adapters
 from .state import kv_picture
 from .tenancy import EVERYTHING, view
 
@@ -153,6 +153,9 @@ def _add_scenario_routes(app: FastAPI, state: ServerState) -> None:
         if sc is None or not sc.requests:
             live = [s.name for s in SCENARIOS.values() if s.requests]
             raise APIError(404, f"no live scenario {name!r}; live ones: {', '.join(live)}", "NotFoundError", "name")
+        if sc.adapters and not state.loras.enabled:
+            raise APIError(400, f"scenario {name!r} runs LoRA adapters: this engine was started without "
+                           f"--enable-lora (`pagedllm viz --scenario {name}` starts one with it)", param="name")
         task = asyncio.get_running_loop().create_task(run_scenario(state, name))
         _background.add(task)
         task.add_done_callback(_background.discard)
@@ -168,6 +171,7 @@ async def run_scenario(state: ServerState, name: str) -> None:
     `at_step` steps since the scenario started, and drain their outputs."""
     sc = SCENARIOS[name]
     eng = state.engine
+    adapters = await _served_adapters(state, sc)
     start, run = eng.stats.steps, next(_runs)
 
     async def one(i: int, r) -> None:
@@ -182,9 +186,45 @@ async def run_scenario(state: ServerState, name: str) -> None:
         try:
             # Token ids as the chat template wrote them: no second BOS.
             ids = state.tokenizer.encode(prompt_text(state.tokenizer, r), add_special_tokens=False)
-            async for _ in eng.submit(f"viz-{name}-{run}-{i}", ids, r.sampling()):
+            lora = adapters[r.adapter] if r.adapter else None
+            async for _ in eng.submit(f"viz-{name}-{run}-{i}", ids, r.sampling(), lora_request=lora):
                 pass
         except Exception as e:  # a scenario request failing must not take the server down
             logger.warning("scenario %s request %d failed: %s", name, i, e)
 
     await asyncio.gather(*(one(i, r) for i, r in enumerate(sc.requests)))
+
+
+async def _served_adapters(state: ServerState, sc: Scenario) -> dict:
+    """The scenario's adapters as this server serves them: written (random weights, into a folder
+    kept for the server's life) and added as the operator's on the first run, the same ones on
+    every run after. ValueError where the engine serves no adapters."""
+    if not sc.adapters:
+        return {}
+    missing = [n for n in sc.adapters if state.loras.get(n) is None]
+    if missing:
+        await asyncio.to_thread(_write_and_serve, state, sc)
+    return {n: state.loras.get(n) for n in sc.adapters}
+
+
+def _write_and_serve(state: ServerState, sc: Scenario) -> None:
+    import atexit
+    import shutil
+    import tempfile
+
+    from ..loader import load_config
+    from ..models import ModelConfig
+
+    mc = ModelConfig.from_hf(load_config(state.engine.info.model_dir))
+    folder = Path(tempfile.mkdtemp(prefix=f"pagedllm-viz-{sc.name}-"))
+    atexit.register(shutil.rmtree, folder, True)
+
+    def serve(name: str, path: str, i: int):
+        try:
+            return state.loras.add(name, path, pinned=True)
+        except ValueError:   # another run of the scenario added it meanwhile
+            held = state.loras.get(name)
+            if held is None:
+                raise
+            return held
+    write_adapters(sc, mc, folder, serve)

@@ -189,6 +189,7 @@ def prompt_text(tokenizer, req: ScenarioRequest) -> str:
 
 def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     from ..engine.engine import LLMEngine
+    from ..lora.request import LoRARequest
     from .hub import VizHub
 
     fields = sc.engine_fields(overrides.get("kv_offload_dir"))
@@ -197,8 +198,8 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
     adapter_dir = tempfile.mkdtemp(prefix=f"pagedllm-viz-{sc.name}-") if sc.adapters else None
     try:
         engine = LLMEngine(engine_config(sc, overrides, fields))
-        loras = {name: _random_adapter(Path(adapter_dir) / name, engine.runner.model_cfg, i + 1, *spec)
-                 for i, (name, spec) in enumerate(sc.adapters.items())}
+        loras = write_adapters(sc, engine.runner.model_cfg, Path(adapter_dir),
+                               lambda name, path, i: LoRARequest(name, i + 1, path)) if sc.adapters else {}
         hub = VizHub(engine)
         engine.observers.append(hub)
         hub.start_recording()
@@ -220,13 +221,15 @@ def _engine_messages(sc: Scenario, overrides: dict) -> list[dict]:
                 shutil.rmtree(d, ignore_errors=True)
 
 
-def _random_adapter(path: Path, mc, lora_id: int, rank: int, targets: list[str]):
-    """A random adapter on `targets` of every layer (what the page shows is where its pages go,
-    not what it says)."""
-    from ..lora.request import LoRARequest
+def write_adapters(sc: Scenario, mc, folder: Path, serve) -> dict:
+    """The scenario's adapters, random weights on their target modules of every layer, written
+    under `folder` (what the page shows is where their pages go, not what they say), each seeded
+    by its place in the scenario; serve(name, path, i) names each one to the engine (its
+    LoRARequest). The recorded trace and the live run write the same adapters."""
     from ..lora.synthetic import write_random_adapter
 
-    return LoRARequest(path.name, lora_id, str(write_random_adapter(path, mc, lora_id, rank, targets)))
+    return {name: serve(name, str(write_random_adapter(Path(folder) / name, mc, i + 1, rank, targets)), i)
+            for i, (name, (rank, targets)) in enumerate(sc.adapters.items())}
 
 
 def library_messages() -> list[dict]:

@@ -22,8 +22,8 @@ from .kernels.chooser import ROWS, Verdict, chooser, machine
 from .kernels.cpu import build_key
 from .loader import load_config, resolve_model_dir
 from .models import ModelConfig
-from .models.llama import LlamaForCausalLM
 from .models.prepack import argmax_verdict, linear_candidates, linear_verdict
+from .models.registry import decoder_for
 from .models.w8a8 import Int8Weight, w8a8_candidates, w8a8_verdict
 from .runtime.device import cpu_has_native_bf16
 
@@ -44,7 +44,7 @@ def model_shapes(model: str | None) -> tuple[str, list[Shape], ModelConfig]:
     model_dir = resolve_model_dir(model)
     cfg = ModelConfig.from_hf(load_config(model_dir))
     with torch.device("meta"):
-        net = LlamaForCausalLM(cfg, backend=None)
+        net = decoder_for(cfg.model_type)(cfg, backend=None)
     seen: Counter[tuple[int, int, bool, bool]] = Counter()
     for name, m in net.named_modules():
         if isinstance(m, nn.Linear) and not getattr(m, "router", False):

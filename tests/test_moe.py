@@ -96,7 +96,7 @@ def test_the_compiled_layer_equals_torch(dtype):
 
     from pagedllm.kernels import load_ops
     from pagedllm.models.config import MoEConfig
-    from pagedllm.models.llama import Ops
+    from pagedllm.models.ops import Ops
     from pagedllm.models.moe import SparseMoE, experts_torch
 
     g = torch.Generator().manual_seed(0)
@@ -306,7 +306,7 @@ def test_block_experts_equal_their_dequantized(fmt):
     from types import SimpleNamespace
 
     from pagedllm.models.config import MoEConfig
-    from pagedllm.models.llama import Ops
+    from pagedllm.models.ops import Ops
     from pagedllm.models.moe import SparseMoE, experts_torch
     from pagedllm.models.quantization import quantize_q4_1, quantize_q8_0
 
@@ -393,7 +393,7 @@ def test_w8a8_experts_equal_their_arithmetic_in_torch(dtype):
 
     from pagedllm.kernels import load_ops
     from pagedllm.models.config import MoEConfig
-    from pagedllm.models.llama import Ops
+    from pagedllm.models.ops import Ops
     from pagedllm.models.moe import SparseMoE, experts_torch
 
     ops = Ops(load_ops())   # (without AVX512-VNNI ops.experts runs the reference's own torch path)
@@ -423,7 +423,7 @@ def test_router_ties_are_transformers_choice():
 
     from pagedllm.kernels import load_ops
     from pagedllm.models.config import MoEConfig
-    from pagedllm.models.llama import Ops
+    from pagedllm.models.ops import Ops
     from pagedllm.models.moe import SparseMoE
 
     ops = Ops(load_ops())

@@ -1,14 +1,15 @@
-"""Mixtures of experts whose GGUF files transformers' reader does not convert: OLMoE ("olmoe"),
-and Mixtral, which llama.cpp writes as "llama" with expert tensors (transformers reads such a file
-as a dense Llama and drops its experts). Converted here instead, into what model_files.py makes
-of any GGUF file: an HF directory of float32 safetensors, config and tokenizer.
+"""Mixtures of experts whose GGUF files transformers' reader does not convert (their families' GGUF
+rows say `convert`: one it has no reader for, or one written under a dense architecture's name with
+expert tensors, which it reads as the dense model and drops the experts). Converted here instead,
+into what model_files.py makes of any GGUF file: an HF directory of float32 safetensors, config and
+tokenizer.
 
-- The config from the file's keys (`{arch}.block_count`, `.expert_count`, ...).
+- The config from the file's keys (`{arch}.block_count`, `.expert_count`, ...) and the family's row.
 - Every tensor dequantized by gguf-py (the values transformers' reader gives the files it does
   read), named as transformers 5 holds them: a layer's experts stacked, gate_up [E, 2I, H] and
-  down [E, H, I] (models/llama.py stack_experts takes that layout as it is).
-- A "llama" file's q / k rows put back in HF's order: llama.cpp permutes them for its RoPE layout
-  (gguf_layout.unpermute_rows); OLMoE's files keep HF's order (NeoX RoPE, as Qwen's).
+  down [E, H, I] (models/weights.py stack_experts takes that layout as it is).
+- The q / k rows of the architectures llama.cpp permutes for its RoPE layout put back in HF's order
+  (gguf_layout: PERMUTED_QK, unpermute_rows); the others keep HF's order (NeoX RoPE).
 - The tokenizer through transformers' own GGUF tokenizer, from a copy of the file's tokenizer
   fields under an architecture its reader takes (the tokenizer does not depend on the model).
 """
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from ..models.registry import FAMILIES, gguf_model_type
 from .gguf_layout import PERMUTED_QK, unpermute_rows
 
 # per layer: GGUF name -> transformers' (stacked experts handled apart)
@@ -31,10 +33,6 @@ _LAYER = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_lay
           "ffn_gate_inp": "mlp.gate.weight", "ffn_down_exps": "mlp.experts.down_proj"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-
-
-def needs_own_conversion(arch: str, expert_count: int | None) -> bool:
-    return arch == "olmoe" or (arch == "llama" and bool(expert_count))
 
 
 def convert(reader, name: str, out: Path, arch: str) -> None:
@@ -88,11 +86,10 @@ def _config(reader, arch: str) -> dict:
                   rms_norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
                   rope_theta=key("rope.freq_base", 10000.0), num_experts_per_tok=key("expert_used_count"),
                   bos_token_id=token("bos_token_id"), eos_token_id=token("eos_token_id"), dtype="float32")
-    if arch == "olmoe":
-        return dict(model_type="olmoe", architectures=["OlmoeForCausalLM"], num_experts=key("expert_count"),
-                    norm_topk_prob=False, clip_qkv=None, **common)
-    return dict(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=key("expert_count"),
-                sliding_window=None, **common)
+    model_type = gguf_model_type(arch, key("expert_count"))
+    family = FAMILIES[model_type]
+    return {"model_type": model_type, "architectures": [family.architecture],
+            family.gguf.expert_count_key: key("expert_count"), **dict(family.gguf.config), **common}
 
 
 def _tokenizer(reader, out: Path) -> None:

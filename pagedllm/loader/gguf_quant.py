@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from ..models import ModelConfig
 from ..models.quantization import GGUF_RUNNABLE, Q4_1, Q8_0, RAW_TYPES, Blocks, GGUFBlocks, RawBlocks
+from ..models.registry import FAMILIES
 from .gguf_layout import PERMUTED_QK, unpermute_rows
 from .model_files import model_path, resolve_model_dir
 
@@ -37,9 +38,9 @@ _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
             "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
             "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
-# Architectures whose files keep a matmul fused as our model fuses it: Phi-3's ffn_up holds the
-# gate's rows then the up's (HF's gate_up_proj), beside its fused attn_qkv.
-_FUSED_UP = ("phi3",)
+# Architectures whose files keep gate/up fused as our model fuses it: their ffn_up holds the gate's
+# rows then the up's (HF's gate_up_proj).
+_FUSED_UP = tuple(f.gguf.arch for f in FAMILIES.values() if f.gguf is not None and f.gguf.fused_up)
 _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 
 

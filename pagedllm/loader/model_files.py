@@ -18,18 +18,14 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import SHIPPED_GGUF_MODELS
+from ..models.family import GGUFArch
+from ..models.registry import FAMILIES, GGUF_ARCHITECTURES, gguf_model_type
 from ..util import cache_root
 from .gguf_moe import convert as convert_moe
-from .gguf_moe import needs_own_conversion
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = SHIPPED_GGUF_MODELS[0]
-# GGUF architectures that transformers converts and our decoder runs (general.architecture).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen2moe", "qwen3moe", "olmoe")
-# Mixtures of experts among them that transformers converts: their expert widths and routing come from
-# the file's keys (moe_config_fields). OLMoE's, and Mixtral's ("llama" with experts), convert here (gguf_moe.py).
-GGUF_MOE_ARCHITECTURES = ("qwen2moe", "qwen3moe")
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -118,8 +114,9 @@ def _gguf_cache_dir(path: Path) -> Path:
     if arch not in GGUF_ARCHITECTURES:  # before a conversion that could only fail later
         raise ValueError(f"model: {path.name} holds a GGUF of architecture {arch!r}, which is not supported; "
                          f"supported: {', '.join(GGUF_ARCHITECTURES)}")
-    own = needs_own_conversion(arch, field(f"{arch}.expert_count"))   # mixtures transformers' reader does not convert
-    moe = {} if own else moe_config_fields(field, path.name, arch)
+    gguf = FAMILIES[gguf_model_type(arch, field(f"{arch}.expert_count"))].gguf
+    own = gguf.convert   # mixtures transformers' reader does not convert
+    moe = {} if own else moe_config_fields(field, path.name, arch, gguf)
     t0 = time.perf_counter()
     logger.info("dequantizing %s once into %s (later starts read the cache)", path.name, out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -161,18 +158,18 @@ def _convert_with_transformers(path: Path, out: Path, add_bos: bool | None, moe:
     tok.save_pretrained(out)
 
 
-def moe_config_fields(field: Callable[[str], Any], name: str, arch: str) -> dict:
+def moe_config_fields(field: Callable[[str], Any], name: str, arch: str, gguf: GGUFArch) -> dict:
     """A mixture of experts' HF config keys that transformers' GGUF reader leaves at their defaults
-    (its map has no expert_feed_forward_length): the experts' and the shared expert's widths, and the
-    routing llama.cpp's graph of the architecture runs (qwen3moe renormalizes the top k, qwen2moe
-    does not)."""
-    if arch not in GGUF_MOE_ARCHITECTURES:
+    (its map has no expert_feed_forward_length), where the family's GGUF row says so (`gguf`,
+    expert_keys): the experts' and the shared expert's widths, and the routing llama.cpp's graph of
+    the architecture runs (its config)."""
+    if not gguf.expert_keys:
         return {}
     count, width, shared = (field(f"{arch}.{k}") for k in ("expert_count", "expert_feed_forward_length",
                                                            "expert_shared_feed_forward_length"))
     if not count or not width:
         raise ValueError(f"model: {name} ({arch}) lacks {arch}.expert_count or {arch}.expert_feed_forward_length")
-    fields = {"moe_intermediate_size": int(width), "norm_topk_prob": arch == "qwen3moe"}
+    fields = {"moe_intermediate_size": int(width), **dict(gguf.config)}
     if shared:
         fields["shared_expert_intermediate_size"] = int(shared)
     return fields
@@ -232,9 +229,8 @@ _GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 _REBUILT_FROM_JSON = ("GemmaTokenizer", "GemmaTokenizerFast")
 
 
-# Chat templates we ship for families whose files may carry none (a base model's GGUF).
+# Chat templates we ship for families whose files may carry none (a base model's GGUF): Family.chat_template.
 _TEMPLATES = Path(__file__).parent / "chat_templates"
-FAMILY_TEMPLATES = {"gemma3_text": "gemma.jinja"}
 
 
 def read_chat_template(value: str) -> str:
@@ -249,7 +245,7 @@ def read_chat_template(value: str) -> str:
 
 def load_tokenizer(model_dir: Path, chat_template: str | None = None):
     """The model's tokenizer, with `chat_template` (read_chat_template) in place of its own; one
-    without a template gets its family's, where we ship one (FAMILY_TEMPLATES)."""
+    without a template gets its family's, where we ship one (Family.chat_template)."""
     import transformers
 
     config = model_dir / "tokenizer_config.json"
@@ -261,7 +257,7 @@ def load_tokenizer(model_dir: Path, chat_template: str | None = None):
     if chat_template is not None:
         tok.chat_template = read_chat_template(chat_template)
     elif not getattr(tok, "chat_template", None) and (model_dir / "config.json").is_file():
-        family = FAMILY_TEMPLATES.get(load_config(model_dir).get("model_type"))
-        if family is not None:
-            tok.chat_template = (_TEMPLATES / family).read_text()
+        family = FAMILIES.get(load_config(model_dir).get("model_type"))
+        if family is not None and family.chat_template:
+            tok.chat_template = (_TEMPLATES / family.chat_template).read_text()
     return tok

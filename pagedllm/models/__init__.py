@@ -1,4 +1,4 @@
 from .config import ModelConfig
-from .llama import LlamaForCausalLM
+from .decoder import DecoderForCausalLM
 
-__all__ = ["LlamaForCausalLM", "ModelConfig"]
+__all__ = ["DecoderForCausalLM", "ModelConfig"]

@@ -1,69 +1,17 @@
 """The decoder's shape, read from a Hugging Face config.json.
 
-One decoder runs every family here (llama.py); a family is a row of FAMILIES: which of the
-decoder's options its checkpoints use. A new family that differs from Llama only by such
-options costs one row, and the few config keys of its own that from_hf reads."""
+A config's model_type names its family (registry.py): which decoder runs it and which of that
+decoder's options its checkpoints use. A new family that differs from Llama only by such options
+costs a row in its own file (families/) and a registry line."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..kv_dtype import KVDtype
+from . import registry
+from .family import EVERY_LAYER, LAYER_TYPES_ONLY, NO_WINDOWS, QWEN_LAYERS, Family
 
-# How a family's layers get their sliding windows (layer_windows).
-EVERY_LAYER, QWEN_LAYERS, LAYER_TYPES_ONLY, NO_WINDOWS = "every", "qwen", "layer_types", "none"
-
-
-@dataclass(frozen=True)
-class Family:
-    """What one model_type changes in the shared decoder."""
-    qkv_bias: bool = False       # q/k/v biases when the config does not say (attention_bias)
-    qk_norm: bool = False        # RMSNorm over each head of q and k before RoPE (Qwen3, Gemma 3)
-    qk_norm_whole: bool = False  # RMSNorm over all of q's (and k's) heads at once, before RoPE (OLMoE)
-    # Mixture of experts (moe_config): its experts' width under this config key (the dense MLP's
-    # intermediate_size is its own where a model has both), and whether the top k's weights are
-    # renormalized where the config does not say (Mixtral always does)
-    moe: bool = False
-    expert_width_key: str = "moe_intermediate_size"
-    moe_norm_topk: bool = False
-    sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too (Gemma 3)
-    norm_offset: float = 0.0     # checkpoints store RMSNorm weights as w - offset (Gemma: x * (1 + w))
-    embed_scale: bool = False    # embeddings times sqrt(hidden_size) (Gemma)
-    windows: str = NO_WINDOWS
-    stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens its chat format ends a reply with (beside EOS)
-    # The checkpoints' module names -> ours, where they differ.
-    renames: tuple[tuple[str, str], ...] = ()
-    architecture: str = "LlamaForCausalLM"  # transformers' class (a GGUF's converted config may lack it)
-
-
-# Gemma 3 calls its pre-MLP norm pre_feedforward_layernorm, and its post_attention_layernorm
-# normalises the attention's output; ours keep Llama's meaning of post_attention_layernorm.
-_GEMMA_NORMS = (("post_attention_layernorm", "attn_output_norm"),
-                ("pre_feedforward_layernorm", "post_attention_layernorm"),
-                ("post_feedforward_layernorm", "mlp_output_norm"))
-
-FAMILIES: dict[str, Family] = {
-    "llama": Family(),
-    "mistral": Family(windows=EVERY_LAYER, architecture="MistralForCausalLM"),
-    "qwen2": Family(qkv_bias=True, windows=QWEN_LAYERS, architecture="Qwen2ForCausalLM"),
-    "qwen3": Family(qk_norm=True, windows=QWEN_LAYERS, architecture="Qwen3ForCausalLM"),
-    # NoPE layers: from_hf reads no_rope_layers
-    "smollm3": Family(windows=QWEN_LAYERS, architecture="SmolLM3ForCausalLM"),
-    # fused qkv/gate_up checkpoints, partial rotary, LongRoPE
-    "phi3": Family(windows=EVERY_LAYER, architecture="Phi3ForCausalLM"),
-    "gemma3_text": Family(qk_norm=True, sandwich_norms=True, norm_offset=1.0, embed_scale=True,
-                          windows=LAYER_TYPES_ONLY, renames=_GEMMA_NORMS, stop_tokens=("<end_of_turn>",),
-                          architecture="Gemma3ForCausalLM"),
-    # Mixtures of experts (models/moe.py): top-k of E expert MLPs a token
-    "qwen3_moe": Family(qk_norm=True, windows=QWEN_LAYERS, moe=True, architecture="Qwen3MoeForCausalLM"),
-    "qwen2_moe": Family(qkv_bias=True, windows=QWEN_LAYERS, moe=True, architecture="Qwen2MoeForCausalLM"),
-    "olmoe": Family(qk_norm_whole=True, moe=True, expert_width_key="intermediate_size",
-                    architecture="OlmoeForCausalLM"),
-    "mixtral": Family(windows=EVERY_LAYER, moe=True, expert_width_key="intermediate_size", moe_norm_topk=True,
-                      renames=(("block_sparse_moe", "mlp"), ("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")),
-                      architecture="MixtralForCausalLM"),
-}
-SUPPORTED = tuple(FAMILIES)
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
 
@@ -149,12 +97,7 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         mt = cfg.get("model_type", "llama")
-        if mt == "gemma3" and isinstance(cfg.get("text_config"), dict):
-            raise ValueError("model_type 'gemma3' is Gemma 3's image-text checkpoint; its language model alone "
-                             "(model_type 'gemma3_text', Gemma3ForCausalLM) is supported")
-        if mt not in FAMILIES:
-            raise ValueError(f"model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED)}")
-        fam = FAMILIES[mt]
+        fam = registry.family(mt)
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{mt}: use_bidirectional_attention (an embedding model) is not supported")
         if cfg.get("attn_logit_softcapping"):
@@ -164,11 +107,11 @@ class ModelConfig:
             raise ValueError(f"{mt}: activation {act!r} is not supported; supported: {sorted(ACTIVATIONS)}")
         heads = cfg["num_attention_heads"]
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        (theta, scaling), local = rope_parameters(cfg, mt)
+        (theta, scaling), local = rope_parameters(cfg, fam)
         partial = (scaling or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
         eos = cfg.get("eos_token_id")
         eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        windows = layer_windows(cfg, mt)
+        windows = layer_windows(cfg, fam)
         n = cfg["num_hidden_layers"]
         if local is not None:
             ropes = tuple(1 if w else 0 for w in windows) if any(windows) else ()
@@ -240,9 +183,9 @@ class ModelConfig:
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts
         1/n of each one's columns, or with expert_parallel n-th of the experts whole."""
-        if n > 1 and self.model_type == "phi3":
-            raise ValueError("tensor_parallel_size > 1 is not supported for phi3: its checkpoints fuse q/k/v and "
-                             "gate/up into one tensor each, which the loader does not cut by rank")
+        if n > 1 and self.family.no_tensor_parallel:
+            raise ValueError(f"tensor_parallel_size > 1 is not supported for {self.model_type}: "
+                             f"{self.family.no_tensor_parallel}")
         parts = {"attention heads": self.num_heads, "KV heads": self.num_kv_heads,
                  "intermediate size": self.intermediate_size, "vocab size": self.vocab_size}
         if self.moe is not None:
@@ -274,11 +217,11 @@ class ModelConfig:
 LAYER_TYPES = {"full_attention": False, "sliding_attention": True}
 
 
-def rope_parameters(cfg: dict[str, Any], model_type: str) -> tuple[tuple[float, dict | None], float | None]:
+def rope_parameters(cfg: dict[str, Any], fam: Family) -> tuple[tuple[float, dict | None], float | None]:
     """((base, scaling) of the global RoPE, the windowed layers' base or None), from a config in
     either layout: transformers >= 5 folds rope_theta and rope_scaling into rope_parameters, per
-    layer type where they differ (Gemma 3); older configs keep rope_theta, rope_scaling and
-    Gemma's rope_local_base_freq. Scaling None: plain RoPE."""
+    layer type where they differ; older configs keep rope_theta, rope_scaling and, where the
+    family's windowed layers have a base of their own, rope_local_base_freq. Scaling None: plain RoPE."""
     params = cfg.get("rope_parameters") or {}
     local = None
     if "full_attention" in params or "sliding_attention" in params:
@@ -288,13 +231,12 @@ def rope_parameters(cfg: dict[str, Any], model_type: str) -> tuple[tuple[float, 
                              "on windowed layers (default is)")
         local = sliding.get("rope_theta")
         params = params.get("full_attention") or {}
-    elif model_type == "gemma3_text":
-        local = cfg.get("rope_local_base_freq", 10_000.0)
+    elif fam.local_rope_theta:
+        local = cfg.get("rope_local_base_freq", fam.local_rope_theta)
     rope = {**(cfg.get("rope_scaling") or {}), **params}
-    theta = float(cfg.get("rope_theta", rope.get("rope_theta", 1_000_000.0 if model_type == "gemma3_text" else 10_000.0)))
+    theta = float(cfg.get("rope_theta", rope.get("rope_theta", fam.rope_theta)))
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind in ("su", "yarn") and model_type == "phi3":
-        kind = "longrope"  # Phi-3's early configs name LongRoPE so, as transformers reads them
+    kind = dict(fam.rope_aliases).get(kind, kind)
     if kind not in ROPE_SCALINGS:
         raise ValueError(f"rope scaling type {kind!r} is not supported; supported: {', '.join(ROPE_SCALINGS)}")
     scaling = None
@@ -307,16 +249,17 @@ def rope_parameters(cfg: dict[str, Any], model_type: str) -> tuple[tuple[float, 
     return (theta, scaling), (float(local) if local is not None else None)
 
 
-def layer_windows(cfg: dict[str, Any], model_type: str) -> tuple[int, ...]:
-    """Each layer's window from an HF config, as transformers reads it (0: full attention):
-    - Mistral and Phi-3 window every layer by `sliding_window`;
-    - Qwen2/3 and SmolLM3 window the layers `layer_types` marks "sliding_attention", or else
-      those from `max_window_layers` on, and only when `use_sliding_window` is set;
-    - Gemma 3 windows the layers `layer_types` marks so (or, in older configs, all but every
+def layer_windows(cfg: dict[str, Any], fam: Family) -> tuple[int, ...]:
+    """Each layer's window from an HF config, as transformers reads it (0: full attention), by the
+    family's `windows`:
+    - EVERY_LAYER: every layer by `sliding_window`;
+    - QWEN_LAYERS: the layers `layer_types` marks "sliding_attention", or else those from
+      `max_window_layers` on, and only when `use_sliding_window` is set;
+    - LAYER_TYPES_ONLY: the layers `layer_types` marks so (or, in older configs, all but every
       `sliding_window_pattern`-th), always."""
     n = cfg["num_hidden_layers"]
     window = cfg.get("sliding_window") or 0
-    how = FAMILIES[model_type].windows
+    how = fam.windows
     if how == NO_WINDOWS or not window:
         return (0,) * n
     if how in (QWEN_LAYERS, EVERY_LAYER) and not cfg.get("use_sliding_window", how == EVERY_LAYER):

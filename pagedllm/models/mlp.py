@@ -17,5 +17,5 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(width, cfg.hidden_size, bias=False)
         self.activation = cfg.activation
 
-    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:   # ops: llama.Ops
+    def forward(self, x: torch.Tensor, ops) -> torch.Tensor:   # ops: ops.Ops
         return ops.linear(self.down_proj, ops.act_mul(ops.linear(self.gate_up_proj, x), self.activation))

@@ -53,7 +53,7 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)   # the router
         self.gate.router = True   # read by moe_route as it is (prepack.py leaves it plain)
         # The experts this module holds: first_expert.. of the router's (expert parallelism: a rank's
-        # share; LlamaForCausalLM sets first_expert by rank), each whole or a shard of its columns.
+        # share; the decoder sets first_expert by rank), each whole or a shard of its columns.
         self.local_experts, self.first_expert = m.local_experts, 0
         self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
@@ -240,4 +240,18 @@ def quantize_experts(model: nn.Module, method: str) -> int:
             else:
                 mod.set_blocks(make(mod.w13.reshape(-1, mod.w13.shape[-1])), make(mod.w2.reshape(-1, mod.w2.shape[-1])))
             n += 1
+    return n
+
+
+def pack_experts(model: nn.Module, kernels) -> int:
+    """Every bf16 mixture's experts packed for vdpbf16ps (pack_bf16), once at load, where the
+    chooser times that faster than the plain weights here. Returns how many weights were packed."""
+    if kernels is None or not kernels.moe_can_pack():
+        return 0
+    n = 0
+    for moe in model.modules():
+        if isinstance(moe, SparseMoE) and moe.can_pack() and moe.w13.device.type == "cpu" \
+                and experts_verdict(moe, kernels).route.paths == ("panels",):
+            moe.pack_bf16()
+            n += 2
     return n

@@ -79,7 +79,7 @@ def _fold(norm_or_rows: torch.Tensor, layer_w: torch.Tensor, s: torch.Tensor) ->
 
 @torch.no_grad()
 def smooth(model: nn.Module, maxima: dict[str, torch.Tensor], alpha: float = ALPHA) -> int:
-    """Fold SmoothQuant's scales into a Llama-family model (models/llama.py) in place.
+    """Fold SmoothQuant's scales into a decoder (models/decoder.py) in place.
     An LM head tied to the embedding gets its own (scaled) weight; the embedding keeps
     its own. Returns how many matmuls were smoothed."""
     n = 0

@@ -9,18 +9,19 @@ import torch
 from ..attention import AttentionBackend
 from ..distributed import TPGroup
 from ..loader import load_weights
-from ..models import LlamaForCausalLM, ModelConfig
-from ..models.llama import expert_kept, tp_split_dim
+from ..models import DecoderForCausalLM, ModelConfig
+from ..models.registry import decoder_for
 from ..models.rope import RotaryEmbedding
+from ..models.weights import expert_kept, tp_split_dim
 
 
 def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, kernels, tp: TPGroup,
-                device: torch.device, dtype: torch.dtype, max_model_len: int | None = None) -> LlamaForCausalLM:
+                device: torch.device, dtype: torch.dtype, max_model_len: int | None = None) -> DecoderForCausalLM:
     """This rank's slice of the model, its weights loaded, in `dtype`, with its RoPE tables
     (float32 whatever the weights' dtype) for the positions an engine of `max_model_len` tokens
     uses: a model's own limit can be far larger (Gemma 3's 32,768 rows x 2 tables: 64 MiB)."""
     with torch.device("meta"):  # no random init of weights we overwrite anyway
-        model = LlamaForCausalLM(mc, backend, kernels, tp)
+        model = decoder_for(mc.model_type)(mc, backend, kernels, tp)
     model = model.to_empty(device=device)
     if mc.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

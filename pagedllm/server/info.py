@@ -19,7 +19,7 @@ from typing import Any
 from .. import __version__
 from ..engine.client import EngineInfo
 from ..loader import load_config
-from ..models.config import FAMILIES
+from ..models.registry import FAMILIES
 
 
 def _paths(info: EngineInfo) -> dict[str, str]:

@@ -36,6 +36,8 @@ FACADE = {
 PENDING: set[tuple[str, str]] = set()
 
 TORCH_FREE = ("kv",)  # with everything they import from pagedllm
+# Modules of a unit that are torch-free by themselves (with what they import), though their unit is not.
+REGISTRY = ("pagedllm.models.config", "pagedllm.models.registry", "pagedllm.models.family", "pagedllm.models.families")
 HEAVY = ("torch", "triton", "numpy")
 
 
@@ -173,20 +175,28 @@ def test_pending_knots_are_still_there():
     assert not PENDING - edges, f"delete from PENDING: {sorted(PENDING - edges)}"
 
 
-def test_kv_imports_no_torch():
-    imports = all_imports()
+def _assert_no_torch(todo: list[str]) -> None:
+    """None of `todo` imports torch (or numpy, triton), nor does anything of pagedllm they import."""
     by_source: dict[str, list[Import]] = {}
-    for i in imports:
+    for i in all_imports():
         by_source.setdefault(i.source, []).append(i)
-    for name in TORCH_FREE:
-        todo = [m for m in modules() if unit(m) == name]
-        seen = set(todo)
-        while todo:
-            for i in by_source.get(todo.pop(), []):
-                assert i.target.split(".")[0] not in HEAVY, f"{i.where()}: {i.source} imports {i.target}"
-                if i.target.startswith("pagedllm.") and i.target not in seen and i.target in modules():
-                    seen.add(i.target)
-                    todo.append(i.target)
+    seen = set(todo)
+    while todo:
+        for i in by_source.get(todo.pop(), []):
+            assert i.target.split(".")[0] not in HEAVY, f"{i.where()}: {i.source} imports {i.target}"
+            if i.target.startswith("pagedllm.") and i.target not in seen and i.target in modules():
+                seen.add(i.target)
+                todo.append(i.target)
+
+
+def test_kv_imports_no_torch():
+    _assert_no_torch([m for m in modules() if unit(m) in TORCH_FREE])
+
+
+def test_the_model_registry_and_config_import_no_torch():
+    """A config is read, and its family found, before any model is built (kv-calc, the server's
+    front): the registry and the families' rows are plain data, and name their decoders."""
+    _assert_no_torch([m for m in modules() if m.startswith(REGISTRY)])
 
 
 def test_the_core_sits_below_loader_engine_server_and_viz():

@@ -1,4 +1,4 @@
-"""The family table (models/config.py) read from HF configs in both layouts, and our RoPE
+"""The families (models/registry.py) read from HF configs in both layouts, and our RoPE
 tables (models/rope.py) against transformers' own for every scaling we take. No model loads."""
 from __future__ import annotations
 

@@ -1,0 +1,75 @@
+"""A decoder layer (attention, then the MLP or a mixture of experts) with the options families pick
+(family.Family): q/k norms, per-layer windows, sandwich norms."""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..attention import AttentionBackend
+from ..distributed import TPGroup
+from .config import ModelConfig
+from .mlp import MLP
+from .moe import SparseMoE
+from .norm import RMSNorm
+from .ops import Ops
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0) -> None:
+        super().__init__()
+        self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.backend = backend
+        self.scale = cfg.scale
+        self.window = window  # this layer's sliding window (0: full attention)
+        if cfg.family.qk_norm:  # over each head's d dims, before RoPE
+            self.q_norm, self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps), RMSNorm(self.d, cfg.rms_norm_eps)
+        elif cfg.family.qk_norm_whole:  # over all of q's heads at once (and k's), before RoPE
+            self.q_norm = RMSNorm(self.h * self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kvh * self.d, cfg.rms_norm_eps)
+        self.whole_norm = cfg.family.qk_norm_whole
+
+    def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
+        t = x.shape[0]
+        qkv = ops.linear(self.qkv_proj, x)
+        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        if self.whole_norm:
+            q, k = ops.norm(q.contiguous(), self.q_norm), ops.norm(k.contiguous(), self.k_norm)
+        q, k = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d)
+        if hasattr(self, "q_norm") and not self.whole_norm:
+            q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
+        q, k = rotate(q, k)
+        o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
+                                 window=self.window)
+        return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, backend, cfg.window(index))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
+        self.mlp = SparseMoE(cfg) if cfg.moe is not None and cfg.moe.is_sparse(index) else MLP(cfg)
+        if cfg.family.sandwich_norms:  # each sublayer's output is normed before the residual add
+            self.attn_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.mlp_output_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.family.sandwich_norms
+
+    def forward(self, x, residual, ops: Ops, rotate, k_cache, v_cache, meta, tp: TPGroup):
+        """x: the previous layer's output (not yet added to the residual stream), or the
+        embeddings with residual None. Returns (this layer's output, residual stream).
+        Under tensor parallelism o_proj and down_proj are row-parallel: each rank holds a
+        partial sum of their output, made whole by one all-reduce each."""
+        if residual is None:
+            residual, x = x, ops.norm(x, self.input_layernorm)
+        else:
+            x, residual = ops.add_norm(x, residual, self.input_layernorm)
+        x = tp.all_reduce(self.self_attn(x, ops, rotate, k_cache, v_cache, meta))
+        if self.sandwich:
+            x = ops.norm(x, self.attn_output_norm)
+        x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
+        x = tp.all_reduce(self.mlp(x, ops))
+        return (ops.norm(x, self.mlp_output_norm) if self.sandwich else x), residual

@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..models.registry import family
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -91,7 +93,7 @@ def make_model(shape: str, out: str | Path, dtype: str = "bfloat16", seed: int =
         if f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja"):
             shutil.copy(f, out / f.name)
     d = s.hidden_size // s.num_attention_heads
-    arch = "Qwen2ForCausalLM" if s.model_type == "qwen2" else "LlamaForCausalLM"
+    arch = family(s.model_type).architecture   # what HF transformers and vLLM build it as
     config = {
         "architectures": [arch], "model_type": s.model_type, "hidden_size": s.hidden_size,
         "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,

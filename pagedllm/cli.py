@@ -11,6 +11,7 @@ from typing import Any
 
 from . import __version__
 from .config import EngineConfig
+from .knobs import Spec, spec_of
 
 # The first serving scenario: many chats sharing one system prompt.
 EXAMPLE_SYSTEM = ("You are a patient support agent for a public library. Answer in two or three short "
@@ -35,33 +36,53 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return text if "default" in text else super()._get_help_string(action)
 
 
-def _flag_type(kind: Callable[[str], Any]) -> Callable[[str], Any]:
-    """argparse type that passes a parser's own ValueError message on (it names the field
-    and the allowed form), where argparse would print only 'invalid value'."""
-    if kind in (int, float, str):
-        return kind
+def add_knob_args(group: argparse._ActionsContainer, config: type, checked: bool = False) -> None:
+    """One flag per knob() of the dataclass `config`, named after its field; help, type,
+    choices and argparse's other options come from the field's metadata, so a new knob gets
+    its flag by being declared once. `checked`: the flag checks the knob's range as it is read."""
+    for f in dataclasses.fields(config):
+        if spec_of(f) is not None:
+            flag = dict(f.metadata["flag"])
+            names = ["--" + f.name.replace("_", "-"), *flag.pop("aliases", ())]
+            group.add_argument(*names, dest=f.name, default=f.default, help=f.metadata["help"],
+                               **_flag_options(f.name, spec_of(f), f.default, checked), **flag)
+
+
+def _flag_options(name: str, spec: Spec, default: Any, checked: bool) -> dict[str, Any]:
+    if spec.kind is bool:  # off by default: a switch; on by default: --x / --no-x
+        return {"action": "store_true" if not default else argparse.BooleanOptionalAction}
+    options: dict[str, Any] = {} if spec.choices is None else {"choices": list(spec.choices)}
+    if spec.parse is not None or spec.kind is not None:
+        options["type"] = _flag_type(name, spec, checked)
+    return options
+
+
+def _flag_type(name: str, spec: Spec, checked: bool) -> Callable[[str], Any]:
+    """argparse type that reads the text, passing a parser's own ValueError message on (it
+    names the field and the allowed form, where argparse would print only 'invalid value');
+    `checked`: the knob's check too (its range, its choices)."""
+    read = spec.parse or spec.kind
+    if read in (int, float) and not checked:
+        return read
 
     def parse(text: str) -> Any:
-        try:
-            return kind(text)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
-    parse.__name__ = kind.__name__
+        value = read(text) if read in (int, float) else _message_kept(read, text)  # int: argparse's own message
+        return _message_kept(lambda v: spec.check(name, v), value) if checked else value
+    parse.__name__ = read.__name__
     return parse
 
 
+def _message_kept(function: Callable[[Any], Any], value: Any) -> Any:
+    try:
+        return function(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def add_engine_args(p: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field, named after it; help, type and choices come from the
-    field's metadata, so a new knob gets its flag by being declared once."""
-    g = p.add_argument_group("engine (vLLM's flag names)")
-    for f in dataclasses.fields(EngineConfig):
-        meta = dict(f.metadata)
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):  # off by default: a switch; on by default: --x / --no-x
-            meta["action"] = "store_true" if not f.default else argparse.BooleanOptionalAction
-        elif "type" in meta or isinstance(f.default, (int, float)):
-            meta["type"] = _flag_type(meta.get("type", type(f.default)))
-        g.add_argument(flag, dest=f.name, default=f.default, **meta)
+    """The EngineConfig's flags, checked when the config is built (its error names the field
+    in one line, before the model loads)."""
+    add_knob_args(p.add_argument_group("engine (vLLM's flag names)"), EngineConfig)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -73,83 +94,9 @@ def engine_defaults(parser: argparse.ArgumentParser) -> dict[str, Any]:
     return {a.dest: a.default for a in parser._actions}
 
 
-def _quantized(kv_cache_dtype: str) -> bool:
-    from .kv_dtype import KV_DTYPES
-    return KV_DTYPES[kv_cache_dtype].quantized
-
-
-def tier_report(kv, tier_dir: str | None = None) -> str:
-    """The second tier's line of the KV report (kv: a KVStats with a tier)."""
-    c, t = kv.tier, kv.tier.store
-    return (f"  tier: {t.blocks} blocks ({t.bytes / 2**20:.1f} MiB of {t.capacity_bytes / 2**30:.1f} GiB)"
-            f"{f' in {tier_dir}' if tier_dir else ''}, {c.hits}/{kv.prefix_queries} prompt tokens from the "
-            f"tier (tier hit rate {kv.tier_hit_rate:.1%}), loaded {c.loaded_blocks}, offloaded "
-            f"{c.offloaded_blocks} (backlog {c.backlog}), evicted {t.evicted_blocks} (tier LRU), swap-outs "
-            f"{c.swap_outs} ({c.swap_out_blocks} blocks), read failures {t.read_failures}, "
-            f"write errors {t.write_errors}")
-
-
-def groups_report(kv) -> list[str]:
-    """A line per KV layer group, for a model whose layers mix attention types."""
-    if len(kv.groups) < 2:
-        return []
-    held = ", ".join(f"{g.kind} {g.held_blocks if g.held_blocks is not None else '?'} held"
-                     + (f" ({g.released} released)" if g.window else "") for g in kv.groups)
-    return [f"  layer groups ({len(kv.groups)}, a block holds one group's layers): {held}"]
-
-
-def adapters_report(kv) -> list[str]:
-    """The LoRA adapters' pages in the pool (kv.adapter_pages), when any were placed."""
-    a = kv.adapters
-    if a is None or not a.loads:
-        return []
-    return [f"  LoRA adapters in the pool: {a.resident} resident ({a.held} in use: {a.held_pages} blocks; idle: "
-            f"{a.idle_pages} blocks, free to take), {a.loads} paged in, {a.evictions} evicted"]
-
-
-def weights_report(s) -> list[str]:
-    """The weights beside the pool: held, and read a token where that is less (a mixture of experts)."""
-    if not s.weights_bytes:
-        return []
-    active = s.active_weights_bytes
-    return [f"  weights beside the pool: {s.weights_bytes / 2**30:.2f} GiB held"
-            + (f", {active / 2**30:.2f} GiB read a token (its top k experts a layer)" if active != s.weights_bytes
-               else "")]
-
-
-def kv_report(stats, tier_dir: str | None = None) -> str:
-    """The KV figures `pagedllm generate` prints; `tier_dir`: the --kv-offload-dir it names."""
-    s, kv = stats, stats.kv
-    return "\n".join([
-        "KV cache report",
-        f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, KV {s.kv_cache_dtype}, {s.bytes_per_token} "
-        f"bytes/token (2*L*d_kv*bytes{', scales included' if _quantized(s.kv_cache_dtype) else ''}), "
-        f"{s.blocks_per_gib} blocks per GiB, {kv.num_blocks * (s.bytes_per_block or kv.block_size * s.bytes_per_token) / 2**20:.0f} MiB",
-        f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
-        f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
-        f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",
-    ] + weights_report(s) + [
-        f"  prefix cache: {kv.prefix_hits}/{kv.prefix_queries} prompt tokens hit (H = {kv.hit_rate:.1%})",
-    ] + groups_report(kv) + adapters_report(kv) + ([] if kv.tier is None else [tier_report(kv, tier_dir)]) + (
-        [] if not kv.scores.queries else [
-            f"  prompt logprobs from the cache: {kv.scores.hits}/{kv.scores.queries} prompt tokens "
-            f"({kv.scores.hit_rate:.1%}; {kv.scores.entries} blocks keep theirs, {kv.scores.bytes / 2**20:.1f} of "
-            f"{kv.scores.cap_bytes / 2**20:.0f} MiB outside the pool, {kv.scores.dropped} dropped at the cap)",
-        ]) + [
-        f"  forks {kv.forks}, copy-on-write copies {kv.cow_copies}, evictions {kv.pool.evictions}, "
-        f"preemptions {s.preemptions}",
-        f"  tokens: {s.prompt_tokens} prompt ({s.computed_prompt_tokens} computed), {s.generation_tokens} generated, "
-        f"in {s.steps} steps",
-    ] + ([] if s.spec is None else [
-        f"  speculative decoding: {s.spec.num_accepted_tokens}/{s.spec.num_draft_tokens} draft tokens accepted "
-        f"(acceptance {s.spec.acceptance_rate:.1%}) over {s.spec.num_drafts} verifications, "
-        f"{s.spec.mean_accepted_length:.2f} tokens per verifying step; accepted by draft position "
-        f"{s.spec.accepted_per_position}",
-    ]))
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
     from .engine import LLM
+    from .engine.kv_report import kv_report
     from .sampling_params import SamplingParams
 
     try:
@@ -223,7 +170,8 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .server.launch import ServerOptions, serve
+    from .server.launch import serve
+    from .server.options import ServerOptions
 
     opts = ServerOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerOptions)})
     if getattr(args, "ray", False):
@@ -406,96 +354,36 @@ def main(argv: list[str] | None = None) -> int:
     return args.func(args)
 
 
-def _number(kind: type, low: float, strict: bool = False):
-    """argparse type: a `kind` number >= low (> low if strict), so a bad flag fails
-    before the model loads."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a{'n' if kind is int else ''} {kind.__name__}: {text!r}") \
-                from None
-        if value < low or (strict and value == low):
-            raise argparse.ArgumentTypeError(f"must be {'>' if strict else '>='} {low:g}, got {text}")
-        return value
-    return parse
-
-
 def add_server_args(sv: argparse.ArgumentParser) -> None:
-    sv.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    sv.add_argument("--port", type=int, default=8000, help="port to listen on")
-    sv.add_argument("--api-key", action="append", help="accepted key (repeatable; or PAGEDLLM_API_KEY=k1,k2; "
-                    "default: none, no key needed)")
-    sv.add_argument("--admin-key", default=None,
-                    help="key for the visualizer's engine controls (pause, step, delay, scenarios) and for "
-                         "seeing every tenant's text in it (or PAGEDLLM_ADMIN_KEY); with API keys and no admin "
-                         "key the controls are off")
-    sv.add_argument("--served-model-name", default=None, help="model name clients send (default: from the model)")
-    sv.add_argument("--max-queue-len", type=int, default=1024, help="waiting requests beyond this get 503")
-    sv.add_argument("--prefix-cache-isolation", choices=["none", "per-key"], default=None,
-                    help="per-key (default when keys are set): tenants never share cached blocks")
-    sv.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024, help="larger request bodies get 413")
-    sv.add_argument("--metrics-prefix", default="pagedllm",
-                    help="name prefix of the /metrics series; 'vllm' serves vllm:* so vLLM's Grafana "
-                         "dashboards work unchanged (default: %(default)s)")
-    sv.add_argument("--log-interval", type=float, default=10.0, help="seconds between status lines")
-    sv.add_argument("--graceful-shutdown-timeout", "--shutdown-timeout", dest="graceful_shutdown_timeout",
-                    type=_number(float, 0), default=30.0, metavar="SECONDS",
-                    help="on SIGTERM, stop accepting and give in-flight requests this long to finish; then "
-                         "streams end with an error event and data: [DONE], other requests get 503 "
-                         "(default: %(default)g; vLLM's --shutdown-timeout defaults to 0)")
-    sv.add_argument("--header-timeout", type=_number(float, 0, strict=True), default=10.0, metavar="SECONDS",
-                    help="a connection must send complete request headers this soon, else 408 and closed "
-                         "(default: %(default)g)")
-    sv.add_argument("--body-timeout", type=_number(float, 0, strict=True), default=30.0, metavar="SECONDS",
-                    help="a request body must arrive this soon after its headers, else 408 "
-                         "(default: %(default)g)")
-    sv.add_argument("--limit-concurrency", type=_number(int, 1), default=None, metavar="N",
-                    help="API requests (/v1/...) in flight beyond N get 503 at once (default: no limit)")
-    from .server.tool_parsers import TOOL_PARSERS  # a plain module: no server stack at parse time
+    """ServerOptions' flags, checked as they are read (the options are built only once the
+    port is found free), then the Ray front's and the visualizer's switch."""
+    from .server.options import ServerOptions  # a plain module: no server stack at parse time
 
-    sv.add_argument("--enable-auto-tool-choice", action="store_true",
-                    help='serve tool_choice "auto" (the default when a chat request has tools): the model '
-                         "writes free text, the --tool-call-parser reads its calls (vLLM's flag)")
-    sv.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None, metavar="NAME",
-                    help="what reads tool calls from the model's text under --enable-auto-tool-choice: "
-                         f"{', '.join(sorted(TOOL_PARSERS))} (hermes: Hermes and Qwen's <tool_call> JSON; "
-                         "llama3_json: Llama 3.1's JSON; mistral: [TOOL_CALLS]; pythonic: Llama 3.2/4's "
-                         "[f(x=1)]; qwen3_coder: Qwen3-Coder's <function=...> XML)")
-    sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
-                    help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
-                         "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
-    from .server.reasoning_parsers import REASONING_PARSERS
-
-    sv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
-                    help="split a reasoning model's <think>...</think> from its answer into chat's reasoning_content, "
-                         "and start a structured output's grammar after it (vLLM's flag): "
-                         f"{', '.join(sorted(REASONING_PARSERS))}")
-    sv.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
-                    help="send an OpenTelemetry trace of each request (an llm_request span with vLLM's gen_ai.* "
-                         "attributes, and its queue, prefill and decode) to this OTLP/HTTP endpoint, e.g. "
-                         "http://localhost:4318/v1/traces; a request's traceparent header joins the caller's trace "
-                         "(default: no tracing)")
-    sv.add_argument("--max-stored-responses", type=_number(int, 0), default=256, metavar="N",
-                    help="Responses API: the responses kept per tenant (API key) for previous_response_id, least "
-                         "recently used out, at most 64 MiB of them; 0 keeps none (default: %(default)s)")
+    add_knob_args(sv, ServerOptions, checked=True)
     ray = sv.add_argument_group("replicas on Ray Serve (--ray)")
     ray.add_argument("--ray", action="store_true",
                      help="serve engine replicas on Ray Serve (on the cluster RAY_ADDRESS names, else a local one): "
                           "placed and restarted by Serve, a prefix-aware request router in front")
-    ray.add_argument("--replicas", type=_number(int, 1), default=1, metavar="N",
+    ray.add_argument("--replicas", type=_at_least(int, "replicas", ge=1), default=1, metavar="N",
                      help="engine replicas (--ray; the initial number when autoscaled)")
-    ray.add_argument("--min-replicas", type=_number(int, 0), default=None, metavar="N",
+    ray.add_argument("--min-replicas", type=_at_least(int, "min_replicas", ge=0), default=None, metavar="N",
                      help="autoscale (--ray) between --min-replicas and --max-replicas on the requests each "
                           "replica has in flight")
-    ray.add_argument("--max-replicas", type=_number(int, 1), default=None, metavar="N", help="see --min-replicas")
-    ray.add_argument("--target-ongoing-requests", type=_number(float, 0, strict=True), default=8.0, metavar="N",
+    ray.add_argument("--max-replicas", type=_at_least(int, "max_replicas", ge=1), default=None, metavar="N",
+                     help="see --min-replicas")
+    ray.add_argument("--target-ongoing-requests", type=_at_least(float, "target_ongoing_requests", gt=0),
+                     default=8.0, metavar="N",
                      help="autoscaling's target of requests in flight per replica (Serve's; default %(default)g)")
-    ray.add_argument("--cpus-per-replica", type=_number(float, 0), default=1.0, metavar="N",
+    ray.add_argument("--cpus-per-replica", type=_at_least(float, "cpus_per_replica", ge=0), default=1.0, metavar="N",
                      help="CPUs Ray reserves for each replica (default %(default)g)")
     sv.add_argument("--viz", action=argparse.BooleanOptionalAction, default=True,
                     help="serve the KV visualizer at /viz/ (with API keys, each key sees its own requests' text "
                          "and only anonymous block ownership of others')")
+
+
+def _at_least(kind: type, name: str, **bound: float) -> Callable[[str], Any]:
+    """The flag type of a number with a lower bound that is no knob (the Ray front's scaling)."""
+    return _flag_type(name, Spec(kind, **bound), checked=True)
 
 
 if __name__ == "__main__":

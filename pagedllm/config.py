@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
+from .knobs import knob, validate
 from .kv_dtype import CHOICES as KV_CACHE_DTYPES, canonical_kv_dtype
 from .util import json_object
 
@@ -62,6 +62,10 @@ def canonical_dtype(name: str) -> str:
     return name
 
 
+def _model_dtype(name: str) -> str:
+    return name if name == "auto" else canonical_dtype(name)
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
@@ -71,33 +75,20 @@ class SpeculativeConfig:
     latest earlier occurrence of the sequence's last n tokens (n from prompt_lookup_max
     down to prompt_lookup_min), up to num_speculative_tokens of it; no extra weights.
     draft_model: `model`, a smaller model with the same tokenizer, proposes them greedily."""
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 2
+    method: str = knob("ngram", "how drafts are made", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = knob(4, "draft tokens a step verifies", type=int, ge=1, le=64)
+    prompt_lookup_max: int = knob(4, "ngram: the longest run of last tokens looked up", type=int, ge=1)
+    prompt_lookup_min: int = knob(2, "ngram: the shortest", type=int, ge=1)
     # No drafts in a step with at least this many sequences running (vLLM's key): a big batch
     # already fills the matmuls, and verifying drafts there costs more than it saves.
-    disable_by_batch_size: int | None = None
-    model: str | None = None   # draft_model: a smaller model with the same tokenizer (GGUF file or HF dir)
+    disable_by_batch_size: int | None = knob(None, "no drafts from this many running sequences", type=int, ge=1)
+    model: str | None = knob(None, "draft_model: a smaller model with the same tokenizer (GGUF file or HF dir)")
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config: method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        validate(self, "speculative_config: ")
         if (self.method == "draft_model") != (self.model is not None):
             raise ValueError("speculative_config: method 'draft_model' needs a model (the draft's GGUF file or HF "
                              "directory), and only it takes one")
-        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
-                raise ValueError(f"speculative_config: {name} must be an integer >= {low}, got {v!r}")
-        if self.disable_by_batch_size is not None and (
-                not isinstance(self.disable_by_batch_size, int) or isinstance(self.disable_by_batch_size, bool)
-                or self.disable_by_batch_size < 1):
-            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 1 or null, "
-                             f"got {self.disable_by_batch_size!r}")
-        if self.num_speculative_tokens > 64:
-            raise ValueError(f"speculative_config: num_speculative_tokens must be <= 64, "
-                             f"got {self.num_speculative_tokens}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min {self.prompt_lookup_min} > "
                              f"prompt_lookup_max {self.prompt_lookup_max}")
@@ -130,33 +121,23 @@ class KVEventsConfig:
     AllBlocksCleared events (kv.events), published over ZMQ in vLLM's msgpack schema
     (engine.kv_events) for KV-aware routers. The fields are vLLM's, with its defaults;
     data_parallel_rank is set per replica (the endpoints' ports move up by it, as vLLM's)."""
-    enable_kv_cache_events: bool = False
-    publisher: str | None = None          # default: zmq when enabled, else null
+    enable_kv_cache_events: bool = knob(False, "publish the events")
+    publisher: str | None = knob(None, "default: zmq when enabled, else null", choices=KV_EVENT_PUBLISHERS)
     endpoint: str = "tcp://*:5557"        # the PUB socket (bound; connect with tcp://HOST:5557)
     replay_endpoint: str | None = None    # a ROUTER socket that replays the last buffer_steps batches
-    buffer_steps: int = 10_000
-    hwm: int = 100_000
-    max_queue_size: int = 100_000
+    buffer_steps: int = knob(10_000, "batches kept for replay", type=int, ge=1)
+    hwm: int = knob(100_000, "the PUB socket's high-water mark", type=int, ge=1)
+    max_queue_size: int = knob(100_000, "batches queued for the publishing thread", type=int, ge=1)
     topic: str = ""
     data_parallel_rank: int | None = None
     # Ours: a block under a tenant's cache salt is announced without its token ids (its hashes
     # still), so a subscriber never reads a tenant's prompt; true restores vLLM's behaviour.
-    salted_token_ids: bool = False
+    salted_token_ids: bool = knob(False, "announce a salted block's token ids too")
 
     def __post_init__(self) -> None:
-        if not isinstance(self.salted_token_ids, bool):
-            raise ValueError(f"kv_events_config: salted_token_ids must be true or false, got {self.salted_token_ids!r}")
-        if not isinstance(self.enable_kv_cache_events, bool):
-            raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, "
-                             f"got {self.enable_kv_cache_events!r}")
+        validate(self, "kv_events_config: ")
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
-        if self.publisher not in KV_EVENT_PUBLISHERS:
-            raise ValueError(f"kv_events_config: publisher must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}")
-        for name in ("buffer_steps", "hwm", "max_queue_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"kv_events_config: {name} must be an integer >= 1, got {v!r}")
         for name in ("endpoint", "replay_endpoint"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, str) or v.split("://", 1)[0] not in ("tcp", "ipc")
@@ -200,14 +181,15 @@ def parse_offload_url(value: str) -> str:
     return str(value)
 
 
+def _directory(value: str) -> str:
+    """kv_offload_dir: a path's text, never empty (an empty one would be the working directory)."""
+    if not str(value).strip():
+        raise ValueError("kv_offload_dir must name a directory, got an empty string")
+    return str(value)
+
+
 # The short names `model` takes for the GGUF models that ship on PyPI (loader.model_files finds their files).
 SHIPPED_GGUF_MODELS = ("SmolLM2-135M-Instruct", "gemma-3-270m")
-
-
-def knob(default, help: str, **cli) -> Any:
-    """A field with its command-line flag: the help text and any argparse options beyond
-    name, default and type, so `pagedllm.cli` builds each flag from here and nowhere else."""
-    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass
@@ -216,14 +198,15 @@ class EngineConfig:
     tokenizer: str | None = knob(None, "GGUF file or HF dir to take the tokenizer from (default: the model's own)")
     chat_template: str | None = knob(None, "chat template: a Jinja file's path or the template itself (default: the "
                                      "tokenizer's own, else its family's where PagedLLM ships one, as for Gemma)")
-    block_size: int = knob(16, "tokens per KV block", type=int)
+    block_size: int = knob(16, "tokens per KV block", type=int, ge=1, le=1024)
     enable_prefix_caching: bool = knob(True, "reuse cached KV blocks of identical prompt prefixes")
     allocation: str = knob("paged", "KV allocation policy: paged, or reserve-max (the traditional contiguous "
                            "reservation of max_model_len per request; no block sharing, so no prefix cache)",
-                           choices=list(ALLOCATION_POLICIES))
-    max_num_seqs: int = knob(256, "most sequences running at once", type=int)
+                           choices=ALLOCATION_POLICIES)
+    max_num_seqs: int = knob(256, "most sequences running at once", type=int, ge=1)
     max_logprobs: int = knob(20, "most logprobs (top-k) a request may ask per token, output or prompt (vLLM's "
-                             "flag); a prompt's are kept beside its cached KV blocks at this k", type=int)
+                             "flag); a prompt's are kept beside its cached KV blocks at this k", type=int,
+                             ge=0, le=1024)
     prompt_logprobs_cache_memory: int | str | None = knob(
         None, "most bytes of prompt logprobs kept beside cached KV blocks for later requests over the same prefix "
         "(they live outside the KV pool; least recently used go first; 0 keeps none; default: 5%% of the KV pool, "
@@ -231,24 +214,25 @@ class EngineConfig:
         type=parse_score_cache)
     grammar_compile_timeout: float = knob(10.0, "seconds one structured-outputs grammar may take to compile "
                                           "(in a worker process, killed past it: the request fails with a 400)",
-                                          type=float)
-    max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int)
+                                          type=float, gt=0, le=3600)
+    max_num_batched_tokens: int = knob(2048, "most tokens computed in one step", type=int, ge=1)
     max_model_len: int | None = knob(None, "longest prompt + output (default: the model's "
-                                     "max_position_embeddings)", type=int)
+                                     "max_position_embeddings)", type=int, ge=2)
     kv_cache_memory: int | str | None = knob(
         None, "KV pool size, bytes or e.g. 2GiB (default: on CPU min(2 GiB, 25%% of free RAM); on CUDA from "
         "--gpu-memory-utilization)", type=parse_bytes)
     num_gpu_blocks_override: int | None = knob(None, "exact number of KV blocks, wins over the budgets "
-                                               "(default: from the memory budget)", type=int)
+                                               "(default: from the memory budget)", type=int, ge=1)
     gpu_memory_utilization: float = knob(0.9, "fraction of GPU memory for weights, activations and KV (CUDA)",
-                                         type=float)
+                                         type=float, gt=0, le=1)
     dtype: str = knob("auto", "weights and KV dtype; auto: bfloat16 on CUDA and on CPUs with native bf16, "
-                      "else float32", choices=["auto", *DTYPE_BYTES])
+                      "else float32", choices=["auto", *DTYPE_BYTES],
+                      normalize=_model_dtype)
     kv_cache_dtype: str = knob(
         "auto", "how K/V blocks are stored (vLLM's flag; int8 and int4 are ours): auto as --dtype; fp8 (= fp8_e4m3), "
         "fp8_e5m2, int8 and int4 keep codes and a bf16 scale per token and head inside the block, read in place "
         "by the attention kernel (CPU attention backend; torch backend too; Triton: fp8); what each costs and saves: "
-        "BENCHMARKS.md", choices=list(KV_CACHE_DTYPES))
+        "BENCHMARKS.md", choices=KV_CACHE_DTYPES, normalize=canonical_kv_dtype)
     device: str = knob("auto", "auto, cpu, cuda or cuda:N (auto: cuda when available)")
     seed: int = knob(0, "engine seed: requests without their own seed sample from it", type=int)
     attention_backend: str = knob(
@@ -256,7 +240,7 @@ class EngineConfig:
         "(torch: the reference, gathers blocks for SDPA)", choices=["auto", *ATTENTION_BACKENDS])
     enforce_eager: bool = knob(False, "no CUDA graphs for decode steps")
     num_threads: int | None = knob(None, "CPU threads (default: OMP_NUM_THREADS, else one per physical core); "
-                                   "fewer are used while other processes keep cores busy", type=int)
+                                   "fewer are used while other processes keep cores busy", type=int, ge=1)
     batch_invariant: bool = knob(
         False, "a request's tokens the same alone, in any batch and after preemption (vLLM's "
         "VLLM_BATCH_INVARIANT): matmuls in a fixed reduction order (bf16 on AMX CPUs: our own kernel; otherwise "
@@ -264,9 +248,9 @@ class EngineConfig:
         "CPU attention backend only; its cost: BENCHMARKS.md")
     long_prefill_token_threshold: int = knob(
         0, "a prompt with more uncomputed tokens than this is prefilled this many tokens a step, leaving room "
-        "for decodes and short prompts (0: a quarter of --max-num-batched-tokens)", type=int)
+        "for decodes and short prompts (0: a quarter of --max-num-batched-tokens)", type=int, ge=0)
     max_num_partial_prefills: int = knob(1, "long prompts prefilled at once; shorter ones are admitted past "
-                                         "those that wait", type=int)
+                                         "those that wait", type=int, ge=1)
     quantization: str | None = knob(
         None, "weight-only quantization of the matmuls and the LM head on llama.cpp's blocks of 32 (vLLM's flag), "
         "CPU only, activations in --dtype: gguf runs a .gguf model's own Q4_1 / Q4_0 / Q8_0 blocks (other tensor "
@@ -275,7 +259,7 @@ class EngineConfig:
         "output channel and int8 activations per token (SmoothQuant-smoothed at load on a built-in text), int32 "
         "sums on oneDNN's int8 GEMM; runs under tensor parallel, speculation and batch_invariant. Speed and "
         "quality of each: BENCHMARKS.md",
-        choices=list(QUANTIZATIONS))
+        choices=QUANTIZATIONS)
     speculative_config: SpeculativeConfig | dict | str | None = knob(
         None, "speculative decoding, as vLLM's JSON: {\"method\": \"ngram\", \"num_speculative_tokens\": k, "
         "\"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}, or {\"method\": \"draft_model\", \"model\": PATH, "
@@ -287,15 +271,15 @@ class EngineConfig:
                              "step, the base matmul once and each adapter's low-rank pass over its rows. Adapter "
                              "weights live in pages of the KV pool (S-LoRA's unified paging): held while used, "
                              "evicted like cold prefix blocks after; a request whose adapter finds no room waits")
-    max_lora_rank: int = knob(16, "the highest adapter rank accepted (vLLM's flag)", type=int)
+    max_lora_rank: int = knob(16, "the highest adapter rank accepted (vLLM's flag)", type=int, ge=1)
     max_loras: int = knob(1, "the most adapters one step runs (vLLM's flag); a request of another adapter waits "
-                          "until one of them has no running request", type=int)
+                          "until one of them has no running request", type=int, ge=1)
     max_cpu_loras: int | None = knob(None, "unused adapters kept in host memory besides those of unfinished "
                                      "requests, least recently used dropped first (vLLM's flag; default "
                                      "max_loras): one dropped is read from disk again when asked for", type=int)
     tensor_parallel_size: int = knob(
         1, "split the model over this many ranks (heads, KV heads, MLP and vocab sharded; gloo on CPU, NCCL on "
-        "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int)
+        "CUDA); local worker processes are started for you, or run every rank under torchrun", type=int, ge=1)
     enable_expert_parallel: bool = knob(
         False, "under tensor_parallel_size > 1, split a mixture of experts' experts over the ranks, each "
         "holding 1/n of them whole (vLLM's flag), instead of every rank holding 1/n of each expert's columns; "
@@ -303,22 +287,22 @@ class EngineConfig:
     distributed_executor_backend: str = knob(
         "mp", "how tensor-parallel workers start (vLLM's flag): mp, local processes; ray, Ray actors placed "
         "by a placement group, one bundle a rank, on the cluster RAY_ADDRESS names (a local one when unset)",
-        choices=list(DISTRIBUTED_EXECUTOR_BACKENDS))
+        choices=DISTRIBUTED_EXECUTOR_BACKENDS)
     ray_placement_strategy: str = knob(
         "PACK", "under --distributed-executor-backend ray: how the ranks' bundles (one each, --num-threads CPUs, "
         "default 1) are placed: PACK on as few nodes as fit, SPREAD over nodes, STRICT_* or fail",
-        choices=list(RAY_PLACEMENT_STRATEGIES))
+        choices=RAY_PLACEMENT_STRATEGIES)
     kv_events_config: KVEventsConfig | dict | str | None = knob(
         None, "vLLM's KV events as JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": \"tcp://*:5557\"}': "
         "BlockStored, BlockRemoved and AllBlocksCleared over ZMQ in vLLM's msgpack schema, for KV-aware routers",
         type=parse_kv_events_config)
     data_parallel_size: int = knob(1, "engine replicas behind one server, each its own process and KV pool "
-                                   "(pagedllm serve)", type=int)
+                                   "(pagedllm serve)", type=int, ge=1)
     kv_offload_dir: str | None = knob(
         None, "a second tier for the prefix cache on disk (SGLang's HiCache storage, LMCache's local disk): full "
         "cached blocks are kept there under their hashes, a prefix that left the pool is loaded back instead of "
         "recomputed, and a restarted engine with the same model, dtype, KV dtype and block size serves hits "
-        "from it (checksummed; a bad or foreign block is recomputed)")
+        "from it (checksummed; a bad or foreign block is recomputed)", normalize=_directory)
     kv_offload_url: str | None = knob(
         None, "a shared second tier on Redis or Valkey, e.g. redis://127.0.0.1:6379 (LMCache's and Mooncake's "
         "idea on a real store): every engine of the same model, dtype, KV dtype and block size pointed at it "
@@ -329,22 +313,24 @@ class EngineConfig:
     kv_offload_write_policy: str = knob(
         "write_through", "write_through: a block is written in the background once it is full and cached (a crash "
         "loses only blocks in flight); write_back: written when the pool evicts it, and at a clean shutdown "
-        "(SGLang's --hicache-write-policy)", choices=list(OFFLOAD_WRITE_POLICIES))
+        "(SGLang's --hicache-write-policy)", choices=OFFLOAD_WRITE_POLICIES)
     preemption_mode: str = knob(
         "recompute", "when blocks run out, the newest sequences are preempted: recompute drops their KV (a resume "
         "takes what the prefix cache still holds); swap first saves their full blocks to the tier (needs "
-        "--kv-offload-dir) and a resume loads them back", choices=list(PREEMPTION_MODES))
+        "--kv-offload-dir) and a resume loads them back", choices=PREEMPTION_MODES)
     scheduling_policy: str = knob(
         "lpm", "order of admission: lpm, the waiting requests with the longest prefix in the pool or the tier first "
         "(SGLang's cache-aware LPM), bounded by --scheduling-aging-bound; fcfs, arrival order (vLLM's default); or "
         "priority, a request's `priority` first (lower first, then arrival; vLLM's), the running request of the "
-        "lowest priority preempted first. Why lpm is the default: BENCHMARKS.md", choices=list(SCHEDULING_POLICIES))
+        "lowest priority preempted first. Why lpm is the default: BENCHMARKS.md", choices=SCHEDULING_POLICIES)
     scheduling_aging_bound: float = knob(
         2.0, "lpm: the oldest waiting request, once it has been the oldest this many seconds (first come, first "
-        "served would have admitted it), is admitted ahead of younger ones, whatever they have cached", type=float)
+        "served would have admitted it), is admitted ahead of younger ones, whatever they have cached",
+        type=float, ge=0, le=86400)
     router_policy: str = knob("prefix", "how the server spreads requests over data-parallel replicas: prefix "
                               "(the replica it sent the longest run of the prompt's leading blocks, new "
-                              "prefixes spread by a hash ring; load overrides), round-robin or least-loaded", choices=list(ROUTER_POLICIES))
+                              "prefixes spread by a hash ring; load overrides), round-robin or least-loaded",
+                              choices=ROUTER_POLICIES)
 
     @property
     def kv_offload(self) -> str | None:
@@ -356,92 +342,22 @@ class EngineConfig:
         return "kv_offload_url" if self.kv_offload_url is not None else "kv_offload_dir"
 
     def __post_init__(self) -> None:
-        for name in ("max_lora_rank", "max_loras"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int)
-                                               or self.max_cpu_loras < self.max_loras):
+        validate(self)  # each knob alone, from its metadata; below, the rules between knobs
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
             raise ValueError(f"max_cpu_loras must be an integer >= max_loras ({self.max_loras}), "
                              f"got {self.max_cpu_loras!r}")
-        if not isinstance(self.block_size, int) or not 1 <= self.block_size <= 1024:
-            raise ValueError(f"block_size must be an integer in [1, 1024], got {self.block_size!r}")
-        if self.allocation not in ALLOCATION_POLICIES:
-            raise ValueError(f"allocation must be one of {ALLOCATION_POLICIES}, got {self.allocation!r}")
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if not isinstance(self.max_logprobs, int) or not 0 <= self.max_logprobs <= 1024:
-            raise ValueError(f"max_logprobs must be an integer in [0, 1024], got {self.max_logprobs!r}")
-        if not isinstance(self.grammar_compile_timeout, (int, float)) or not 0 < self.grammar_compile_timeout <= 3600:
-            raise ValueError(f"grammar_compile_timeout must be in (0, 3600] seconds, got {self.grammar_compile_timeout!r}")
-        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be an integer >= 1, got {self.max_num_batched_tokens!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.dtype != "auto":
-            self.dtype = canonical_dtype(self.dtype)
-        self.kv_cache_dtype = canonical_kv_dtype(self.kv_cache_dtype)
-        if self.kv_cache_memory is not None:
-            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if self.prompt_logprobs_cache_memory is not None:
-            self.prompt_logprobs_cache_memory = parse_score_cache(self.prompt_logprobs_cache_memory)
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override!r}")
-        if self.attention_backend not in ("auto", *ATTENTION_BACKENDS):
-            raise ValueError(f"attention_backend must be auto or one of {ATTENTION_BACKENDS}, "
-                             f"got {self.attention_backend!r}")
-        if self.num_threads is not None and (not isinstance(self.num_threads, int) or self.num_threads < 1):
-            raise ValueError(f"num_threads must be an integer >= 1, got {self.num_threads!r}")
-        if not isinstance(self.long_prefill_token_threshold, int) or self.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be an integer >= 0 (0: automatic), "
-                             f"got {self.long_prefill_token_threshold!r}")
-        if not isinstance(self.max_num_partial_prefills, int) or self.max_num_partial_prefills < 1:
-            raise ValueError(f"max_num_partial_prefills must be an integer >= 1, got {self.max_num_partial_prefills!r}")
-        self.speculative_config = parse_speculative_config(self.speculative_config)
-        for name in ("tensor_parallel_size", "data_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        self.kv_events_config = parse_kv_events_config(self.kv_events_config)
-        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS}, "
-                             f"got {self.distributed_executor_backend!r}")
-        if self.ray_placement_strategy not in RAY_PLACEMENT_STRATEGIES:
-            raise ValueError(f"ray_placement_strategy must be one of {RAY_PLACEMENT_STRATEGIES}, "
-                             f"got {self.ray_placement_strategy!r}")
-        if self.kv_offload_url is not None:
-            self.kv_offload_url = parse_offload_url(self.kv_offload_url)
-            if self.kv_offload_dir is not None:
-                raise ValueError("kv_offload_dir and kv_offload_url are two second tiers: give one")
-        if self.kv_offload_dir is not None:
-            self.kv_offload_dir = str(self.kv_offload_dir)
-            if not self.kv_offload_dir.strip():
-                raise ValueError("kv_offload_dir must name a directory, got an empty string")
-        if self.kv_offload is not None:
-            if not self.enable_prefix_caching or self.allocation != "paged":
-                raise ValueError(f"{self.kv_offload_knob} keeps prefix-cache blocks under their hashes: it needs the prefix "
-                                 "cache (enable_prefix_caching, paged allocation), got enable_prefix_caching="
-                                 f"{self.enable_prefix_caching}, allocation={self.allocation!r}")
-        self.kv_offload_size = parse_offload_size(self.kv_offload_size)
-        if self.kv_offload_write_policy not in OFFLOAD_WRITE_POLICIES:
-            raise ValueError(f"kv_offload_write_policy must be one of {OFFLOAD_WRITE_POLICIES}, "
-                             f"got {self.kv_offload_write_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.kv_offload_url is not None and self.kv_offload_dir is not None:
+            raise ValueError("kv_offload_dir and kv_offload_url are two second tiers: give one")
+        if self.kv_offload is not None and (not self.enable_prefix_caching or self.allocation != "paged"):
+            raise ValueError(f"{self.kv_offload_knob} keeps prefix-cache blocks under their hashes: it needs the "
+                             "prefix cache (enable_prefix_caching, paged allocation), got enable_prefix_caching="
+                             f"{self.enable_prefix_caching}, allocation={self.allocation!r}")
         if self.preemption_mode == "swap" and self.kv_offload is None:
             raise ValueError("preemption_mode swap saves preempted blocks to the second tier: set kv_offload_dir "
                              "(--kv-offload-dir) or kv_offload_url too")
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if not isinstance(self.scheduling_aging_bound, (int, float)) or not 0 <= self.scheduling_aging_bound <= 86400:
-            raise ValueError(f"scheduling_aging_bound must be in [0, 86400] seconds, got {self.scheduling_aging_bound!r}")
-        if self.router_policy not in ROUTER_POLICIES:
-            raise ValueError(f"router_policy must be one of {ROUTER_POLICIES}, got {self.router_policy!r}")
-        if not isinstance(self.batch_invariant, bool):
-            raise ValueError(f"batch_invariant must be True or False, got {self.batch_invariant!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
+        self._check_quantization_and_invariance()
+
+    def _check_quantization_and_invariance(self) -> None:
         # w8a8 runs under both: its integer sums are exact (a row's result is the same in any
         # batch), and its scales are per output channel and per token (a rank's slice keeps its own).
         if self.quantization not in (None, "w8a8") and self.batch_invariant:

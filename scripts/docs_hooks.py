@@ -1,7 +1,8 @@
 """mkdocs hooks (mkdocs.yml): the pages written from the code when the site is built, so they
 cannot go stale, and BENCHMARKS.md with its plots as the benchmarks page.
 
-- reference/cli.md: every subcommand and flag, from pagedllm.cli.build_parser();
+- reference/cli.md: every subcommand and flag, from pagedllm.cli.build_parser(), which builds
+  the engine's and the server's flags from the knob() fields of EngineConfig and ServerOptions;
 - reference/http.md: every route of the server, from the @app.<method>(path) decorators in
   pagedllm/server/*.py and each handler's docstring or its request body model;
 - benchmarks.md: BENCHMARKS.md, its plots (benchmarks/results/report/*.png) added as files.

@@ -48,7 +48,7 @@ def test_kv_report_tier_line():
     """The KV report's tier line, from the figures alone; no tier, no line."""
     from dataclasses import replace
 
-    from pagedllm.cli import kv_report
+    from pagedllm.engine.kv_report import kv_report
     from pagedllm.dp.stats import zero_stats
     from pagedllm.kv import TierFigures
     from pagedllm.kv.tier_store import TierStats

@@ -135,7 +135,7 @@ def test_adapter_pages_follow_the_stated_formula(lora_llm, adapters):
     assert len(pages) == -(-53 * 8 // 32) == 14 == eng.runner.loras.load_now(adapters[0]).num_pages
     assert figures.held_pages == 0 and figures.idle_pages >= 14   # resident, unused: its pages are free to take
     assert eng.stats().kv.as_dict()["adapters"]["idle_pages"] == figures.idle_pages
-    from pagedllm.cli import kv_report
+    from pagedllm.engine.kv_report import kv_report
     assert f"LoRA adapters in the pool: {figures.resident} resident" in kv_report(eng.stats())
     # a constrained request under an adapter: the grammar holds whatever the adapter prefers
     from pagedllm import StructuredOutputsParams

@@ -75,7 +75,7 @@ def test_moe_family_matches_hf(make_llm, tmp_path, model_dir, family, monkeypatc
     from pagedllm.analysis.kv_calc import param_count   # kv-calc's weights: the checkpoint's, every expert
     assert param_count(llm.engine.model_cfg) == sum(p.numel() for p in hf.parameters())
     assert param_count(llm.engine.model_cfg, active=True) < param_count(llm.engine.model_cfg)
-    from pagedllm.cli import kv_report   # the weights as held (every expert) and as one token reads them
+    from pagedllm.engine.kv_report import kv_report   # the weights as held (every expert) and as one token reads them
     st = llm.get_stats()
     assert (st.weights_bytes, st.active_weights_bytes) == (4 * param_count(llm.engine.model_cfg),
                                                             4 * param_count(llm.engine.model_cfg, active=True))

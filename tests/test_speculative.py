@@ -116,7 +116,7 @@ def test_seeded_sampling_keeps_the_target_distribution(llm_fp32, spec_real):
 
 
 def test_acceptance_shows_in_stats_report_and_metrics(spec_llm):
-    from pagedllm.cli import kv_report
+    from pagedllm.engine.kv_report import kv_report
     from pagedllm.server.metrics import engine_rows
 
     spec_llm.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)

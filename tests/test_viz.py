@@ -245,7 +245,7 @@ def test_tier_events_replay_and_figures(tmp_path, tiny_model):
     """With a second tier (write-through, swap preemption): pins, unpins, tier loads, offloads
     and a swap-out replay into the manager's own state after every step; blocks loaded back are
     ones that went to the tier; the figures, the stats dict and the KV report carry the tier."""
-    from pagedllm.cli import kv_report
+    from pagedllm.engine.kv_report import kv_report
     from pagedllm.engine.engine import LLMEngine
 
     eng = LLMEngine(EngineConfig(model=tiny_model, dtype="float32", num_gpu_blocks_override=12, max_model_len=256,

@@ -4,7 +4,8 @@ our graceful shutdown. The CLI parses the flags and calls `serve`.
 
 Something that watches the one engine and brings routes of its own (the visualizer) is
 handed in as an `Attach` hook: the server calls it at fixed points and imports nothing
-of it, so the arrow runs from the visualizer to the server."""
+of it, so the arrow runs from the visualizer to the server. ServerOptions is declared in
+server/options.py, which the CLI reads at parse time without this module's imports."""
 from __future__ import annotations
 
 import asyncio
@@ -29,36 +30,11 @@ from ..engine.engine import LLMEngine
 from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
 from .lora import RUNTIME_FLAG, parse_lora_modules, runtime_updates_allowed, served_loras
+from .options import ServerOptions
 from .response_store import ResponseStore
 from .state import ServerState
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ServerOptions:
-    """What serving takes beyond the engine's config, named as the `serve` flags are."""
-    host: str
-    port: int
-    api_key: list[str] | None          # none: PAGEDLLM_API_KEY=k1,k2, else no key needed
-    admin_key: str | None              # none: PAGEDLLM_ADMIN_KEY
-    served_model_name: str | None      # none: the model's own name
-    prefix_cache_isolation: str | None  # none: per-key with API keys, else none
-    max_queue_len: int
-    max_body_bytes: int
-    metrics_prefix: str
-    log_interval: float
-    graceful_shutdown_timeout: float
-    header_timeout: float
-    body_timeout: float
-    limit_concurrency: int | None
-    log_level: str
-    enable_auto_tool_choice: bool      # tool_choice "auto": the output read by tool_call_parser
-    tool_call_parser: str | None
-    lora_modules: list[str] | None = None   # adapters served under their names (--enable-lora)
-    max_stored_responses: int = 256         # per tenant, for the Responses API's previous_response_id; 0: none
-    reasoning_parser: str | None = None     # splits <think>...</think> into reasoning_content
-    otlp_traces_endpoint: str | None = None  # OTLP/HTTP traces of each request; none: no tracing at all
 
 
 class Attachment(Protocol):

@@ -210,7 +210,7 @@ def test_each_layer_groups_blocks_show_in_the_report_metrics_and_totals():
     data-parallel replicas (walked or not) carry each layer group's blocks."""
     import pickle
 
-    from pagedllm.cli import kv_report
+    from pagedllm.engine.kv_report import kv_report
     from pagedllm.dp.stats import counters_only, sum_stats, zero_stats
     from pagedllm.server.metrics import EngineCollector
 

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "pagedllm"
 # Low to high. A name is a subpackage or a top-level module of pagedllm ("pagedllm" is the
 # package's own __init__). Packages of one layer may import each other, but never in a circle.
 LAYERS: list[tuple[str, ...]] = [
-    ("pagedllm", "util", "kv_dtype", "config", "plan", "sampling_params", "outputs", "pooling"),  # leaf data
+    ("pagedllm", "util", "knobs", "kv_dtype", "config", "plan", "sampling_params", "outputs", "pooling"),  # leaf data
     ("kv", "structured"),                              # the memory manager; grammar specs and compiling: no torch
     ("kernels", "distributed", "attention", "models"),  # compute: ops, collectives, the model
     ("loader", "lora"),                                # files -> weights, configs, tokenizers, adapters

@@ -152,8 +152,8 @@ def test_one_bad_request_fails_alone_in_verification():
 
 
 @pytest.mark.parametrize("bad, message", [
-    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1, got 0"),
-    ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 64\], got"),
+    ({"method": "ngram", "num_speculative_tokens": 65}, r"num_speculative_tokens must be an integer in \[1, 64\]"),
     ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of .*draft_model"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookup_max": 3}, r"unknown keys \['lookup_max'\]"),

@@ -232,12 +232,12 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
 
 
 def _run_on_ray(args: argparse.Namespace, cfg, opts) -> int:
-    """Engine replicas on Ray Serve (server/ray_serve.py), the ingress on --host:--port."""
+    """Engine replicas on Ray Serve (deploy/ray_serve.py), the ingress on --host:--port."""
     if cfg.data_parallel_size > 1:
         print("error: --ray runs its own replicas: give --replicas, not --data-parallel-size", file=sys.stderr)
         return 2
     try:
-        from .server import ray_serve
+        from .deploy import ray_serve
     except ImportError:
         print("error: --ray needs Ray Serve: pip install 'pagedllm[ray]'", file=sys.stderr)
         return 2
@@ -452,7 +452,7 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
                          "(default: %(default)g)")
     sv.add_argument("--limit-concurrency", type=_number(int, 1), default=None, metavar="N",
                     help="API requests (/v1/...) in flight beyond N get 503 at once (default: no limit)")
-    from .server.tool_parsers import TOOL_PARSERS  # a plain module: no server stack at parse time
+    from .server.parsers.tool_calls import TOOL_PARSERS  # a plain module: no server stack at parse time
 
     sv.add_argument("--enable-auto-tool-choice", action="store_true",
                     help='serve tool_choice "auto" (the default when a chat request has tools): the model '
@@ -465,7 +465,7 @@ def add_server_args(sv: argparse.ArgumentParser) -> None:
     sv.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help="PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's "
                          "flag): name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one")
-    from .server.reasoning_parsers import REASONING_PARSERS
+    from .server.parsers.reasoning import REASONING_PARSERS
 
     sv.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None, metavar="NAME",
                     help="split a reasoning model's <think>...</think> from its answer into chat's reasoning_content, "

@@ -1,7 +1,7 @@
 """Request preparation, on the worker threads (never on the event loop): a parsed body made
 into the engine's SamplingParams and token ids, every limit checked, and a constrained
 request's grammar compiled before it is queued. Completions and chat here; the Responses and
-Messages APIs become chat requests first (responses_api.py, messages_api.py)."""
+Messages APIs become chat requests first (responses/api.py, anthropic/api.py)."""
 from __future__ import annotations
 
 import functools
@@ -9,14 +9,14 @@ from typing import Any
 
 from ..engine.client import EngineDeadError
 from ..sampling_params import SamplingParams
-from .chat_template import render_chat
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning_parsers import END as THINK_END, START as THINK_START
+from .openai.chat_template import render_chat
+from .openai.protocol import ChatCompletionRequest, CompletionRequest
+from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+from .openai.tool_output import ToolOutput
+from .openai.tools import tool_dicts
+from .parsers.reasoning import END as THINK_END, START as THINK_START
+from .parsers.tool_calls import TOOL_PARSERS
 from .state import APIError, ServerState
-from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
-from .tool_output import ToolOutput
-from .tool_parsers import TOOL_PARSERS
-from .tools import tool_dicts
 from .unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED
 
 

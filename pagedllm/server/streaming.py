@@ -16,14 +16,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
+from ..engine.detokenizer import token_text
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
-from ..engine.detokenizer import token_text
-from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from .reasoning_parsers import REASONING_PARSERS, ThinkSplitter, split_all
+from .openai.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .openai.tool_output import ChoiceCalls, ToolOutput
+from .parsers.reasoning import REASONING_PARSERS, ThinkSplitter, split_all
 from .state import APIError, ServerState
-from .tool_output import ChoiceCalls, ToolOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("dp",),
     ("server",),
+    ("deploy",),                                       # the server's app over many machines (Ray Serve)
     ("viz", "bench", "analysis", "cli", "demo", "preflight", "__main__", "ray_app", "env_report"),  # what users run
 ]
 

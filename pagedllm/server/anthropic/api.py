@@ -1,7 +1,7 @@
 """POST /v1/messages (Anthropic's Messages API) and /v1/messages/count_tokens.
 
-As /v1/responses does, a request becomes a chat completion request (messages_request.py)
-and its chat answer becomes Anthropic's shapes (messages_output.py). Errors, those of the
+As /v1/responses does, a request becomes a chat completion request (request.py)
+and its chat answer becomes Anthropic's shapes (output.py). Errors, those of the
 shared steps too, are answered in Anthropic's error shape, which its clients read."""
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .messages_output import MessageEvents, MessageShape, error_response, new_id
-from .messages_request import CHAT_TO_MESSAGES, REFUSED, MessagesRequest, chat_body
-from .prepare import check_structured, prepare_chat, renamed
-from .state import APIError, ServerState
-from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
-from .structured import FieldError
+from ..openai.structured import FieldError
+from ..prepare import check_structured, prepare_chat, renamed
+from ..state import APIError, ServerState
+from ..streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
+from .output import MessageEvents, MessageShape, error_response, new_id
+from .request import CHAT_TO_MESSAGES, REFUSED, MessagesRequest, chat_body
 
 logger = logging.getLogger(__name__)
 

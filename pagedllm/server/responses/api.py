@@ -1,10 +1,10 @@
 """POST /v1/responses (OpenAI's Responses API), with GET and DELETE of a stored response.
 
-A request is made into a chat completion request (responses_request.py), prepared, checked
+A request is made into a chat completion request (request.py), prepared, checked
 and queued exactly as one (prepare.py, streaming.submit), and its chat answer, whole or
-streamed, made into the Responses shapes (responses_output.py). With `store` (the default,
+streamed, made into the Responses shapes (output.py). With `store` (the default,
 as OpenAI's) the conversation is kept for `previous_response_id`, per tenant
-(response_store.py)."""
+(store.py)."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,14 +12,14 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from .prepare import check_structured, prepare_chat, renamed
-from .response_store import StoredResponse
-from .responses_output import ResponsesEvents, ResponseShape, assistant_messages, new_id
-from .responses_request import (CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body,
+from ..openai.structured import FieldError
+from ..prepare import check_structured, prepare_chat, renamed
+from ..state import APIError, ServerState
+from ..streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
+from .output import ResponsesEvents, ResponseShape, assistant_messages, new_id
+from .request import (CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body,
                                 input_messages)
-from .state import APIError, ServerState
-from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
-from .structured import FieldError
+from .store import StoredResponse
 
 
 async def create_response(state: ServerState, request: Request):

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import StructuredOutputsParams
+from ...sampling_params import StructuredOutputsParams
 from .structured import FieldError
 
 # A tool without parameters takes an empty object (OpenAI's reading of a missing schema).

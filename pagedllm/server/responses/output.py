@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .responses_request import ResponsesRequest
+from .request import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:

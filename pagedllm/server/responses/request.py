@@ -1,7 +1,7 @@
 """OpenAI's Responses API on the request side: its shapes (pydantic, errors naming the field)
 and the chat request each one becomes. The server runs a Responses request as a chat
 completion (the same template, tools, structured outputs, tenants and limits), so the two
-APIs cannot drift apart; responses_output.py turns the chat answer back.
+APIs cannot drift apart; output.py turns the chat answer back.
 
 What the API has and this server does not do (hosted tools, images and files, background
 runs, reasoning settings) is refused with a 400 naming the field, never ignored.
@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .structured import FieldError
+from ..openai.structured import FieldError
 
 
 class FunctionTool(BaseModel):

@@ -1,5 +1,5 @@
 """Anthropic's Messages API on the request side: its shapes and the chat request each one
-becomes, as responses_request.py does for OpenAI's Responses. Content blocks: text,
+becomes, as responses/request.py does for OpenAI's Responses. Content blocks: text,
 tool_use (an assistant's earlier call) and tool_result (its answer, in the next user
 turn); images, documents, thinking and server tools are refused by name. Structured
 outputs come as `output_config.format` (a JSON schema), as the client's messages.parse
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .structured import FieldError
+from ..openai.structured import FieldError
 
 
 class AnthropicTool(BaseModel):

@@ -100,28 +100,6 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         return Response(status_code=499)
 
 
-async def translated(events, chunks: AsyncIterator[dict], done=None) -> AsyncIterator[str]:
-    """Another API's stream (Responses, Messages) made from chat's chunks by `events` (its
-    start(), events(chunks) and failed(status, message)): a failure after the headers went out
-    ends it with that API's error event; a client gone ends it silently. done(): at its end."""
-    for e in events.start():
-        yield e
-    try:
-        async for e in events.events(chunks):
-            yield e
-    except ServerClosing as e:
-        yield events.failed(503, str(e))
-        return
-    except ClientGone:
-        return
-    except Exception as e:  # after the headers went out, errors travel in the stream
-        logger.warning("stream failed: %s", e)
-        yield events.failed(500, str(e))
-        return
-    if done is not None:
-        done()
-
-
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

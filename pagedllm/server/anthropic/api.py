@@ -9,12 +9,11 @@ import logging
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse
 
-from ..openai.structured import FieldError
-from ..prepare import check_structured, prepare_chat, renamed
+from ..prepare import PreparedChat, prepare_chat
 from ..state import APIError, ServerState
-from ..streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
+from ..translation import answer, named_as, queue_as_chat
 from .output import MessageEvents, MessageShape, error_response, new_id
 from .request import CHAT_TO_MESSAGES, REFUSED, MessagesRequest, chat_body
 
@@ -30,8 +29,8 @@ async def count_tokens(state: ServerState, request: Request):
         state.authenticate(request)
         body = await state.read_json(request)
         body = {**body, "max_tokens": 1} if isinstance(body, dict) else body   # not a field of this request
-        _, _, _, prompts, _ = await state.off_loop(_prepare, state, body)
-        return JSONResponse({"input_tokens": len(prompts[0])})
+        _, chat = await state.off_loop(_prepare, state, body)
+        return JSONResponse({"input_tokens": len(chat.prompts[0])})
     return await _answered("/v1/messages/count_tokens", count)
 
 
@@ -50,34 +49,15 @@ async def _answered(route: str, call):
 async def _create(state: ServerState, request: Request):
     key = state.authenticate(request)
     body = await state.read_json(request)
-    req, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body)
-    try:
-        await check_structured(state, chat_req, params, key)
-    except APIError as e:
-        raise renamed(e, CHAT_TO_MESSAGES) from None
-    sub = await submit(state, request, chat_req, "msg", prompts, params, key)
-    builder = ResponseBuilder(state, chat_req, sub.rid, True, 1, None, tools, sub.lora_name)
-    shape = MessageShape(new_id(), builder.model, len(prompts[0]))
-    if req.stream:
-        return event_stream(_stream(shape, builder, sub.merged))
-    try:
-        return JSONResponse(shape.whole(await whole(builder.collect(sub.merged))))
-    except ClientGone:
-        return Response(status_code=499)
+    req, chat = await state.off_loop(_prepare, state, body)
+    call = await queue_as_chat(state, request, key, chat, "msg", CHAT_TO_MESSAGES)
+    shape = MessageShape(new_id(), call.builder.model, len(chat.prompts[0]))
+    return await answer(call, req.stream, shape, MessageEvents(shape))
 
 
-def _stream(shape: MessageShape, builder: ResponseBuilder, merged):
-    return translated(MessageEvents(shape), builder.chunks(merged, usage=True))
-
-
-def _prepare(state: ServerState, body: Any):
+def _prepare(state: ServerState, body: Any) -> tuple[MessagesRequest, PreparedChat]:
     req: MessagesRequest = state.parse(MessagesRequest, body)
     state.refuse_unsupported(MessagesRequest, body, REFUSED)   # server.unsupported's rule, as chat's
-    try:
-        chat = chat_body(req, req.custom_tools())
-        chat_req, params, prompts, tools = prepare_chat(state, chat)
-    except FieldError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except APIError as e:
-        raise renamed(e, CHAT_TO_MESSAGES) from None
-    return req, chat_req, params, prompts, tools
+    with named_as(CHAT_TO_MESSAGES):
+        chat = prepare_chat(state, chat_body(req, req.custom_tools()))
+    return req, chat

@@ -180,12 +180,12 @@ def _run_server(args: argparse.Namespace, cfg, step_delay: float = 0.0, on_start
 
 
 def _run_on_ray(args: argparse.Namespace, cfg, opts) -> int:
-    """Engine replicas on Ray Serve (server/ray_serve.py), the ingress on --host:--port."""
+    """Engine replicas on Ray Serve (deploy/ray_serve.py), the ingress on --host:--port."""
     if cfg.data_parallel_size > 1:
         print("error: --ray runs its own replicas: give --replicas, not --data-parallel-size", file=sys.stderr)
         return 2
     try:
-        from .server import ray_serve
+        from .deploy import ray_serve
     except ImportError:
         print("error: --ray needs Ray Serve: pip install 'pagedllm[ray]'", file=sys.stderr)
         return 2

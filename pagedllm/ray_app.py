@@ -1,12 +1,12 @@
 """Ray Serve's entry point for PagedLLM: `serve run pagedllm.ray_app:app_builder model=... replicas=2`,
 or `import_path: pagedllm.ray_app:app_builder` in a Serve config (KubeRay's RayService). The
-args are `pagedllm serve`'s flags by name; the application is server/ray_serve.py's."""
+args are `pagedllm serve`'s flags by name; the application is deploy/ray_serve.py's."""
 from __future__ import annotations
 
 from typing import Any
 
 from .cli import build_parser, engine_config
-from .server.ray_serve import application, scaling_of, server_options
+from .deploy.ray_serve import application, scaling_of, server_options
 
 
 def app_builder(args: dict[str, Any]):

@@ -4,7 +4,7 @@ cannot go stale, and BENCHMARKS.md with its plots as the benchmarks page.
 - reference/cli.md: every subcommand and flag, from pagedllm.cli.build_parser(), which builds
   the engine's and the server's flags from the knob() fields of EngineConfig and ServerOptions;
 - reference/http.md: every route of the server, from the @app.<method>(path) decorators in
-  pagedllm/server/*.py and each handler's docstring or its request body model;
+  pagedllm/server/ (its rooms too) and each handler's docstring or its request body model;
 - benchmarks.md: BENCHMARKS.md, its plots (benchmarks/results/report/*.png) added as files.
 A link from these pages to a file of the repository outside docs/ is shown as its path;
 links between pages are left to mkdocs, which fails a --strict build on a broken one.
@@ -86,7 +86,7 @@ def _cell(text: str) -> str:
 # -- the HTTP routes ---------------------------------------------------------------------
 def _http() -> str:
     rows = []
-    for path in sorted((ROOT / "pagedllm" / "server").glob("*.py")) + [ROOT / "pagedllm" / "viz" / "routes.py"]:
+    for path in sorted((ROOT / "pagedllm" / "server").rglob("*.py")) + [ROOT / "pagedllm" / "viz" / "routes.py"]:
         tree = ast.parse(path.read_text())
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

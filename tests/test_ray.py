@@ -4,7 +4,7 @@ no dashboard), started once for the module (~5 s, ~1 GB):
 - tensor parallelism on Ray (`distributed_executor_backend="ray"`): TP=2 placed one rank per
   node gives TP=1's greedy tokens in fp32; a killed worker actor fails the next request with
   the actor named, within 30 s, and a new engine starts cleanly on the same cluster;
-- engine replicas on Ray Serve (`pagedllm serve --ray`, server/ray_serve.py): 2 replicas, one
+- engine replicas on Ray Serve (`pagedllm serve --ray`, deploy/ray_serve.py): 2 replicas, one
   a node; 16 chats behind one system prompt go to the replica that holds it; a killed replica
   is restarted by Serve, and the requests sent once it is back all succeed."""
 from __future__ import annotations
@@ -110,7 +110,7 @@ def served(cluster, tiny_model):
     from ray import serve
 
     from pagedllm.cli import build_parser, engine_config
-    from pagedllm.server import ray_serve
+    from pagedllm.deploy import ray_serve
     from pagedllm.util import free_port
 
     port = free_port()
@@ -182,7 +182,7 @@ def test_serve_pieces_without_a_cluster(tiny_model):
     from ray.serve.config import AutoscalingConfig
 
     from pagedllm.ray_app import app_builder
-    from pagedllm.server.ray_serve import EngineReplica, ReplicaScaling, routing_text
+    from pagedllm.deploy.ray_serve import EngineReplica, ReplicaScaling, routing_text
 
     assert type(app_builder({"model": tiny_model, "min_replicas": 1, "max_replicas": 3})).__name__ == "Application"
     assert ReplicaScaling(2).options() == {"num_replicas": 2}

@@ -15,17 +15,18 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from .. import __version__
-from .body_schemas import CountTokensBody, LoadLoRAAdapterRequest, MessagesBody, ResponsesBody, UnloadLoRAAdapterRequest
+from .anthropic.api import count_tokens, create_message
+from .anthropic.schemas import CountTokensBody, MessagesBody
 from .info import model_info, server_info
-from .lora import RUNTIME_FLAG, runtime_updates_allowed
-from .messages_api import count_tokens, create_message
-from .pooling_api import EmbeddingRequest, RerankRequest, ScoreRequest, embeddings, rerank, score
+from .lora import RUNTIME_FLAG, LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest, runtime_updates_allowed
+from .openai.pooling import EmbeddingRequest, RerankRequest, ScoreRequest, embeddings, rerank, score
+from .openai.protocol import ChatCompletionRequest, CompletionRequest
+from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from .prepare import check_structured, detokenize_body, prepare_chat, prepare_completion, tokenize_body
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .responses_api import create_response, delete_response, get_response
+from .responses.api import create_response, delete_response, get_response
+from .responses.schemas import ResponsesBody
 from .state import APIError, ServerState
 from .streaming import serve
-from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from .api import create_app
 from .http import ConcurrencyLimit, GracefulShutdown, timed_h11
 from .lora import RUNTIME_FLAG, parse_lora_modules, runtime_updates_allowed, served_loras
 from .options import ServerOptions
-from .response_store import ResponseStore
+from .responses.store import ResponseStore
 from .state import ServerState
 
 logger = logging.getLogger(__name__)

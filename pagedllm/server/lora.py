@@ -13,10 +13,23 @@ import os
 import threading
 from dataclasses import dataclass
 
+from pydantic import BaseModel, Field
+
 from ..lora.adapter import load_adapter
 from ..lora.request import LoRARequest
 
 RUNTIME_FLAG = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+# The runtime endpoints' bodies as /openapi.json declares them: the routes read their two
+# fields by hand (for OpenAI-shaped errors), so FastAPI would not list them.
+class LoadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    lora_name: str = Field(min_length=1)
 
 
 def runtime_updates_allowed() -> bool:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..knobs import knob, validate
-from .reasoning_parsers import REASONING_PARSERS
-from .tool_parsers import TOOL_PARSERS
+from .parsers.reasoning import REASONING_PARSERS
+from .parsers.tool_calls import TOOL_PARSERS
 
 _TOOL_PARSERS = sorted(TOOL_PARSERS)
 _REASONING_PARSERS = sorted(REASONING_PARSERS)

@@ -1,22 +1,22 @@
 """Request preparation, on the worker threads (never on the event loop): a parsed body made
 into the engine's SamplingParams and token ids, every limit checked, and a constrained
 request's grammar compiled before it is queued. Completions and chat here; the Responses and
-Messages APIs become chat requests first (responses_api.py, messages_api.py)."""
+Messages APIs become chat requests first (responses/api.py, anthropic/api.py)."""
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..engine.client import EngineDeadError
-from ..sampling_params import SamplingParams
-from .chat_template import render_chat
-from .protocol import ChatCompletionRequest, CompletionRequest
-from .reasoning_parsers import END as THINK_END, START as THINK_START
+from ..sampling_params import BeamSearchParams, SamplingParams
+from .openai.chat_template import render_chat
+from .openai.protocol import ChatCompletionRequest, CompletionRequest
+from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
+from .openai.tool_output import ToolOutput
+from .openai.tools import tool_dicts
+from .parsers.reasoning import END as THINK_END, START as THINK_START
+from .parsers.tool_calls import TOOL_PARSERS
 from .state import APIError, ServerState
-from .tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
-from .tool_output import ToolOutput
-from .tool_parsers import TOOL_PARSERS
-from .tools import tool_dicts
 from .unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED
 
 
@@ -37,7 +37,16 @@ def prepare_completion(state: ServerState, body: Any):
     return req, params, ids, echo
 
 
-def prepare_chat(state: ServerState, body: Any):
+class PreparedChat(NamedTuple):
+    """A chat request ready to queue: the request, the engine's params, its one prompt's token
+    ids, and how the answer's text becomes tool calls (None: plain text)."""
+    req: ChatCompletionRequest
+    params: SamplingParams | BeamSearchParams
+    prompts: list[list[int]]
+    tools: ToolOutput | None
+
+
+def prepare_chat(state: ServerState, body: Any) -> PreparedChat:
     req: ChatCompletionRequest = state.parse(ChatCompletionRequest, body)
     state.refuse_unsupported(ChatCompletionRequest, body, CHAT_UNSUPPORTED)
     _check_prompt_logprobs(req)
@@ -53,7 +62,7 @@ def prepare_chat(state: ServerState, body: Any):
         params.skip_special_tokens = False
     if state.reasoning_parser is not None and isinstance(params, SamplingParams):
         _after_thinking(state, params, prompt)
-    return req, params, _token_ids(state, [prompt], params, chat=True), tools
+    return PreparedChat(req, params, _token_ids(state, [prompt], params, chat=True), tools)
 
 
 def _after_thinking(state: ServerState, params: SamplingParams, prompt: str) -> None:
@@ -162,18 +171,3 @@ def _limit_field(message: str, chat: bool) -> tuple[str, str | None]:
             field = "top_logprobs" if chat and name == "logprobs" else name
             return field + message[len(name):], field
     return message, None
-
-
-
-
-def renamed(e: APIError, names: dict[str, str]) -> APIError:
-    """A chat preparation's error for a request made into chat from another API's (Responses,
-    Messages), naming that API's field: `names` maps chat's top-level fields to its own. A
-    message's index is chat's, not the caller's, so an error inside one names the whole list."""
-    if e.param is None:
-        return e
-    head, _, rest = e.param.partition(".")
-    name = names.get(head, head)
-    param = name if head == "messages" or not rest else f"{name}.{rest}"
-    message = param + e.message[len(e.param):] if e.message.startswith(e.param) else e.message
-    return APIError(e.status, message, e.type, param)

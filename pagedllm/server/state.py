@@ -22,10 +22,10 @@ from pydantic import BaseModel, ValidationError
 from ..engine.client import EngineClient
 from .lora import ServedLoRAs
 from .metrics import ServerMetrics
-from .reasoning_parsers import REASONING_PARSERS
-from .response_store import ResponseStore
+from .parsers.reasoning import REASONING_PARSERS
+from .parsers.tool_calls import TOOL_PARSERS
+from .responses.store import ResponseStore
 from .shared_read import SharedRead
-from .tool_parsers import TOOL_PARSERS
 from .unsupported import unsupported_field
 
 ISOLATION_MODES = ("none", "per-key")

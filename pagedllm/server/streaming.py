@@ -16,14 +16,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
+from ..engine.detokenizer import token_text
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .http import ServerClosing, until, until_closing
-from ..engine.detokenizer import token_text
-from .logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
-from .reasoning_parsers import REASONING_PARSERS, ThinkSplitter, split_all
+from .openai.logprobs import chat_logprobs, completion_logprobs, vllm_prompt_logprobs
+from .openai.tool_output import ChoiceCalls, ToolOutput
+from .parsers.reasoning import REASONING_PARSERS, ThinkSplitter, split_all
 from .state import APIError, ServerState
-from .tool_output import ChoiceCalls, ToolOutput
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -98,28 +98,6 @@ async def serve(state: ServerState, request: Request, req, prefix: str, prompts:
         return JSONResponse(await whole(resp.collect(sub.merged)))
     except ClientGone:
         return Response(status_code=499)
-
-
-async def translated(events, chunks: AsyncIterator[dict], done=None) -> AsyncIterator[str]:
-    """Another API's stream (Responses, Messages) made from chat's chunks by `events` (its
-    start(), events(chunks) and failed(status, message)): a failure after the headers went out
-    ends it with that API's error event; a client gone ends it silently. done(): at its end."""
-    for e in events.start():
-        yield e
-    try:
-        async for e in events.events(chunks):
-            yield e
-    except ServerClosing as e:
-        yield events.failed(503, str(e))
-        return
-    except ClientGone:
-        return
-    except Exception as e:  # after the headers went out, errors travel in the stream
-        logger.warning("stream failed: %s", e)
-        yield events.failed(500, str(e))
-        return
-    if done is not None:
-        done()
 
 
 def event_stream(events: AsyncIterator[str]) -> StreamingResponse:

@@ -5,7 +5,7 @@ text back has been misled, so those are refused. Fields that only describe the c
 the transport (`user`, `metadata`, `store`, `service_tier`, `stream_options`) are still
 ignored, as OpenAI-compatible servers do. A refused field at its no-op value (null,
 `function_call: "none"`, `modalities: ["text"]`) asks for nothing, and passes. Structured
-outputs and tools are served (pagedllm/server/structured.py, tools.py).
+outputs and tools are served (pagedllm/server/openai/structured.py, tools.py).
 """
 from __future__ import annotations
 

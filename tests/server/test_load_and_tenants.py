@@ -192,7 +192,15 @@ def test_visualizer_needs_a_key_and_rejects_bad_controls(keyed_socket_server, se
     assert httpx.get(url + "/viz/state", timeout=10).status_code == 401
     assert httpx.get(url + "/viz/events", timeout=10).status_code == 401
     assert httpx.get(url + "/viz/?api_key=alice-key", timeout=10).status_code == 200
-    assert httpx.get(url + "/viz/state", headers={"Authorization": "Bearer bob-key"}, timeout=30).json()["step"] >= 0
+    # A key in the Authorization header opens the state read too, and what it reads is this
+    # server's pool: its block count is the one /v1/models gives under the same key.
+    bob = {"Authorization": "Bearer bob-key"}
+    assert httpx.get(url + "/viz/state", headers={"Authorization": "Bearer eve-key"}, timeout=10).status_code == 401
+    r = httpx.get(url + "/viz/state", headers=bob, timeout=30)
+    assert r.status_code == 200, r.text
+    viz = r.json()
+    blocks = httpx.get(url + "/v1/models", headers=bob, timeout=10).json()["data"][0]["kv_cache_blocks"]
+    assert type(viz["step"]) is int and viz["config"]["num_blocks"] == blocks > 0, (viz["step"], viz["config"], blocks)
     with httpx.stream("GET", url + "/viz/events?api_key=alice-key", timeout=30) as r:  # SSE starts with a snapshot
         line = next(x for x in r.iter_lines() if x.startswith("data: "))
         assert '"kind":"snapshot"' in line

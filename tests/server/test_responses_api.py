@@ -172,7 +172,7 @@ def test_metadata_is_bounded_and_a_refused_store_says_so(keyed_server):
     """metadata within OpenAI's bounds (16 keys, 64-character keys, 512-character values), else a
     400 naming them; a record over what the tenant's store may hold is not kept, and the response
     (whole or the stream's final event) says store: false."""
-    from pagedllm.server.response_store import ResponseStore
+    from pagedllm.server.responses.store import ResponseStore
 
     alice = keyed_server.openai(api_key="alice-key", max_retries=0)
     name = keyed_server.built.state.model_name

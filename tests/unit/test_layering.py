@@ -22,6 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("engine",),
     ("dp",),
     ("server",),
+    ("deploy",),                                       # the server's app over many machines (Ray Serve)
     ("viz", "bench", "analysis", "cli", "demo", "preflight", "__main__", "ray_app", "env_report"),  # what users run
 ]
 
@@ -34,6 +35,26 @@ FACADE = {
 
 # Known knots, pending a redraw: delete an entry when its import goes (none are left).
 PENDING: set[tuple[str, str]] = set()
+
+# Inside server/: its rooms by API, and which others each may import ("plumbing" is the shared
+# modules flat in server/). Chat completions are the base the other APIs are served as: the
+# Responses and Messages rooms make their requests chat's and go through the plumbing
+# (prepare, streaming, translation), which uses openai's protocol pieces; neither room needs
+# the other. Parsers read a model's text and know no API.
+SERVER_ROOMS: dict[str, set[str]] = {
+    "parsers": set(),
+    "openai": {"parsers", "plumbing"},   # pooling's handlers queue through the plumbing
+    "responses": {"openai", "plumbing"},
+    "anthropic": {"openai", "plumbing"},
+    "plumbing": {"parsers", "openai"},
+}
+# What puts every room together into one app: these may import any room.
+SERVER_APP = {"pagedllm.server.api", "pagedllm.server.launch"}
+# Arrows of the plumbing into an API room that are meant, each with its reason.
+SERVER_MEANT = {
+    # ServerState holds each tenant's stored responses, as it holds the served adapters.
+    ("pagedllm.server.state", "pagedllm.server.responses.store"),
+}
 
 TORCH_FREE = ("kv",)  # with everything they import from pagedllm
 # Modules of a unit that are torch-free by themselves (with what they import), though their unit is not.
@@ -173,6 +194,36 @@ def test_pending_knots_are_still_there():
     """An entry of PENDING whose import is gone is deleted, so the list never hides a new knot."""
     edges = {(i.source, i.target) for i in internal(all_imports())}
     assert not PENDING - edges, f"delete from PENDING: {sorted(PENDING - edges)}"
+
+
+def server_room(module: str) -> str | None:
+    """The room of a module of server/: pagedllm.server.openai.protocol -> openai; a module
+    flat in server/ -> plumbing; None outside server/."""
+    parts = module.split(".")
+    if parts[:2] != ["pagedllm", "server"]:
+        return None
+    return parts[2] if len(parts) > 2 and parts[2] in SERVER_ROOMS else "plumbing"
+
+
+def test_every_server_room_is_declared():
+    packages = {p.parent.name for p in (PACKAGE / "server").glob("*/__init__.py")}
+    assert packages == SERVER_ROOMS.keys() - {"plumbing"}, "declare each room of server/ in SERVER_ROOMS"
+
+
+def test_server_rooms_import_only_what_their_rule_allows():
+    wrong = []
+    for i in internal(all_imports()):
+        src, dst = server_room(i.source), server_room(i.target)
+        if src is None or dst is None or src == dst or i.source in SERVER_APP or (i.source, i.target) in SERVER_MEANT:
+            continue
+        if dst not in SERVER_ROOMS[src]:
+            wrong.append(f"{i.where()}: {src} -> {dst} ({i.target})")
+    assert not wrong, "imports between server/'s rooms that SERVER_ROOMS does not allow:\n" + "\n".join(wrong)
+
+
+def test_server_meant_arrows_are_still_there():
+    edges = {(i.source, i.target) for i in internal(all_imports())}
+    assert not SERVER_MEANT - edges, f"delete from SERVER_MEANT: {sorted(SERVER_MEANT - edges)}"
 
 
 def _assert_no_torch(todo: list[str]) -> None:

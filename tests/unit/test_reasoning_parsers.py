@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.server.reasoning_parsers import REASONING_PARSERS, split_all
+from pagedllm.server.parsers.reasoning import REASONING_PARSERS, split_all
 
 R1 = ("Okay, the user asks for 17 * 23. 17 * 20 = 340, 17 * 3 = 51, so 391.\n</think>\n\n"
       "17 × 23 = **391**.")

@@ -1,11 +1,11 @@
-"""Stored responses (server/response_store.py): records counted whole, each tenant within its caps
+"""Stored responses (server/responses/store.py): records counted whole, each tenant within its caps
 oldest first, the total within its own without one tenant evicting another's, and a refused
 store said so."""
 from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.server.response_store import ResponseStore, StoredResponse
+from pagedllm.server.responses.store import ResponseStore, StoredResponse
 
 
 def record(i: int, pad: int) -> StoredResponse:

@@ -10,10 +10,10 @@ import pydantic
 import pytest
 
 from pagedllm.sampling_params import BeamSearchParams, StructuredOutputsParams
-from pagedllm.server.chat_template import render_chat
-from pagedllm.server.protocol import ChatCompletionRequest, CompletionRequest
-from pagedllm.server.structured import FieldError
-from pagedllm.server.tools import ChatTool, required_schema, tool_dicts
+from pagedllm.server.openai.chat_template import render_chat
+from pagedllm.server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from pagedllm.server.openai.structured import FieldError
+from pagedllm.server.openai.tools import ChatTool, required_schema, tool_dicts
 
 MSGS = [{"role": "user", "content": "hi"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}

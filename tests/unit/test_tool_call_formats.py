@@ -8,7 +8,7 @@ import json
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pagedllm.server.tool_parsers import TOOL_PARSERS, CallPart, parse_all
+from pagedllm.server.parsers.tool_calls import TOOL_PARSERS, CallPart, parse_all
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "zip": {"type": "string"}}}}},

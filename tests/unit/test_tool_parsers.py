@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from pagedllm.server.tool_output import ToolOutput
-from pagedllm.server.tool_parsers import TOOL_PARSERS, CallPart, HermesParser, parse_all
+from pagedllm.server.openai.tool_output import ToolOutput
+from pagedllm.server.parsers.tool_calls import TOOL_PARSERS, CallPart, HermesParser, parse_all
 
 WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>'
 TIME = '<tool_call>{"name": "get_time", "arguments": {"tz": "UTC <b>"}}</tool_call>'

@@ -42,7 +42,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ..config import EngineConfig
 from ..dp.router import ReplicaLoad, Router
-from .launch import ServerOptions
+from ..server.launch import ServerOptions
 
 logger = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class EngineReplica:
     """One engine and its OpenAI app, called through ASGI in this process."""
 
     def __init__(self, cfg: EngineConfig, opts: ServerOptions) -> None:
-        from .launch import build
+        from ..server.launch import build
 
         logging.basicConfig(level=opts.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.built = build(cfg, opts)

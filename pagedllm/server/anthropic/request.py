@@ -1,5 +1,5 @@
 """Anthropic's Messages API on the request side: its shapes and the chat request each one
-becomes, as responses_request.py does for OpenAI's Responses. Content blocks: text,
+becomes, as responses/request.py does for OpenAI's Responses. Content blocks: text,
 tool_use (an assistant's earlier call) and tool_result (its answer, in the next user
 turn); images, documents, thinking and server tools are refused by name. Structured
 outputs come as `output_config.format` (a JSON schema), as the client's messages.parse
@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .structured import FieldError
+from ..openai.structured import FieldError
+from ..openai.tools import validated_tools
 
 
 class AnthropicTool(BaseModel):
@@ -76,16 +77,15 @@ class MessagesRequest(BaseModel):
     def custom_tools(self) -> list[AnthropicTool] | None:
         if self.tools is None:
             return None
-        out = []
-        for i, tool in enumerate(self.tools):
-            if tool.get("type") not in (None, "custom"):
-                raise FieldError(f"tools.{i}.type", f"{tool['type']!r} is a server tool of Anthropic's; only "
-                                                    "custom tools (name, description, input_schema) run here")
-            try:
-                out.append(AnthropicTool.model_validate(tool))
-            except ValueError as e:
-                raise FieldError(f"tools.{i}", str(e).splitlines()[-1].strip()) from None
-        return out
+        return validated_tools(self.tools, AnthropicTool, _server_tool)
+
+
+
+def _server_tool(tool: dict[str, Any]) -> str | None:
+    if tool.get("type") in (None, "custom"):
+        return None
+    return f"{tool['type']!r} is a server tool of Anthropic's; only custom tools (name, description, " \
+           "input_schema) run here"
 
 
 # field -> "is this value a no-op?": the rest asks for what this server does not do.

@@ -1,7 +1,7 @@
 """OpenAI's Responses API on the request side: its shapes (pydantic, errors naming the field)
 and the chat request each one becomes. The server runs a Responses request as a chat
 completion (the same template, tools, structured outputs, tenants and limits), so the two
-APIs cannot drift apart; responses_output.py turns the chat answer back.
+APIs cannot drift apart; output.py turns the chat answer back.
 
 What the API has and this server does not do (hosted tools, images and files, background
 runs, reasoning settings) is refused with a 400 naming the field, never ignored.
@@ -12,18 +12,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .structured import FieldError
+from ..openai.structured import FieldError
+from ..openai.tools import FunctionDefinition, validated_tools
 
 
-class FunctionTool(BaseModel):
-    """A function tool as Responses writes it: flat, not under "function"."""
-    model_config = ConfigDict(extra="ignore")
-
+class FunctionTool(FunctionDefinition):
+    """A function tool as Responses writes it: chat's function definition, flat (not under
+    "function") with its type beside it."""
     type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(BaseModel):
@@ -92,17 +88,15 @@ class ResponsesRequest(BaseModel):
     def function_tools(self) -> list[FunctionTool] | None:
         if self.tools is None:
             return None
-        out = []
-        for i, tool in enumerate(self.tools):
-            kind = tool.get("type")
-            if kind != "function":
-                raise FieldError(f"tools.{i}.type", f"{kind!r} tools are not supported here; only function tools "
-                                                    "(hosted tools such as web_search or file_search are OpenAI's)")
-            try:
-                out.append(FunctionTool.model_validate(tool))
-            except ValueError as e:
-                raise FieldError(f"tools.{i}", str(e).splitlines()[-1].strip()) from None
-        return out
+        return validated_tools(self.tools, FunctionTool, _hosted_tool)
+
+
+def _hosted_tool(tool: dict[str, Any]) -> str | None:
+    kind = tool.get("type")
+    if kind == "function":
+        return None
+    return f"{kind!r} tools are not supported here; only function tools (hosted tools such as web_search or " \
+           "file_search are OpenAI's)"
 
 
 def _no_op(v: Any) -> bool:

@@ -14,7 +14,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .responses_request import ResponsesRequest
+from ..translation import ChatEnd, chat_deltas
+from .request import ResponsesRequest
 
 
 def new_id(prefix: str) -> str:
@@ -131,13 +132,8 @@ class ResponsesEvents:
         return [self._event("response.created", response=snap), self._event("response.in_progress", response=snap)]
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-        finish, chat_usage = None, None
-        async for chunk in chunks:
-            if chunk.get("usage") is not None and not chunk["choices"]:
-                chat_usage = chunk["usage"]
-                continue
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
+        end = ChatEnd()
+        async for delta in chat_deltas(chunks, end):
             if delta.get("reasoning_content"):
                 for e in self._reasoning(delta["reasoning_content"]):
                     yield e
@@ -147,11 +143,10 @@ class ResponsesEvents:
             for call in delta.get("tool_calls") or []:
                 for e in self._call(call):
                     yield e
-            finish = choice.get("finish_reason") or finish
         for e in self._close():
             yield e
-        status, incomplete = _status(finish)
-        self.final = self.shape.obj(status, self.output, chat_usage, incomplete)
+        status, incomplete = _status(end.finish_reason)
+        self.final = self.shape.obj(status, self.output, end.usage, incomplete)
         if self.on_final is not None:
             self.on_final(self.final)
         yield self._event("response.completed" if status == "completed" else "response.incomplete",

@@ -20,10 +20,10 @@ from typing import Literal
 from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..pooling import cosine, pooled
-from ..sampling_params import SamplingParams
-from .state import APIError, ServerState
-from .streaming import ClientGone, submit, whole
+from ...pooling import cosine, pooled
+from ...sampling_params import SamplingParams
+from ..state import APIError, ServerState
+from ..streaming import ClientGone, submit, whole
 
 MAX_INPUTS = 256   # per request: more would queue one tenant's batch ahead of everyone's
 

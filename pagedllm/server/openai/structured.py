@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from ..sampling_params import StructuredOutputsParams
+from ...sampling_params import StructuredOutputsParams
 
 # Values of guided_decoding_backend that name what we run (xgrammar); vLLM's others
 # (outlines, guidance, lm-format-enforcer) would be a promise we cannot keep.

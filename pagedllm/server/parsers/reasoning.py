@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .tool_parser_base import partial_tag
+from .base import partial_tag
 
 START, END = "<think>", "</think>"
 

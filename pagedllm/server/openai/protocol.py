@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from ..sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
+from ...sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from .structured import FieldError, StructuredRequest
 from .tools import ChatTool, NamedToolChoice, ToolChoice, tool_constraint, tool_mode
 

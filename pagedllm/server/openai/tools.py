@@ -10,12 +10,15 @@ asks for, and the JSON schema that constrains a forced call (vLLM's):
 from __future__ import annotations
 
 import copy
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..sampling_params import StructuredOutputsParams
+from ...sampling_params import StructuredOutputsParams
 from .structured import FieldError
+
+M = TypeVar("M", bound=BaseModel)
 
 # A tool without parameters takes an empty object (OpenAI's reading of a missing schema).
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -105,3 +108,19 @@ def required_schema(tools: list[ChatTool], parallel: bool = True) -> dict[str, A
     if defs:
         schema["$defs"] = defs
     return schema
+
+
+def validated_tools(tools: list[dict[str, Any]], model: type[M], refusal: Callable[[dict[str, Any]], str | None]
+                    ) -> list[M]:
+    """Another API's tools (Responses', Messages'), each read as `model`: a FieldError names the
+    first one refused by kind (refusal(tool) says why; None runs it) or whose fields are wrong."""
+    out = []
+    for i, tool in enumerate(tools):
+        why = refusal(tool)
+        if why is not None:
+            raise FieldError(f"tools.{i}.type", why)
+        try:
+            out.append(model.model_validate(tool))
+        except ValueError as e:
+            raise FieldError(f"tools.{i}", str(e).splitlines()[-1].strip()) from None
+    return out

@@ -16,7 +16,7 @@ from .protocol import ChatMessage, conversation
 from .tools import ChatTool, tool_dicts
 
 if TYPE_CHECKING:
-    from ..engine.client import EngineInfo
+    from ...engine.client import EngineInfo
 
 
 class TokenizeCompletionRequest(BaseModel):

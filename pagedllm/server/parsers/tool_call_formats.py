@@ -21,7 +21,7 @@ import json
 import re
 from typing import Any
 
-from .tool_parser_base import CallPart, Event, TrimmedContent, partial_tag, register
+from .base import CallPart, Event, TrimmedContent, partial_tag, register
 
 
 @register("hermes")

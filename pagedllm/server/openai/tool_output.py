@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .tool_parsers import CallPart, Event, ToolParser
+from ..parsers.tool_calls import CallPart, Event, ToolParser
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..outputs import Logprob
+from ...outputs import Logprob
 
 Entry = dict[int, Logprob]
 # OpenAI's stand-in for -inf: JSON has no infinities, and a client's float parser must not fail.

@@ -10,6 +10,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from ..translation import ChatEnd, chat_deltas
+
 # An HTTP status as Anthropic's error types name it.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 408: "timeout_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -87,13 +89,8 @@ class MessageEvents:
         return [sse("message_start", {"message": self.shape.obj([], None, None, None)}), sse("ping", {})]
 
     async def events(self, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
-        finish, matched, chat_usage = None, None, None
-        async for chunk in chunks:
-            if chunk.get("usage") is not None and not chunk["choices"]:
-                chat_usage = chunk["usage"]
-                continue
-            choice = chunk["choices"][0]
-            delta = choice.get("delta") or {}
+        end = ChatEnd()
+        async for delta in chat_deltas(chunks, end):
             if delta.get("reasoning_content"):
                 if self.open != "thinking":
                     yield from_list(self._open({"type": "thinking", "thinking": "", "signature": ""}))
@@ -112,12 +109,10 @@ class MessageEvents:
                 if fn.get("arguments"):
                     yield sse("content_block_delta", {"index": self.index, "delta": {
                         "type": "input_json_delta", "partial_json": fn["arguments"]}})
-            if choice.get("finish_reason"):
-                finish, matched = choice["finish_reason"], choice.get("stop_reason")
         for e in self._close():
             yield e
-        reason, sequence = stop_reason(finish, matched)
-        u = usage(chat_usage, self.shape.input_tokens)
+        reason, sequence = stop_reason(end.finish_reason, end.stop_reason)
+        u = usage(end.usage, self.shape.input_tokens)
         yield sse("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence}, "usage": u})
         yield sse("message_stop", {})
 

@@ -1,39 +1,31 @@
 """POST /v1/responses (OpenAI's Responses API), with GET and DELETE of a stored response.
 
-A request is made into a chat completion request (responses_request.py), prepared, checked
-and queued exactly as one (prepare.py, streaming.submit), and its chat answer, whole or
-streamed, made into the Responses shapes (responses_output.py). With `store` (the default,
+A request is made into a chat completion request (request.py), prepared, checked
+and queued exactly as one (prepare.py, translation.py), and its chat answer, whole or
+streamed, made into the Responses shapes (output.py). With `store` (the default,
 as OpenAI's) the conversation is kept for `previous_response_id`, per tenant
-(response_store.py)."""
+(store.py)."""
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
 
-from .prepare import check_structured, prepare_chat, renamed
-from .response_store import StoredResponse
-from .responses_output import ResponsesEvents, ResponseShape, assistant_messages, new_id
-from .responses_request import (CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body,
-                                input_messages)
-from .state import APIError, ServerState
-from .streaming import ClientGone, ResponseBuilder, event_stream, submit, translated, whole
-from .structured import FieldError
+from ..prepare import PreparedChat, prepare_chat
+from ..state import APIError, ServerState
+from ..translation import answer, named_as, queue_as_chat
+from .output import ResponsesEvents, ResponseShape, assistant_messages, new_id
+from .request import CHAT_TO_RESPONSES, REFUSED, TRUNCATION, ResponsesRequest, chat_body, input_messages
+from .store import StoredResponse
 
 
 async def create_response(state: ServerState, request: Request):
     key = state.authenticate(request)
     body = await state.read_json(request)
-    req, convo, chat_req, params, prompts, tools = await state.off_loop(_prepare, state, body, key)
-    try:
-        await check_structured(state, chat_req, params, key)
-    except APIError as e:
-        raise renamed(e, CHAT_TO_RESPONSES) from None
-    sub = await submit(state, request, chat_req, "resp", prompts, params, key)
-    builder = ResponseBuilder(state, chat_req, sub.rid, True, 1, None, tools, sub.lora_name)
-    shape = ResponseShape(req, new_id("resp"), builder.model, [dict(t, type="function") for t in
-                                                                 _tool_dicts(chat_req)])
+    req, convo, chat = await state.off_loop(_prepare, state, body, key)
+    call = await queue_as_chat(state, request, key, chat, "resp", CHAT_TO_RESPONSES)
+    shape = ResponseShape(req, new_id("resp"), call.builder.model, [dict(t, type="function") for t in
+                                                                      _tool_dicts(chat.req)])
     tenant = state.tenant(key)
 
     def keep(response: dict) -> None:
@@ -43,18 +35,7 @@ async def create_response(state: ServerState, request: Request):
             if not state.responses.put(tenant, response["id"], StoredResponse.of(response, messages)):
                 response["store"] = False
 
-    if req.stream:
-        return event_stream(_stream(shape, builder, sub.merged, keep))
-    try:
-        response = shape.whole(await whole(builder.collect(sub.merged)))
-    except ClientGone:
-        return Response(status_code=499)
-    keep(response)
-    return JSONResponse(response)
-
-
-def _stream(shape: ResponseShape, builder: ResponseBuilder, merged, keep):
-    return translated(ResponsesEvents(shape, on_final=keep), builder.chunks(merged, usage=True))
+    return await answer(call, req.stream, shape, ResponsesEvents(shape, on_final=keep), on_whole=keep)
 
 
 def get_response(state: ServerState, request: Request, response_id: str) -> dict:
@@ -76,21 +57,15 @@ def _not_found(response_id: str) -> APIError:
 
 
 # -- preparation, on the worker threads ------------------------------------------------
-def _prepare(state: ServerState, body: Any, key: str | None):
+def _prepare(state: ServerState, body: Any, key: str | None) -> tuple[ResponsesRequest, list[dict], PreparedChat]:
     req: ResponsesRequest = state.parse(ResponsesRequest, body)
     if body.get("truncation") not in (None, "disabled"):
         raise APIError(400, TRUNCATION, param="truncation")
     state.refuse_unsupported(ResponsesRequest, body, REFUSED)   # server.unsupported's rule, as chat's
-    try:
-        history = _history(state, req, key)
-        convo = history + input_messages(req.input)
-        chat = chat_body(req, convo, req.function_tools())
-        chat_req, params, prompts, tools = prepare_chat(state, chat)
-    except FieldError as e:
-        raise APIError(400, str(e), param=e.param) from None
-    except APIError as e:
-        raise renamed(e, CHAT_TO_RESPONSES) from None
-    return req, convo, chat_req, params, prompts, tools
+    with named_as(CHAT_TO_RESPONSES):
+        convo = _history(state, req, key) + input_messages(req.input)
+        chat = prepare_chat(state, chat_body(req, convo, req.function_tools()))
+    return req, convo, chat
 
 
 def _history(state: ServerState, req: ResponsesRequest, key: str | None) -> list[dict]:

@@ -1,7 +1,7 @@
 """What every tool-call parser shares: the events a parser reads an answer into (content text
 and pieces of calls), the protocol, the registry of parsers by name, and the pieces that hold
 back text (a tag's first characters; whitespace around calls). The parsers themselves are in
-tool_call_formats.py; tool_parsers.py is where the server and the CLI find them."""
+tool_call_formats.py; tool_calls.py is where the server and the CLI find them."""
 from __future__ import annotations
 
 from collections.abc import Callable

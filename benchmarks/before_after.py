@@ -7,10 +7,14 @@ sources are the same), the two alternating for `--rounds` rounds, medians compar
 
 - offline: `pagedllm bench throughput`, ShareGPT prompts cut to --max-prompt-len, exactly
   --output-len new tokens each, greedy, one cold pass;
+- A, B, 1.1b: the same offline run on BENCHMARKS' shapes: A (96 prompts <= 256, 128 out), B (64
+  prompts <= 1,024, 256 out), 1.1b (TinyLlama 1.1B's shape, random weights written once under
+  ~/.cache/pagedllm/shapes/, 32 prompts <= 256, 64 out);
 - serve: `pagedllm serve` on 127.0.0.1 driven by this tree's `pagedllm bench serve` (the same
   client for both), every request sent at once.
 
     python -m benchmarks before_after --base c1fdda8 --out benchmarks/results/before_after.json
+    python -m benchmarks before_after --base 6fbae06 --parts A,B,1.1b --rounds 2
 """
 from __future__ import annotations
 
@@ -33,9 +37,28 @@ from pagedllm.util import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Offline cases on fixed shapes: (prompts, longest prompt, new tokens, random-weight shape or None: SmolLM2)
+CASES = {"A": (96, 256, 128, None), "B": (64, 1024, 256, None), "1.1b": (32, 256, 64, "tinyllama-1.1b")}
+
+
 def workload(a: argparse.Namespace) -> list[str]:
     return ["--workload", "sharegpt", "--num-prompts", str(a.num_prompts), "--max-prompt-len", str(a.max_prompt_len),
             "--truncate-prompts", "--sharegpt-output-len", str(a.output_len), "--seed", "0"]
+
+
+def case_args(a: argparse.Namespace, part: str) -> argparse.Namespace:
+    """The run's arguments for a part: a case's own workload (and model), or the flags' for offline/serve."""
+    if part not in CASES:
+        return a
+    n, max_len, out_len, shape = CASES[part]
+    model = None
+    if shape is not None:
+        from pagedllm.bench.shapes import make_model
+
+        where = Path(f"~/.cache/pagedllm/shapes/{shape}").expanduser()
+        model = str(where if (where / "config.json").exists() else make_model(shape, where))
+    return argparse.Namespace(**{**vars(a), "num_prompts": n, "max_prompt_len": max_len, "output_len": out_len,
+                                 "model": model})
 
 
 def run_py(tree: Path, args: list[str], timeout: float, **kw) -> subprocess.CompletedProcess:
@@ -45,7 +68,8 @@ def run_py(tree: Path, args: list[str], timeout: float, **kw) -> subprocess.Comp
 
 
 def offline(tree: Path, a: argparse.Namespace, out: Path) -> dict:
-    r = run_py(tree, ["bench", "throughput", *workload(a), "--dtype", a.dtype, "--warmup", "0",
+    model = ["--model", a.model] if getattr(a, "model", None) else []
+    r = run_py(tree, ["bench", "throughput", *workload(a), *model, "--dtype", a.dtype, "--warmup", "0",
                       "--out", str(out)], timeout=3600)
     if r.returncode != 0:
         raise RuntimeError(f"offline run in {tree} failed:\n{r.stderr[-3000:]}")
@@ -91,7 +115,7 @@ def main() -> None:
     ap.add_argument("--max-prompt-len", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--parts", default="offline,serve")
+    ap.add_argument("--parts", default="offline,serve", help=f"of offline, serve, {', '.join(CASES)}")
     ap.add_argument("--out", default="benchmarks/results/before_after.json")
     a = ap.parse_args()
     base_commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", a.base], capture_output=True, text=True,
@@ -102,23 +126,29 @@ def main() -> None:
                    capture_output=True)
     trees = {"before": base, "after": ROOT}
     parts = [p for p in a.parts.split(",") if p]
+    unknown = [p for p in parts if p not in ("offline", "serve", *CASES)]
+    if unknown:
+        ap.error(f"--parts: unknown {unknown}; choose from offline, serve, {', '.join(CASES)}")
+    args = {p: case_args(a, p) for p in parts}
     rows: dict[str, dict[str, list[dict]]] = {p: {k: [] for k in trees} for p in parts}
     try:
         for i in range(a.rounds):
             for part in parts:
                 for name, tree in trees.items():
-                    got = (offline if part == "offline" else serve)(tree, a, tmp / f"{part}-{name}-{i}.json")
+                    run = serve if part == "serve" else offline
+                    got = run(tree, args[part], tmp / f"{part}-{name}-{i}.json")
                     print(f"round {i + 1} {part} {name}: {got}", flush=True)
                     rows[part][name].append(got)
     finally:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    key = {"offline": "output_tok_s", "serve": "output_throughput"}
+    key = {"serve": "output_throughput"}
     summary = {}
     for part in parts:
-        med = {n: statistics.median(r[key[part]] for r in rows[part][n]) for n in trees}
+        med = {n: statistics.median(r[key.get(part, "output_tok_s")] for r in rows[part][n]) for n in trees}
         summary[part] = {"before_tok_s": med["before"], "after_tok_s": med["after"],
-                         "after_over_before": med["after"] / med["before"]}
+                         "after_over_before": med["after"] / med["before"], "workload": workload(args[part]),
+                         "model": getattr(args[part], "model", None)}
         print(f"{part}: before {med['before']:.1f} tok/s, after {med['after']:.1f} tok/s, "
               f"after/before {med['after'] / med['before']:.3f}")
     save_result({"benchmark": "before_after", "command": "python -m benchmarks before_after " + " ".join(sys.argv[1:]),

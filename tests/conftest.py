@@ -174,7 +174,47 @@ AVX2_KERNELS, TRITON_CHECK = BACKGROUND = [
 ]
 
 
+# Each test file's seconds in a recent run (setup, call and teardown; tests/file_costs.json, written
+# by a run with PAGEDLLM_TEST_COSTS_OUT=tests/file_costs.json). Workers take whole files
+# (--dist loadfile) in collection order: the longest first, so that no long file starts last
+# while the other worker sits idle (longest-processing-time-first scheduling).
+FILE_COSTS = ROOT / "tests" / "file_costs.json"
+UNKNOWN_FILE_COST = 10.0   # a new file's guess, until the table is written again
+
+
+def _by_cost_longest_first(items: list) -> None:
+    import json
+
+    costs = json.loads(FILE_COSTS.read_text()) if FILE_COSTS.exists() else {}
+    first_seen: dict[str, int] = {}
+    for item in items:
+        first_seen.setdefault(item.nodeid.split("::")[0], len(first_seen))
+
+    def key(item) -> tuple[float, int]:
+        f = item.nodeid.split("::")[0]
+        return -costs.get(f, UNKNOWN_FILE_COST), first_seen[f]
+    items.sort(key=key)   # stable: a file's tests keep their order
+
+
+_file_seconds: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    if WORKER is None:   # the controller (or a run without workers) hears every phase of every test
+        f = report.nodeid.split("::")[0]
+        _file_seconds[f] = _file_seconds.get(f, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("PAGEDLLM_TEST_COSTS_OUT")
+    if out and WORKER is None and _file_seconds:
+        import json
+
+        Path(out).write_text(json.dumps({f: round(s, 1) for f, s in sorted(_file_seconds.items())}, indent=0) + "\n")
+
+
 def pytest_collection_modifyitems(session, config, items):
+    _by_cost_longest_first(items)
     wanted = {f for item in items for f in getattr(item, "fixturenames", ())}
     for job in BACKGROUND:
         # every worker collects every test: gw0 starts the jobs (should a test ask first, its worker does)

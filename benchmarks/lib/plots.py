@@ -221,7 +221,7 @@ def plot_before_after(ax, data: dict) -> None:
             labels.append(f"{part}: {side}")
             values.append(med[f"{side}_tok_s"])
             colours.append(OTHER_COLOUR if side == "before" else family_colour("pagedllm"))
-            points.append([r[key[part]] for r in data["rounds"][part][side]])
+            points.append([r[key.get(part, "output_tok_s")] for r in data["rounds"][part][side]])   # A, B, 1.1b: offline
     _bars(ax, labels, values, colours, "{:.1f}", points=points)
     ax.set_xlabel(f"output tokens/s (before: {data['base_commit'][:7]}; bar: median round, dots: every round)")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from pagedllm.viz.routes import run_scenario
+from pagedllm.viz.routes import _served_adapters, run_scenario
 from pagedllm.viz.scenarios import SCENARIOS
 
 from .inproc import serve_in_process
@@ -51,8 +51,9 @@ def test_the_live_lora_scenario_pages_its_adapters_in():
         done = server.engine.stats
         assert done.num_running == done.num_waiting == 0
         assert engine.scheduler.counters.generation_tokens >= 20 * len(sc.requests)   # none failed or ended early
-        # The scenario again: the same adapters, served once.
-        asyncio.run_coroutine_threadsafe(run_scenario(server.built.state, "lora"), server.loop).result(600)
-        assert len(server.built.state.loras.by_name) == len(sc.adapters)
+        # A second run takes the same adapters: served once.
+        state = server.built.state
+        again = asyncio.run_coroutine_threadsafe(_served_adapters(state, sc), server.loop).result(60)
+        assert again == {n: state.loras.get(n) for n in sc.adapters} and len(state.loras.by_name) == len(sc.adapters)
     finally:
         server.close()

@@ -39,6 +39,7 @@ class CpuMetadata:
     # fresh_prefill.py may run them on torch's flash attention (the runner orders them last).
     fresh: list[tuple[int, int, int]] = field(default_factory=list)
     rows: int = 0                  # real query rows (padding rows after them)
+    sdpa: list[tuple[int, int, int]] | None = None   # of `fresh`, those flash attention runs: set by the first layer
 
 
 @register
@@ -115,13 +116,14 @@ class CpuPagedAttention(AttentionBackend):
         batch-invariant mode."""
         if not meta.fresh or not self.fresh_prefill or window or self.kv is not None:
             return []
-        key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
-        if key not in self._routes:
-            self._routes[key] = fresh_route(self.ops, self, *key)
-        route = self._routes[key]
-        apart = []
-        for s, a, m in reversed(meta.fresh):
-            if route.pick(m) != "sdpa":
-                break
-            apart.append((s, a, m))
-        return apart[::-1]
+        if meta.sdpa is None:   # once a step: every layer of the metadata has the same heads and chunks
+            key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
+            if key not in self._routes:
+                self._routes[key] = fresh_route(self.ops, self, *key)
+            route, apart = self._routes[key], []
+            for chunk in reversed(meta.fresh):
+                if route.pick(chunk[2]) != "sdpa":
+                    break
+                apart.append(chunk)
+            meta.sdpa = apart[::-1]
+        return meta.sdpa

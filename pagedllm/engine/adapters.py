@@ -45,7 +45,6 @@ class LoRAHook(StepHook):
         self.cache = cache
         self.max_loras = max_loras
         self.reading: dict[str, tuple[Request, Future]] = {}   # request id -> its adapter's read, not yet settled
-        self.pages: dict[int, int] = {}   # adapter id -> the KV pages it takes (fixed while a request holds it)
 
     # -- a request's life ----------------------------------------------------
     def _checked(self, lora: LoRARequest) -> AdapterCache:
@@ -86,8 +85,8 @@ class LoRAHook(StepHook):
         return [read for _, read in self.reading.values()]
 
     def settle(self, fail) -> list[Request]:
-        """Requests whose adapter read ended since the last step: ready to be admitted (their
-        adapter's pages known), or failed with the read's error (fail(req, message)); returns those."""
+        """Requests whose adapter read ended since the last step: ready to be admitted, or failed
+        with the read's error (fail(req, message)); returns those."""
         failed = []
         for rid, (req, read) in list(self.reading.items()):
             if not read.done():
@@ -96,7 +95,7 @@ class LoRAHook(StepHook):
             if req.finished:
                 continue
             try:
-                self.pages[req.lora.lora_int_id] = read.result().num_pages
+                read.result()
             except Exception as e:  # the read's own error: the request's, not the engine's
                 fail(req, str(e))
                 failed.append(req)
@@ -125,13 +124,17 @@ class LoRAHook(StepHook):
             return LORA_SLOTS
         return hit, start
 
+    def _pages(self, adapter_id: int) -> int:
+        """The KV pages a held adapter takes (read, as admit waited for it)."""
+        return self.cache.held(adapter_id).num_pages
+
     def extra_blocks(self, seq: Sequence) -> int:
-        req = seq.request
-        return self.scheduler.kv.adapters.cost(req.lora_id, self.pages.get(req.lora_id, 0)) if req.lora else 0
+        a = seq.request.lora_id
+        return self.scheduler.kv.adapters.cost(a, self._pages(a)) if a else 0
 
     def hold(self, seq: Sequence) -> bool:
-        req = seq.request
-        return req.lora is None or self.scheduler.kv.adapters.acquire(req.lora_id, self.pages[req.lora_id])
+        a = seq.request.lora_id
+        return not a or self.scheduler.kv.adapters.acquire(a, self._pages(a))
 
     def drop(self, seq: Sequence) -> None:
         if seq.request.lora is not None:   # the last user leaves it idle, resident

@@ -44,6 +44,10 @@ class AdapterCache(Generic[A]):
         self._trim()
         return held[1]
 
+    def held(self, lora_int_id: int) -> A:
+        """The adapter a request holds, its read done (KeyError if none holds it)."""
+        return self.entries[lora_int_id][1].result()
+
     def load_now(self, req: LoRARequest) -> A:
         """Read `req`'s adapter now, on this thread, and keep it (an offline batch checks its
         adapters before queueing anything). ValueError naming what is wrong."""

@@ -47,7 +47,7 @@ class ModelRunner:
         loads its slice of it and the KV pool of its KV heads."""
         self.tp = tp = tp or TPGroup()
         self.model_cfg = model_cfg = model_cfg.shard(tp.size, cfg.enable_expert_parallel)
-        self.model_dir, self.max_model_len, self.block_size = model_dir, max_model_len, cfg.block_size
+        self.model_dir, self.max_model_len = model_dir, max_model_len
         self.device = rank_device(resolve_device(cfg.device), tp)
         self.dtype = resolve_dtype(cfg.dtype, self.device)
         cpu = self.device.type == "cpu"
@@ -88,7 +88,6 @@ class ModelRunner:
         # LoRA adapters: read into host memory, paged into the pool's blocks, read from there by the kernel.
         self.adapters = AdapterPager(cfg, model_cfg, self.kv_cache, self.dtype, tp, kernels) \
             if cfg.enable_lora else None
-        self.loras = self.adapters.loras if self.adapters is not None else None
         # Drafts for the next step, proposed after sampling (rank 0 only: it samples).
         spec = cfg.speculative_config
         self.proposer = make_proposer(spec, self.draft) if spec is not None and tp.is_driver else None
@@ -139,6 +138,11 @@ class ModelRunner:
             self.proposer.seqs.clear()
 
     # -- what the engine reads of the runner -----------------------------------
+    @property
+    def loras(self):
+        """The adapters in host memory (engine.runner_api), or None without enable_lora."""
+        return self.adapters.loras if self.adapters is not None else None
+
     @property
     def num_blocks(self) -> int:
         return self.kv_cache.num_blocks

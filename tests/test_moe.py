@@ -343,14 +343,16 @@ def test_gguf_expert_type_without_kernel_fails_naming_it(make_llm, gguf_q8, tmp_
         make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
 
 
-def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir):
+@pytest.mark.parametrize("family,inter", [("qwen2_moe", 32), ("mixtral", 48)])
+def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir, family, inter):
     """Under tensor_parallel_size 2 a mixture's experts are sharded (each rank 1/2 of every expert's
     columns) or, with enable_expert_parallel, split whole (each rank 8 of the 16); the router runs on
     both ranks, the shared expert is sharded, and one all-reduce adds the parts: greedy tokens equal
-    one rank's, and each rank holds half the experts' bytes."""
+    one rank's, and each rank holds half the experts' bytes. Qwen2-MoE: routed experts and a shared
+    one; Mixtral: experts under its own names (block_sparse_moe.experts.E.w1), cut by ours."""
     from pagedllm import LLM
 
-    hf, path = make_model(tmp_path, model_dir, "qwen2_moe")   # routed experts and a shared one
+    hf, path = make_model(tmp_path, model_dir, family)
     prompts = [[5, 17, 300, 4000, 12], list(range(100, 140))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     kw = dict(model=str(path), dtype="float32", num_gpu_blocks_override=16, num_threads=1)
@@ -359,7 +361,7 @@ def test_tensor_parallel_mixture_matches_one_rank(tmp_path, model_dir):
         llm = LLM(**kw, tensor_parallel_size=2, enable_expert_parallel=ep)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == want, ep
         moe = llm.engine.runner.model.layers[1].mlp
-        assert (moe.local_experts, moe.w13.shape[1]) == ((8, 64) if ep else (16, 32))
+        assert (moe.local_experts, moe.w13.shape[1]) == ((8, 2 * inter) if ep else (16, inter))
         del llm
 
 

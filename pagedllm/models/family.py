@@ -5,6 +5,7 @@ its GGUF files. Plain data, torch-free: config.py reads it before any model is b
 A family's rows live in its file (families/); registry.py lists them by model_type."""
 from __future__ import annotations
 
+from functools import cached_property
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +21,14 @@ class WeightMapper:
     renames: tuple[tuple[str, str], ...] = ()
     norm_offset: float = 0.0   # checkpoints store RMSNorm weights as w - offset (1: x * (1 + w))
 
+    @cached_property
+    def _table(self) -> dict[str, str]:
+        return dict(self.renames)
+
     def name(self, theirs: str) -> str:
         if not self.renames:
             return theirs
-        table = dict(self.renames)
-        return ".".join(table.get(part, part) for part in theirs.split("."))
+        return ".".join(self._table.get(part, part) for part in theirs.split("."))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,6 @@
 """A model built for this rank: its layers on `device`, its slice of the weights loaded."""
 from __future__ import annotations
 
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,8 +25,10 @@ def build_model(model_dir: Path, mc: ModelConfig, backend: AttentionBackend, ker
     if mc.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
     ep = mc.moe is not None and mc.moe.expert_ranks > 1   # expert parallelism: this rank's experts, whole
-    model.load_hf_weights(load_weights(model_dir, partial(tp_split_dim, expert_parallel=ep), tp.rank, tp.size,
-                                       keep=partial(expert_kept, experts=model.expert_range) if ep else None))
+    ours = mc.family.weights.name   # the split and the experts kept go by our names (Mixtral's w1 is gate_proj)
+    experts = model.expert_range
+    model.load_hf_weights(load_weights(model_dir, lambda n: tp_split_dim(ours(n), ep), tp.rank, tp.size,
+                                       keep=(lambda n: expert_kept(ours(n), experts)) if ep else None))
     model = model.to(dtype).eval()
     rows = rope_rows(mc, max_model_len)
     model.ropes = [RotaryEmbedding(mc.rotary, rows, theta, scaling).to(device)

@@ -84,9 +84,7 @@ def load_gguf_blocks(model: nn.Module, gguf: GGUFBlocks, dtype: torch.dtype) -> 
         else:  # layers.<i>.<matmul>: its checkpoint weights (several when fused, unless the file fused them)
             layers, i, sub = name.split(".", 2)
             whole = f"model.{layers}.{i}.{sub}.weight"
-            shared = sub.startswith("mlp.shared_expert.")   # a shared expert: fused as the dense MLP is
-            key = sub.replace("shared_expert.", "") if shared else sub
-            parts = [t.replace("mlp.", "mlp.shared_expert.", 1) if shared else t for t in FUSED.get(key, (key,))]
+            parts = FUSED.get(sub, (sub,))
             names = [whole] if whole in blocks else [f"model.{layers}.{i}.{t}.weight" for t in parts]
         have = [blocks.get(n) for n in names]
         if any(b is None for b in have):

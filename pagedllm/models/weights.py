@@ -14,7 +14,8 @@ from .family import WeightMapper
 # Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
 # concatenate, in order: HF names and the GGUF loader's both map through this.
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+         "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj")}
 
 # Tensor parallelism: the HF weights split along which dimension. Column-parallel
 # layers (q/k/v, gate/up) and the vocab-parallel embedding and LM head split their
@@ -106,10 +107,7 @@ def _fuse(loaded: dict[str, torch.Tensor], num_layers: int) -> None:
     """Each layer's q/k/v and gate/up (a shared expert's too) as one tensor each, in place."""
     for i in range(num_layers):
         p = f"layers.{i}."
-        for ours, theirs in FUSED.items():
-            if ours.startswith("mlp.") and f"{p}mlp.shared_expert.gate_proj.weight" in loaded:
-                ours, theirs = "mlp.shared_expert.gate_up_proj", ("mlp.shared_expert.gate_proj",
-                                                                  "mlp.shared_expert.up_proj")
+        for ours, theirs in FUSED.items():   # each fuses where its parts are (a layer has one MLP kind)
             for kind in ("weight", "bias"):
                 parts = [loaded.pop(f"{p}{t}.{kind}", None) for t in theirs]
                 if all(x is not None for x in parts):

@@ -42,7 +42,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, Reque
 
 from ..config import EngineConfig
 from ..dp.router import ReplicaLoad, Router
-from ..server.launch import ServerOptions
+from ..server.options import ServerOptions
 
 logger = logging.getLogger(__name__)
 

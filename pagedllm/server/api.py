@@ -84,7 +84,7 @@ def _add_info_routes(app: FastAPI, state: ServerState) -> None:
                 "block_size": s.kv.block_size}
         # adapters as vLLM lists them, the base as parent; their path as root for the operator only
         # (a tenant learns nothing of the server's file system), their name for everyone else
-        operator = state.is_admin(key) or (state.admin_key is None and not state.api_keys)
+        operator = state.may_control(key)
         return {"object": "list", "data": [base] + [
             {"id": name, "object": "model", "created": now, "owned_by": "pagedllm",
              "root": r.lora_path if operator else name, "parent": state.model_name,
@@ -241,7 +241,7 @@ async def _lora_admin(state: ServerState, request: Request) -> dict:
     if not runtime_updates_allowed():
         raise APIError(404, f"runtime adapter updates are off; start the server with {RUNTIME_FLAG}=True",
                        "NotFoundError")
-    if (state.admin_key is not None or state.api_keys) and not state.is_admin(key):
+    if not state.may_control(key):
         why = "" if state.admin_key is not None else " (this server has API keys and no --admin-key: none may)"
         raise APIError(403, f"runtime adapter updates need the admin key{why}", "permission_error")
     body = await state.read_json(request)

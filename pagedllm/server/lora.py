@@ -68,6 +68,7 @@ class ServedLoRAs:
     def __post_init__(self) -> None:
         self.by_name: dict[str, LoRARequest] = {}
         self.pinned: set[str] = set()   # the operator's --lora-modules: never unloaded at run time
+        self.unlisted: dict[str, LoRARequest] = {}   # the server's own (private()): never served by name
         self.next_id = 1
         self.lock = threading.Lock()   # loads run off the event loop
 
@@ -87,6 +88,21 @@ class ServedLoRAs:
             if pinned:
                 self.pinned.add(name)
         return req
+
+    def private(self, name: str, path: str) -> LoRARequest:
+        """An adapter the server runs for itself (the visualizer's scenarios), numbered with the
+        served ones but served to nobody: no tenant lists it or asks for it by name, so random
+        weights never answer a tenant's request. The same one for `name` on every call."""
+        if not self.enabled:
+            raise ValueError("adapters need the engine started with --enable-lora")
+        with self.lock:
+            if name in self.unlisted:
+                return self.unlisted[name]
+            req = LoRARequest(name, self.next_id, path)
+            self.next_id += 1
+        self.check(req)
+        with self.lock:
+            return self.unlisted.setdefault(name, req)
 
     def remove(self, name: str) -> None:
         """KeyError: not served; PermissionError: one of the operator's --lora-modules."""

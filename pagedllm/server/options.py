@@ -65,8 +65,9 @@ class ServerOptions:
         "and its queue, prefill and decode) to this OTLP/HTTP endpoint, e.g. http://localhost:4318/v1/traces; a "
         "request's traceparent header joins the caller's trace (default: no tracing)", metavar="URL")
     max_stored_responses: int = knob(
-        256, "Responses API: the responses kept per tenant (API key) for previous_response_id, least recently "
-        "used out, at most 64 MiB of them; 0 keeps none (default: %(default)s)", type=int, ge=0, metavar="N")
+        256, "Responses API: the responses kept per tenant (API key) for previous_response_id, oldest out, at "
+        "most 64 MiB of them and 512 MiB over all tenants (a store past that is refused, never another "
+        "tenant's evicted); 0 keeps none (default: %(default)s)", type=int, ge=0, metavar="N")
     # Not a serve flag: the command line's own --log-level, which uvicorn's logging follows too.
     log_level: str = "INFO"
 

@@ -97,8 +97,9 @@ class ServerState:
         return self.admin_key is not None and key is not None and hmac.compare_digest(key.encode(), self.admin_key)
 
     def may_control(self, key: str | None) -> bool:
-        """Engine controls (the visualizer's pause, step, delay, scenarios) slow every
-        tenant: only the admin key may use them, or anyone on a server without keys."""
+        """Whether `key` is the operator's: engine controls (the visualizer's pause, step, delay,
+        scenarios) slow every tenant and adapter changes change what every tenant is served, so
+        only the admin key may, or anyone on a server without keys; the operator also sees adapter paths."""
         return self.is_admin(key) or (self.admin_key is None and not self.api_keys)
 
     def tenant(self, key: str | None) -> str | None:

@@ -69,7 +69,6 @@ def named_as(names: dict[str, str]) -> Iterator[None]:
 class ChatCall:
     """A request made into chat's, prepared and queued: its outputs on the engine and the
     builder that makes chat's answer of them."""
-    chat: PreparedChat
     sub: Submitted
     builder: ResponseBuilder
 
@@ -83,7 +82,7 @@ async def queue_as_chat(state: ServerState, request: Request, key: str | None, c
     sub = await submit(state, request, chat.req, prefix, chat.prompts, chat.params, key)
     # One choice, as chat's chunks (not SSE text) for the other API's events to read; no echo.
     builder = ResponseBuilder(state, chat.req, sub.rid, True, 1, None, chat.tools, sub.lora_name)
-    return ChatCall(chat, sub, builder)
+    return ChatCall(sub, builder)
 
 
 # -- the response side ---------------------------------------------------------------------
@@ -102,11 +101,10 @@ async def answer(call: ChatCall, stream: bool, shape: Shape, events: Events,
     return JSONResponse(obj)
 
 
-async def translated(events: Events, chunks: AsyncIterator[dict], done: Callable[[], None] | None = None
-                     ) -> AsyncIterator[str]:
+async def translated(events: Events, chunks: AsyncIterator[dict]) -> AsyncIterator[str]:
     """Another API's stream (Responses, Messages) made from chat's chunks by `events` (its
     start(), events(chunks) and failed(status, message)): a failure after the headers went out
-    ends it with that API's error event; a client gone ends it silently. done(): at its end."""
+    ends it with that API's error event; a client gone ends it silently."""
     for e in events.start():
         yield e
     try:
@@ -120,9 +118,6 @@ async def translated(events: Events, chunks: AsyncIterator[dict], done: Callable
     except Exception as e:  # after the headers went out, errors travel in the stream
         logger.warning("stream failed: %s", e)
         yield events.failed(500, str(e))
-        return
-    if done is not None:
-        done()
 
 
 @dataclass(slots=True)

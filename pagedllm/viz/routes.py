@@ -196,15 +196,14 @@ async def run_scenario(state: ServerState, name: str) -> None:
 
 
 async def _served_adapters(state: ServerState, sc: Scenario) -> dict:
-    """The scenario's adapters as this server serves them: written (random weights, into a folder
-    kept for the server's life) and added as the operator's on the first run, the same ones on
-    every run after. ValueError where the engine serves no adapters."""
+    """The scenario's adapters on this server: written (random weights, into a folder kept for the
+    server's life) on the first run and run as the server's own (ServedLoRAs.private: no tenant is
+    served them), the same ones on every run after. ValueError where the engine serves no adapters."""
     if not sc.adapters:
         return {}
-    missing = [n for n in sc.adapters if state.loras.get(n) is None]
-    if missing:
+    if any(n not in state.loras.unlisted for n in sc.adapters):
         await asyncio.to_thread(_write_and_serve, state, sc)
-    return {n: state.loras.get(n) for n in sc.adapters}
+    return {n: state.loras.unlisted[n] for n in sc.adapters}
 
 
 def _write_and_serve(state: ServerState, sc: Scenario) -> None:
@@ -219,12 +218,4 @@ def _write_and_serve(state: ServerState, sc: Scenario) -> None:
     folder = Path(tempfile.mkdtemp(prefix=f"pagedllm-viz-{sc.name}-"))
     atexit.register(shutil.rmtree, folder, True)
 
-    def serve(name: str, path: str, i: int):
-        try:
-            return state.loras.add(name, path, pinned=True)
-        except ValueError:   # another run of the scenario added it meanwhile
-            held = state.loras.get(name)
-            if held is None:
-                raise
-            return held
-    write_adapters(sc, mc, folder, serve)
+    write_adapters(sc, mc, folder, lambda name, path, i: state.loras.private(name, path))

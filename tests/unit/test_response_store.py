@@ -48,4 +48,6 @@ def test_a_full_store_refuses_instead_of_evicting_another_tenant():
     assert not store.put("b", "resp_1", record(1, 5000))   # the total is a's: b is refused
     assert store.get("a", "resp_0") is not None
     assert store.put("b", "resp_2", record(2, 1000))       # what fits is kept
+    assert not store.put("b", "resp_3", record(3, 5000))   # refused: b's own records are not dropped for nothing
+    assert store.get("b", "resp_2") is not None
     assert store.delete("a", "resp_0") and store.put("b", "resp_1", record(1, 5000))

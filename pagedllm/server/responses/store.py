@@ -52,12 +52,12 @@ class ResponseStore:
         if not self.enabled or n > self.bytes_per_tenant or n > self.bytes_total:
             return False
         with self._lock:
+            if self._total - self._bytes.get(tenant, 0) + n > self.bytes_total:
+                return False   # the others' records fill the total: dropping this tenant's own would not make room
             own = self._by_tenant.setdefault(tenant, OrderedDict())
             while own and (len(own) >= self.per_tenant or self._bytes.get(tenant, 0) + n > self.bytes_per_tenant
                            or self._total + n > self.bytes_total):
                 self._drop(tenant, next(iter(own)))
-            if self._total + n > self.bytes_total:
-                return False
             own[rid] = stored
             self._bytes[tenant] = self._bytes.get(tenant, 0) + n
             self._total += n

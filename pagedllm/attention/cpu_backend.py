@@ -109,6 +109,14 @@ class CpuPagedAttention(AttentionBackend):
             out[meta.rows:].zero_()   # padding rows, as the kernel leaves them
         return out
 
+    def fresh_route(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Route:
+        """Which fresh chunk lengths run on flash attention for this head shape (timed once, by the
+        chooser; the runner asks at start-up so that no request's step waits on the timing)."""
+        key = (heads, kv_heads, head_dim, dtype)
+        if key not in self._routes:
+            self._routes[key] = fresh_route(self.ops, self, *key)
+        return self._routes[key]
+
     def _on_sdpa(self, meta: CpuMetadata, q, k, window: int) -> list[tuple[int, int, int]]:
         """The trailing fresh chunks torch's flash attention runs faster (fresh_prefill.py): those
         whose length the chooser's route gives to it, from the last back to the first that it does
@@ -117,10 +125,7 @@ class CpuPagedAttention(AttentionBackend):
         if not meta.fresh or not self.fresh_prefill or window or self.kv is not None:
             return []
         if meta.sdpa is None:   # once a step: every layer of the metadata has the same heads and chunks
-            key = (q.shape[1], k.shape[1], q.shape[2], q.dtype)
-            if key not in self._routes:
-                self._routes[key] = fresh_route(self.ops, self, *key)
-            route, apart = self._routes[key], []
+            route, apart = self.fresh_route(q.shape[1], k.shape[1], q.shape[2], q.dtype), []
             for chunk in reversed(meta.fresh):
                 if route.pick(chunk[2]) != "sdpa":
                     break

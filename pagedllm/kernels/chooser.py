@@ -244,6 +244,8 @@ class KernelChooser:
                            power=power)
         mach = machine(self.kernels_build)
         key = f"{op}/{'x'.join(map(str, shape))}/{','.join(names)}/{','.join(map(str, rows))}"
+        if gain != SECOND_LAYOUT_GAIN:   # another gain routes the same timings otherwise
+            key += f"/gain={gain}"
         memo_key = f"{mach['threads']}/{key}"
         if memo_key in self.memo:
             return self.memo[memo_key]

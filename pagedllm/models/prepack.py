@@ -128,7 +128,7 @@ def linear_verdict(n: int, k: int, dtype: torch.dtype, kernels, panels_ok: bool 
     cands = linear_candidates(n, k, dtype, kernels, panels_ok)
     if not cands:
         return None
-    return _verdict(f"linear{'-single' if single else ''}-{dtype_name(dtype)}", cands, n, k, dtype,
+    return _verdict(f"linear-{dtype_name(dtype)}", cands, n, k, dtype,
                     HEAD_ROWS if head else ROWS, math.inf if single else SECOND_LAYOUT_GAIN)
 
 

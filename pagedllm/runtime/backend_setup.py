@@ -29,6 +29,8 @@ def attention_backend(cfg: EngineConfig, device: torch.device, dtype: torch.dtyp
                              f"{backend.name} attention on {device.type}")
         backend.split_k = False
         backend.fresh_prefill = False   # every chunk on the paged kernel: one path whatever the batch
+    if getattr(backend, "fresh_prefill", False) and backend.kv is None:   # timed now, not in a request's first step
+        backend.fresh_route(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
     if backend.name == "triton" and device.type == "cpu":
         logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
                        "(meant for tests); use --attention-backend torch")

@@ -113,7 +113,7 @@ def test_decode_graph_buffers_give_the_same_tokens(make_llm, attention_model):
     run = lambda: [(c.token_ids, [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])  # noqa: E731
                    for o in llm.generate(prompts, params, use_tqdm=False) for c in o.outputs]
     plain = run()
-    r.graphs = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 6, r.max_model_len, r.block_size, _torch.device(DEV),
+    r.graphs = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 6, r.max_model_len, llm.engine.cfg.block_size, _torch.device(DEV),
                             use_graphs=CUDA)
     r.graphs.capture()
     assert r.graphs.buckets == [1, 2, 4, 8]
@@ -145,7 +145,7 @@ def test_graphed_decode_forward_never_waits_on_the_host(make_llm, attention_mode
     llm = make_llm(model=attention_model, dtype="float32", kv_cache_memory="64MiB", max_model_len=128,
               attention_backend="triton", device=DEV, max_num_seqs=4, enforce_eager=True)
     r = llm.engine.runner
-    g = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 4, r.max_model_len, r.block_size, _torch.device(DEV),
+    g = DecodeGraphs(r.model, r.backend, r.kv_cache.layers, 4, r.max_model_len, llm.engine.cfg.block_size, _torch.device(DEV),
                      use_graphs=False)
     g.ctx[:2] = _torch.tensor([5, 9], dtype=_torch.int32)
     g.slots[:2] = _torch.tensor([4, 40])

@@ -69,7 +69,8 @@ class LLMEngine:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit {limit} "
                              "(max_position_embeddings)")
         self._launcher = None
-        if runner is None:
+        loads = runner is None
+        if loads:
             runner, self._launcher = model_runner(cfg, model_dir, self.model_cfg, self.max_model_len)
             if self._launcher is not None:   # workers stop when the engine is collected or the process exits
                 weakref.finalize(self, self._launcher.close)
@@ -113,7 +114,8 @@ class LLMEngine:
         # The figures after the latest step, built when first read (an offline run reads none).
         self._view: EngineStats = self.stats()
         self._view_step = 0
-        release_freed_heap()
+        if loads:   # the heap its load freed, back to the OS (over a given runner, nothing was loaded)
+            release_freed_heap()
 
     def _scheduler(self) -> None:
         """The scheduler, and the features that join its steps (StepHooks), in the order they

@@ -2,6 +2,7 @@
 tokenizer), converting a GGUF file once into a cache keyed by the file's hash."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -89,12 +90,27 @@ def resolve_model_dir(model: str | os.PathLike | None) -> Path:
                      f"{', '.join(SHIPPED_MODELS)} (nothing is downloaded from a model hub)")
 
 
+def _stat_key(path: Path) -> tuple:
+    """What says a file is unchanged without reading it (as make and ccache trust): its
+    identity, size and modification time."""
+    st = path.stat()
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+# Hashing a GGUF reads all of it (80 ms for the default model, seconds for a large one), and
+# every engine, server and CLI command of a process resolves the model again: one read per file.
+_DIGESTS: dict[tuple, str] = {}
+
+
 def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()[:20]
+    key = (str(path.resolve()), _stat_key(path))
+    if key not in _DIGESTS:
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        _DIGESTS[key] = h.hexdigest()[:20]
+    return _DIGESTS[key]
 
 
 def _gguf_cache_dir(path: Path) -> Path:
@@ -245,17 +261,32 @@ def read_chat_template(value: str) -> str:
 
 def load_tokenizer(model_dir: Path, chat_template: str | None = None):
     """The model's tokenizer, with `chat_template` (read_chat_template) in place of its own; one
-    without a template gets its family's, where we ship one (Family.chat_template)."""
+    without a template gets its family's, where we ship one (Family.chat_template).
+
+    One object per directory and template in a process, as long as the directory's files are
+    unchanged: parsing a tokenizer costs 0.2-0.5 s, paid by every engine a process starts over the
+    same model. Nothing of ours changes a tokenizer after this (a template is part of the key),
+    and the calls made of it (encode, decode, apply_chat_template without padding or
+    truncation) leave it as it was, so engines may share it."""
+    template = read_chat_template(chat_template) if chat_template is not None else None
+    files = tuple(sorted((f.name, _stat_key(f)) for f in model_dir.iterdir() if f.is_file()))
+    return _cached_tokenizer(str(model_dir.resolve()), files, template)
+
+
+@functools.lru_cache(maxsize=8)
+def _cached_tokenizer(model_dir: str, files: tuple, template: str | None):
     import transformers
 
+    del files  # the cache's key only
+    model_dir = Path(model_dir)
     config = model_dir / "tokenizer_config.json"
     name = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
     if name in _REBUILT_FROM_JSON and (model_dir / "tokenizer.json").is_file():
         name = _GENERIC_TOKENIZERS[0]
     cls = getattr(transformers, name, None) if name in _GENERIC_TOKENIZERS else None
     tok = (cls or transformers.AutoTokenizer).from_pretrained(model_dir)
-    if chat_template is not None:
-        tok.chat_template = read_chat_template(chat_template)
+    if template is not None:
+        tok.chat_template = template
     elif not getattr(tok, "chat_template", None) and (model_dir / "config.json").is_file():
         family = FAMILIES.get(load_config(model_dir).get("model_type"))
         if family is not None and family.chat_template:

@@ -1,5 +1,6 @@
 """Our engine's greedy output equals HF transformers' on the same weights (float32),
-through prefix-cache hits, chunked prefill and preemption by recompute."""
+through prefix-cache hits, chunked prefill and preemption by recompute, in the default and the
+batch-invariant kernels."""
 from __future__ import annotations
 
 import torch
@@ -82,3 +83,17 @@ def test_logits_match_hf(hf_model, llm_fp32):
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0, -1]
     torch.testing.assert_close(captured["logits"][0].float(), ref, atol=2e-3, rtol=1e-3)
+
+
+def test_fp32_batch_invariant_still_matches_hf(make_llm, hf_model):
+    """Batch-invariant mode (tests/test_batch_invariant.py) on the same prompts: its fixed-order
+    kernels still give HF's tokens. Here, beside the test above, so that both read the one set
+    of HF references this worker computes (1.6 s a prompt)."""
+    llm = make_llm(dtype="float32", batch_invariant=True, num_gpu_blocks_override=16, max_model_len=512,
+              max_num_batched_tokens=64)
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_NEW), use_tqdm=False)
+    assert llm.get_stats().preemptions > 0
+    for prompt, out in zip(PROMPTS, outs):
+        want = hf_greedy(hf_model, out.prompt_token_ids, MAX_NEW)
+        got = out.outputs[0].token_ids
+        assert got == want[:len(got)], f"{prompt[:30]!r}: ours {got} != HF {want}"

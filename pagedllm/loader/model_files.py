@@ -97,20 +97,20 @@ def _stat_key(path: Path) -> tuple:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
+def _file_digest(path: Path) -> str:
+    return _digest(str(path.resolve()), _stat_key(path))
+
+
 # Hashing a GGUF reads all of it (80 ms for the default model, seconds for a large one), and
 # every engine, server and CLI command of a process resolves the model again: one read per file.
-_DIGESTS: dict[tuple, str] = {}
-
-
-def _file_digest(path: Path) -> str:
-    key = (str(path.resolve()), _stat_key(path))
-    if key not in _DIGESTS:
-        h = hashlib.sha256()
-        with open(path, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 22), b""):
-                h.update(chunk)
-        _DIGESTS[key] = h.hexdigest()[:20]
-    return _DIGESTS[key]
+@functools.lru_cache(maxsize=32)
+def _digest(path: str, stat: tuple) -> str:
+    del stat  # the cache's key only: a changed file is read again
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:20]
 
 
 def _gguf_cache_dir(path: Path) -> Path:

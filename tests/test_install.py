@@ -161,4 +161,4 @@ def test_readme_quick_start_is_two_commands_and_states_test_time():
     quick = readme.split("## Quick start", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
     commands = [line for line in quick.splitlines() if line.strip() and not line.strip().startswith("#")]
     assert commands == ["bash scripts/install.sh && pagedllm generate", "bash scripts/install.sh && python -m pytest -q"]
-    assert "--with-browser" in readme and re.search(r"test suite about [\d½]+ minutes", readme)
+    assert "--with-browser" in readme and re.search(r"test suite (takes )?about [\d½]+ minutes", readme)

@@ -61,11 +61,11 @@ def kv_manager(cfg: EngineConfig, runner: Runner, model_dir: Path, max_model_len
         scores = max(int(SCORE_CACHE_SHARE * runner.num_blocks * runner.bytes_per_block), SCORE_CACHE_FLOOR)
     kv = KVCacheManager(runner.num_blocks, cfg.block_size, cfg.enable_prefix_caching, cfg.allocation,
                         max_model_len, max_step_tokens=cfg.max_num_batched_tokens + lookahead,
-                        connector=connector, group_windows=runner.kv_layout.windows, score_cache_bytes=scores)
-    windows = [g.window for g in kv.groups]
-    if any(windows):
-        logger.info("KV layer groups %s: each sequence releases its windowed groups' blocks below their windows",
-                    ", ".join(f"sliding window {w}" if w else "full" for w in windows))
+                        connector=connector, group_windows=runner.kv_layout.windows, score_cache_bytes=scores,
+                        group_kinds=runner.kv_layout.kinds)
+    if len(kv.groups) > 1 or any(g.window for g in kv.groups):
+        logger.info("KV layer groups %s: each sequence releases its windowed groups' blocks below their windows, "
+                    "and its state groups' below the state its next token reads", ", ".join(g.kind for g in kv.groups))
     return kv
 
 

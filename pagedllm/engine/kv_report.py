@@ -4,6 +4,7 @@ tier, layer groups, adapters, the score cache, speculation) is a line only when 
 from __future__ import annotations
 
 from ..kv import KVStats
+from ..kv.groups import STATE
 from ..kv_dtype import KV_DTYPES
 from .stats import EngineStats
 
@@ -24,7 +25,8 @@ def groups_report(kv: KVStats) -> list[str]:
     if len(kv.groups) < 2:
         return []
     held = ", ".join(f"{g.kind} {g.held_blocks if g.held_blocks is not None else '?'} held"
-                     + (f" ({g.released} released)" if g.window else "") for g in kv.groups)
+                     + (f" ({g.released} snapshots released to the cache)" if g.holds == STATE else
+                        f" ({g.released} released)" if g.window else "") for g in kv.groups)
     return [f"  layer groups ({len(kv.groups)}, a block holds one group's layers): {held}"]
 
 

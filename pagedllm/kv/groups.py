@@ -14,25 +14,50 @@ holds the g layers of whichever group owns it. A type whose layer count is not a
 of g has a last group with fewer layers: its blocks leave those tensor slots unused.
 
 A model of one attention type has one group of all its layers: nothing changes for it.
+
+A hybrid model's recurrent layers (LFM2's short convolutions; Mamba's and DeltaNet's scans)
+keep a state per sequence, not K/V per token. They get groups of their own kind, STATE (vLLM
+v1's MambaManager), run by the same block tables as a sliding window of STATE_WINDOW = 2
+tokens: block j of a sequence's table holds the state its layers had after the last of its
+tokens written so far (after token (j+1)B - 1 once the block is full), and a query at p reads
+the state that token p - 1 left, in block (p - 1) // B. So every older block is released as
+the sequence moves on, yet stays in the prefix cache under its key until evicted: a later
+prompt that shares the first k blocks restarts from block k - 1's state, the windowed group's
+hit rule. The runner writes a snapshot into each block a step fills, and the last token's
+state into the block it ends in; a block shared at fork is copied before that write, as a
+partial K/V block is. A state block is the same bytes as a K/V block (the runner lays the
+state out in the slot's K and V rows), so one pool serves both kinds.
 Plain Python, no torch: the runner reads the layout to build its tensors, the manager to
 keep one table per group.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Collection, Sequence
 
 from ..util import cdiv
+
+
+KV, STATE = "kv", "state"   # what a group's blocks hold: K/V per token, or a recurrent state per sequence
+STATE_WINDOW = 2            # a state group's window: a query at p reads what token p - 1 left
+
+
+def group_kind(window: int, holds: str = KV) -> str:
+    """A group's kind as the KV report and /metrics name it."""
+    if holds == STATE:
+        return "state"
+    return f"sliding_window({window})" if window else "full"
 
 
 @dataclass(frozen=True, slots=True)
 class KVGroup:
     window: int                # W: a query at p reads keys p - W < j <= p; 0: every key (full attention)
-    layers: tuple[int, ...]    # the model layers whose K/V this group's blocks hold, in tensor order
+    layers: tuple[int, ...]    # the model layers whose K/V (or state) this group's blocks hold, in tensor order
+    holds: str = KV            # KV, or STATE (window STATE_WINDOW)
 
     @property
     def kind(self) -> str:
-        return f"sliding_window({self.window})" if self.window else "full"
+        return group_kind(self.window, self.holds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +75,15 @@ class KVLayout:
         return tuple(g.window for g in self.groups)
 
     @property
+    def kinds(self) -> tuple[str, ...]:
+        """What each group's blocks hold (KV or STATE)."""
+        return tuple(g.holds for g in self.groups)
+
+    @property
+    def has_state(self) -> bool:
+        return STATE in self.kinds
+
+    @property
     def num_layers(self) -> int:
         return sum(len(g.layers) for g in self.groups)
 
@@ -61,25 +95,27 @@ class KVLayout:
         raise ValueError(f"layer {layer} is in no KV group")
 
 
-def kv_layout(layer_windows: Sequence[int]) -> KVLayout:
-    """Groups for layers with these windows (0: full attention): full attention first (it
-    serves the prefix cache's longest hits and the draft model's table), then windows from
-    the narrowest, each type's layers in order, g = the fewest layers of any type."""
-    by_window: dict[int, list[int]] = {}
+def kv_layout(layer_windows: Sequence[int], state_layers: Collection[int] = ()) -> KVLayout:
+    """Groups for layers with these windows (0: full attention), and for `state_layers`, which
+    keep a recurrent state (their windows are not read): full attention first (it serves the
+    prefix cache's longest hits and the draft model's table), then windows from the
+    narrowest, then state; each type's layers in order, g = the fewest layers of any type."""
+    by_type: dict[tuple[str, int], list[int]] = {}
     for layer, w in enumerate(layer_windows):
         if w < 0:
             raise ValueError(f"layer {layer}: window {w} < 0")
-        by_window.setdefault(w, []).append(layer)
-    if not by_window:
+        key = (STATE, STATE_WINDOW) if layer in state_layers else (KV, w)
+        by_type.setdefault(key, []).append(layer)
+    if not by_type:
         raise ValueError("a model needs at least one layer")
-    if len(by_window) == 1:
-        (w, layers), = by_window.items()
-        return KVLayout.single(len(layers), w)
-    g = min(len(layers) for layers in by_window.values())
+    if len(by_type) == 1:
+        ((holds, w), layers), = by_type.items()
+        return KVLayout((KVGroup(w, tuple(layers), holds),), len(layers))
+    g = min(len(layers) for layers in by_type.values())
     groups = []
-    for w in sorted(by_window):
-        layers = by_window[w]
-        groups += [KVGroup(w, tuple(layers[i:i + g])) for i in range(0, len(layers), g)]
+    for holds, w in sorted(by_type, key=lambda k: (k[0] == STATE, k[1])):
+        layers = by_type[holds, w]
+        groups += [KVGroup(w, tuple(layers[i:i + g]), holds) for i in range(0, len(layers), g)]
     return KVLayout(tuple(groups), g)
 
 
@@ -93,14 +129,18 @@ def merged(layer_windows: Sequence[int]) -> KVLayout:
 
 
 def engine_layout(layer_windows: Sequence[int], one_table: str | None = None,
-                  draft_windows: Sequence[int] = ()) -> KVLayout:
+                  draft_windows: Sequence[int] = (), state_layers: Collection[int] = ()) -> KVLayout:
     """An engine's layout: by attention type (windowed layers release their old blocks while
-    full-attention ones keep theirs), unless something reads the pool with one block table per
-    sequence (`one_table` says what: a draft model beside the target, with `draft_windows`,
-    the disk tier's one block per key, reserve-max's one reservation). Then one group,
-    windowed only if every layer that reads it is."""
+    full-attention ones keep theirs; recurrent layers keep a state), unless something reads the
+    pool with one block table per sequence (`one_table` says what: a draft model beside the
+    target, with `draft_windows`, the disk tier's one block per key, reserve-max's one
+    reservation). Then one group, windowed only if every layer that reads it is; ValueError for
+    a model with state layers, whose state cannot share a K/V table."""
     if one_table is None:
-        return kv_layout(layer_windows)
+        return kv_layout(layer_windows, state_layers)
+    if state_layers:
+        raise ValueError(f"{one_table}, which a model whose layers keep a recurrent state (layers "
+                         f"{sorted(state_layers)}) does not allow: its state has block tables of its own")
     one = merged(list(layer_windows) + list(draft_windows))
     return KVLayout.single(len(layer_windows), one.groups[0].window)
 

@@ -21,6 +21,7 @@ from .block_pool import BlockPool
 from .block_table import BlockTable
 from .connector import KVConnector, StepIO
 from .events import KVEvent, KVEventLog
+from .groups import KV, STATE
 from .hashing import BlockHashes
 from .integrity import check
 from .pool_shape import PoolShape, window_blocks
@@ -36,9 +37,11 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True,
                  policy: str = "paged", max_model_len: int | None = None, sliding_window: int = 0,
                  max_step_tokens: int = 0, connector: KVConnector | None = None,
-                 group_windows: Sequence[int] | None = None, score_cache_bytes: int = 1 << 62) -> None:
+                 group_windows: Sequence[int] | None = None, score_cache_bytes: int = 1 << 62,
+                 group_kinds: Sequence[str] | None = None) -> None:
         """group_windows: each layer group's window (0: full attention; kv.groups); default
-        one group windowed by `sliding_window`. Windowed groups release the blocks below their
+        one group windowed by `sliding_window`. group_kinds: what each group's blocks hold
+        (kv.groups.KV or STATE; default all KV). Windowed groups release the blocks below their
         windows under the paged policy (reserve-max keeps its reservation).
         max_step_tokens: the most tokens one sequence gets slots for in a step (its chunk and
         lookahead), which bounds what it holds under a window (PoolShape).
@@ -66,8 +69,11 @@ class KVCacheManager:
             raise ValueError(f"reserve-max needs {self.shape.reserve_blocks} blocks per sequence "
                              f"(max_model_len {max_model_len}) but the pool has {num_blocks}")
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.groups = [GroupManager(i, w, self.pool, block_size, policy, self.shape.reserve_blocks, self._emit)
-                       for i, w in enumerate(windows)]
+        kinds = tuple(group_kinds) if group_kinds is not None else (KV,) * len(windows)
+        if len(kinds) != len(windows) or not set(kinds) <= {KV, STATE}:
+            raise ValueError(f"group_kinds {kinds} must name {KV!r} or {STATE!r} for each of {len(windows)} groups")
+        self.groups = [GroupManager(i, w, self.pool, block_size, policy, self.shape.reserve_blocks, self._emit, holds)
+                       for i, (w, holds) in enumerate(zip(windows, kinds))]
         # Prompt logprobs kept beside cached blocks, under group 0's keys, within their cap.
         self.scores = ScoreStore(score_cache_bytes if enable_prefix_caching else 0, self.pool.cached.__contains__)
         # LoRA adapters' pages (S-LoRA's unified paging): blocks of the same pool, tagged when idle.
@@ -304,6 +310,8 @@ class KVCacheManager:
         if len(token_ids) < num_tokens:
             raise ValueError(f"rollback: {len(token_ids)} token ids for {num_tokens} kept tokens")
         held = min(table.num_tokens, num_tokens + max(0, lookahead))
+        for g in self.groups:   # every group checked before any rolls back
+            g.check_rollback(g.tables[seq_id], num_tokens, held)
         return [b for g in self.groups for b in g.rollback(seq_id, num_tokens, held, token_ids)]
 
     def fork(self, parent_id: int, child_id: int, num_tokens: int | None = None,
@@ -319,8 +327,7 @@ class KVCacheManager:
         if not 0 <= n <= parent.num_tokens:
             raise ValueError(f"fork length {n} outside [0, {parent.num_tokens}]")
         for g in self.groups:  # checked in every group before any forks
-            if g.tables[parent_id].num_released > g.first_window_block(n):
-                raise ValueError(f"fork at {n} tokens: the sliding window released keys the child's next query reads")
+            g.check_fork(g.tables[parent_id], n)
         hashes = hashes if hashes is not None else parent.hashes.prefix(n)
         copies: Copies = []
         for g in self.groups:
@@ -354,22 +361,26 @@ class KVCacheManager:
         each group's held blocks) walk every table, and are computed only when asked."""
         held: list[int | None] = [None] * len(self.groups)
         fill: dict[int, int] = {}   # block -> slots holding a token (a block is one group's)
-        without_sharing = 0
+        without_sharing = state_blocks = 0
         if walk:
             for i, g in enumerate(self.groups):
+                if g.holds == STATE:   # a state block holds no token slots: outside eta
+                    held[i] = len({b for t in g.tables.values() for b in t.held})
+                    state_blocks += held[i]
+                    continue
                 before = len(fill)
                 without_sharing += g.walk_slots(fill)
                 held[i] = len(fill) - before   # every block a table holds enters `fill` once
         s = KVStats(self.block_size, self.pool.figures(),
-                    [GroupFigures(g.window, n, g.released) for g, n in zip(self.groups, held)],
+                    [GroupFigures(g.window, n, g.released, g.holds) for g, n in zip(self.groups, held)],
                     self.scores.figures(), self.prefix_queries, self.prefix_hits,
                     sum(g.cow_copies for g in self.groups), self.forks,
                     tier=self.connector.figures() if self.connector is not None else None,
                     adapters=self.adapters.figures())
         if walk:
             s.blocks_without_sharing, s.used_slots = without_sharing, sum(fill.values())
-            # eta is over KV blocks: an adapter's pages hold weights, not token slots
-            alloc_slots = (s.pool.used_blocks - s.adapters.held_pages) * self.block_size
+            # eta is over KV blocks: an adapter's pages hold weights, a state block a state, not token slots
+            alloc_slots = (s.pool.used_blocks - s.adapters.held_pages - state_blocks) * self.block_size
             s.waste = (alloc_slots - s.used_slots) / alloc_slots if alloc_slots else 0.0
         return s
 

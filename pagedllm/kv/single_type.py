@@ -1,5 +1,6 @@
-"""One layer group's block tables (vLLM v1's SingleTypeKVCacheManager): full attention, or
-a sliding window of W keys.
+"""One layer group's block tables (vLLM v1's SingleTypeKVCacheManager): full attention, a
+sliding window of W keys, or a recurrent state (kv.groups: a window of 2 whose blocks each hold
+the state after their last token).
 
 It allocates from the shared pool, grows tables with copy-on-write of a shared partial
 block, forks, frees, rolls back drafts and registers full blocks in the prefix cache under
@@ -22,6 +23,7 @@ from ..util import cdiv
 from .block_pool import BlockPool
 from .block_table import RELEASED, BlockTable
 from .events import KVEventLog
+from .groups import KV, STATE, STATE_WINDOW, group_kind
 from .hashing import BlockHashes
 
 Copies = list[tuple[int, int]]
@@ -36,8 +38,10 @@ def group_salt(gid: int) -> int:
 
 class GroupManager:
     def __init__(self, gid: int, window: int, pool: BlockPool, block_size: int, policy: str = "paged",
-                 reserve_blocks: int = 0, emit: Callable[[dict], None] | None = None) -> None:
-        self.gid, self.pool, self.block_size = gid, pool, block_size
+                 reserve_blocks: int = 0, emit: Callable[[dict], None] | None = None, holds: str = KV) -> None:
+        if holds == STATE and (window != STATE_WINDOW or policy != "paged"):
+            raise ValueError(f"a state group is paged with window {STATE_WINDOW}, got window {window}, {policy}")
+        self.gid, self.pool, self.block_size, self.holds = gid, pool, block_size, holds
         self.window = window if policy == "paged" else 0
         self.policy, self.reserve_blocks = policy, reserve_blocks
         self.salt = group_salt(gid)
@@ -48,6 +52,10 @@ class GroupManager:
         # (block, key): a group-0 block registered in the prefix cache (the tier writes it through)
         self.on_cached: Callable[[int, int], None] | None = None
         self.log: KVEventLog | None = None   # vLLM's KV events, while a publisher listens
+
+    @property
+    def kind(self) -> str:
+        return group_kind(self.window, self.holds)
 
     def emit(self, event: dict) -> None:
         if self.gid:
@@ -228,8 +236,7 @@ class GroupManager:
         """The child's table over the parent's first n tokens: shared blocks (paged), or its
         own reservation with the filled blocks copied (reserve-max; None if none is free)."""
         parent = self.tables[parent_id]
-        if parent.num_released > self.first_window_block(n):
-            raise ValueError(f"fork at {n} tokens: the sliding window released keys the child's next query reads")
+        self.check_fork(parent, n)
         B, k = self.block_size, cdiv(n, self.block_size)
         child = BlockTable(B, num_tokens=n, hashes=hashes, num_cached_blocks=min(parent.num_cached_blocks, n // B),
                            num_released=min(parent.num_released, k))
@@ -249,6 +256,17 @@ class GroupManager:
                    "tokens": n, "shared": self.policy == "paged"})
         return copies
 
+    def check_fork(self, parent: BlockTable, n: int) -> None:
+        """ValueError if a child of the first n tokens of `parent` could not read what its next
+        query reads: keys the window released, or (a state group) a state the parent's blocks no
+        longer hold; a state is kept at each block's end and at the last token only."""
+        released = parent.num_released > self.first_window_block(n)
+        if self.holds == STATE and n != parent.num_tokens and (n % self.block_size or released):
+            raise ValueError(f"fork at {n} of {parent.num_tokens} tokens: a recurrent state is kept at the last "
+                             f"token, and at block ends ({self.block_size} tokens) only until the next step")
+        if released:
+            raise ValueError(f"fork at {n} tokens: the sliding window released keys the child's next query reads")
+
     def free(self, seq_id: int) -> None:
         """Return a sequence's blocks, tail first (its tail is the least likely reused)."""
         table = self.tables.pop(seq_id, None)
@@ -261,8 +279,7 @@ class GroupManager:
         """Keep `held` slots, the first num_tokens of them verified; give back the blocks only
         rejected drafts filled (paged; reserve-max keeps its reservation)."""
         table = self.tables[seq_id]
-        if table.num_released > self.first_window_block(num_tokens):
-            raise ValueError(f"rollback to {num_tokens} tokens: the sliding window released keys its next query reads")
+        self.check_rollback(table, num_tokens, held)
         rejected = table.num_tokens - held
         freed: list[int] = []
         if self.policy == "paged":
@@ -275,6 +292,16 @@ class GroupManager:
         self.emit({"type": "rollback", "seq": seq_id, "tokens": held, "rejected": rejected, "blocks": freed})
         self.cache_full_blocks(table, token_ids, num_tokens)
         return freed
+
+    def check_rollback(self, table: BlockTable, num_tokens: int, held: int) -> None:
+        """ValueError if rolling `table` back to num_tokens verified of `held` slots would leave
+        its next query without what it reads: released keys, or a state already run past them
+        (a recurrent state is updated in place: it cannot be taken back)."""
+        if table.num_released > self.first_window_block(num_tokens):
+            raise ValueError(f"rollback to {num_tokens} tokens: the sliding window released keys its next query reads")
+        if self.holds == STATE and held < table.num_tokens:
+            raise ValueError(f"rollback to {held} of {table.num_tokens} tokens: a recurrent state cannot be rolled "
+                             "back (speculative decoding is not supported for a model with state layers)")
 
     # -- figures -------------------------------------------------------------
     def walk_slots(self, fill: dict[int, int]) -> int:

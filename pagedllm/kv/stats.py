@@ -11,6 +11,7 @@ from typing import Sequence, TypeVar
 from .adapter_pages import AdapterFigures
 from .block_pool import PoolFigures
 from .connector import TierFigures
+from .groups import KV, group_kind
 from .score_store import ScoreFigures
 from .block_store import TierStats
 
@@ -23,10 +24,11 @@ class GroupFigures:
     window: int                   # 0: full attention
     held_blocks: int | None       # distinct blocks its tables hold (None in a stats(walk=False) snapshot)
     released: int                 # blocks its window released from tables (0 for full attention)
+    holds: str = KV               # KV, or STATE: a recurrent state per sequence (kv.groups)
 
     @property
     def kind(self) -> str:
-        return f"sliding_window({self.window})" if self.window else "full"
+        return group_kind(self.window, self.holds)
 
 
 @dataclass(slots=True)
@@ -132,7 +134,7 @@ def kv_total(parts: Sequence[KVStats]) -> KVStats:
 def counters_of(s: KVStats) -> KVStats:
     """A stopped replica's counters, its gauges zeroed: what a restart must not lose."""
     zero_pool = PoolFigures(0, 0, 0, 0, 0, s.pool.evictions)
-    groups = [GroupFigures(g.window, 0, g.released) for g in s.groups]
+    groups = [GroupFigures(g.window, 0, g.released, g.holds) for g in s.groups]
     sc = s.scores
     scores = ScoreFigures(sc.queries, sc.hits, 0, 0, 0, sc.dropped)
     tier = None

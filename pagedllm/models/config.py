@@ -93,6 +93,11 @@ class ModelConfig:
     layer_ropes: tuple[int, ...] = field(default=())
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
     moe: MoEConfig | None = None      # a mixture of experts' routing (None: a dense model)
+    # Hybrid models: the layers that keep a recurrent state instead of K/V (kv.groups' STATE),
+    # here gated short convolutions of conv_kernel taps (short_conv.py).
+    state_layers: tuple[int, ...] = field(default=())
+    conv_kernel: int = 0
+    conv_bias: bool = False
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -120,7 +125,7 @@ class ModelConfig:
         if ropes and len(ropes) != n:
             raise ValueError(f"no_rope_layers has {len(ropes)} entries for {n} layers (num_hidden_layers)")
         scalar = cfg.get("query_pre_attn_scalar")
-        return cls(
+        return replace(cls(
             model_type=mt, hidden_size=cfg["hidden_size"], num_layers=n,
             num_heads=heads, num_kv_heads=cfg.get("num_key_value_heads") or heads, head_dim=head_dim,
             intermediate_size=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
@@ -132,7 +137,8 @@ class ModelConfig:
             family=fam, activation=ACTIVATIONS[act], attn_scale=float(scalar) ** -0.5 if scalar else 0.0,
             rotary_dim=int(head_dim * partial) if partial != 1.0 else 0,
             local_rope_theta=local or 0.0, layer_ropes=ropes if any(r != 0 for r in ropes) else (),
-            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0), moe=moe_config(cfg, fam, n))
+            final_logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0), moe=moe_config(cfg, fam, n)),
+            **(fam.own_config(cfg) if fam.own_config is not None else {}))
 
     @property
     def rotary(self) -> int:
@@ -177,8 +183,13 @@ class ModelConfig:
         return max(self.layer_windows)
 
     def kv_bytes_per_token(self, kv: KVDtype) -> int:
-        """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included."""
-        return kv.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim)
+        """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included, over the
+        layers that keep K/V (a hybrid's state layers keep a state per sequence instead)."""
+        return kv.bytes_per_token(self.num_layers - len(self.state_layers), self.num_kv_heads, self.head_dim)
+
+    def state_bytes(self, itemsize: int) -> int:
+        """A sequence's recurrent state over every state layer: K - 1 inputs of hidden_size each."""
+        return len(self.state_layers) * max(0, self.conv_kernel - 1) * self.hidden_size * itemsize
 
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts

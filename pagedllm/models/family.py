@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from functools import cached_property
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 # How a family's layers get their sliding windows (config.layer_windows).
 EVERY_LAYER, QWEN_LAYERS, LAYER_TYPES_ONLY, NO_WINDOWS = "every", "qwen", "layer_types", "none"
@@ -76,3 +76,6 @@ class Family:
     stop_tokens: tuple[str, ...] = ()  # end-of-turn tokens its chat format ends a reply with (beside EOS)
     chat_template: str = ""      # ours (loader/chat_templates/) for files that carry none
     gguf: GGUFArch | None = None  # None: no GGUF file of it is read
+    # ModelConfig fields its config.json holds its own way (key names, derived widths, state layers):
+    # called with the HF config, returns those fields; ValueError naming a variant we do not run.
+    own_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None

@@ -1,5 +1,5 @@
-"""A decoder layer (attention, then the MLP or a mixture of experts) with the options families pick
-(family.Family): q/k norms, per-layer windows, sandwich norms."""
+"""A decoder layer (attention, or a hybrid model's short convolution, then the MLP or a mixture of
+experts) with the options families pick (family.Family): q/k norms, per-layer windows, sandwich norms."""
 from __future__ import annotations
 
 from typing import Any
@@ -13,6 +13,7 @@ from .mlp import MLP
 from .moe import SparseMoE
 from .norm import RMSNorm
 from .ops import Ops
+from .short_conv import ShortConv
 
 
 class Attention(nn.Module):
@@ -50,7 +51,12 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int = 0) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend, cfg.window(index))
+        # The token mixer: attention, or a layer that keeps a recurrent state (cfg.state_layers)
+        if index in cfg.state_layers:
+            self.conv = ShortConv(cfg)
+        else:
+            self.self_attn = Attention(cfg, backend, cfg.window(index))
+        self.mixer = "conv" if index in cfg.state_layers else "self_attn"
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
         self.mlp = SparseMoE(cfg) if cfg.moe is not None and cfg.moe.is_sparse(index) else MLP(cfg)
         if cfg.family.sandwich_norms:  # each sublayer's output is normed before the residual add
@@ -67,7 +73,7 @@ class DecoderLayer(nn.Module):
             residual, x = x, ops.norm(x, self.input_layernorm)
         else:
             x, residual = ops.add_norm(x, residual, self.input_layernorm)
-        x = tp.all_reduce(self.self_attn(x, ops, rotate, k_cache, v_cache, meta))
+        x = tp.all_reduce(getattr(self, self.mixer)(x, ops, rotate, k_cache, v_cache, meta))
         if self.sandwich:
             x = ops.norm(x, self.attn_output_norm)
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)

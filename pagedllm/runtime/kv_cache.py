@@ -20,6 +20,7 @@ from ..attention import AttentionBackend
 from ..config import EngineConfig
 from ..distributed import TPGroup
 from ..kv import KVLayout
+from ..kv.groups import KV
 from ..models import ModelConfig
 from ..util import cdiv
 
@@ -164,8 +165,9 @@ class KVCache:
         self.kv_dtype = backend.kv_dtype_of(dtype)
         # M_KV per token over every layer; a pool block holds the layout's g layer slots of B tokens.
         self.bytes_per_token = model_cfg.kv_bytes_per_token(self.kv_dtype)
-        self.bytes_per_block = self.bytes_per_token * self.layout.layers_per_block // model_cfg.num_layers \
-            * cfg.block_size
+        # A block's bytes: its g layer slots' K/V (a state layer's slot holds its state in those bytes).
+        self.bytes_per_block = self.kv_dtype.bytes_per_token(self.layout.layers_per_block, model_cfg.num_kv_heads,
+                                                             model_cfg.head_dim) * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
@@ -187,13 +189,32 @@ class KVCache:
         log("KV cache: %d blocks x %d tokens, %s, %d bytes/token (2*L*d_kv*bytes%s), %.2f GiB, max %d tokens%s%s",
             num_blocks, cfg.block_size, self.kv_dtype.name, self.bytes_per_token,
             " + scales" if self.kv_dtype.quantized else "", num_blocks * self.bytes_per_block / 2**30,
-            num_blocks * cfg.block_size // len(groups), f" (per rank, {tp.size} ranks)" if tp.size > 1 else "",
+            num_blocks * cfg.block_size // sum(1 for g in groups if g.holds == KV), f" (per rank, {tp.size} ranks)" if tp.size > 1 else "",
             "" if len(groups) == 1 else f"; {len(groups)} layer groups of {self.layout.layers_per_block} layers "
             f"({', '.join(g.kind for g in groups)}), a block holds one group's")
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Carry out copy-on-write / fork copies decided by the KV manager."""
         copy_blocks(self.pools, pairs)
+
+
+def check_state_model(cfg: EngineConfig, mc: ModelConfig, kv: KVCache) -> None:
+    """ValueError naming what a model whose layers keep a recurrent state in the pool's blocks
+    does not run with: speculation (a state cannot be rolled back), quantized KV (the state is
+    kept as computed), a block too small for its state."""
+    if cfg.speculative_config is not None:
+        raise ValueError(f"speculative decoding is not supported for {mc.model_type}: its layers "
+                         f"{list(mc.state_layers)} update a recurrent state in place, which rejected drafts "
+                         "cannot take back")
+    if kv.kv_dtype.quantized:
+        raise ValueError(f"kv_cache_dtype {kv.kv_dtype.name} is not supported for {mc.model_type}: its state "
+                         "layers keep their state in the KV blocks as computed; use kv_cache_dtype auto")
+    state = max(0, mc.conv_kernel - 1) * mc.hidden_size
+    room = kv.pools[0][0][0].numel()
+    if state > room:
+        need = cdiv(state * cfg.block_size, room)
+        raise ValueError(f"block_size {cfg.block_size} is too small for {mc.model_type}'s state ({state} values a "
+                         f"layer, a block's K rows hold {room}): use block_size >= {need}")
 
 
 def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,

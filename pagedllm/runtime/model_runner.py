@@ -19,16 +19,17 @@ from ..config import EngineConfig
 from ..distributed import TPGroup
 from ..kv import KVLayout
 from ..kv.connector import BlockStore
-from ..kv.groups import engine_layout
+from ..kv.groups import KV, engine_layout
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..models.footprint import WeightBytes, weight_bytes
+from ..models.state_step import state_step
 from ..plan import StepPlan, StepResult
 from .adapter_pager import AdapterPager, check_adapters
 from .backend_setup import attention_backend
 from .build import build_model, rope_rows
 from .device import attach_shared_memory, cpu_kernels, rank_device, resolve_device, resolve_dtype, thread_governor
-from .kv_cache import KVCache
+from .kv_cache import KVCache, check_state_model
 from .kv_tier import TierIO, open_tier
 from .prepare import check_moe, ready_model
 from .prompt_scores import score_prompt, split_scores
@@ -83,6 +84,8 @@ class ModelRunner:
                                 profile=lambda: self.scratch.profile_activations(self.model, cfg, self.rope_rows),
                                 tp=tp, extra_bytes_per_token=self.draft.bytes_per_token if self.draft else 0,
                                 layout=self.kv_layout)
+        if self.kv_layout.has_state:
+            check_state_model(cfg, model_cfg, self.kv_cache)
         if self.draft is not None:  # the draft's pool mirrors the target's blocks: one block table for both
             self.draft.allocate(self.kv_cache.num_blocks, cfg.block_size)
         # LoRA adapters: read into host memory, paged into the pool's blocks, read from there by the kernel.
@@ -113,7 +116,7 @@ class ModelRunner:
             "the KV tier keeps one block per key" if cfg.kv_offload is not None else \
             "reserve-max reserves one table" if cfg.allocation == "reserve-max" else None
         draft = [self.draft.cfg.window(i) for i in range(self.draft.cfg.num_layers)] if self.draft is not None else []
-        layout = engine_layout(windows, why, draft)
+        layout = engine_layout(windows, why, draft, mc.state_layers)
         if why is not None and any(windows) and not layout.groups[0].window and self.tp.is_driver:
             logger.info("sliding-window layers mask their own windows, but a sequence keeps all its KV blocks (%s "
                         "and a full-attention layer reads every key)", why)
@@ -285,8 +288,11 @@ class ModelRunner:
             group_slots = [g + [-1] * pad for g in group_slots]
         dev = self.device
         metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, step.num_decodes),
-                                             dev)
-                 for sl, tables in zip([slots, *group_slots], [step.tables, *step.group_tables])]
+                                             dev) if holds == KV else
+                 state_step(tables, step.seq_lens, step.q_starts, len(ids), self.kv_cache.block_size,
+                            self.model_cfg.conv_kernel, dev)
+                 for sl, tables, holds in zip([slots, *group_slots], [step.tables, *step.group_tables],
+                                              self.kv_layout.kinds)]
         ops = self.model.ops
         ops.lora = self.adapters.step(step.lora_rows, dev) if self.adapters is not None else None
         try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.kv.groups import KVLayout, held_blocks, kv_layout, merged
+from pagedllm.kv.groups import KV, STATE, STATE_WINDOW, KVGroup, KVLayout, engine_layout, held_blocks, kv_layout, merged
 
 
 def test_one_attention_type_is_one_group_of_every_layer():
@@ -47,3 +47,22 @@ def test_held_blocks_formula():
     assert held_blocks((0, W), n, B) == 63 + 5
     assert held_blocks((0, W), 40, B) == 6   # below the window nothing is released
     assert held_blocks((W,), n, B, first_query=0) == 63, "a prefill from position 0 reads every key"
+
+
+def test_state_layers_get_groups_of_their_own_kind_after_attention():
+    # LFM2-350M: 10 short-convolution layers, 6 attention layers among them
+    attention = (2, 5, 8, 10, 12, 14)
+    state = [i for i in range(16) if i not in attention]
+    layout = kv_layout([0] * 16, state)
+    assert layout.layers_per_block == 6
+    assert [(g.holds, g.window, g.layers) for g in layout.groups] == [
+        (KV, 0, attention), (STATE, STATE_WINDOW, tuple(state[:6])), (STATE, STATE_WINDOW, tuple(state[6:]))]
+    assert [g.kind for g in layout.groups] == ["full", "state", "state"] and layout.has_state
+    assert kv_layout([0] * 4, range(4)).groups == (KVGroup(STATE_WINDOW, (0, 1, 2, 3), STATE),)
+    assert not kv_layout([0] * 4).has_state
+
+
+def test_one_table_layouts_refuse_state_layers():
+    with pytest.raises(ValueError, match="the KV tier.*recurrent state.*layers \\[1\\]"):
+        engine_layout([0, 0], "the KV tier keeps one block per key", state_layers=[1])
+    assert engine_layout([0, 0], None, state_layers=[1]).kinds == (KV, STATE)

@@ -6,6 +6,8 @@ import pytest
 
 from pagedllm.demo import run_library_demo
 from pagedllm.kv import KVCacheManager
+from pagedllm.kv.block_table import RELEASED
+from pagedllm.kv.groups import KV, STATE, STATE_WINDOW
 
 
 def test_slots_follow_the_block_table():
@@ -228,3 +230,28 @@ def test_window_bounds_what_can_ever_fit():
     assert kv.shape.window_blocks == (7,) and kv.can_ever_fit(1000)
     assert not KVCacheManager(8, 4).can_ever_fit(1000)
     assert KVCacheManager(8, 4, policy="reserve-max", max_model_len=32, sliding_window=16).groups[0].window == 0
+
+
+def test_a_state_group_forks_only_where_a_state_is_kept_and_never_rolls_back():
+    """A recurrent state lives at block ends and at the last token: a fork elsewhere, or a
+    rollback of a step already run through it, is refused before any group changes."""
+    kv = KVCacheManager(16, 4, group_windows=(0, STATE_WINDOW), group_kinds=(KV, STATE))
+    toks = list(range(11))
+    assert kv.allocate_slots(0, toks, 10) == []
+    assert RELEASED not in kv.block_table(0, 1).block_ids, "a prefill step writes a snapshot into each block"
+    assert kv.allocate_slots(0, toks, 11) == []
+    assert kv.block_table(0, 1).block_ids[:2] == [RELEASED, RELEASED], \
+        "the next step keeps only the block its query reads"
+    assert kv.pool.num_cached_free == 2, "the released snapshots stay in the prefix cache"
+    for n in (6, 8):   # mid-block; a block end whose snapshot the step released
+        with pytest.raises(ValueError, match="recurrent state is kept at the last token"):
+            kv.fork(0, 1, n)
+    assert 1 not in kv.tables
+    assert kv.fork(0, 1) == [] and kv.block_table(1, 1).held == kv.block_table(0, 1).held
+    held = kv.pool.num_used
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        kv.rollback(0, 9, toks)
+    assert kv.pool.num_used == held and kv.block_table(0).num_tokens == 11
+    assert [g.kind for g in kv.stats().groups] == ["full", "state"]
+    with pytest.raises(ValueError, match="group_kinds"):
+        KVCacheManager(16, 4, group_windows=(0, STATE_WINDOW), group_kinds=(KV, "latent"))

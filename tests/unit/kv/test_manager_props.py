@@ -9,15 +9,20 @@ another parent, or another tenant's salt, fails here; so does copy-on-write that
 sequence's write leak into another's view.
 
 The same machine runs under a sliding window (WindowedKVManagerMachine): blocks below the
-window of every later query go back to the pool, their entries -1 (RELEASED)."""
+window of every later query go back to the pool, their entries -1 (RELEASED); and beside a
+recurrent state (StateKVManagerMachine), whose shadow holds per block the history of the
+state written there: each step reads the state its first token's predecessor left and writes
+one per block it fills, so a hit or a fork that restarts from another history's state fails."""
 from __future__ import annotations
 
 import hypothesis.strategies as st
+import pytest
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from pagedllm.kv import KVCacheManager
 from pagedllm.kv.block_table import RELEASED
+from pagedllm.kv.groups import KV, STATE, STATE_WINDOW
 from pagedllm.kv.hashing import BlockHashes
 from pagedllm.util import cdiv
 from pagedllm.viz.state import KVReplay, kv_picture
@@ -49,12 +54,15 @@ def assert_replay_matches(kv: KVCacheManager, replay: KVReplay) -> None:
 class KVManagerMachine(RuleBasedStateMachine):
     WINDOW = 0
     GROUPS: tuple[int, ...] | None = None   # each layer group's window; None: one group of WINDOW
+    KINDS: tuple[str, ...] | None = None    # what each group's blocks hold; None: K/V
 
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(NUM_BLOCKS, B, enable_prefix_caching=True, sliding_window=self.WINDOW,
-                                 group_windows=self.GROUPS)
+                                 group_windows=self.GROUPS, group_kinds=self.KINDS)
         self.windows = [g.window for g in self.kv.groups]
+        self.kinds = [g.holds for g in self.kv.groups]
+        self.state: dict[int, History] = {}          # block -> the history of the state written there
         self.replay = watched(self.kv)
         self.tokens: dict[int, list[int]] = {}       # seq -> tokens it holds KV for
         self.future: dict[int, list[int]] = {}       # seq -> prompt tokens it has not reached yet
@@ -74,9 +82,22 @@ class KVManagerMachine(RuleBasedStateMachine):
             for off in range(B):
                 if src * B + off in self.store:
                     self.store[dst * B + off] = self.store[src * B + off]
+            if src in self.state:
+                self.state[dst] = self.state[src]
+        n = len(self.tokens[seq])
         for g in range(len(self.windows)):
             table = self.kv.block_table(seq, g)
-            for j in range(start, len(self.tokens[seq])):
+            if self.kinds[g] == STATE:
+                # read the state token start - 1 left, then write one into every block this step
+                # fills and into the block its last token ends in
+                if start:
+                    assert self.state.get(table.block_ids[(start - 1) // B]) == self._history(seq, start - 1), \
+                        "a step starts from another history's state"
+                for j in range(start, n):
+                    if j % B == B - 1 or j == n - 1:
+                        self.state[table.block_ids[j // B]] = self._history(seq, j)
+                continue
+            for j in range(start, n):
                 self.store[table.slot(j)] = self._history(seq, j)
 
     def _lookup(self, toks: list[int], salt: str | None) -> tuple[list[int], BlockHashes]:
@@ -87,6 +108,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         for g, blocks in enumerate(hit.per_group):
             first = self.kv.first_window_block(len(hit) * B, g)
             assert RELEASED not in blocks[first:], "a hit lacks a block its window reads"
+            if self.kinds[g] == STATE:   # its last block holds the prefix's state; the rest are not read
+                assert not blocks or self.state.get(blocks[-1]) == (salt, tuple(toks[:len(blocks) * B])), \
+                    f"group {g}: the hit's state has another history"
+                continue
             for i, b in enumerate(blocks):  # a hit block holds exactly this prefix, under this salt
                 if b == RELEASED:
                     continue
@@ -181,6 +206,10 @@ class KVManagerMachine(RuleBasedStateMachine):
         if lo > len(self.tokens[parent]):
             return
         n = data.draw(st.integers(lo, len(self.tokens[parent])))
+        if STATE in self.kinds and n % B and n != len(self.tokens[parent]):   # a state is kept at the last token
+            with pytest.raises(ValueError, match="recurrent state"):
+                self.kv.fork(parent, self.next_id, n)
+            n = len(self.tokens[parent])
         child = self.next_id
         self.next_id += 1
         assert self.kv.fork(parent, child, n) == []
@@ -300,7 +329,10 @@ class KVManagerMachine(RuleBasedStateMachine):
     def kv_isolated(self) -> None:
         """Every sequence reads back exactly its own history, slot by slot, in every group: no
         write through a shared block ever leaked into another sequence's view."""
-        for _, _, s, t, toks in self._tables():
+        for g, _, s, t, toks in self._tables():
+            if self.kinds[g] == STATE:   # the state its next query reads: after all its tokens
+                assert self.state.get(t.block_ids[(len(toks) - 1) // B]) == self._history(s, len(toks) - 1)
+                continue
             lo = t.num_released * B  # below it: released, read by no later query
             assert [self.store.get(t.slot(j)) for j in range(lo, len(toks))] == \
                 [self._history(s, j) for j in range(lo, len(toks))]
@@ -321,8 +353,16 @@ class KVManagerMachine(RuleBasedStateMachine):
         """A block in the prefix cache holds one full block's history under one salt, and
         no other cached block holds the same: one key per history, one block per key."""
         seen: dict[tuple[History, int], int] = {}
+        state_salts = [g.salt for g in self.kv.groups if g.holds == STATE]
         for blk in self.kv.pool.blocks:
             if blk.block_hash is None or blk.block_hash < 0:   # < 0: an adapter's page (adapters_keep_their_pages)
+                continue
+            st_salt, st_hist = self.state.get(blk.block_id, (None, ()))
+            if state_salts and st_hist and len(st_hist) % B == 0 and \
+                    BlockHashes(B, st_salt).update(st_hist)[-1] ^ state_salts[0] == blk.block_hash:
+                # a state block: the state at its block's end
+                assert (st_hist, -1, st_salt) not in seen, "two blocks cache one state"
+                seen[st_hist, -1, st_salt] = blk.block_id
                 continue
             slots = [self.store.get(blk.block_id * B + o) for o in range(B)]
             assert None not in slots, f"cached block {blk.block_id} was never fully written"
@@ -388,6 +428,23 @@ class HybridKVManagerMachine(KVManagerMachine):
 
 HybridKVManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestHybridKVManager = HybridKVManagerMachine.TestCase
+
+
+class StateKVManagerMachine(KVManagerMachine):
+    """A hybrid model's attention layers beside recurrent ones (LFM2, Granite 4.0-H): the
+    state group keeps the state after each full block and after the last token, releases
+    the rest as the sequence moves on, restarts a hit from its last block's state, and
+    copies a shared last block before writing (fork, beams)."""
+    GROUPS, KINDS = (0, STATE_WINDOW), (KV, STATE)
+
+    @invariant()
+    def state_group_holds_one_step(self) -> None:
+        for s, toks in self.tokens.items():
+            assert len(self.kv.block_table(s, 1).held) <= cdiv(17, B) + 1
+
+
+StateKVManagerMachine.TestCase.settings = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestStateKVManager = StateKVManagerMachine.TestCase
 
 
 class ReserveMaxMachine(RuleBasedStateMachine):

@@ -1,0 +1,141 @@
+"""A hybrid model's recurrent state in the paged pool (issue 61's hybrid targets): LFM2-350M's
+shape (hidden 1024, 16 layers: 10 gated short convolutions and 6 attention layers of 16 heads,
+8 KV heads of 64; its MLP width 6,656 derived to 4,608; vocabulary 65,536) with random bf16
+weights and SmolLM2's tokenizer, made once under the cache. The text is noise: outputs are fixed
+lengths (EOS ignored).
+
+Parts (each engine in its own process, one after another, the same token ids, greedy):
+  prefix  chats behind one 1,024-token system prompt (ShareGPT text): 16 ShareGPT first turns
+          (<= 256 tokens) after it, sent one after another, 32 new tokens each. Time to first
+          token with the prefix cache (the attention blocks and the state snapshot at the
+          system prompt's last full block) against the same engine without it; the texts must
+          be identical. The first chat computes the system prompt in both runs: it is counted.
+  batch   32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours (a cold pass,
+          then the warm one reported) against HF transformers' `generate` over the same batch
+          (static, left-padded), and with --parts vllm, vLLM-CPU with both cores.
+
+    python -m benchmarks hybrid_state --out benchmarks/results/hybrid_state.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from pagedllm.bench.throughput import in_own_process, save
+
+ATTENTION = (2, 5, 8, 10, 12, 14)   # LFM2-350M's full_attn_idxs
+SHAPE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=8,
+             intermediate_size=6656, vocab_size=65536, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+             pad_token_id=0, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True,
+             layer_types=["full_attention" if i in ATTENTION else "conv" for i in range(16)])
+SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
+
+
+def model_dir() -> Path:
+    """The random LFM2-350M-shaped model, made once: bf16 safetensors with SmolLM2's tokenizer."""
+    import torch
+    import transformers as tf
+
+    from pagedllm.loader import resolve_model_dir
+    from pagedllm.util import cache_root
+
+    out = cache_root() / "hybrid-bench" / "lfm2-350m-shape"
+    if (out / "complete").is_file():
+        return out
+    torch.manual_seed(0)
+    cfg = tf.Lfm2Config(**SHAPE)
+    cfg.dtype = "bfloat16"
+    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    for f in resolve_model_dir(None).iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    (out / "complete").write_text(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
+    return out
+
+
+def chat_workload(tokenizer_dir: Path) -> tuple[list[int], list[list[int]]]:
+    """(the system prompt's ids, each chat's first turn's ids): ShareGPT text, records in order."""
+    from pagedllm.bench.sharegpt import iter_records
+    from pagedllm.loader import load_tokenizer
+
+    tok = load_tokenizer(tokenizer_dir)
+    system: list[int] = []
+    turns: list[list[int]] = []
+    for rec in iter_records():
+        convo = rec.get("conversations") or []
+        if not convo or convo[0].get("from") != "human":
+            continue
+        ids = tok.encode(convo[0].get("value", ""), add_special_tokens=False)
+        if not ids:
+            continue
+        if len(system) < SYSTEM_TOKENS:   # the system prompt: the first records' text, whole
+            system += ids
+        elif len(turns) < CHATS:
+            turns.append(ids[:CHAT_MAX])   # a long first turn is cut, never dropped
+        else:
+            break
+    return system[:SYSTEM_TOKENS], turns
+
+
+def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_caching: bool) -> dict:
+    """Each chat alone, one after another (a request arrives once the one before it answered):
+    its time to first token, and its tokens."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=prefix_caching)
+    params = SamplingParams(temperature=0, max_tokens=CHAT_OUT, ignore_eos=True)
+    one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    ttft, texts = [], []
+    for turn in turns:
+        ids = system + turn
+        t0 = time.perf_counter()
+        llm.generate([ids], one, use_tqdm=False)     # its prefill and first token: what TTFT is
+        ttft.append(time.perf_counter() - t0)
+        texts.append(llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids)
+    kv = llm.engine.kv
+    return {"engine": f"pagedllm, prefix caching {'on' if prefix_caching else 'off'}",
+            "runner": llm.engine.runner.describe(), "ttft_s": ttft, "mean_ttft_s": statistics.mean(ttft),
+            "median_ttft_s": statistics.median(ttft), "texts": texts,
+            "prefix_hits": kv.prefix_hits, "prefix_queries": kv.prefix_queries,
+            "groups": [g.kind for g in kv.stats().groups]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, batch, vllm")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    parts = set(a.parts.split(","))
+    path = model_dir()
+    res: dict = {"benchmark": "hybrid_state", "shape": SHAPE,
+                 "params": json.loads((path / "complete").read_text())["params"]}
+    if "prefix" in parts:
+        system, turns = chat_workload(path)
+        res["prefix_workload"] = (f"{len(turns)} ShareGPT first turns (<= {CHAT_MAX} tokens, mean "
+                                  f"{statistics.mean(map(len, turns)):.0f}) behind a {len(system)}-token system "
+                                  f"prompt, one at a time, {CHAT_OUT} new tokens each")
+        on = in_own_process(ours_chats, str(path), system, turns, True)
+        off = in_own_process(ours_chats, str(path), system, turns, False)
+        same = sum(a_ == b_ for a_, b_ in zip(on.pop("texts"), off.pop("texts")))
+        res["prefix"] = {"on": on, "off": off, "identical_texts": f"{same}/{len(turns)}",
+                         "ttft_off_over_on_mean": off["mean_ttft_s"] / on["mean_ttft_s"],
+                         "ttft_off_over_on_median": off["median_ttft_s"] / on["median_ttft_s"]}
+        print(f"TTFT over {len(turns)} chats: prefix caching on {on['mean_ttft_s'] * 1e3:.0f} ms mean "
+              f"({on['median_ttft_s'] * 1e3:.0f} median), off {off['mean_ttft_s'] * 1e3:.0f} ms "
+              f"({off['median_ttft_s'] * 1e3:.0f}): {res['prefix']['ttft_off_over_on_mean']:.2f}x lower mean, "
+              f"{res['prefix']['ttft_off_over_on_median']:.2f}x median; identical texts {same}/{len(turns)}")
+    if "batch" in parts or "vllm" in parts:
+        from benchmarks.moe import compare_batch
+
+        compare_batch(str(path), parts, a.num_prompts, res)
+    if a.out:
+        save(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""A hybrid model whose layers keep a recurrent state in the KV pool (kv.groups' STATE blocks):
+LFM2's gated short convolutions beside its attention layers, random weights of its real layout
+built with transformers' own class. Greedy tokens, prompt logprobs and beams equal HF
+transformers' in float32 through chunked prefill and continuous batching; a prefix hit restarts
+from the state cached at a block's end and gives the same text as no cache; what the state
+cannot do (speculation, the one-table tier, quantized KV) is refused by name."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pagedllm import BeamSearchParams, SamplingParams
+from test_beam_search import hf_beams
+
+LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
+BLOCK = 16
+# Eight prompts: short ones, one that chunks over several blocks, two that share a 40-token stem
+STEM = list(range(300, 340))
+PROMPTS = [[5, 17, 300, 4000, 12], list(range(100, 190)), STEM + [7, 8, 9], STEM + [11, 12],
+           [42] * 3, list(range(1000, 1033)), [9, 99, 999, 9999], list(range(2000, 2016))]
+GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def lfm2(tmp_path_factory, model_dir):
+    """(HF model, its directory): LFM2's layout at 64 wide, weights scaled up from the init so
+    that each layer moves the residual stream (with the init's, every token repeats its input)."""
+    import transformers as tf
+
+    cfg = tf.Lfm2Config(hidden_size=64, intermediate_size=192, num_hidden_layers=len(LAYERS), num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, conv_L_cache=3, layer_types=LAYERS, block_multiple_of=32)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "conv.conv" in name:
+                p.normal_(0, 0.5)
+            elif "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+            elif p.dim() == 2 and "embed" not in name:
+                p.mul_(6)
+    out = tmp_path_factory.mktemp("lfm2")
+    model.save_pretrained(out, safe_serialization=True)
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / f, out / f)
+    return model, out
+
+
+def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        return hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=0)[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(lfm2):
+    return [hf_greedy(lfm2[0], ids, 32) for ids in PROMPTS]
+
+
+def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm, lfm2, hf_tokens):
+    """All eight at once, prefills chunked at 48 tokens beside other sequences' decodes."""
+    hf, path = lfm2
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=48,
+                   enable_prefix_caching=False, block_size=BLOCK)
+    kinds = [g.kind for g in llm.engine.kv.stats().groups]
+    assert kinds == ["full", "state", "state"], "two attention layers, four conv layers in groups of two"
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=0),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = torch.tensor([outs[1].prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-3, rtol=0)
+    llm.engine.kv.check_integrity()
+    assert llm.engine.kv.pool.num_used == 0, "every state block went back"
+
+
+def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, lfm2, hf_tokens):
+    """The second prompt of a shared stem finds its first two blocks cached: the attention group
+    their K/V, the state group the state after token 31 alone. Its text is HF's, computed
+    from scratch; a hit from a wrong state would change it."""
+    llm = make_llm(model=str(lfm2[1]), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK,
+                   enable_prefix_caching=True)
+    kv = llm.engine.kv
+    assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[2]
+    before = kv.prefix_hits
+    assert llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[3]
+    assert kv.prefix_hits - before == 2 * BLOCK
+    # a whole chat's turn later: its own history is cached, state and all, at every block end it crossed
+    first = PROMPTS[2] + hf_tokens[2]
+    follow = first[:64] + [5, 6]
+    before = kv.prefix_hits
+    assert llm.generate([follow], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(lfm2[0], follow, 32)
+    assert kv.prefix_hits - before == 64
+    kv.check_integrity()
+
+
+def test_beams_fork_the_state_as_hf(make_llm, lfm2):
+    """Beams share their parent's state block and copy it before writing their own token."""
+    hf, path = lfm2
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK)
+    for ids in (PROMPTS[0], PROMPTS[5]):
+        out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=10))[0]
+        want = hf_beams(hf, ids, 3, 10, [2])
+        assert [s.tokens[len(ids):] for s in out.sequences] == [w for w, _ in want]
+        for s, (_, score) in zip(out.sequences, want):
+            assert s.score == pytest.approx(score, rel=1e-5, abs=1e-4)
+    assert llm.engine.kv.stats().cow_copies > 0
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+     "speculative decoding is not supported for lfm2"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype int8 is not supported for lfm2"),
+    ({"allocation": "reserve-max"}, "reserve-max reserves one table, which a model whose layers keep a recurrent state"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported for lfm2"),
+])
+def test_what_a_state_cannot_do_is_refused_by_name(lfm2, kwargs, match):
+    from pagedllm import LLM
+
+    with pytest.raises(ValueError, match=match):
+        LLM(model=str(lfm2[1]), dtype="float32", kv_cache_memory="16MiB", **kwargs)

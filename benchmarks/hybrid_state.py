@@ -50,11 +50,20 @@ def model_dir() -> Path:
     cfg.dtype = "bfloat16"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
+    published_keys(out / "config.json")
     for f in resolve_model_dir(None).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             (out / f.name).write_bytes(f.read_bytes())
     (out / "complete").write_text(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
     return out
+
+
+def published_keys(config: Path) -> None:
+    """The keys LFM2's published config.json holds beside transformers' (vLLM reads conv_dim)."""
+    cfg = json.loads(config.read_text())
+    h = cfg["hidden_size"]
+    cfg.update(conv_dim=h, conv_dim_out=h, block_dim=h)
+    config.write_text(json.dumps(cfg, indent=2))
 
 
 def chat_workload(tokenizer_dir: Path) -> tuple[list[int], list[list[int]]]:

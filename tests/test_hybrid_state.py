@@ -1,9 +1,10 @@
-"""A hybrid model whose layers keep a recurrent state in the KV pool (kv.groups' STATE blocks):
-LFM2's gated short convolutions beside its attention layers, random weights of its real layout
-built with transformers' own class. Greedy tokens, prompt logprobs and beams equal HF
-transformers' in float32 through chunked prefill and continuous batching; a prefix hit restarts
-from the state cached at a block's end and gives the same text as no cache; what the state
-cannot do (speculation, the one-table tier, quantized KV) is refused by name."""
+"""Hybrid models whose layers keep a recurrent state in the KV pool (kv.groups' STATE blocks):
+LFM2's gated short convolutions and Granite 4.0-H's Mamba-2 layers beside their attention
+layers, random weights of their real layouts built with transformers' own classes. Greedy
+tokens, prompt logprobs and beams equal HF transformers' in float32 through chunked prefill and
+continuous batching; a prefix hit restarts from the state cached at a block's end and gives the
+same text as no cache; what the state cannot do (speculation, the one-table tier, quantized KV)
+is refused by name."""
 from __future__ import annotations
 
 import shutil
@@ -14,39 +15,61 @@ import torch
 from pagedllm import BeamSearchParams, SamplingParams
 from test_beam_search import hf_beams
 
-LAYERS = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
-BLOCK = 16
-# Eight prompts: short ones, one that chunks over several blocks, two that share a 40-token stem
-STEM = list(range(300, 340))
+BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens
+# Eight prompts: short ones, one that chunks over several blocks, two that share a 72-token stem
+STEM = list(range(300, 372))
 PROMPTS = [[5, 17, 300, 4000, 12], list(range(100, 190)), STEM + [7, 8, 9], STEM + [11, 12],
            [42] * 3, list(range(1000, 1033)), [9, 99, 999, 9999], list(range(2000, 2016))]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
+              max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
-@pytest.fixture(scope="module")
-def lfm2(tmp_path_factory, model_dir):
-    """(HF model, its directory): LFM2's layout at 64 wide, weights scaled up from the init so
-    that each layer moves the residual stream (with the init's, every token repeats its input)."""
+def _config(family: str):
     import transformers as tf
 
-    cfg = tf.Lfm2Config(hidden_size=64, intermediate_size=192, num_hidden_layers=len(LAYERS), num_attention_heads=4,
-                        num_key_value_heads=2, vocab_size=49152, max_position_embeddings=2048, bos_token_id=1,
-                        eos_token_id=2, pad_token_id=0, conv_L_cache=3, layer_types=LAYERS, block_multiple_of=32)
+    if family == "lfm2":   # LFM2-350M's pattern: convolutions, an attention layer among them
+        return tf.Lfm2Config(**COMMON, intermediate_size=192, num_hidden_layers=6, conv_L_cache=3, block_multiple_of=32,
+                             layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"])
+    # Granite 4.0-H-Micro's kind: Mamba-2 layers (two groups of heads), NoPE attention, its scalars
+    return tf.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=4, num_local_experts=0, shared_intermediate_size=96,
+                                     layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
+                                     mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4,
+                                     embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
+                                     logits_scaling=2.0)
+
+
+_BUILT: dict[str, tuple] = {}
+
+
+def build(family: str, tmp_path_factory, model_dir) -> tuple:
+    """(HF model, its directory), made once per run: weights scaled up from the init so that each
+    layer moves the residual stream (with the init's, every token repeats its input)."""
+    if family in _BUILT:
+        return _BUILT[family]
+    import transformers as tf
+
     torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(cfg).eval()
+    model = tf.AutoModelForCausalLM.from_config(_config(family)).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "conv.conv" in name:
+            if "conv" in name and p.dim() == 3:
                 p.normal_(0, 0.5)
-            elif "norm" in name:
+            elif "norm" in name or name.endswith(("A_log", "D", "dt_bias")):
                 p.add_(torch.randn_like(p) * 0.3)
             elif p.dim() == 2 and "embed" not in name:
                 p.mul_(6)
-    out = tmp_path_factory.mktemp("lfm2")
+    out = tmp_path_factory.mktemp(family)
     model.save_pretrained(out, safe_serialization=True)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(model_dir / f, out / f)
-    return model, out
+    _BUILT[family] = model, out
+    return _BUILT[family]
+
+
+@pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid"])
+def hybrid(request, tmp_path_factory, model_dir):
+    return build(request.param, tmp_path_factory, model_dir)
 
 
 def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
@@ -56,17 +79,17 @@ def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def hf_tokens(lfm2):
-    return [hf_greedy(lfm2[0], ids, 32) for ids in PROMPTS]
+def hf_tokens(hybrid):
+    return [hf_greedy(hybrid[0], ids, 32) for ids in PROMPTS]
 
 
-def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm, lfm2, hf_tokens):
+def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm, hybrid, hf_tokens):
     """All eight at once, prefills chunked at 48 tokens beside other sequences' decodes."""
-    hf, path = lfm2
+    hf, path = hybrid
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=48,
                    enable_prefix_caching=False, block_size=BLOCK)
     kinds = [g.kind for g in llm.engine.kv.stats().groups]
-    assert kinds == ["full", "state", "state"], "two attention layers, four conv layers in groups of two"
+    assert kinds[0] == "full" and set(kinds[1:]) == {"state"}, "attention first, then its state layers' groups"
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=0),
                         use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens
@@ -79,11 +102,11 @@ def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm
     assert llm.engine.kv.pool.num_used == 0, "every state block went back"
 
 
-def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, lfm2, hf_tokens):
+def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, hybrid, hf_tokens):
     """The second prompt of a shared stem finds its first two blocks cached: the attention group
-    their K/V, the state group the state after token 31 alone. Its text is HF's, computed
+    their K/V, the state group the state after token 63 alone. Its text is HF's, computed
     from scratch; a hit from a wrong state would change it."""
-    llm = make_llm(model=str(lfm2[1]), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK,
+    llm = make_llm(model=str(hybrid[1]), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK,
                    enable_prefix_caching=True)
     kv = llm.engine.kv
     assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[2]
@@ -92,16 +115,16 @@ def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, lfm2, hf_tokens):
     assert kv.prefix_hits - before == 2 * BLOCK
     # a whole chat's turn later: its own history is cached, state and all, at every block end it crossed
     first = PROMPTS[2] + hf_tokens[2]
-    follow = first[:64] + [5, 6]
+    follow = first[:3 * BLOCK] + [5, 6]   # its third block ends in tokens it generated
     before = kv.prefix_hits
-    assert llm.generate([follow], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(lfm2[0], follow, 32)
-    assert kv.prefix_hits - before == 64
+    assert llm.generate([follow], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hybrid[0], follow, 32)
+    assert kv.prefix_hits - before == 3 * BLOCK
     kv.check_integrity()
 
 
-def test_beams_fork_the_state_as_hf(make_llm, lfm2):
+def test_beams_fork_the_state_as_hf(make_llm, hybrid):
     """Beams share their parent's state block and copy it before writing their own token."""
-    hf, path = lfm2
+    hf, path = hybrid
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK)
     for ids in (PROMPTS[0], PROMPTS[5]):
         out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=10))[0]
@@ -119,8 +142,18 @@ def test_beams_fork_the_state_as_hf(make_llm, lfm2):
     ({"allocation": "reserve-max"}, "reserve-max reserves one table, which a model whose layers keep a recurrent state"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported for lfm2"),
 ])
-def test_what_a_state_cannot_do_is_refused_by_name(lfm2, kwargs, match):
+def test_what_a_state_cannot_do_is_refused_by_name(tmp_path_factory, model_dir, kwargs, match):
+    """The runner's refusals, whatever the state layer: checked on one family."""
     from pagedllm import LLM
 
+    path = build("lfm2", tmp_path_factory, model_dir)[1]
     with pytest.raises(ValueError, match=match):
-        LLM(model=str(lfm2[1]), dtype="float32", kv_cache_memory="16MiB", **kwargs)
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, **kwargs)
+
+
+def test_a_block_too_small_for_the_state_names_the_size_it_needs(tmp_path_factory, model_dir):
+    from pagedllm import LLM
+
+    path = build("granitemoehybrid", tmp_path_factory, model_dir)[1]   # LFM2's state fits any block
+    with pytest.raises(ValueError, match="block_size 16 is too small for granitemoehybrid's state .* use block_size >= 32"):
+        LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=16)

@@ -11,6 +11,7 @@ from typing import Any
 from ..kv_dtype import KVDtype
 from . import registry
 from .family import EVERY_LAYER, LAYER_TYPES_ONLY, NO_WINDOWS, QWEN_LAYERS, Family
+from .mamba_config import MambaConfig
 
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
@@ -93,11 +94,19 @@ class ModelConfig:
     layer_ropes: tuple[int, ...] = field(default=())
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
     moe: MoEConfig | None = None      # a mixture of experts' routing (None: a dense model)
-    # Hybrid models: the layers that keep a recurrent state instead of K/V (kv.groups' STATE),
-    # here gated short convolutions of conv_kernel taps (short_conv.py).
+    # Hybrid models: the layers that keep a recurrent state instead of K/V (kv.groups' STATE), and
+    # their mixer: "short_conv" (gated short convolutions of conv_kernel taps, short_conv.py) or
+    # "mamba2" (mamba2.py, shaped by `mamba`).
     state_layers: tuple[int, ...] = field(default=())
+    state_mixer: str = ""
     conv_kernel: int = 0
     conv_bias: bool = False
+    mamba: MambaConfig | None = None
+    # Granite's scalars: embeddings times embedding_multiplier, each sublayer's output times
+    # residual_multiplier before the residual add, logits times logit_scale.
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logit_scale: float = 1.0
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
@@ -187,9 +196,23 @@ class ModelConfig:
         layers that keep K/V (a hybrid's state layers keep a state per sequence instead)."""
         return kv.bytes_per_token(self.num_layers - len(self.state_layers), self.num_kv_heads, self.head_dim)
 
-    def state_bytes(self, itemsize: int) -> int:
-        """A sequence's recurrent state over every state layer: K - 1 inputs of hidden_size each."""
-        return len(self.state_layers) * max(0, self.conv_kernel - 1) * self.hidden_size * itemsize
+    @property
+    def state_kernel(self) -> int:
+        """The taps of a state layer's convolution."""
+        return self.mamba.conv_kernel if self.state_mixer == "mamba2" else self.conv_kernel
+
+    @property
+    def state_scans(self) -> bool:
+        """Whether a state layer runs a recurrence over its rows (state_step's scan order)."""
+        return self.state_mixer == "mamba2"
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """A state layer's state in a block: (what its K rows hold, what its V rows hold): the
+        convolution's last K - 1 inputs, and Mamba's SSM state [heads, head_dim, state_size]."""
+        if self.state_mixer == "mamba2":
+            m = self.mamba
+            return (m.conv_kernel - 1, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
+        return (max(0, self.conv_kernel - 1), self.hidden_size), ()
 
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts

@@ -13,7 +13,11 @@ from .mlp import MLP
 from .moe import SparseMoE
 from .norm import RMSNorm
 from .ops import Ops
+from .mamba2 import Mamba2Mixer
 from .short_conv import ShortConv
+
+# A state layer's mixer by ModelConfig.state_mixer: (its attribute, as checkpoints name it; its class)
+MIXERS = {"short_conv": ("conv", ShortConv), "mamba2": ("mamba", Mamba2Mixer)}
 
 
 class Attention(nn.Module):
@@ -52,11 +56,12 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         # The token mixer: attention, or a layer that keeps a recurrent state (cfg.state_layers)
+        self.mixer = MIXERS[cfg.state_mixer][0] if index in cfg.state_layers else "self_attn"
         if index in cfg.state_layers:
-            self.conv = ShortConv(cfg)
+            setattr(self, self.mixer, MIXERS[cfg.state_mixer][1](cfg))
         else:
             self.self_attn = Attention(cfg, backend, cfg.window(index))
-        self.mixer = "conv" if index in cfg.state_layers else "self_attn"
+        self.residual_multiplier = cfg.residual_multiplier
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # the MLP's input norm
         self.mlp = SparseMoE(cfg) if cfg.moe is not None and cfg.moe.is_sparse(index) else MLP(cfg)
         if cfg.family.sandwich_norms:  # each sublayer's output is normed before the residual add
@@ -76,6 +81,10 @@ class DecoderLayer(nn.Module):
         x = tp.all_reduce(getattr(self, self.mixer)(x, ops, rotate, k_cache, v_cache, meta))
         if self.sandwich:
             x = ops.norm(x, self.attn_output_norm)
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
         x = tp.all_reduce(self.mlp(x, ops))
+        if self.residual_multiplier != 1.0:
+            x = x * self.residual_multiplier
         return (ops.norm(x, self.mlp_output_norm) if self.sandwich else x), residual

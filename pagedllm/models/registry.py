@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from .families import gemma3, lfm2, llama, mixtral, olmoe, phi3, qwen
+from .families import gemma3, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen
 from .family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -24,6 +24,7 @@ FAMILIES: dict[str, Family] = {
     "olmoe": olmoe.OLMOE,
     "mixtral": mixtral.MIXTRAL,
     "lfm2": lfm2.LFM2,
+    "granitemoehybrid": granite_hybrid.GRANITE_HYBRID,
 }
 SUPPORTED = tuple(FAMILIES)
 # model_types a family's checkpoints use that we do not run, and why (the error says what runs instead)

@@ -1,7 +1,8 @@
-"""A gated short convolution (LFM2's conv layers): in_proj splits into B, C and x; the causal
-depthwise convolution of kernel K runs over B * x, and C gates its output before o_proj.
+"""Causal depthwise convolutions over a step's flat batch, their state kept in the KV pool
+(causal_conv); and LFM2's gated short convolution built on it (ShortConv): in_proj splits into B,
+C and x; the convolution of kernel K runs over B * x, and C gates its output before o_proj.
 
-Its state is the last K - 1 inputs B * x of each sequence, kept in the KV pool's blocks of its
+A convolution's state is the last K - 1 inputs of each sequence, kept in the blocks of its
 layer slot (state_step.py says which are read and written). All rows of a step are one flat
 batch: each row gathers its K inputs from the step's own rows or its sequence's state."""
 from __future__ import annotations
@@ -14,25 +15,31 @@ from .ops import Ops
 from .state_step import StateStep, state_rows
 
 
+def causal_conv(u: torch.Tensor, conv: nn.Conv1d, pool: torch.Tensor, meta: StateStep) -> torch.Tensor:
+    """conv (depthwise, kernel K, its bias if any) over inputs u [T, D] of the step's chunks, each
+    continuing from the state its sequence's block holds; the new states are written (into the
+    first (K - 1) * D values of pool's blocks) after every block end and chunk end."""
+    d, k = u.shape[1], conv.weight.shape[-1]
+    states = state_rows(pool, meta.width, d)                  # [num_blocks, K - 1, D]
+    read = states[meta.read_blocks].reshape(-1, d)            # a copy: read before this step writes
+    rows = torch.cat([u, read, u.new_zeros(1, d)])
+    y = (rows[meta.taps] * conv.weight.view(d, k).t()).sum(1)   # [T, K, D]: inputs at p - K + 1 .. p
+    if conv.bias is not None:
+        y = y + conv.bias
+    if len(meta.write_blocks):
+        states[meta.write_blocks] = rows[meta.write_rows]
+    return y
+
+
 class ShortConv(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         h, k = cfg.hidden_size, cfg.conv_kernel
-        self.hidden, self.kernel = h, k
         self.in_proj = nn.Linear(h, 3 * h, bias=cfg.conv_bias)
-        self.conv = nn.Conv1d(h, h, k, groups=h, bias=cfg.conv_bias)   # holds the weights; run as taps below
+        self.conv = nn.Conv1d(h, h, k, groups=h, bias=cfg.conv_bias)   # holds the weights; run as taps
         self.o_proj = nn.Linear(h, h, bias=cfg.conv_bias)
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: StateStep):
         b, c, u = ops.linear(self.in_proj, x).chunk(3, dim=-1)
-        u = b * u                                               # [T, H]: what the convolution reads
-        states = state_rows(k_cache, meta.width, self.hidden)   # [num_blocks, K - 1, H]
-        read = states[meta.read_blocks].reshape(-1, self.hidden)   # a copy: read before this step writes
-        rows = torch.cat([u, read, u.new_zeros(1, self.hidden)])
-        taps = rows[meta.taps]                                  # [T, K, H]: inputs at p - K + 1 .. p
-        y = (taps * self.conv.weight.view(self.hidden, self.kernel).t()).sum(1)
-        if self.conv.bias is not None:
-            y = y + self.conv.bias
-        if len(meta.write_blocks):
-            states[meta.write_blocks] = rows[meta.write_rows]
+        y = causal_conv(b * u, self.conv, k_cache, meta)
         return ops.linear(self.o_proj, (c * y).contiguous())

@@ -11,6 +11,7 @@ state layer of the group uses them.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -25,12 +26,18 @@ class StateStep:
     write_rows: torch.Tensor     # int64 [W, K - 1]: that state's inputs, as rows of the same
     num_rows: int                # T: rows of the step (padding included: theirs read zeros)
     width: int                   # K - 1: the positions a state holds
+    fresh: torch.Tensor          # bool [S]: chunks that start at position 0 (their state starts at zero)
+    # A recurrence's order (scan=True): for each offset j into the chunks, the rows at offset j,
+    # their chunks, and which of those chunks write a state after it, into which block.
+    scan: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_starts: Sequence[int],
-               num_rows: int, block_size: int, kernel: int, device: torch.device | str) -> StateStep:
+               num_rows: int, block_size: int, kernel: int, device: torch.device | str,
+               scan: bool = False) -> StateStep:
     """The metadata of a step whose chunk i is rows q_starts[i]..q_starts[i+1]-1, positions up to
-    seq_lens[i] - 1, its state blocks tables[i] (RELEASED entries are never read here)."""
+    seq_lens[i] - 1, its state blocks tables[i] (RELEASED entries are never read here). scan:
+    with the order a recurrence (Mamba's) runs the rows in."""
     B, w = block_size, kernel - 1
     n = len(tables)
     prev_base, zero = num_rows, num_rows + n * w
@@ -55,15 +62,33 @@ def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_start
     def t(x) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
 
+    fresh = torch.tensor([seq_lens[i] == q_starts[i + 1] - q_starts[i] for i in range(n)], device=device)
     return StateStep(t(read), t(taps).view(num_rows, kernel), t(write_blocks),
-                     t(write_rows).view(len(write_blocks), w), num_rows, w)
+                     t(write_rows).view(len(write_blocks), w), num_rows, w, fresh,
+                     _scan_order(tables, seq_lens, q_starts, block_size, t) if scan else None)
 
 
-def state_rows(pool: torch.Tensor, width: int, hidden: int) -> torch.Tensor:
-    """A layer slot's pool (its K pool, [num_blocks, ...] in the backend's layout) as per-block
-    states [num_blocks, width, hidden]: a state block's first width * hidden values."""
+def _scan_order(tables, seq_lens, q_starts, B: int, t) -> list[tuple[torch.Tensor, ...]]:
+    """Offset by offset into the step's chunks: (rows, their chunks, the indices among those
+    that end a block or their chunk, the blocks those write their state into)."""
+    n = len(tables)
+    lens = [q_starts[i + 1] - q_starts[i] for i in range(n)]
+    order = []
+    for j in range(max(lens, default=0)):
+        live = [i for i in range(n) if lens[i] > j]
+        ends = [k for k, i in enumerate(live)
+                if (seq_lens[i] - lens[i] + j) % B == B - 1 or j == lens[i] - 1]
+        order.append((t([q_starts[i] + j for i in live]), t(live), t(ends),
+                      t([tables[live[k]][(seq_lens[live[k]] - lens[live[k]] + j) // B] for k in ends])))
+    return order
+
+
+def state_rows(pool: torch.Tensor, *shape: int) -> torch.Tensor:
+    """A layer slot's K or V pool ([num_blocks, ...] in the backend's layout) as per-block states
+    [num_blocks, *shape]: a state block's first prod(shape) values."""
     flat = pool.view(pool.shape[0], -1)
-    if flat.shape[1] < width * hidden:
-        raise ValueError(f"a state of {width} x {hidden} values does not fit a KV block of {flat.shape[1]}: "
-                         "raise block_size")
-    return flat[:, :width * hidden].view(pool.shape[0], width, hidden)
+    size = math.prod(shape)
+    if flat.shape[1] < size:
+        raise ValueError(f"a state of {' x '.join(map(str, shape))} values does not fit a KV block's "
+                         f"{flat.shape[1]}: raise block_size")
+    return flat[:, :size].view(pool.shape[0], *shape)

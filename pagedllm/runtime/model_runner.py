@@ -290,7 +290,7 @@ class ModelRunner:
         metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, step.num_decodes),
                                              dev) if holds == KV else
                  state_step(tables, step.seq_lens, step.q_starts, len(ids), self.kv_cache.block_size,
-                            self.model_cfg.conv_kernel, dev)
+                            self.model_cfg.state_kernel, dev, self.model_cfg.state_scans)
                  for sl, tables, holds in zip([slots, *group_slots], [step.tables, *step.group_tables],
                                               self.kv_layout.kinds)]
         ops = self.model.ops

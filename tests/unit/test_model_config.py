@@ -61,8 +61,16 @@ def test_qwen3_smollm3_phi3_options():
     ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
     ({"model_type": "llama", "hidden_act": "relu2"}, "activation 'relu2'"),
     ({**GEMMA, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ({"model_type": "granitemoehybrid", "num_local_experts": 32}, r"with experts \(num_local_experts 32\) is not "
+     "supported yet; its dense variant"),
+    ({"model_type": "granitemoehybrid", "num_local_experts": 0, "layer_types": ["mamba", "ssd"]},
+     r"layer_types \['ssd'\]"),
+    ({"model_type": "granitemoehybrid", "num_local_experts": 0, "position_embedding_type": "alibi"},
+     "position_embedding_type 'alibi'"),
+    ({"model_type": "lfm2", "layer_types": ["conv", "mamba"]}, "lfm2: layer_types"),
 ])
 def test_unsupported_fails_at_load_naming_what(bad, match):
+    """A variant we do not run is refused naming what, before any weight is read."""
     cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
            "vocab_size": 100, **bad}
     with pytest.raises(ValueError, match=match):
@@ -135,3 +143,21 @@ def test_a_router_we_do_not_compute_fails_naming_it():
                        ({"num_experts_per_tok": 17}, "top k at most the experts")):
         with pytest.raises(ValueError, match=re.escape(why)):
             ModelConfig.from_hf({**base, **extra})
+
+
+def test_hybrid_configs_name_their_state_layers_and_shapes():
+    """Granite 4.0-H's config keys: its Mamba layers, their state (conv taps and SSM) and its
+    scalars; infinity as transformers writes it in config.json."""
+    cfg = ModelConfig.from_hf({"model_type": "granitemoehybrid", "hidden_size": 64, "num_hidden_layers": 3,
+                               "num_attention_heads": 4, "intermediate_size": 1, "shared_intermediate_size": 96,
+                               "vocab_size": 100, "num_local_experts": 0, "mamba_n_heads": 4, "mamba_d_state": 8,
+                               "mamba_n_groups": 2, "layer_types": ["mamba", "attention", "linear_attention"],
+                               "time_step_limit": [0.0, {"__float__": "Infinity"}], "logits_scaling": 4.0,
+                               "attention_multiplier": 0.25})
+    assert cfg.state_layers == (0, 2) and cfg.state_mixer == "mamba2" and cfg.intermediate_size == 96
+    assert cfg.mamba.head_dim == 32 and cfg.mamba.conv_dim == 128 + 2 * 2 * 8 and cfg.mamba.dt_limit[1] == float("inf")
+    assert cfg.state_shapes() == ((3, 160), (4, 32, 8)) and cfg.logit_scale == 0.25 and cfg.scale == 0.25
+    assert cfg.layer_ropes == (-1, -1, -1), "no RoPE unless position_embedding_type says rope"
+    lfm = ModelConfig.from_hf({"model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+                               "intermediate_size": 6656, "vocab_size": 100, "full_attn_idxs": [1]})
+    assert lfm.state_layers == (0,) and lfm.intermediate_size == 4608 and lfm.state_shapes() == ((2, 64), ())

@@ -43,7 +43,7 @@ def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"lfm2: conv_L_cache {kernel} must be an int >= 2")
     return {"intermediate_size": mlp_width(cfg), "rms_norm_eps": cfg.get("norm_eps", 1e-5),
             "tie_word_embeddings": cfg.get("tie_word_embeddings", cfg.get("tie_embedding", True)),
-            "state_layers": tuple(i for i, t in enumerate(types) if t == "conv"),
+            "state_layers": tuple(i for i, t in enumerate(types) if t == "conv"), "state_mixer": "short_conv",
             "conv_kernel": kernel, "conv_bias": bool(cfg.get("conv_bias", False))}
 
 

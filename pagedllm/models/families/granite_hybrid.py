@@ -1,0 +1,59 @@
+"""Granite 4.0-H (model_type granitemoehybrid): Mamba-2 layers (mamba2.py), whose state lives in
+the KV pool's blocks (kv.groups' STATE), beside a few attention layers without RoPE (unless
+position_embedding_type is "rope"); a gated MLP its checkpoints call shared_mlp, with gate and
+up in one input_linear; and Granite's scalars: embeddings, each sublayer's output and the
+logits scaled, the attention's softmax by attention_multiplier."""
+from __future__ import annotations
+
+from typing import Any
+
+from ..family import Family, WeightMapper
+from ..mamba_config import MambaConfig
+
+# Theirs -> ours, part by part (the fused gate/up is already ours: input_linear is gate then up).
+_NAMES = (("shared_mlp", "mlp"), ("input_linear", "gate_up_proj"), ("output_linear", "down_proj"))
+STATE_TYPES, ATTENTION_TYPES = ("mamba", "linear_attention"), ("attention", "full_attention")
+
+
+def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    n = cfg["num_hidden_layers"]
+    if cfg.get("num_local_experts"):
+        raise ValueError(f"granitemoehybrid with experts (num_local_experts {cfg['num_local_experts']}) is not "
+                         "supported yet; its dense variant (num_local_experts 0, Granite 4.0-H-Micro) is")
+    types = cfg.get("layer_types") or cfg.get("layers_block_type") or ["mamba"] * n
+    unknown = sorted(set(types) - set(STATE_TYPES + ATTENTION_TYPES))
+    if len(types) != n or unknown:
+        raise ValueError(f"granitemoehybrid: layer_types {unknown or types} must give each of {n} layers one of "
+                         f"{STATE_TYPES + ATTENTION_TYPES}")
+    if cfg.get("position_embedding_type") not in (None, "nope", "rope"):
+        raise ValueError(f"granitemoehybrid: position_embedding_type {cfg['position_embedding_type']!r} is not "
+                         "supported (None or 'rope' are)")
+    inner = cfg.get("mamba_expand", 2) * cfg["hidden_size"]
+    heads = cfg.get("mamba_n_heads", 128)
+    head_dim = cfg.get("mamba_d_head", "auto")
+    head_dim = inner // heads if head_dim == "auto" else head_dim
+    if heads * head_dim != inner or heads % cfg.get("mamba_n_groups", 1):
+        raise ValueError(f"granitemoehybrid: mamba_n_heads {heads} x mamba_d_head {head_dim} must be "
+                         f"mamba_expand x hidden_size ({inner}), in whole groups of heads")
+    limit = cfg.get("time_step_limit") or (0.0, float("inf"))
+    nope = cfg.get("position_embedding_type") != "rope"
+    return {"intermediate_size": cfg.get("shared_intermediate_size", 1024),
+            "state_layers": tuple(i for i, t in enumerate(types) if t in STATE_TYPES), "state_mixer": "mamba2",
+            "mamba": MambaConfig(heads, head_dim, cfg.get("mamba_n_groups", 1), cfg.get("mamba_d_state", 256),
+                                 cfg.get("mamba_d_conv", 4), bool(cfg.get("mamba_conv_bias", True)),
+                                 bool(cfg.get("mamba_proj_bias", False)), (_number(limit[0]), _number(limit[1]))),
+            "attn_scale": float(cfg.get("attention_multiplier", 1.0)),
+            "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
+            "residual_multiplier": float(cfg.get("residual_multiplier", 1.0)),
+            "logit_scale": 1.0 / float(cfg.get("logits_scaling", 1.0)),
+            "layer_ropes": (-1,) * n if nope else ()}
+
+
+def _number(v: Any) -> float:
+    """A float as config.json holds it: transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(v["__float__"] if isinstance(v, dict) else v)
+
+
+GRANITE_HYBRID = Family(
+    architecture="GraniteMoeHybridForCausalLM", own_config=own_config, weights=WeightMapper(renames=_NAMES),
+    no_tensor_parallel="its Mamba layers are not sharded over ranks yet")

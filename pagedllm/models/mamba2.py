@@ -1,0 +1,79 @@
+"""A Mamba-2 mixer (Granite 4.0-H's, Nemotron-H's, Falcon-H1's layers that keep a state): in_proj
+gives the gate z, x B C and dt; x B C runs through a causal depthwise convolution and SiLU; then
+the selective scan, per head h of head_dim values and a state [head_dim, state_size]:
+
+    dt = clamp(softplus(dt + dt_bias)),  S = exp(dt * A) * S + dt * x B^T,  y = S C + D * x
+
+(B and C shared by a group of heads), and a gated RMSNorm, norm(y * silu(z)), before out_proj.
+
+Its state lives in the KV pool's blocks of its layer slot (kv.groups' STATE): the convolution's
+last K - 1 inputs in the K rows, the scan's [heads, head_dim, state_size] in the V rows, read
+from the block before each chunk and written after each block end and chunk end
+(state_step.py). The scan runs offset by offset over all of a step's chunks at once, in float32
+(a decode step is one offset)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .ops import Ops
+from .short_conv import causal_conv
+from .state_step import StateStep, state_rows
+
+
+class GatedRMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        y = y.float() * F.silu(gate.float())
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(gate.dtype)
+
+
+class Mamba2Mixer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        m = self.m = cfg.mamba
+        self.in_proj = nn.Linear(cfg.hidden_size, m.inner + m.conv_dim + m.num_heads, bias=m.proj_bias)
+        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
+        self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
+        self.A_log = nn.Parameter(torch.empty(m.num_heads))
+        self.D = nn.Parameter(torch.empty(m.num_heads))
+        self.norm = GatedRMSNorm(m.inner, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(m.inner, cfg.hidden_size, bias=m.proj_bias)
+
+    def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: StateStep):
+        m = self.m
+        z, xbc, dt = ops.linear(self.in_proj, x).split([m.inner, m.conv_dim, m.num_heads], dim=-1)
+        xbc = F.silu(causal_conv(xbc.contiguous(), self.conv1d, k_cache, meta))
+        u, b, c = xbc.split([m.inner, m.groups * m.state_size, m.groups * m.state_size], dim=-1)
+        y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta)
+        return ops.linear(self.out_proj, self.norm(y, z).contiguous())
+
+    def scan(self, u, b, c, dt, states: torch.Tensor, meta: StateStep) -> torch.Tensor:
+        """The selective scan of the step's rows (u [T, inner], b and c [T, groups * N], dt [T, H])
+        from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner]."""
+        m, t, dtype = self.m, u.shape[0], u.dtype
+        per_group = m.num_heads // m.groups
+        u = u.float().view(t, m.num_heads, m.head_dim)
+        b = b.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, 1, -1)
+        c = c.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, -1, 1)
+        dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.dt_limit)        # [T, H]
+        decay = torch.exp(dt * -torch.exp(self.A_log.float()))                      # [T, H]
+        dbx = (dt[..., None] * u)[..., None] * b                                     # [T, H, P, N]
+        s = states[meta.read_blocks].float()                                         # [S, H, P, N]
+        s[meta.fresh] = 0
+        y = torch.zeros_like(u)
+        for rows, chunks, ends, blocks in meta.scan:
+            cur = s[chunks] * decay[rows][..., None, None] + dbx[rows]
+            s[chunks] = cur
+            y[rows] = (cur @ c[rows]).squeeze(-1)
+            if len(ends):
+                states[blocks] = cur[ends].to(states.dtype)
+        y = y + self.D.float()[:, None] * u
+        return y.view(t, m.inner).to(dtype)

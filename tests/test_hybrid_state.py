@@ -102,6 +102,17 @@ def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm
     assert llm.engine.kv.pool.num_used == 0, "every state block went back"
 
 
+def test_preempted_sequences_recompute_their_state(make_llm, hybrid, hf_tokens):
+    """A pool too small for all eight: sequences are preempted, their state blocks freed with
+    their K/V, and recomputed (from a cached snapshot where one survived) to HF's tokens."""
+    llm = make_llm(model=str(hybrid[1]), dtype="float32", num_gpu_blocks_override=24, max_model_len=512,
+                   max_num_batched_tokens=64, block_size=BLOCK)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    assert llm.engine.stats().preemptions > 0
+    llm.engine.kv.check_integrity()
+
+
 def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, hybrid, hf_tokens):
     """The second prompt of a shared stem finds its first two blocks cached: the attention group
     their K/V, the state group the state after token 63 alone. Its text is HF's, computed

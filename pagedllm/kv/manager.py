@@ -74,6 +74,13 @@ class KVCacheManager:
             raise ValueError(f"group_kinds {kinds} must name {KV!r} or {STATE!r} for each of {len(windows)} groups")
         self.groups = [GroupManager(i, w, self.pool, block_size, policy, self.shape.reserve_blocks, self._emit, holds)
                        for i, (w, holds) in enumerate(zip(windows, kinds))]
+        # State blocks registered in the prefix cache while this step is scheduled: their state is
+        # written by this step's forward, after any read of it in the same step (a K/V block's
+        # keys are written before any query of the layer reads them), so no hit takes one yet.
+        self.in_flight: set[int] = set()
+        for g in self.groups:
+            if g.holds == STATE:
+                g.in_flight = self.in_flight
         # Prompt logprobs kept beside cached blocks, under group 0's keys, within their cap.
         self.scores = ScoreStore(score_cache_bytes if enable_prefix_caching else 0, self.pool.cached.__contains__)
         # LoRA adapters' pages (S-LoRA's unified paging): blocks of the same pool, tagged when idle.
@@ -148,6 +155,8 @@ class KVCacheManager:
 
     # -- a step's tier IO (the connector's) ----------------------------------
     def begin_step(self) -> None:
+        """Before a step is scheduled: the state snapshots registered last step are computed now."""
+        self.in_flight.clear()
         if self.connector is not None:
             self.connector.begin_step()
 

@@ -52,6 +52,7 @@ class GroupManager:
         # (block, key): a group-0 block registered in the prefix cache (the tier writes it through)
         self.on_cached: Callable[[int, int], None] | None = None
         self.log: KVEventLog | None = None   # vLLM's KV events, while a publisher listens
+        self.in_flight: set[int] | None = None   # a state group's blocks registered this step (not hittable yet)
 
     @property
     def kind(self) -> str:
@@ -77,7 +78,8 @@ class GroupManager:
         """The cached block of each key, RELEASED where none (without a window: the leading run)."""
         if not self.window:
             return list(itertools.takewhile(lambda b: b is not None, map(self.pool.lookup, keys)))
-        return [RELEASED if b is None else b for b in map(self.pool.lookup, keys)]
+        pending = self.in_flight or ()
+        return [RELEASED if b is None or b in pending else b for b in map(self.pool.lookup, keys)]
 
     def longest_hit(self, blocks: Sequence[int], num_blocks: int) -> int:
         """The most blocks, at most num_blocks, that serve a prefix hit among `blocks` (cached
@@ -208,6 +210,8 @@ class GroupManager:
             b = table.block_ids[i]
             # A block the window released before its tokens were verified here: not this table's to register.
             if b != RELEASED and self.pool.cache(b, keys[i] ^ self.salt):
+                if self.in_flight is not None:
+                    self.in_flight.add(b)
                 self.emit({"type": "cache", "block": b})
                 if self.on_cached is not None:
                     self.on_cached(b, keys[i])

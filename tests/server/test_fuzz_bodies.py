@@ -23,7 +23,7 @@ from schemathesis import GenerationMode
 from .inproc import serve_in_process
 from .test_fuzz import _shorten
 
-BODIES = 40    # generated per endpoint: 8 endpoints, 320 bodies (each run draws new ones)
+BODIES = 30    # generated per endpoint: 8 endpoints, 240 bodies (each run draws new ones)
 VALID = 4      # valid bodies per endpoint whose every value is then replaced in turn (thousands in all)
 WRONG = (None, 7, [])
 ENDPOINTS = {"POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses", "POST /v1/load_lora_adapter",

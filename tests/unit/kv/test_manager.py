@@ -255,3 +255,16 @@ def test_a_state_group_forks_only_where_a_state_is_kept_and_never_rolls_back():
     assert [g.kind for g in kv.stats().groups] == ["full", "state"]
     with pytest.raises(ValueError, match="group_kinds"):
         KVCacheManager(16, 4, group_windows=(0, STATE_WINDOW), group_kinds=(KV, "latent"))
+
+
+def test_a_state_snapshot_is_hit_only_once_its_step_has_run():
+    """A state block registered while a step is scheduled is written by that step's forward, after
+    any read in it: a prompt admitted in the same step does not hit it; in the next step it does."""
+    kv = KVCacheManager(32, 4, group_windows=(0, STATE_WINDOW), group_kinds=(KV, STATE))
+    kv.begin_step()
+    stem = list(range(9))
+    assert kv.allocate_slots(0, stem, 9) == []
+    assert len(kv.lookup_prefix(stem + [20])) == 0, "its blocks' state is not computed before the forward"
+    kv.begin_step()
+    hit = kv.lookup_prefix(stem + [20])
+    assert len(hit) == 2 and hit.per_group[1][-1] == kv.block_table(0, 1).block_ids[1]

@@ -101,6 +101,7 @@ class KVManagerMachine(RuleBasedStateMachine):
                 self.store[table.slot(j)] = self._history(seq, j)
 
     def _lookup(self, toks: list[int], salt: str | None) -> tuple[list[int], BlockHashes]:
+        self.kv.begin_step()   # every rule is a step of its own: what earlier ones wrote is computed
         hashes = self.kv.new_hashes(salt)
         hit = self.kv.lookup_prefix(toks, hashes)
         assert len(hit) * B <= len(toks) - 1, "a hit must leave the last token to compute"
@@ -150,6 +151,7 @@ class KVManagerMachine(RuleBasedStateMachine):
         fut = self.future[seq]
         new = self.tokens[seq] + fut[:count]
         new += [new[-1] % 10] * (held + count - len(new))  # past the prompt: a decoded token
+        self.kv.begin_step()
         copies = self.kv.allocate_slots(seq, new + fut[count:], len(new), hashes=self.hashes[seq])
         if copies is None:
             return False

@@ -14,16 +14,14 @@ from pathlib import Path
 
 import torch
 
-from ..attention import StepLayout
 from ..config import EngineConfig
 from ..distributed import TPGroup
 from ..kv import KVLayout
 from ..kv.connector import BlockStore
-from ..kv.groups import KV, engine_layout
+from ..kv.groups import engine_layout
 from ..loader import resolve_model_dir
 from ..models import ModelConfig
 from ..models.footprint import WeightBytes, weight_bytes
-from ..models.state_step import state_step
 from ..plan import StepPlan, StepResult
 from .adapter_pager import AdapterPager, check_adapters
 from .backend_setup import attention_backend
@@ -35,7 +33,7 @@ from .prepare import check_moe, ready_model
 from .prompt_scores import score_prompt, split_scores
 from .scratch import ScratchForward
 from .spec_decode import make_proposer
-from .step_inputs import StepInputs, step_bucket, step_inputs
+from .step_inputs import StepInputs, group_metas, step_bucket, step_inputs
 from .token_picker import TokenPicker
 
 logger = logging.getLogger(__name__)
@@ -287,12 +285,8 @@ class ModelRunner:
             ids, positions, slots = ids + [0] * pad, positions + [0] * pad, slots + [-1] * pad
             group_slots = [g + [-1] * pad for g in group_slots]
         dev = self.device
-        metas = [self.backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, step.num_decodes),
-                                             dev) if holds == KV else
-                 state_step(tables, step.seq_lens, step.q_starts, len(ids), self.kv_cache.block_size,
-                            self.model_cfg.state_kernel, dev, self.model_cfg.state_scans)
-                 for sl, tables, holds in zip([slots, *group_slots], [step.tables, *step.group_tables],
-                                              self.kv_layout.kinds)]
+        metas = group_metas(self.backend, self.kv_layout, self.model_cfg, step, [slots, *group_slots], len(ids),
+                            self.kv_cache.block_size, dev)
         ops = self.model.ops
         ops.lora = self.adapters.step(step.lora_rows, dev) if self.adapters is not None else None
         try:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..attention import AttentionBackend, StepLayout
+from ..kv import KVLayout
+from ..kv.groups import KV
+from ..models import ModelConfig
+from ..models.state_step import state_step
 from ..plan import StepPlan
 from ..util import cdiv
 from .rejection import Verify
@@ -91,3 +96,15 @@ def step_inputs(plan: StepPlan) -> tuple[StepInputs, RowRoles]:
             step.score_top.extend([c.score_top] * len(c.score_ids))
             roles.scored.append((c.seq_id, len(c.score_ids), c.score_top))
     return step, roles
+
+
+def group_metas(backend: AttentionBackend, layout: KVLayout, mc: ModelConfig, step: StepInputs,
+                slots: list[list[int]], num_rows: int, block_size: int, device) -> list:
+    """Each layer group's step metadata: the attention backend's for a K/V group (its slots and
+    tables), the state layers' (state_step) for a state group. slots: each group's, padded to
+    num_rows."""
+    return [backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, step.num_decodes), device)
+            if holds == KV else
+            state_step(tables, step.seq_lens, step.q_starts, num_rows, block_size, mc.state_kernel, device,
+                       mc.state_scans)
+            for sl, tables, holds in zip(slots, [step.tables, *step.group_tables], layout.kinds)]

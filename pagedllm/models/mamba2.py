@@ -9,8 +9,8 @@ the selective scan, per head h of head_dim values and a state [head_dim, state_s
 Its state lives in the KV pool's blocks of its layer slot (kv.groups' STATE): the convolution's
 last K - 1 inputs in the K rows, the scan's [heads, head_dim, state_size] in the V rows, read
 from the block before each chunk and written after each block end and chunk end
-(state_step.py). The scan runs offset by offset over all of a step's chunks at once, in float32
-(a decode step is one offset)."""
+(state_step.py). In float32: a decode step's one row a sequence as the recurrence itself, a step
+with a prefill chunk in Mamba-2's chunked form over segments cut at block ends (Mamba2Mixer.chunked)."""
 from __future__ import annotations
 
 import torch
@@ -64,10 +64,14 @@ class Mamba2Mixer(nn.Module):
         b = b.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, 1, -1)
         c = c.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, -1, 1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.dt_limit)        # [T, H]
-        decay = torch.exp(dt * -torch.exp(self.A_log.float()))                      # [T, H]
-        dbx = (dt[..., None] * u)[..., None] * b                                     # [T, H, P, N]
+        log_decay = dt * -torch.exp(self.A_log.float())                             # [T, H]
         s = states[meta.read_blocks].float()                                         # [S, H, P, N]
         s[meta.fresh] = 0
+        if meta.segments is not None:   # a step with a prefill chunk: the chunked form
+            y = self.chunked(u, b.squeeze(2), c.squeeze(-1), dt, log_decay, s, states, meta.segments)
+            return (y + self.D.float()[:, None] * u).view(t, m.inner).to(dtype)
+        decay = torch.exp(log_decay)
+        dbx = (dt[..., None] * u)[..., None] * b                                     # [T, H, P, N]: T decodes
         y = torch.zeros_like(u)
         for rows, chunks, ends, blocks in meta.scan:
             cur = s[chunks] * decay[rows][..., None, None] + dbx[rows]
@@ -77,3 +81,35 @@ class Mamba2Mixer(nn.Module):
                 states[blocks] = cur[ends].to(states.dtype)
         y = y + self.D.float()[:, None] * u
         return y.view(t, m.inner).to(dtype)
+
+    @staticmethod
+    def chunked(u, b, c, dt, log_decay, s, states: torch.Tensor, seg) -> torch.Tensor:
+        """The scan in Mamba-2's chunked form (its state-space duality): within a segment of Q rows,
+        y_t = sum_{r<=t} exp(A_t - A_r) (C_t . B_r) dt_r u_r, with A the running sum of log decays,
+        plus exp(A_t) C_t . S_in; from segment to segment of a chunk S_out = exp(A_Q) S_in + the
+        segment's own sum. u [T, H, P], b and c [T, H, N], dt and log_decay [T, H], s [S, H, P, N]
+        (each chunk's state before it); writes the segments' states that end a block or chunk."""
+        def rows(x):   # [T, ...] -> [G, Q, ...], zeros where padded
+            return torch.cat([x, x.new_zeros(1, *x.shape[1:])])[seg.rows]
+
+        du, bs, cs, la = rows(dt[..., None] * u), rows(b), rows(c), rows(log_decay)     # [G, Q, H, .]
+        acc = la.cumsum(1)                                                                 # [G, Q, H]
+        a = acc.transpose(1, 2)                                                            # [G, H, Q]
+        q = a.shape[-1]
+        causal = torch.ones(q, q, dtype=torch.bool, device=u.device).tril()
+        decay = torch.exp((a[..., :, None] - a[..., None, :]).masked_fill(~causal, float("-inf")))   # [G, H, Q, Q]
+        y = torch.einsum("ghts,gshp->gthp", decay * torch.einsum("gthn,gshn->ghts", cs, bs), du)
+        to_end = torch.exp(acc[:, -1:] - acc)                                              # [G, Q, H]
+        own = torch.einsum("gshp,gshn->ghpn", du * to_end[..., None], bs)                  # [G, H, P, N]
+        whole = torch.exp(acc[:, -1])                                                      # [G, H]
+        s_in, s_out = torch.empty_like(own), torch.empty_like(own)
+        for ids in seg.order:   # the k-th segments of their chunks, k = 0, 1, ...
+            ch = seg.chunk[ids]
+            s_in[ids] = s[ch]
+            s[ch] = s_out[ids] = whole[ids][..., None, None] * s[ch] + own[ids]
+        y = y + torch.einsum("gthn,ghpn->gthp", cs, s_in) * torch.exp(acc)[..., None]
+        if len(seg.writes):
+            states[seg.blocks] = s_out[seg.writes].to(states.dtype)
+        out = u.new_zeros(u.shape[0] + 1, *u.shape[1:])
+        out[seg.rows[seg.valid]] = y[seg.valid]
+        return out[:-1]

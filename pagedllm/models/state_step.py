@@ -27,9 +27,27 @@ class StateStep:
     num_rows: int                # T: rows of the step (padding included: theirs read zeros)
     width: int                   # K - 1: the positions a state holds
     fresh: torch.Tensor          # bool [S]: chunks that start at position 0 (their state starts at zero)
-    # A recurrence's order (scan=True): for each offset j into the chunks, the rows at offset j,
-    # their chunks, and which of those chunks write a state after it, into which block.
+    # A recurrence's order (scan=True), in a decode step: for each offset j into the chunks, the
+    # rows at offset j, their chunks, and which of those chunks write a state after it, where.
     scan: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # ... and in a step with a chunk of several rows, its chunks cut into segments (Segments).
+    segments: Segments | None = None
+
+
+@dataclass(slots=True)
+class Segments:
+    """A step's chunks cut at block ends and every SEGMENT rows, each segment a padded row of
+    rows [G, Q] (num_rows where padded): a recurrence runs within each at once (Mamba-2's chunked
+    form) and from segment to segment of a chunk in order."""
+    rows: torch.Tensor       # int64 [G, Q]
+    valid: torch.Tensor      # bool [G, Q]
+    chunk: torch.Tensor      # int64 [G]: the chunk each segment is of
+    order: list[torch.Tensor]   # for k = 0, 1, ...: the segments that are the k-th of their chunks
+    writes: torch.Tensor     # int64 [W]: segments that end a block or their chunk
+    blocks: torch.Tensor     # int64 [W]: the block each of those writes its state into
+
+
+SEGMENT = 64   # the most rows a segment runs at once (its [Q, Q] decay matrix per head)
 
 
 def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_starts: Sequence[int],
@@ -63,9 +81,35 @@ def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_start
         return torch.tensor(x, dtype=torch.long, device=device)
 
     fresh = torch.tensor([seq_lens[i] == q_starts[i + 1] - q_starts[i] for i in range(n)], device=device)
+    decode = all(q_starts[i + 1] - q_starts[i] == 1 for i in range(n))
     return StateStep(t(read), t(taps).view(num_rows, kernel), t(write_blocks),
                      t(write_rows).view(len(write_blocks), w), num_rows, w, fresh,
-                     _scan_order(tables, seq_lens, q_starts, block_size, t) if scan else None)
+                     _scan_order(tables, seq_lens, q_starts, block_size, t) if scan and decode else None,
+                     _segments(tables, seq_lens, q_starts, block_size, num_rows, t) if scan and not decode else None)
+
+
+def _segments(tables, seq_lens, q_starts, B: int, num_rows: int, t) -> Segments:
+    n = len(tables)
+    q = min(SEGMENT, max(q_starts[i + 1] - q_starts[i] for i in range(n)))
+    rows, chunk, order, writes, blocks = [], [], [], [], []
+    for i in range(n):
+        r0, end = q_starts[i], seq_lens[i]
+        c0 = end - (q_starts[i + 1] - r0)
+        p, k = c0, 0
+        while p < end:
+            stop = min(end, (p // B + 1) * B, p + q)
+            g = len(rows)
+            rows.append([r0 + x - c0 for x in range(p, stop)] + [num_rows] * (q - (stop - p)))
+            chunk.append(i)
+            if k == len(order):
+                order.append([])
+            order[k].append(g)
+            if stop % B == 0 or stop == end:
+                writes.append(g)
+                blocks.append(tables[i][(stop - 1) // B])
+            p, k = stop, k + 1
+    r = t(rows).view(len(rows), q)
+    return Segments(r, r < num_rows, t(chunk), [t(o) for o in order], t(writes), t(blocks))
 
 
 def _scan_order(tables, seq_lens, q_starts, B: int, t) -> list[tuple[torch.Tensor, ...]]:

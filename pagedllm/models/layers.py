@@ -81,10 +81,10 @@ class DecoderLayer(nn.Module):
         x = tp.all_reduce(getattr(self, self.mixer)(x, ops, rotate, k_cache, v_cache, meta))
         if self.sandwich:
             x = ops.norm(x, self.attn_output_norm)
-        if self.residual_multiplier != 1.0:
-            x = x * self.residual_multiplier
+        if self.residual_multiplier != 1.0:   # x: this layer's own output, scaled in place
+            x = x.mul_(self.residual_multiplier)
         x, residual = ops.add_norm(x, residual, self.post_attention_layernorm)
         x = tp.all_reduce(self.mlp(x, ops))
         if self.residual_multiplier != 1.0:
-            x = x * self.residual_multiplier
+            x = x.mul_(self.residual_multiplier)
         return (ops.norm(x, self.mlp_output_norm) if self.sandwich else x), residual

@@ -40,7 +40,7 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         m = self.m = cfg.mamba
         self.in_proj = nn.Linear(cfg.hidden_size, m.inner + m.conv_dim + m.num_heads, bias=m.proj_bias)
-        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, m.conv_kernel, groups=m.conv_dim, bias=m.conv_bias)
+        self.conv1d = nn.Conv1d(m.conv_dim, m.conv_dim, cfg.conv_kernel, groups=m.conv_dim, bias=cfg.conv_bias)
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
         self.A_log = nn.Parameter(torch.empty(m.num_heads))
         self.D = nn.Parameter(torch.empty(m.num_heads))
@@ -69,22 +69,15 @@ class Mamba2Mixer(nn.Module):
         s[meta.fresh] = 0
         if meta.segments is not None:   # a step with a prefill chunk: the chunked form
             y = self.chunked(u, b.squeeze(2), c.squeeze(-1), dt, log_decay, s, states, meta.segments)
-            return (y + self.D.float()[:, None] * u).view(t, m.inner).to(dtype)
-        decay, du = torch.exp(log_decay), dt[..., None] * u                         # [T, H], [T, H, P]
-        y = torch.zeros_like(u)
-        for j, (rows, chunks, ends, blocks) in enumerate(meta.scan):
-            # In place, one pass each over the [rows, H, P, N] states: these steps read and write
-            # every sequence's whole state, so they run at memory speed (a decode step: one offset).
-            single = len(meta.scan) == 1
-            cur = s if single else s[chunks]
-            cur.mul_(decay[rows][..., None, None]).addcmul_(du[rows][..., None], b[rows])
-            if not single:
-                s[chunks] = cur
-            y[rows] = (cur @ c[rows]).squeeze(-1)
-            if len(ends):
-                states[blocks] = (cur if single else cur[ends]).to(states.dtype)
-        y = y + self.D.float()[:, None] * u
-        return y.view(t, m.inner).to(dtype)
+        else:
+            # A decode step: chunk i is row i. In place, one pass each over the [S, H, P, N] states:
+            # such a step reads and writes every sequence's whole state, so it runs at memory speed.
+            n = len(meta.read_blocks)
+            y = torch.zeros_like(u)
+            s.mul_(torch.exp(log_decay[:n])[..., None, None]).addcmul_((dt[:n, :, None] * u[:n])[..., None], b[:n])
+            y[:n] = (s @ c[:n]).squeeze(-1)
+            states[meta.write_blocks] = s.to(states.dtype)
+        return (y + self.D.float()[:, None] * u).view(t, m.inner).to(dtype)
 
     @staticmethod
     def chunked(u, b, c, dt, log_decay, s, states: torch.Tensor, seg) -> torch.Tensor:

@@ -8,14 +8,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class MambaConfig:
     """A Mamba-2 mixer (mamba2.py): in_proj gives the gate z, x B C (through a causal convolution
-    of conv_kernel taps and SiLU) and dt per head; a selective scan of num_heads heads of
-    head_dim, B and C of state_size shared by each of `groups` groups of heads; a gated RMSNorm."""
+    of ModelConfig.conv_kernel taps and SiLU) and dt per head; a selective scan of num_heads heads
+    of head_dim, B and C of state_size shared by each of `groups` groups of heads; a gated RMSNorm."""
     num_heads: int
     head_dim: int
     groups: int
     state_size: int
-    conv_kernel: int
-    conv_bias: bool = True
     proj_bias: bool = False
     dt_limit: tuple[float, float] = (0.0, float("inf"))
 

@@ -6,13 +6,13 @@ A short convolution of kernel K (LFM2) keeps as its state the inputs of the last
 positions. Block j of a sequence's state table holds that state after the last token written
 in it (kv.groups): a chunk of positions c0..e-1 reads the state after c0 - 1, from block
 (c0 - 1) // B, and writes the state after each position that ends a block, and after e - 1,
-into that position's block. The index tensors are built once per step and group, and every
-state layer of the group uses them.
+into that position's block. The index tensors are built once per step (the block ids once per
+group), and every state layer uses them.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -27,10 +27,9 @@ class StateStep:
     num_rows: int                # T: rows of the step (padding included: theirs read zeros)
     width: int                   # K - 1: the positions a state holds
     fresh: torch.Tensor          # bool [S]: chunks that start at position 0 (their state starts at zero)
-    # A recurrence's order (scan=True), in a decode step: for each offset j into the chunks, the
-    # rows at offset j, their chunks, and which of those chunks write a state after it, where.
-    scan: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-    # ... and in a step with a chunk of several rows, its chunks cut into segments (Segments).
+    # Every chunk one row (a decode step): chunk i is row i and writes its state into write_blocks[i].
+    decode: bool
+    # A step with a longer chunk, for a recurrence (scan=True): its chunks cut into segments.
     segments: Segments | None = None
 
 
@@ -49,22 +48,28 @@ class Segments:
 
 SEGMENT = 64   # the most rows a segment runs at once (its [Q, Q] decay matrix per head)
 
+Ref = tuple[int, int]   # (chunk, logical block): a block of that chunk's table
 
-def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_starts: Sequence[int],
-               num_rows: int, block_size: int, kernel: int, device: torch.device | str,
-               scan: bool = False) -> StateStep:
-    """The metadata of a step whose chunk i is rows q_starts[i]..q_starts[i+1]-1, positions up to
-    seq_lens[i] - 1, its state blocks tables[i] (RELEASED entries are never read here). scan:
-    with the order a recurrence (Mamba's) runs the rows in."""
+
+def state_steps(tables_by_group: Sequence[Sequence[Sequence[int]]], seq_lens: Sequence[int],
+                q_starts: Sequence[int], num_rows: int, block_size: int, kernel: int, device: torch.device | str,
+                scan: bool = False) -> list[StateStep]:
+    """Each state group's metadata for a step whose chunk i is rows q_starts[i]..q_starts[i+1]-1,
+    positions up to seq_lens[i] - 1, its state blocks tables[i] in the group's tables (RELEASED
+    entries are never read here). What rows a position reads is the same for every group: it is
+    built once, and only the block ids are each group's. scan: with the segments a recurrence
+    (Mamba's) runs a prefill chunk in."""
     B, w = block_size, kernel - 1
-    n = len(tables)
+    n = len(q_starts) - 1
     prev_base, zero = num_rows, num_rows + n * w
     taps = [[zero] * kernel for _ in range(num_rows)]
-    read, write_blocks, write_rows = [], [], []
+    reads: list[Ref | None] = []
+    writes: list[Ref] = []
+    write_rows = []
     for i in range(n):
         r0, r1, end = q_starts[i], q_starts[i + 1], seq_lens[i]
         c0 = end - (r1 - r0)
-        read.append(tables[i][(c0 - 1) // B] if c0 else 0)
+        reads.append((i, (c0 - 1) // B) if c0 else None)
 
         def row(q: int) -> int:   # the row holding position q's input (the zero row before position 0)
             if q >= c0:
@@ -74,7 +79,7 @@ def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_start
         for p in range(c0, end):
             taps[r0 + p - c0] = [row(p - w + k) for k in range(kernel)]
             if p % B == B - 1 or p == end - 1:
-                write_blocks.append(tables[i][p // B])
+                writes.append((i, p // B))
                 write_rows.append([row(p - w + 1 + k) for k in range(w)])
 
     def t(x) -> torch.Tensor:
@@ -82,16 +87,24 @@ def state_step(tables: Sequence[Sequence[int]], seq_lens: Sequence[int], q_start
 
     fresh = torch.tensor([seq_lens[i] == q_starts[i + 1] - q_starts[i] for i in range(n)], device=device)
     decode = all(q_starts[i + 1] - q_starts[i] == 1 for i in range(n))
-    return StateStep(t(read), t(taps).view(num_rows, kernel), t(write_blocks),
-                     t(write_rows).view(len(write_blocks), w), num_rows, w, fresh,
-                     _scan_order(tables, seq_lens, q_starts, block_size, t) if scan and decode else None,
-                     _segments(tables, seq_lens, q_starts, block_size, num_rows, t) if scan and not decode else None)
+    taps_t, rows_t = t(taps).view(num_rows, kernel), t(write_rows).view(len(writes), w)
+    segments, seg_writes = _segments(q_starts, seq_lens, B, num_rows, t) if scan and not decode else (None, [])
+    out = []
+    for tables in tables_by_group:
+        def blocks(refs: Sequence[Ref]) -> torch.Tensor:
+            return t([tables[i][j] for i, j in refs])
+
+        out.append(StateStep(t([tables[r[0]][r[1]] if r is not None else 0 for r in reads]), taps_t, blocks(writes),
+                             rows_t, num_rows, w, fresh, decode,
+                             replace(segments, blocks=blocks(seg_writes)) if segments is not None else None))
+    return out
 
 
-def _segments(tables, seq_lens, q_starts, B: int, num_rows: int, t) -> Segments:
-    n = len(tables)
+def _segments(q_starts, seq_lens, B: int, num_rows: int, t) -> tuple[Segments, list[Ref]]:
+    """The segments, and the block each writing one writes into (Segments.blocks: each group's)."""
+    n = len(q_starts) - 1
     q = min(SEGMENT, max(q_starts[i + 1] - q_starts[i] for i in range(n)))
-    rows, chunk, order, writes, blocks = [], [], [], [], []
+    rows, chunk, order, writes, refs = [], [], [], [], []
     for i in range(n):
         r0, end = q_starts[i], seq_lens[i]
         c0 = end - (q_starts[i + 1] - r0)
@@ -106,25 +119,10 @@ def _segments(tables, seq_lens, q_starts, B: int, num_rows: int, t) -> Segments:
             order[k].append(g)
             if stop % B == 0 or stop == end:
                 writes.append(g)
-                blocks.append(tables[i][(stop - 1) // B])
+                refs.append((i, (stop - 1) // B))
             p, k = stop, k + 1
     r = t(rows).view(len(rows), q)
-    return Segments(r, r < num_rows, t(chunk), [t(o) for o in order], t(writes), t(blocks))
-
-
-def _scan_order(tables, seq_lens, q_starts, B: int, t) -> list[tuple[torch.Tensor, ...]]:
-    """Offset by offset into the step's chunks: (rows, their chunks, the indices among those
-    that end a block or their chunk, the blocks those write their state into)."""
-    n = len(tables)
-    lens = [q_starts[i + 1] - q_starts[i] for i in range(n)]
-    order = []
-    for j in range(max(lens, default=0)):
-        live = [i for i in range(n) if lens[i] > j]
-        ends = [k for k, i in enumerate(live)
-                if (seq_lens[i] - lens[i] + j) % B == B - 1 or j == lens[i] - 1]
-        order.append((t([q_starts[i] + j for i in live]), t(live), t(ends),
-                      t([tables[live[k]][(seq_lens[live[k]] - lens[live[k]] + j) // B] for k in ends])))
-    return order
+    return Segments(r, r < num_rows, t(chunk), [t(o) for o in order], t(writes), t([])), refs
 
 
 def state_rows(pool: torch.Tensor, *shape: int) -> torch.Tensor:

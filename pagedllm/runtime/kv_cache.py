@@ -189,7 +189,8 @@ class KVCache:
         log("KV cache: %d blocks x %d tokens, %s, %d bytes/token (2*L*d_kv*bytes%s), %.2f GiB, max %d tokens%s%s",
             num_blocks, cfg.block_size, self.kv_dtype.name, self.bytes_per_token,
             " + scales" if self.kv_dtype.quantized else "", num_blocks * self.bytes_per_block / 2**30,
-            num_blocks * cfg.block_size // sum(1 for g in groups if g.holds == KV), f" (per rank, {tp.size} ranks)" if tp.size > 1 else "",
+            num_blocks * cfg.block_size // sum(1 for g in groups if g.holds == KV),  # a state group: a block a sequence
+            f" (per rank, {tp.size} ranks)" if tp.size > 1 else "",
             "" if len(groups) == 1 else f"; {len(groups)} layer groups of {self.layout.layers_per_block} layers "
             f"({', '.join(g.kind for g in groups)}), a block holds one group's")
 

@@ -11,7 +11,7 @@ import torch
 from ..attention import AttentionBackend, StepLayout
 from ..config import EngineConfig
 from ..models import ModelConfig
-from ..models.state_step import state_step
+from ..models.state_step import state_steps
 from ..util import cdiv
 
 logger = logging.getLogger(__name__)
@@ -32,7 +32,7 @@ class ScratchForward:
         meta = self.backend.build_metadata(StepLayout(list(range(t)), [list(range(nblk))], [t], [0, t], 0), self.device)
         if not mc.state_layers:
             return tmp, meta, None
-        state = state_step([list(range(nblk))], [t], [0, t], t, bs, mc.state_kernel, self.device, mc.state_scans)
+        state, = state_steps([[list(range(nblk))]], [t], [0, t], t, bs, mc.conv_kernel, self.device, mc.state_scans)
         return tmp, meta, [state if i in mc.state_layers else meta for i in range(mc.num_layers)]
 
     @torch.inference_mode()

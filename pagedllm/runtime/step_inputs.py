@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 from ..attention import AttentionBackend, StepLayout
 from ..kv import KVLayout
-from ..kv.groups import KV
+from ..kv.groups import KV, STATE
 from ..models import ModelConfig
-from ..models.state_step import state_step
+from ..models.state_step import state_steps
 from ..plan import StepPlan
 from ..util import cdiv
 from .rejection import Verify
@@ -101,10 +101,12 @@ def step_inputs(plan: StepPlan) -> tuple[StepInputs, RowRoles]:
 def group_metas(backend: AttentionBackend, layout: KVLayout, mc: ModelConfig, step: StepInputs,
                 slots: list[list[int]], num_rows: int, block_size: int, device) -> list:
     """Each layer group's step metadata: the attention backend's for a K/V group (its slots and
-    tables), the state layers' (state_step) for a state group. slots: each group's, padded to
-    num_rows."""
-    return [backend.build_metadata(StepLayout(sl, tables, step.seq_lens, step.q_starts, step.num_decodes), device)
-            if holds == KV else
-            state_step(tables, step.seq_lens, step.q_starts, num_rows, block_size, mc.state_kernel, device,
-                       mc.state_scans)
-            for sl, tables, holds in zip(slots, [step.tables, *step.group_tables], layout.kinds)]
+    tables), the state layers' (state_steps, built once for every state group) for a state group.
+    slots: each group's, padded to num_rows."""
+    tables = [step.tables, *step.group_tables]
+    state = [t for t, holds in zip(tables, layout.kinds) if holds == STATE]
+    states = iter(state_steps(state, step.seq_lens, step.q_starts, num_rows, block_size, mc.conv_kernel, device,
+                              mc.state_scans) if state else ())
+    return [backend.build_metadata(StepLayout(sl, t, step.seq_lens, step.q_starts, step.num_decodes), device)
+            if holds == KV else next(states)
+            for sl, t, holds in zip(slots, tables, layout.kinds)]

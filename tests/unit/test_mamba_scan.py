@@ -10,7 +10,7 @@ import torch
 from pagedllm.models.config import ModelConfig
 from pagedllm.models.mamba2 import Mamba2Mixer
 from pagedllm.models.mamba_config import MambaConfig
-from pagedllm.models.state_step import state_step
+from pagedllm.models.state_step import state_steps
 
 H, P, N, G, B = 4, 8, 6, 2, 16
 BLOCKS = 32
@@ -18,7 +18,8 @@ BLOCKS = 32
 
 def mixer() -> Mamba2Mixer:
     cfg = ModelConfig("granitemoehybrid", 32, 1, 2, 2, 16, 64, 100, 1e-5, 1e4, None, 512, False, False,
-                      state_layers=(0,), state_mixer="mamba2", mamba=MambaConfig(H, P, G, N, 4))
+                      state_layers=(0,), state_mixer="mamba2", conv_kernel=4, conv_bias=True,
+                      mamba=MambaConfig(H, P, G, N))
     m = Mamba2Mixer(cfg)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -55,7 +56,7 @@ def test_both_forms_equal_the_recurrence(chunks):
     for n in lens:
         q_starts.append(q_starts[-1] + n)
     t = q_starts[-1]
-    meta = state_step(tables, [e for _, e in chunks], q_starts, t, B, 4, "cpu", scan=True)
+    meta, = state_steps([tables], [e for _, e in chunks], q_starts, t, B, 4, "cpu", scan=True)
     assert (meta.segments is None) == all(n == 1 for n in lens)
     torch.manual_seed(2)
     u, b, c, dt = torch.randn(t, H * P), torch.randn(t, G * N), torch.randn(t, G * N), torch.randn(t, H)

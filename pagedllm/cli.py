@@ -386,5 +386,15 @@ def _at_least(kind: type, name: str, **bound: float) -> Callable[[str], Any]:
     return _flag_type(name, Spec(kind, **bound), checked=True)
 
 
+def run() -> int:
+    """The `pagedllm` command: main(), then the process ends (util.spare_final_collections)."""
+    from .util import spare_final_collections
+
+    try:
+        return main()
+    finally:
+        spare_final_collections()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -43,6 +43,8 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # With SamplingParams.embed: the prompt's embedding (the last token's final hidden state).
     embedding: list[float] | None = None
+    # The error is the request's own (its parameters cannot all be met): a client error.
+    error_invalid: bool = False
 
 
 @dataclass

@@ -158,6 +158,9 @@ class StepResult:
     tokens: dict[int, int] = field(default_factory=dict)
     logprobs: dict[int, dict[int, Logprob]] = field(default_factory=dict)
     errors: dict[int, str] = field(default_factory=dict)
+    # Of those errors, the ones the request caused (its parameters cannot all be met, e.g. a
+    # grammar that min_tokens keeps from ending): the client's error, not the engine's.
+    invalid: set[int] = field(default_factory=set)
     accepted: dict[int, list[int]] = field(default_factory=dict)
     prompt_logprobs: dict[int, PromptScores] = field(default_factory=dict)
     # Speculative decoding: each proposing sequence's draft tokens for its next step.

@@ -22,7 +22,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from ..engine.async_engine import _Stream, read_stream
-from ..engine.client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver
+from ..engine.client import EngineDeadError, EngineInfo, QueueFullError, StepObserver, failure
 from ..engine.validation import RequestRules
 from ..kv import PoolShape
 from ..loader import load_config, load_tokenizer, resolve_model_dir
@@ -219,7 +219,7 @@ class DataParallelEngine:
         with self._lock:
             stream = r.streams.pop(out.request_id, None) if out.finished else r.streams.get(out.request_id)
         if stream is not None:
-            item = out if out.error is None else RequestFailedError(f"request failed: {out.error}")
+            item = out if out.error is None else failure(out)
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
 
     def _fail(self, r: Replica, error: BaseException) -> None:

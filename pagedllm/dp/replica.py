@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 from ..config import EngineConfig
 from ..engine.stats import EngineStats
+from ..util import spare_final_collections
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ def replica_main(index: int, cfg: EngineConfig, commands: mp.Queue, conn: Connec
                                     s.kv.num_blocks, s.kv.block_size, engine.kv.enable_prefix_caching, s,
                                     engine.kv.shape.window_blocks)))
     ReplicaSink(engine, commands, conn).run()
+    spare_final_collections()
 
 
 class ReplicaSink:

@@ -17,7 +17,8 @@ from ..lora.request import LoRARequest
 from ..outputs import RequestOutput
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from ..structured import mark_checked
-from .client import EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver  # noqa: F401
+from .client import (EngineDeadError, EngineInfo, QueueFullError, RequestFailedError, StepObserver,  # noqa: F401
+                     failure)
 from .core_loop import EngineCoreLoop, StepGate
 from .engine import LLMEngine
 from .stats import EngineStats
@@ -191,8 +192,7 @@ class AsyncLLMEngine:
         self.stats = view
         self._observe("on_step", outputs, tokens_run, moved)
         for out in outputs:
-            self._deliver(out.request_id, out if out.error is None else
-                          RequestFailedError(f"request failed: {out.error}"))
+            self._deliver(out.request_id, out if out.error is None else failure(out))
 
     def finished(self, output: RequestOutput) -> None:
         self._observe("on_finished", output)

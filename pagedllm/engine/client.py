@@ -32,6 +32,17 @@ class RequestFailedError(RuntimeError):
     """This request failed inside a step (the others of the batch went on)."""
 
 
+class InvalidRequestError(RequestFailedError, ValueError):
+    """This request failed inside a step because of its own parameters, which cannot all be
+    met (HTTP 400): e.g. a grammar that min_tokens keeps from ending."""
+
+
+def failure(out) -> RequestFailedError:
+    """The error a client's stream raises for a RequestOutput that carries one."""
+    cls = InvalidRequestError if out.error_invalid else RequestFailedError
+    return cls(f"request failed: {out.error}")
+
+
 @dataclass(frozen=True)
 class EngineInfo:
     """The served engine as the server describes it (/v1/models, /model_info, metrics labels)."""

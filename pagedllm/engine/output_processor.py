@@ -177,7 +177,8 @@ class OutputProcessor:
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
                              req.num_cached_tokens, self._metrics(req, [s.num_output_tokens for s in seqs]),
                              req.error, self._prompt_logprobs(req, delta),
-                             req.embedding.tolist() if req.embedding is not None and req.finished else None)
+                             req.embedding.tolist() if req.embedding is not None and req.finished else None,
+                             req.error_invalid)
 
     def _delta(self, index: int, seq: Sequence, st: _SeqText, cumulative: float | None) -> CompletionOutput | None:
         """What is new of one sequence since its last output; None if nothing is."""
@@ -246,7 +247,7 @@ class OutputProcessor:
         metrics = self._metrics(req, [len(c.token_ids) for c in outs])
         metrics.update(n=req.beam.width, beam_scores=[h.score for h in req.beam.results()])
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             req.num_cached_tokens, metrics, req.error)
+                             req.num_cached_tokens, metrics, req.error, error_invalid=req.error_invalid)
 
     @staticmethod
     def _metrics(req: Request, output_lens: list[int]) -> dict:

@@ -298,11 +298,12 @@ class Scheduler:
         seq.finish_reason = reason
         seq.stop_reason = stop_reason
 
-    def fail(self, req: Request, error: str) -> None:
+    def fail(self, req: Request, error: str, invalid: bool = False) -> None:
         """Something went wrong for this request alone inside a step: end it (its blocks
-        go back now) and let the rest of the batch go on."""
+        go back now) and let the rest of the batch go on. invalid: the request's own
+        parameters caused it (a client error)."""
         logger.warning("request %s failed inside a step: %s", req.request_id, error)
-        req.error = error
+        req.error, req.error_invalid = error, invalid
         for seq in req.seqs:
             if seq.status is SeqStatus.PENDING:
                 seq.status, seq.finish_reason = SeqStatus.FINISHED, "error"

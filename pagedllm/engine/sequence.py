@@ -96,6 +96,7 @@ class Request:
     owner: str | None = None      # the tenant that sent it (the visualizer shows others' text to nobody)
     priority: int = 0             # vLLM's: lower runs first under the priority queue policy
     error: str | None = None      # set when this request alone failed inside a step
+    error_invalid: bool = False   # ... because of its own parameters (a client error, HTTP 400)
     seqs: list[Sequence] = field(default_factory=list)
     # Beam search: the search state, the live beams (best first) and each live beam's
     # candidates once its row is computed (the group advances when all have theirs).

@@ -66,7 +66,7 @@ class StepApplier:
             for s in out.scheduled:
                 for seq in s.sample_for:
                     if seq.seq_id in res.errors and seq.request.error is None:
-                        sched.fail(seq.request, res.errors[seq.seq_id])
+                        sched.fail(seq.request, res.errors[seq.seq_id], invalid=seq.seq_id in res.invalid)
                         up.touched[seq.request.request_id] = seq.request
         return up
 

@@ -36,10 +36,12 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def mask(self, logits: torch.Tensor, rows: list[GrammarRow]) -> dict[int, str]:
+    def mask(self, logits: torch.Tensor, rows: list[GrammarRow]) -> tuple[dict[int, str], set[int]]:
         """Apply each constrained row's grammar to `logits` in place; returns the error of
-        each sequence whose matcher could not follow its tokens (it fails alone)."""
+        each sequence whose matcher could not follow its tokens (it fails alone), and which
+        of those the request's own parameters caused."""
         errors: dict[int, str] = {}
+        invalid: set[int] = set()
         bitmask = self._buffer(sum(1 + len(r.draft) for r in rows))
         at: list[int] = []
         for r in rows:
@@ -51,6 +53,7 @@ class GrammarMatchers:
             if m.is_terminated():  # ended by its stop token, yet asked for more (ignore_eos)
                 errors[r.target.seq_id] = ("structured outputs: the output is complete, but ignore_eos asks for "
                                            "more tokens than the grammar allows")
+                invalid.add(r.target.seq_id)
                 continue
             m.fill_next_token_bitmask(bitmask, len(at))
             at.append(r.row)
@@ -65,7 +68,7 @@ class GrammarMatchers:
                 m.rollback(tried)
         if at:
             self._apply(logits, bitmask[:len(at)], at)
-        return errors
+        return errors, invalid
 
     def advance(self, target: SampleTarget, tokens: list[int]) -> str | None:
         """The step kept `tokens` after the target's output so far (accepted drafts, then

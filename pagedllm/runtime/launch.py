@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..config import EngineConfig
 from ..models import ModelConfig
-from ..util import free_port
+from ..util import free_port, spare_final_collections
 from ..distributed import TPGroup, WorkerDiedError
 
 logger = logging.getLogger(__name__)
@@ -195,6 +195,7 @@ def serve(cfg: EngineConfig, model_dir: Path, model_cfg: ModelConfig, max_model_
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        spare_final_collections()
 
 
 if __name__ == "__main__":

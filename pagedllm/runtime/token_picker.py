@@ -69,12 +69,13 @@ class TokenPicker:
         sample_rows, checks = roles.sample, roles.checks
         constrained = self._constrained(sample_rows, checks)
         if constrained:
-            refused = self._matchers(logits).mask(logits, constrained)
+            refused, invalid = self._matchers(logits).mask(logits, constrained)
             if refused:  # those sequences fail alone: they sample nothing
                 sample_rows = [(i, [t for t in ts if t.seq_id not in refused]) for i, ts in sample_rows]
                 sample_rows = [(i, ts) for i, ts in sample_rows if ts]
                 checks = [c for c in checks if c.target.seq_id not in refused]
             out.errors.update(refused)
+            out.invalid.update(invalid)
         if checks:
             out.accepted, out.tokens, errors = verify(logits, checks, eos, self.generators)
             out.errors.update(errors)
@@ -115,5 +116,6 @@ class TokenPicker:
                 error = self.grammars.advance(r.target, out.accepted.get(sid, []) + [out.tokens[sid]])
                 if error is not None:
                     out.errors[sid] = error
+                    out.invalid.add(sid)
                     out.tokens.pop(sid)
                     out.accepted.pop(sid, None)

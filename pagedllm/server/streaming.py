@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from ..engine.client import EngineDeadError, QueueFullError, RequestFailedError
+from ..engine.client import EngineDeadError, InvalidRequestError, QueueFullError, RequestFailedError
 from ..engine.detokenizer import token_text
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -78,6 +78,8 @@ async def whole(collect: Awaitable[T]) -> T:
     passes: nobody is left to answer)."""
     try:
         return await collect
+    except InvalidRequestError as e:  # its own parameters could not all be met
+        raise APIError(400, str(e)) from None
     except RequestFailedError as e:
         raise APIError(500, str(e), "internal_error") from None
     except EngineDeadError as e:
@@ -254,7 +256,8 @@ class ResponseBuilder:
             return
         except Exception as e:  # after the headers went out, errors travel in the stream
             logger.warning("stream %s failed: %s", self.rid, e)
-            yield _sse({"error": {"message": str(e), "type": "internal_error", "param": None, "code": 500}})
+            kind, code = ("invalid_request_error", 400) if isinstance(e, InvalidRequestError) else ("internal_error", 500)
+            yield _sse({"error": {"message": str(e), "type": kind, "param": None, "code": code}})
             yield "data: [DONE]\n\n"
 
     async def chunks(self, merged, usage: bool = False) -> AsyncIterator[dict]:

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from ..engine.client import InvalidRequestError
 from .http import ServerClosing
 from .openai.structured import FieldError
 from .prepare import PreparedChat, check_structured
@@ -117,7 +118,7 @@ async def translated(events: Events, chunks: AsyncIterator[dict]) -> AsyncIterat
         return
     except Exception as e:  # after the headers went out, errors travel in the stream
         logger.warning("stream failed: %s", e)
-        yield events.failed(500, str(e))
+        yield events.failed(400 if isinstance(e, InvalidRequestError) else 500, str(e))
 
 
 @dataclass(slots=True)

@@ -194,3 +194,24 @@ def test_a_broken_schema_does_not_touch_another_stream(client, tool_server):
     chunks = [first, *stream]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == alone and chunks[-1].usage.completion_tokens == 48
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("hold", [{"min_tokens": 6}, {"ignore_eos": True}])
+def test_a_grammar_its_own_request_keeps_from_ending_is_a_400(tool_server, stream, hold):
+    """The grammar is complete after "yes" and only its end may follow, which min_tokens (or
+    ignore_eos) forbids: the request's own parameters contradict, a client error found
+    mid-generation, not the server's."""
+    body = {"messages": ASK, "max_tokens": 12, "temperature": 0, "stream": stream, "guided_choice": ["yes"], **hold}
+    r = post(tool_server, CHAT, body)
+    if not stream:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    else:  # the headers went out before the step found it: the error travels in the stream
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        err = events[-1]["error"]
+        assert err["code"] == 400
+    assert err["type"] == "invalid_request_error" and "structured outputs" in err["message"]
+    ok = post(tool_server, CHAT, {**body, "stream": False, "min_tokens": 0, "ignore_eos": False})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "yes"

@@ -142,7 +142,7 @@ async def _finals(merged) -> dict:
     async for i, o in merged:
         if o.finished:
             if o.error is not None:
-                raise APIError(500, o.error, "internal_error")
+                raise APIError(400, o.error) if o.error_invalid else APIError(500, o.error, "internal_error")
             out[i] = o
     return out
 

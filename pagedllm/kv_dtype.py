@@ -34,10 +34,12 @@ class KVDtype:
         """Bytes of one token's V for one KV head, its scale included."""
         return head_dim * self.bits // 8 + (SCALE_BYTES if self.quantized else 0)
 
-    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+    def bytes_per_token(self, num_layers: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> int:
         """L x KVH x (K's + V's bytes: d x bits / 8 each, + their scales): M_KV per token
-        (2 x L x d_kv x bytes for the unquantized kinds)."""
-        return num_layers * num_kv_heads * (self.k_head_bytes(head_dim) + self.v_head_bytes(head_dim))
+        (2 x L x d_kv x bytes for the unquantized kinds). v_head_dim: V's width where it is not
+        head_dim (0: no V rows, multi-head latent attention's pool)."""
+        v = head_dim if v_head_dim is None else v_head_dim
+        return num_layers * num_kv_heads * (self.k_head_bytes(head_dim) + (self.v_head_bytes(v) if v else 0))
 
     def check_head_dim(self, head_dim: int) -> None:
         """int4 packs two values a byte, V's in halves of 16 dims: head_dim must be a multiple of 32."""

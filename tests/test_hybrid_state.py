@@ -7,19 +7,15 @@ same text as no cache; what the state cannot do (speculation, the one-table tier
 is refused by name."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
+from hf_greedy import hf_greedy
+from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, hf_tokens_of
 from pagedllm import BeamSearchParams, SamplingParams
 from test_beam_search import hf_beams
 
 BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens
-# Eight prompts: short ones, one that chunks over several blocks, two that share a 72-token stem
-STEM = list(range(300, 372))
-PROMPTS = [[5, 17, 300, 4000, 12], list(range(100, 190)), STEM + [7, 8, 9], STEM + [11, 12],
-           [42] * 3, list(range(1000, 1033)), [9, 99, 999, 9999], list(range(2000, 2016))]
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -39,14 +35,13 @@ def _config(family: str):
                                      logits_scaling=2.0)
 
 
-_BUILT: dict[str, tuple] = {}
-
-
 def build(family: str, tmp_path_factory, model_dir) -> tuple:
     """(HF model, its directory), made once per run: weights scaled up from the init so that each
     layer moves the residual stream (with the init's, every token repeats its input)."""
-    if family in _BUILT:
-        return _BUILT[family]
+    return built(family, lambda: _make(family), tmp_path_factory, model_dir)
+
+
+def _make(family: str):
     import transformers as tf
 
     torch.manual_seed(0)
@@ -59,12 +54,7 @@ def build(family: str, tmp_path_factory, model_dir) -> tuple:
                 p.add_(torch.randn_like(p) * 0.3)
             elif p.dim() == 2 and "embed" not in name:
                 p.mul_(6)
-    out = tmp_path_factory.mktemp(family)
-    model.save_pretrained(out, safe_serialization=True)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(model_dir / f, out / f)
-    _BUILT[family] = model, out
-    return _BUILT[family]
+    return model
 
 
 @pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid"])
@@ -72,15 +62,9 @@ def hybrid(request, tmp_path_factory, model_dir):
     return build(request.param, tmp_path_factory, model_dir)
 
 
-def hf_greedy(hf, ids: list[int], n: int) -> list[int]:
-    with torch.no_grad():
-        return hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                           pad_token_id=0)[0, len(ids):].tolist()
-
-
 @pytest.fixture(scope="module")
 def hf_tokens(hybrid):
-    return [hf_greedy(hybrid[0], ids, 32) for ids in PROMPTS]
+    return hf_tokens_of(hybrid[0])
 
 
 def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm, hybrid, hf_tokens):
@@ -90,14 +74,7 @@ def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm
                    enable_prefix_caching=False, block_size=BLOCK)
     kinds = [g.kind for g in llm.engine.kv.stats().groups]
     assert kinds[0] == "full" and set(kinds[1:]) == {"state"}, "attention first, then its state layers' groups"
-    outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, prompt_logprobs=0),
-                        use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
-    ids = PROMPTS[1]
-    with torch.no_grad():
-        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
-    got = torch.tensor([outs[1].prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
-    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-3, rtol=0)
+    check_greedy_and_prompt_logprobs(llm, hf, hf_tokens)
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.pool.num_used == 0, "every state block went back"
 

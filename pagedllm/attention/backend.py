@@ -90,16 +90,25 @@ class AttentionBackend(ABC):
         """The pool tensors' element type: bytes when quantized."""
         return torch.uint8 if self.kv is not None else dtype
 
-    @staticmethod
-    def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        """Raise ValueError if this backend cannot run a model with these heads."""
+    # Whether it runs multi-head latent attention (forward_latent: values read from the keys' rows).
+    latent: bool = False
+
+    @classmethod
+    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> None:
+        """Raise ValueError if this backend cannot run a model with these heads (v_head_dim: the
+        V rows' width where it is not head_dim; 0 under multi-head latent attention)."""
+        if v_head_dim is not None and v_head_dim != head_dim and not cls.latent:
+            raise ValueError(f"attention backend {cls.name} does not run multi-head latent attention (K rows of "
+                             f"{head_dim}, values read from them); the torch backend does")
 
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                     dtype: torch.dtype) -> tuple[tuple[int, ...], tuple[int, ...]]:
+                     dtype: torch.dtype, v_head_dim: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Shapes of one layer's K and V pools (of pool_dtype(dtype)); a block is always the
-        first dimension. Quantized: each token's head as its codes, then its scale bytes."""
+        first dimension. Quantized: each token's head as its codes, then its scale bytes.
+        v_head_dim: the V rows' width where it differs (0: no V rows, multi-head latent attention)."""
         if self.kv is None:
-            return (num_blocks, block_size, kv_heads, head_dim), (num_blocks, block_size, kv_heads, head_dim)
+            v = head_dim if v_head_dim is None else v_head_dim
+            return (num_blocks, block_size, kv_heads, head_dim), (num_blocks, block_size, kv_heads, v)
         return ((num_blocks, block_size, kv_heads, self.kv.k_head_bytes(head_dim)),
                 (num_blocks, block_size, kv_heads, self.kv.v_head_bytes(head_dim)))
 
@@ -112,6 +121,13 @@ class AttentionBackend(ABC):
         """Metadata over a CUDA graph's static decode buffers (padding rows: slot -1,
         context 0), valid for any context up to max_context."""
         raise NotImplementedError(f"attention backend {self.name} has no CUDA-graph decode")
+
+    def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, meta: Any, scale: float,
+                       v_dim: int) -> torch.Tensor:
+        """Multi-head latent attention (models/mla.py): q [T, H, D] absorbed queries, latent [T, 1, D]
+        the new tokens' rows, written into `cache` (K's pool) at their slots; every head attends to
+        the one latent head, each key's first v_dim dims its value. Returns [T, H, v_dim]."""
+        raise NotImplementedError(f"attention backend {self.name} does not run multi-head latent attention")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -65,14 +65,16 @@ class CpuPagedAttention(AttentionBackend):
         self.fresh_prefill = True
         self._routes: dict[tuple, Route] = {}
 
-    @staticmethod
-    def check_model(num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    @classmethod
+    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> None:
+        super().check_model(num_heads, num_kv_heads, head_dim, v_head_dim)
         dims = compiled_head_dims()
         if head_dim not in dims:
             raise ValueError(f"attention backend cpu supports head_dim in {dims}, not {head_dim}; "
                              "use --attention-backend torch")
 
-    def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+    def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     v_head_dim: int | None = None):
         if self.kv is not None:
             v_row = block_size * self.kv.v_head_bytes(head_dim)
             if self.kv.name in ("int8", "int4"):  # V in pairs of keys: an odd block pads one key's codes

@@ -66,6 +66,7 @@ def _dequantized(cache: torch.Tensor, tables: torch.Tensor, mask: torch.Tensor, 
 class TorchPagedAttention(AttentionBackend):
     name = "torch"
     kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
+    latent = True
 
     def __init__(self, decode_group: int = 24) -> None:
         # Decodes attend in groups this size: padding each group only to its own longest
@@ -97,9 +98,28 @@ class TorchPagedAttention(AttentionBackend):
                 self.kv)
         return out
 
+    def forward_latent(self, q, latent, cache, meta: TorchMetadata, scale: float, v_dim: int):
+        if self.kv is not None:
+            raise ValueError("multi-head latent attention keeps its latent unquantized (kv_cache_dtype auto)")
+        rows, slots = meta.write_rows, meta.slot_mapping
+        if rows is not None:
+            latent, slots = latent[rows], slots[rows]
+        nb, bs, kvh, d = cache.shape
+        cache.view(nb * bs, kvh, d).index_copy_(0, slots, latent)
+        out = q.new_empty(*q.shape[:2], v_dim)
+        for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
+            if end > start:
+                out[start:end] = self._decode(q[start:end], cache, None, meta.decode_block_tables[start:end],
+                                              meta.decode_context_lens[start:end], max_ctx, scale, v_dim=v_dim)
+        for p in meta.prefills:
+            out[p.q_start:p.q_start + p.q_len] = self._prefill(q[p.q_start:p.q_start + p.q_len], cache, None,
+                                                               p.block_table, p.ctx_len, scale, v_dim=v_dim)
+        return out
+
     @staticmethod
     def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0,
-                kv: KVDtype | None = None) -> torch.Tensor:
+                kv: KVDtype | None = None, v_dim: int = 0) -> torch.Tensor:
+        """v_cache None: each key's first v_dim dims are its value (multi-head latent attention)."""
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
         nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
@@ -118,7 +138,10 @@ class TorchPagedAttention(AttentionBackend):
             span = nblk
             pos = torch.arange(nblk * bs, device=q.device)[None, :]
             mask = pos < ctx
-        if kv is None:
+        if v_cache is None:
+            keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
+            vals = keys[..., :v_dim]
+        elif kv is None:
             keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
             vals = gather_blocks(v_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
         else:
@@ -130,7 +153,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0,
-                 kv: KVDtype | None = None) -> torch.Tensor:
+                 kv: KVDtype | None = None, v_dim: int = 0) -> torch.Tensor:
         bs, kvh, d = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         ql = q.shape[0]
         # Keys from the block holding the first query's oldest visible key (position
@@ -140,7 +163,10 @@ class TorchPagedAttention(AttentionBackend):
             table = table[lo // bs:]
         if window:
             table = table.clamp(min=0)
-        if kv is None:
+        if v_cache is None:   # multi-head latent attention: values are the keys' first v_dim dims
+            keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
+            vals = keys[..., :v_dim]
+        elif kv is None:
             keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
             vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
         else:  # keys lo .. ctx - 1 were all written: no stale row is dequantized

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Sequence as Seq
 
 from ..config import EngineConfig
+from ..kv_dtype import KV_DTYPES
 from ..loader import load_config, load_tokenizer, resolve_model_dir, served_model_name
 from ..models import ModelConfig
 from ..outputs import RequestOutput
@@ -378,4 +379,5 @@ class LLMEngine:
             spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
             grammar=self.grammars.snapshot(), weights_bytes=self._weights.resident,
             active_weights_bytes=self._weights.active, **asdict(self.scheduler.counters),
+            expanded_bytes_per_token=self.model_cfg.expanded_kv_bytes_per_token(KV_DTYPES[self.runner.kv_dtype_name]),
             lora=self.adapters.use(self.scheduler.running, self.scheduler.waiting))

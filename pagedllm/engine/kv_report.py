@@ -54,9 +54,13 @@ def pool_report(s: EngineStats) -> list[str]:
     kv = s.kv
     scales = ", scales included" if KV_DTYPES[s.kv_cache_dtype].quantized else ""
     pool_bytes = kv.num_blocks * (s.bytes_per_block or kv.block_size * s.bytes_per_token)
+    formula = f"2*L*d_kv*bytes{scales}"
+    if s.expanded_bytes_per_token:
+        formula = (f"L*(kv_lora_rank+rope_dim)*bytes: the latent; K/V expanded to full heads would take "
+                   f"{s.expanded_bytes_per_token}, {s.expanded_bytes_per_token / s.bytes_per_token:.1f}x more")
     return [
         f"  pool: {kv.num_blocks} blocks x {kv.block_size} tokens, KV {s.kv_cache_dtype}, {s.bytes_per_token} "
-        f"bytes/token (2*L*d_kv*bytes{scales}), {s.blocks_per_gib} blocks per GiB, {pool_bytes / 2**20:.0f} MiB",
+        f"bytes/token ({formula}), {s.blocks_per_gib} blocks per GiB, {pool_bytes / 2**20:.0f} MiB",
         f"  peak blocks used: {s.peak_used_blocks} (peak U_kv {s.peak_kv_usage:.1%}); "
         f"now used {kv.used_blocks}, cached-free {kv.cached_free_blocks}, free {kv.free_blocks}",
         f"  waste at peak (allocated slots holding no token): {s.peak_waste:.1%}",

@@ -34,6 +34,9 @@ class EngineStats:
     # mixture of experts holds all its experts and reads its top k (models/footprint.py).
     weights_bytes: int = 0
     active_weights_bytes: int = 0
+    # A pool of latents (multi-head latent attention): what one token's K and V would take expanded
+    # to full heads, as transformers caches them (0: the pool holds K and V themselves).
+    expanded_bytes_per_token: int = 0
 
     @property
     def peak_kv_usage(self) -> float:

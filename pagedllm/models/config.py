@@ -12,32 +12,11 @@ from ..kv_dtype import KVDtype
 from . import registry
 from .family import EVERY_LAYER, LAYER_TYPES_ONLY, NO_WINDOWS, QWEN_LAYERS, Family
 from .mamba_config import MambaConfig
+from .mla_config import MLAConfig
+from .moe_config import MoEConfig
 
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn", "longrope")  # rope.py computes each
 ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh"}
-
-
-@dataclass(frozen=True)
-class MoEConfig:
-    """A mixture of experts (models/moe.py): a router scores E experts per token (softmax in
-    fp32), the top k run, their weights renormalized to sum to 1 where norm_topk (Mixtral,
-    Qwen3-MoE); a shared expert beside them, gated by a sigmoid (Qwen2-MoE)."""
-    num_experts: int
-    top_k: int
-    width: int                       # each expert's intermediate size
-    norm_topk: bool
-    shared_width: int = 0            # the shared expert's intermediate size (0: none)
-    sparse_layers: tuple[bool, ...] = ()   # per layer: experts (True) or the dense MLP; empty: every layer
-    # Expert parallelism (ModelConfig.shard): the experts split over this many ranks, each holding
-    # num_experts / expert_ranks of them whole (1: every rank holds every expert, or a shard of each).
-    expert_ranks: int = 1
-
-    @property
-    def local_experts(self) -> int:
-        return self.num_experts // self.expert_ranks
-
-    def is_sparse(self, layer: int) -> bool:
-        return self.sparse_layers[layer] if self.sparse_layers else True
 
 
 def moe_config(cfg: dict[str, Any], fam: Family, num_layers: int) -> MoEConfig | None:
@@ -102,6 +81,9 @@ class ModelConfig:
     conv_kernel: int = 0
     conv_bias: bool = False
     mamba: MambaConfig | None = None
+    # Multi-head latent attention (DeepSeek-V2/V3, mla.py): the pool keeps one latent head of
+    # head_dim = mla.latent a layer and no V rows; rotary_dim is its rotary key's.
+    mla: MLAConfig | None = None
     # Granite's scalars: embeddings times embedding_multiplier, each sublayer's output times
     # residual_multiplier before the residual add, logits times logit_scale.
     embedding_multiplier: float = 1.0
@@ -191,10 +173,23 @@ class ModelConfig:
             return 0
         return max(self.layer_windows)
 
+    @property
+    def pool_v_dim(self) -> int:
+        """A KV head's V width in the pool: head_dim, or 0 under multi-head latent attention (the
+        values are read from the latent in K's rows)."""
+        return 0 if self.mla is not None else self.head_dim
+
     def kv_bytes_per_token(self, kv: KVDtype) -> int:
         """M_KV per token, stored as `kv`: 2 (K and V) * L * d_kv * bytes, scales included, over the
-        layers that keep K/V (a hybrid's state layers keep a state per sequence instead)."""
-        return kv.bytes_per_token(self.num_layers - len(self.state_layers), self.num_kv_heads, self.head_dim)
+        layers that keep K/V (a hybrid's state layers keep a state per sequence instead); under
+        multi-head latent attention L * (kv_lora_rank + rope_dim) * bytes."""
+        return kv.bytes_per_token(self.num_layers - len(self.state_layers), self.num_kv_heads, self.head_dim,
+                                  self.pool_v_dim)
+
+    def expanded_kv_bytes_per_token(self, kv: KVDtype) -> int:
+        """Under multi-head latent attention, what one token's K and V would take expanded to full
+        heads (heads x (nope + rope + v) a layer, as transformers caches them); 0 otherwise."""
+        return self.num_layers * self.mla.expanded(self.num_heads) * kv.bits // 8 if self.mla is not None else 0
 
     @property
     def state_scans(self) -> bool:

@@ -20,6 +20,9 @@ class WeightMapper:
     # a -> b and b -> c, renames a to b and b to c, never a to c).
     renames: tuple[tuple[str, str], ...] = ()
     norm_offset: float = 0.0   # checkpoints store RMSNorm weights as w - offset (1: x * (1 + w))
+    # The family's own changes to the checkpoint's tensors (in our names, before any is fused or
+    # stacked), called with them and the ModelConfig: rows reordered, tensors we do not run dropped.
+    reorder: Callable[[dict[str, Any], Any], None] | None = None
 
     @cached_property
     def _table(self) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""A decoder layer (attention, or a hybrid model's short convolution, then the MLP or a mixture of
-experts) with the options families pick (family.Family): q/k norms, per-layer windows, sandwich norms."""
+"""A decoder layer (attention, multi-head latent attention, or a hybrid model's state mixer; then the
+MLP or a mixture of experts) with the options families pick (family.Family): q/k norms, per-layer windows, sandwich norms."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,6 +14,7 @@ from .moe import SparseMoE
 from .norm import RMSNorm
 from .ops import Ops
 from .mamba2 import Mamba2Mixer
+from .mla import LatentAttention
 from .short_conv import ShortConv
 
 # A state layer's mixer by ModelConfig.state_mixer: (its attribute, as checkpoints name it; its class)
@@ -59,6 +60,8 @@ class DecoderLayer(nn.Module):
         self.mixer = MIXERS[cfg.state_mixer][0] if index in cfg.state_layers else "self_attn"
         if index in cfg.state_layers:
             setattr(self, self.mixer, MIXERS[cfg.state_mixer][1](cfg))
+        elif cfg.mla is not None:
+            self.self_attn = LatentAttention(cfg, backend)
         else:
             self.self_attn = Attention(cfg, backend, cfg.window(index))
         self.residual_multiplier = cfg.residual_multiplier

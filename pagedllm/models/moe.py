@@ -50,8 +50,11 @@ class SparseMoE(nn.Module):
         super().__init__()
         m = cfg.moe
         self.num_experts, self.top_k, self.norm_topk = m.num_experts, m.top_k, m.norm_topk
+        self.routing = m
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)   # the router
         self.gate.router = True   # read by moe_route as it is (prepack.py leaves it plain)
+        if m.choice_bias:   # DeepSeek-V3's: added to the scores that pick, not to the weights
+            self.gate.register_buffer("e_score_correction_bias", torch.zeros(m.num_experts))
         # The experts this module holds: first_expert.. of the router's (expert parallelism: a rank's
         # share; the decoder sets first_expert by rank), each whole or a shard of its columns.
         self.local_experts, self.first_expert = m.local_experts, 0
@@ -62,7 +65,8 @@ class SparseMoE(nn.Module):
         self.activation = cfg.activation
         if m.shared_width:
             self.shared_expert = MLP(cfg, m.shared_width)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            if m.shared_gated:
+                self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
 
     @property
     def quantized(self) -> bool:
@@ -156,6 +160,8 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor, ops) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] fp32, experts [T, k] int64) of each row, as transformers computes them: one
         compiled call on the CPU (moe_route), these steps elsewhere."""
+        if not self.routing.plain_router:
+            return self._route_grouped(x)
         if ops.fused(x) and x.dtype in (torch.bfloat16, torch.float32) and self.gate.weight is not None:
             return ops.k.moe_route(x.contiguous(), self.gate.weight, self.top_k, self.norm_topk)
         probs = torch.softmax(ops.linear(self.gate, x).float(), dim=-1)
@@ -164,11 +170,35 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek's routers, as transformers computes them (fp32 scores of an fp32 matmul):
+        softmax or sigmoid scores; the experts picked by the scores plus the choice bias, within
+        the best topk_group groups (a group's score: its best expert's, with a bias its best two's
+        sum); their weights the unbiased scores, renormalized where norm_topk, times routed_scaling."""
+        m = self.routing
+        scores = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        scores = scores.sigmoid() if m.scoring == "sigmoid" else scores.softmax(dim=-1)
+        choice = scores + self.gate.e_score_correction_bias.float() if m.choice_bias else scores
+        if m.groups > 1:
+            grouped = choice.view(-1, m.groups, m.num_experts // m.groups)
+            best = grouped.topk(2, dim=-1)[0].sum(dim=-1) if m.choice_bias else grouped.amax(dim=-1)
+            kept = torch.zeros_like(best).scatter_(1, best.topk(m.topk_group, dim=-1)[1], 1.0)
+            # outside the kept groups: never picked (a bias-free softmax's zeros, as transformers masks them)
+            hidden = ~kept.bool().repeat_interleave(m.num_experts // m.groups, dim=1)
+            choice = choice.masked_fill(hidden, float("-inf") if m.choice_bias else 0.0)
+        experts = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if self.norm_topk:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * m.routed_scaling, experts
+
     def forward(self, x: torch.Tensor, ops) -> torch.Tensor:
         weights, experts = self.route(x, ops)
         out = ops.experts(self, x, weights, experts)
-        if hasattr(self, "shared_expert"):
+        if hasattr(self, "shared_expert_gate"):
             out += torch.sigmoid(ops.linear(self.shared_expert_gate, x)) * self.shared_expert(x, ops)
+        elif hasattr(self, "shared_expert"):
+            out += self.shared_expert(x, ops)
         return out
 
 

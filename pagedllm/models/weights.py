@@ -89,6 +89,8 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], mapper: 
         if mapper.norm_offset and name.endswith("norm.weight"):  # x * (offset + w): one weight to multiply
             t = t.float() + mapper.norm_offset
         loaded[name] = t
+    if mapper.reorder is not None:
+        mapper.reorder(loaded, cfg)
     stack_experts(loaded, cfg, experts)
     _fuse(loaded, cfg.num_layers)
     expected = {k for k in own if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
@@ -109,6 +111,6 @@ def _fuse(loaded: dict[str, torch.Tensor], num_layers: int) -> None:
         p = f"layers.{i}."
         for ours, theirs in FUSED.items():   # each fuses where its parts are (a layer has one MLP kind)
             for kind in ("weight", "bias"):
-                parts = [loaded.pop(f"{p}{t}.{kind}", None) for t in theirs]
-                if all(x is not None for x in parts):
-                    loaded[f"{p}{ours}.{kind}"] = torch.cat(parts)
+                names = [f"{p}{t}.{kind}" for t in theirs]
+                if all(n in loaded for n in names):   # else left as they are (MLA's lone q_proj)
+                    loaded[f"{p}{ours}.{kind}"] = torch.cat([loaded.pop(n) for n in names])

@@ -45,7 +45,7 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
         raise ValueError(f"attention backend cpu runs on the CPU only, not on {device}")
     try:
         backend = get_backend(chosen)
-        backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.pool_v_dim)
         return backend
     except ValueError as e:
         if name != "auto" or chosen != "cpu":
@@ -62,5 +62,8 @@ def _use_kv_dtype(backend: AttentionBackend, name: str, dtype: torch.dtype, mc: 
     if not kv.quantized and kv.name != computed:
         raise ValueError(f"kv_cache_dtype {kv.name} stores K/V unquantized, as the model computes them, but dtype "
                          f"is {computed}: use --dtype {kv.name}, or a quantized kind (fp8, fp8_e5m2, int8, int4)")
+    if kv.quantized and mc.mla is not None:
+        raise ValueError(f"kv_cache_dtype {kv.name} is not supported for {mc.model_type}: its multi-head latent "
+                         "attention keeps the latent unquantized; use kv_cache_dtype auto")
     kv.check_head_dim(mc.head_dim)
     backend.use_kv_dtype(kv)

@@ -167,7 +167,7 @@ class KVCache:
         self.bytes_per_token = model_cfg.kv_bytes_per_token(self.kv_dtype)
         # A block's bytes: its g layer slots' K/V (a state layer's slot holds its state in those bytes).
         self.bytes_per_block = self.kv_dtype.bytes_per_token(self.layout.layers_per_block, model_cfg.num_kv_heads,
-                                                             model_cfg.head_dim) * cfg.block_size
+                                                             model_cfg.head_dim, model_cfg.pool_v_dim) * cfg.block_size
         if cfg.num_gpu_blocks_override is not None:
             num_blocks = cfg.num_gpu_blocks_override
         else:
@@ -222,7 +222,7 @@ def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: to
                     cache_shapes: Callable[..., tuple[tuple[int, ...], tuple[int, ...]]],
                     num_slots: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A (K, V) pool of num_blocks blocks per layer slot (default: per layer of `mc`), in the backend's layout."""
-    k_shape, v_shape = cache_shapes(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype)
+    k_shape, v_shape = cache_shapes(num_blocks, block_size, mc.num_kv_heads, mc.head_dim, dtype, mc.pool_v_dim)
     pools = allocate_pools([k_shape, v_shape] * (mc.num_layers if num_slots is None else num_slots), dtype, device)
     return list(zip(pools[::2], pools[1::2]))
 

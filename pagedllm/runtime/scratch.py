@@ -25,7 +25,7 @@ class ScratchForward:
         """KV pools of their own for one sequence of t tokens, and its prefill's metadata (and each
         layer's, for a model with state layers: they read theirs from the same blocks)."""
         mc, nblk = self.mc, cdiv(t, bs)
-        k_shape, v_shape = self.backend.cache_shapes(nblk, bs, mc.num_kv_heads, mc.head_dim, self.dtype)
+        k_shape, v_shape = self.backend.cache_shapes(nblk, bs, mc.num_kv_heads, mc.head_dim, self.dtype, mc.pool_v_dim)
         pool = self.backend.pool_dtype(self.dtype)
         tmp = [(torch.zeros(k_shape, dtype=pool, device=self.device),
                 torch.zeros(v_shape, dtype=pool, device=self.device)) for _ in range(mc.num_layers)]

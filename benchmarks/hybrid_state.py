@@ -50,28 +50,11 @@ SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
 
 def model_dir(family: str = "lfm2") -> Path:
     """The random model of a family's shape, made once: bf16 safetensors with SmolLM2's tokenizer."""
-    import torch
-    import transformers as tf
-
-    from pagedllm.loader import resolve_model_dir
-    from pagedllm.util import cache_root
+    from benchmarks.lib.random_models import random_model
 
     name, config, shape, _ = FAMILIES[family]
-    out = cache_root() / "hybrid-bench" / name
-    if (out / "complete").is_file():
-        return out
-    torch.manual_seed(0)
-    cfg = getattr(tf, config)(**shape)
-    cfg.dtype = "bfloat16"
-    model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
-    model.save_pretrained(out, safe_serialization=True)
-    if family == "lfm2":
-        published_keys(out / "config.json")
-    for f in resolve_model_dir(None).iterdir():
-        if f.name.startswith(("tokenizer", "special_tokens")):
-            (out / f.name).write_bytes(f.read_bytes())
-    (out / "complete").write_text(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
-    return out
+    return random_model("hybrid-bench", name, config, shape,
+                        after=(lambda out: published_keys(out / "config.json")) if family == "lfm2" else None)
 
 
 def published_keys(config: Path) -> None:

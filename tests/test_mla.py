@@ -138,3 +138,31 @@ def test_a_router_we_do_not_compute_is_refused_by_name():
     cfg = {**_config("deepseek_v3").to_dict(), "topk_method": "greedy"}
     with pytest.raises(ValueError, match="deepseek_v3: topk_method 'greedy' is not supported"):
         ModelConfig.from_hf(cfg)
+
+
+def test_the_rotary_rows_are_reordered_exactly_in_bf16():
+    """The loader's reorder of q's and the latent's rotary rows, on a bf16 checkpoint of V3's widths
+    (128 heads x 192 rows of q): row indices past bf16's exact integers (256) must stay exact. Each
+    row holds its own index as (index // 256, index % 256), both exact in bf16."""
+    from pagedllm.models import ModelConfig
+    from pagedllm.models.families.deepseek import reorder
+
+    mc = ModelConfig.from_hf({**_config("deepseek_v3").to_dict(), "num_attention_heads": 128, "qk_nope_head_dim": 128,
+                              "qk_rope_head_dim": 64, "kv_lora_rank": 512})
+
+    def indexed(n: int) -> torch.Tensor:
+        i = torch.arange(n)
+        return torch.stack([i // 256, i % 256], dim=1).to(torch.bfloat16)
+
+    def index(t: torch.Tensor) -> list[int]:
+        return (t[:, 0].long() * 256 + t[:, 1].long()).tolist()
+
+    loaded = {"layers.0.self_attn.q_b_proj.weight": indexed(128 * 192),
+              "layers.0.self_attn.kv_a_proj_with_mqa.weight": indexed(576),
+              f"layers.{mc.num_layers}.self_attn.o_proj.weight": torch.zeros(1)}   # a prediction layer past the last
+    reorder(loaded, mc)
+    rope = [128 + i for i in range(0, 64, 2)] + [128 + i for i in range(1, 64, 2)]   # evens, then odds
+    head = 127 * 192   # the last head: its nope rows in place, its rotary rows reordered
+    assert index(loaded["layers.0.self_attn.q_b_proj.weight"])[head:] == [head + i for i in list(range(128)) + rope]
+    assert index(loaded["layers.0.self_attn.kv_a_proj_with_mqa.weight"]) == list(range(512)) + [384 + i for i in rope]
+    assert f"layers.{mc.num_layers}.self_attn.o_proj.weight" not in loaded

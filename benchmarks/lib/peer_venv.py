@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -70,5 +71,9 @@ def run_worker(python: Path, worker: Path, spec: dict, env: dict, timeout: float
         os.unlink(f.name)
     line = next((ln for ln in p.stdout.splitlines() if ln.startswith("PAGEDLLM_RESULT ")), None)
     if p.returncode != 0 or line is None:
-        raise RuntimeError(f"{what} run failed (exit {p.returncode}): {(p.stderr or p.stdout)[-2000:]}")
+        text = p.stderr or p.stdout
+        # the root cause is often far above the tail (a child process's traceback, then the parent's)
+        causes = [ln.strip() for ln in text.splitlines() if re.match(r"\s*[\w.]*(Error|Exception)\w*: ", ln)]
+        raise RuntimeError(f"{what} run failed (exit {p.returncode}); errors raised: {causes[-6:]}; "
+                           f"its output ends: {text[-2000:]}")
     return json.loads(line.split(" ", 1)[1]), p.stdout + p.stderr

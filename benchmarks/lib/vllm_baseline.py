@@ -69,17 +69,18 @@ def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv
                      max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
                      beam_width: int | None = None, kv_cache_dtype: str = "auto",
                      reserved: int | None = BOTH_CORES, loras: dict | None = None,
-                     enable_prefix_caching: bool = True) -> list[dict]:
+                     enable_prefix_caching: bool = True, enforce_eager: bool = False) -> list[dict]:
     """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
     in its own process: results of the cold pass (right after start-up) and the warm one.
     kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2); reserved: the cores it
     keeps for its front end (BOTH_CORES, or DEFAULT_CORES for its own default). loras:
     {"loras": [PEFT dirs], "lora_of": [index or None per request], "max_lora_rank": r}: vLLM's
-    enable_lora with every adapter in one batch (max_loras = their number)."""
+    enable_lora with every adapter in one batch (max_loras = their number). enforce_eager: vLLM's
+    flag (no torch.compile), for a model its compiled graph fails on."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
             "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype,
-            "enable_prefix_caching": enable_prefix_caching, **(loras or {})}
+            "enable_prefix_caching": enable_prefix_caching, "enforce_eager": enforce_eager, **(loras or {})}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
     res, printed = run_worker(python, WORKER, spec, _env(kv_bytes, reserved), timeout, "vLLM")
@@ -90,7 +91,7 @@ def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv
                     ps["output_tokens"])
         r.update({"pass": ps["pass"], "vllm_reserved_cpus": reserved, "startup_s": res["startup_s"],
                   "vllm_torch": res["torch"], "dtype": dtype,
-                  "kv_cache_dtype": kv_cache_dtype,
+                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": enforce_eager,
                   "vllm_omp_core_ids": binding[0] if binding else None})
         out.append(r)
     return out

@@ -26,7 +26,8 @@ def main() -> None:
         if loras else {}
     llm = LLM(model=spec["model"], dtype=spec.get("dtype", "bfloat16"), max_model_len=spec["max_model_len"],
               seed=0, enable_prefix_caching=spec.get("enable_prefix_caching", True),
-              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), **lora_kw)
+              kv_cache_dtype=spec.get("kv_cache_dtype", "auto"), enforce_eager=spec.get("enforce_eager", False),
+              **lora_kw)
     requests = None
     if loras:
         from vllm.lora.request import LoRARequest

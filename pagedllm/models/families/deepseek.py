@@ -73,7 +73,6 @@ def reorder(loaded: dict, cfg) -> None:
     """The checkpoint's tensors (our names) before they load: a multi-token-prediction layer past
     num_hidden_layers dropped (DeepSeek-V3's, which decoding does not run), and the rotary rows of
     q and of the latent's projection reordered from interleaved pairs to halves (module doc)."""
-    import torch   # here, not above: config.py reads this file's rows without torch
     for name in [n for n in loaded if (m := _LAYER.match(n)) and int(m.group(1)) >= cfg.num_layers]:
         del loaded[name]
     m = cfg.mla
@@ -91,7 +90,7 @@ def reorder(loaded: dict, cfg) -> None:
             rows = kv_rows
         else:
             continue
-        loaded[name] = loaded[name].index_select(0, torch.tensor(rows))
+        loaded[name] = loaded[name][rows]   # a list of ints: exact indices whatever the weights' dtype
 
 
 _WEIGHTS = WeightMapper(renames=(("shared_experts", "shared_expert"),), reorder=reorder)

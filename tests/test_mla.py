@@ -123,6 +123,7 @@ def test_the_kv_report_shows_the_latent_and_what_expanding_it_would_cost(tmp_pat
     ({"attention_backend": "cpu"}, "attention backend cpu does not run multi-head latent attention"),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype int8 is not supported for deepseek_v3"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported for deepseek_v3"),
+    ({"enable_lora": True}, "enable_lora is not supported"),   # its experts refuse first; a dense MLA model its latent
 ])
 def test_what_the_latent_cannot_do_is_refused_by_name(tmp_path_factory, model_dir, kwargs, match):
     from pagedllm import LLM

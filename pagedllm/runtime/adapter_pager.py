@@ -18,9 +18,13 @@ from ..plan import StepPlan
 from .kv_cache import KVCache
 
 
-def check_adapters(cfg: EngineConfig, device: torch.device, dtype: torch.dtype, kernels) -> None:
+def check_adapters(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dtype: torch.dtype, kernels) -> None:
     """Adapters are read from the pool's pages by the compiled CPU kernel, or by Triton's on a GPU
-    (lora.triton_sgmv): what lacks one is refused, before any weight is read."""
+    (lora.triton_sgmv): what lacks one is refused, before any weight is read; so are the layers
+    adapters do not reach yet."""
+    if mc.mla is not None:
+        raise ValueError(f"enable_lora is not supported for {mc.model_type}: adapters do not reach its multi-head "
+                         "latent attention's matmuls yet")
     if cfg.quantization == "w8a8":
         raise ValueError("enable_lora with quantization w8a8 is not supported: SmoothQuant folds scales into the "
                          "matmuls' inputs (and v's outputs), which an adapter trained on the model as published "

@@ -67,7 +67,7 @@ class ModelRunner:
         if tp.distributed and tp.size > 1 and cpu:
             attach_shared_memory(tp, kernels)
         if cfg.enable_lora:   # before the weights are read: a refusal costs nothing
-            check_adapters(cfg, self.device, self.dtype, kernels)
+            check_adapters(cfg, model_cfg, self.device, self.dtype, kernels)
         self.model = build_model(model_dir, model_cfg, backend, kernels, tp, self.device, self.dtype, max_model_len)
         self.rope_rows = rope_rows(model_cfg, max_model_len)
         self.scratch = ScratchForward(backend, self.device, self.dtype, model_cfg)

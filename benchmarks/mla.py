@@ -30,7 +30,8 @@ V2_LITE = dict(hidden_size=2048, num_hidden_layers=LAYERS, num_attention_heads=1
                intermediate_size=10944, vocab_size=49152, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2,
                pad_token_id=0, q_lora_rank=None, kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128,
                v_head_dim=128, n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
-               first_k_dense_replace=1, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0,
+               first_k_dense_replace=1, topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False,
+               routed_scaling_factor=1.0,   # n_group and topk_group as V2-Lite's config.json has them (vLLM reads them)
                rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                                 "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
                                 "rope_theta": 10000.0})

@@ -167,3 +167,18 @@ def test_the_rotary_rows_are_reordered_exactly_in_bf16():
     assert index(loaded["layers.0.self_attn.q_b_proj.weight"])[head:] == [head + i for i in list(range(128)) + rope]
     assert index(loaded["layers.0.self_attn.kv_a_proj_with_mqa.weight"]) == list(range(512)) + [384 + i for i in rope]
     assert f"layers.{mc.num_layers}.self_attn.o_proj.weight" not in loaded
+
+
+def test_ngram_speculation_verifies_on_the_latent(make_llm, tmp_path_factory, model_dir):
+    """Drafts are verified as short prefills over the latent and rolled back where rejected: the
+    tokens are those of plain decoding."""
+    path = build("deepseek_v3", tmp_path_factory, model_dir)[1]
+    prompts = [[5, 17, 300, 4000, 12] * 6, list(range(100, 190))]   # the first repeats: n-grams to propose
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB")
+    spec = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB",
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3})
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == want
+    assert spec.engine.stats().spec.num_draft_tokens > 0
+    spec.engine.kv.check_integrity()

@@ -41,6 +41,9 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
     """The attention backend asked for; auto on CPU falls back to the torch reference,
     with a warning, where the compiled kernel cannot be built or cannot run this model."""
     chosen = pick_backend(name, device)
+    if name == "auto" and mc.mla is not None:   # only the torch backend reads a latent pool (attention/torch_ref.py)
+        logger.info("multi-head latent attention: the torch attention backend reads its latent pool")
+        chosen = "torch"
     if chosen == "cpu" and device != "cpu":
         raise ValueError(f"attention backend cpu runs on the CPU only, not on {device}")
     try:

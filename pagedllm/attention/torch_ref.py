@@ -42,8 +42,13 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if kv is not None:
         k, v = kv_quant.quantize(k, kv, key=True), kv_quant.quantize(v, kv)
     for new, cache in ((k, k_cache), (v, v_cache)):  # K's and V's rows differ in size (int4)
-        nb, bs, kvh, row = cache.shape
-        cache.view(nb * bs, kvh, row).index_copy_(0, slot_mapping, new)
+        write_rows(new, cache, slot_mapping)
+
+
+def write_rows(new: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Each row of `new` [T, KVH, row] into its slot of a [blocks, B, KVH, row] pool."""
+    nb, bs, kvh, row = cache.shape
+    cache.view(nb * bs, kvh, row).index_copy_(0, slot_mapping, new)
 
 
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
@@ -101,11 +106,9 @@ class TorchPagedAttention(AttentionBackend):
     def forward_latent(self, q, latent, cache, meta: TorchMetadata, scale: float, v_dim: int):
         if self.kv is not None:
             raise ValueError("multi-head latent attention keeps its latent unquantized (kv_cache_dtype auto)")
-        rows, slots = meta.write_rows, meta.slot_mapping
-        if rows is not None:
-            latent, slots = latent[rows], slots[rows]
-        nb, bs, kvh, d = cache.shape
-        cache.view(nb * bs, kvh, d).index_copy_(0, slots, latent)
+        rows = meta.write_rows
+        write_rows(latent if rows is None else latent[rows], cache,
+                   meta.slot_mapping if rows is None else meta.slot_mapping[rows])
         out = q.new_empty(*q.shape[:2], v_dim)
         for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
             if end > start:

@@ -88,6 +88,9 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv.record_events(salted_token_ids=cfg.kv_events_config.salted_token_ids)
         self._weights = self.runner.weights
+        # a latent pool's K/V expanded to full heads (the KV report's comparison): fixed at start
+        kv_dtype = KV_DTYPES[self.runner.kv_dtype_name]
+        self._expanded_bytes_per_token = self.model_cfg.expanded_kv_bytes_per_token(kv_dtype)
         warn_if_pool_short(cfg, self.kv, self._weights, self.max_model_len)
         self.eos_token_ids = self.model_cfg.stop_ids(self.tokenizer)
         self.runner.eos_token_ids = frozenset(self.eos_token_ids)
@@ -379,5 +382,5 @@ class LLMEngine:
             spec=self.speculation.stats.snapshot() if self.speculation is not None else None,
             grammar=self.grammars.snapshot(), weights_bytes=self._weights.resident,
             active_weights_bytes=self._weights.active, **asdict(self.scheduler.counters),
-            expanded_bytes_per_token=self.model_cfg.expanded_kv_bytes_per_token(KV_DTYPES[self.runner.kv_dtype_name]),
+            expanded_bytes_per_token=self._expanded_bytes_per_token,
             lora=self.adapters.use(self.scheduler.running, self.scheduler.waiting))

@@ -7,6 +7,7 @@ import math
 import torch
 
 from .config import ROPE_SCALINGS
+from .rope_scaling import yarn_mscale
 
 
 def _base_inv(dim: int, theta: float) -> torch.Tensor:
@@ -28,10 +29,6 @@ def _factor(s: dict) -> float:
     return s.get("factor") or s["max_position_embeddings"] / s["original_max_position_embeddings"]
 
 
-def _yarn_mscale(factor: float, m: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-
 def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     """YaRN (Peng et al., 2023): dims that turn fewer than beta_slow times over the original
     context are interpolated by `factor`, those turning more than beta_fast times keep their
@@ -40,7 +37,7 @@ def _yarn(dim: int, theta: float, s: dict) -> tuple[torch.Tensor, float]:
     attn = s.get("attention_factor")
     if attn is None:
         m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        attn = _yarn_mscale(factor, m) / _yarn_mscale(factor, m_all) if m and m_all else _yarn_mscale(factor)
+        attn = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
     fast, slow = s.get("beta_fast") or 32, s.get("beta_slow") or 1
 
     def dim_of(rotations: float) -> float:  # the dim index that turns `rotations` times over orig positions

@@ -9,13 +9,13 @@ dim i with dim i + d/2. Only dot products of rotated q and k are ever taken, so 
 those rows once (evens, then odds) in both q's and the latent's weights, and the one RoPE serves."""
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
 from ..family import Family, WeightMapper
 from ..mla_config import MLAConfig
 from ..moe_config import MoEConfig
+from ..rope_scaling import yarn_mscale
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 # transformers' defaults of the keys read here (DeepseekV2Config's and DeepseekV3Config's)
@@ -49,7 +49,8 @@ def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if experts % groups or topk_group > groups:
         raise ValueError(f"{mt}: n_routed_experts {experts} in n_group {groups} groups, topk_group {topk_group}")
     dense = cfg.get("first_k_dense_replace", 0)
-    moe = None if dense >= n else MoEConfig(experts, k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)),
+    moe = None if dense >= n else MoEConfig(
+                    experts, k, cfg["moe_intermediate_size"], bool(cfg.get("norm_topk_prob", False)),
                     cfg["moe_intermediate_size"] * (cfg.get("n_shared_experts") or 0),
                     tuple(i >= dense for i in range(n)) if dense else (), shared_gated=False,
                     scoring="sigmoid" if v3 else "softmax", choice_bias=v3,
@@ -63,9 +64,7 @@ def _scale(cfg: dict[str, Any], qk_dim: int) -> float:
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     scale = qk_dim ** -0.5
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None) and rope.get("mscale_all_dim"):
-        factor = float(rope["factor"])
-        m = 0.1 * float(rope["mscale_all_dim"]) * math.log(factor) + 1.0 if factor > 1 else 1.0
-        scale *= m * m
+        scale *= yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
     return scale
 
 

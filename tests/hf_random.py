@@ -52,3 +52,17 @@ def hf_tokens_of(hf) -> list[list[int]]:
     from hf_greedy import hf_greedy
 
     return [hf_greedy(hf, ids, 32) for ids in PROMPTS]
+
+
+def check_prefix_hit(llm, hf_tokens: list[list[int]]) -> None:
+    """PROMPTS[3] after PROMPTS[2] (their 72-token stem: four whole blocks of 16) reads the cached
+    blocks, and both give HF's tokens."""
+    from pagedllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    kv = llm.engine.kv
+    assert llm.generate([PROMPTS[2]], greedy, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[2]
+    before = kv.prefix_hits
+    assert llm.generate([PROMPTS[3]], greedy, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[3]
+    assert kv.prefix_hits - before == 72 // 16 * 16
+    kv.check_integrity()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, hf_tokens_of
+from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, check_prefix_hit, hf_tokens_of
 from pagedllm import BeamSearchParams, SamplingParams
 from test_beam_search import hf_beams
 
@@ -82,13 +82,8 @@ def test_greedy_and_logprobs_of_a_latent_pool_match_hf(make_llm, deepseek, hf_to
 
 
 def test_a_prefix_hit_reads_the_cached_latent(make_llm, deepseek, hf_tokens):
-    llm = make_llm(model=str(deepseek[1]), dtype="float32", kv_cache_memory="16MiB", enable_prefix_caching=True)
-    kv = llm.engine.kv
-    assert llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[2]
-    before = kv.prefix_hits
-    assert llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[3]
-    assert kv.prefix_hits - before == 72 // 16 * 16
-    kv.check_integrity()
+    check_prefix_hit(make_llm(model=str(deepseek[1]), dtype="float32", kv_cache_memory="16MiB",
+                              enable_prefix_caching=True), hf_tokens)
 
 
 def test_beams_match_hf(make_llm, deepseek):

@@ -90,8 +90,9 @@ def test_moe_family_matches_hf(make_llm, tmp_path, model_dir, family, monkeypatc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_compiled_layer_equals_torch(dtype):
     """kernels/csrc/moe.cpp against the torch grouping: 37 rows, top-3 of 8 experts with two
-    experts no row chose, ties in the router's scores, SiLU and GELU gates, and a decode-sized
-    batch (the experts spread over the threads)."""
+    experts no row chose, ties in the router's scores, SiLU and GELU gates, gpt-oss's clamped SwiGLU
+    with its expert biases (a limit of 1: most values clamped), and a decode-sized batch (the
+    experts spread over the threads)."""
     from types import SimpleNamespace
 
     from pagedllm.kernels import load_ops
@@ -111,8 +112,12 @@ def test_the_compiled_layer_equals_torch(dtype):
             plain = moe.expert_weights(5, dtype)
             moe.pack_bf16()
             assert all(torch.equal(a, b) for a, b in zip(moe.expert_weights(5, dtype), plain))
-        for t, act in ((37, "silu"), (3, "gelu_tanh"), (300, "silu")):
+        for t, act in ((37, "silu"), (3, "gelu_tanh"), (300, "silu"), (3, "swiglu_oai"), (37, "swiglu_oai")):
             moe.activation = act
+            oai = act == "swiglu_oai"
+            moe.routing = MoEConfig(8, 3, 48, False, swiglu_limit=1.0)
+            moe.w13_bias = (torch.randn(8, 96, generator=g) / 2).to(dtype) if oai else None
+            moe.w2_bias = (torch.randn(8, 64, generator=g) / 2).to(dtype) if oai else None
             x = torch.randn(t, 64, generator=g).to(dtype)
             experts = torch.randint(0, 6, (t, 3), generator=g)   # experts 6 and 7: chosen by no row
             weights = torch.rand(t, 3, generator=g)
@@ -291,17 +296,23 @@ def _dense_kernel_experts(moe, x, weights, experts, k):
         row, slot = (experts == e).nonzero(as_tuple=True)
         h = torch.empty(len(row), p13[0].shape[1] // 2, dtype=x.dtype)
         gate_up = linear(moe.w13_format, p13, e, x[row].contiguous())
-        k.silu_and_mul(h, gate_up)
-        out.index_add_(0, row, linear(moe.w2_format, p2, e, h).float() * weights[row, slot, None])
+        if moe.w13_bias is None:
+            k.silu_and_mul(h, gate_up)
+        else:   # gpt-oss: its biases and SwiGLU in fp32, rounded once, as the kernel does
+            h = moe.activate(gate_up.float() + moe.w13_bias[e].float(), None).to(x.dtype)
+        y = linear(moe.w2_format, p2, e, h)
+        if moe.w2_bias is not None:
+            y = (y.float() + moe.w2_bias[e].float()).to(x.dtype)
+        out.index_add_(0, row, y.float() * weights[row, slot, None])
     return out
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "MXFP4"])
 def test_block_experts_equal_their_dequantized(fmt):
     """moe_experts_blocks against the torch grouping over the same blocks dequantized in fp32, and
     in bf16 against the dense block kernels run expert by expert (the same arithmetic: at a few rows
     x as int8 codes, as llama.cpp computes it), at decode (experts spread over the threads) and
-    prefill sizes."""
+    prefill sizes. MXFP4 as gpt-oss runs it: its clamped SwiGLU (limit 1) and expert biases."""
     from pagedllm.kernels import load_ops
     from types import SimpleNamespace
 
@@ -312,7 +323,11 @@ def test_block_experts_equal_their_dequantized(fmt):
 
     g = torch.Generator().manual_seed(0)
     e, hid, width = 8, 256, 256
-    moe = SparseMoE(SimpleNamespace(hidden_size=hid, activation="silu", moe=MoEConfig(e, 3, width, False)))
+    oai = fmt == "MXFP4"
+    moe = SparseMoE(SimpleNamespace(hidden_size=hid, activation="swiglu_oai" if oai else "silu",
+                                    moe=MoEConfig(e, 3, width, False, expert_bias=oai, swiglu_limit=1.0)))
+    if oai:
+        moe.w13_bias.data, moe.w2_bias.data = torch.randn(e, 2 * width, generator=g), torch.randn(e, hid, generator=g)
     if fmt in ("q8_0", "q4_1"):
         make = quantize_q8_0 if fmt == "q8_0" else quantize_q4_1
         w13, w2 = make(torch.randn(e * 2 * width, hid, generator=g) / 16), make(torch.randn(e * hid, width, generator=g) / 16)
@@ -322,7 +337,10 @@ def test_block_experts_equal_their_dequantized(fmt):
         w13, w2 = random_raw(fmt, e * 2 * width, hid, g), random_raw(fmt, e * hid, width, g)
     moe.set_blocks(w13, w2)
     ops = Ops(load_ops())
+    biases = (moe.w13_bias.data, moe.w2_bias.data) if oai else ()
     for dtype in (torch.float32, torch.bfloat16):
+        if oai:
+            moe.w13_bias.data, moe.w2_bias.data = (b.to(dtype) for b in biases)
         for t in (3, 37):
             x = torch.randn(t, hid, generator=g).to(dtype)
             experts = torch.randint(0, 6, (t, 3), generator=g)   # experts 6 and 7: chosen by no row

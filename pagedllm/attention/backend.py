@@ -92,14 +92,21 @@ class AttentionBackend(ABC):
 
     # Whether it runs multi-head latent attention (forward_latent: values read from the keys' rows).
     latent: bool = False
+    # Whether forward takes attention sinks (a logit per head in every softmax: gpt-oss).
+    sinks: bool = False
 
     @classmethod
-    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> None:
+    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                    sinks: bool = False) -> None:
         """Raise ValueError if this backend cannot run a model with these heads (v_head_dim: the
-        V rows' width where it is not head_dim; 0 under multi-head latent attention)."""
+        V rows' width where it is not head_dim; 0 under multi-head latent attention; sinks: the
+        model's attention has sink logits)."""
         if v_head_dim is not None and v_head_dim != head_dim and not cls.latent:
             raise ValueError(f"attention backend {cls.name} does not run multi-head latent attention (K rows of "
                              f"{head_dim}, values read from them); the torch backend does")
+        if sinks and not cls.sinks:
+            raise ValueError(f"attention backend {cls.name} does not run attention sinks (gpt-oss); "
+                             "the torch and cpu backends do")
 
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                      dtype: torch.dtype, v_head_dim: int | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -132,14 +139,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any, scale: float,
-                window: int = 0) -> torch.Tensor:
+                window: int = 0, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] for the new tokens; caches per cache_shapes.
         Writes k/v into their slots, then attends through the block tables. Returns [T, H, D].
 
         window: the layer's sliding window W (0: full attention). A query at absolute
         position p sees keys j with p - W < j <= p (HF's `kv_idx > q_idx - sliding_window`).
         Table entries below the window of a sequence's first query may be -1: they must
-        never be dereferenced (a block the KV manager released)."""
+        never be dereferenced (a block the KV manager released).
+
+        sinks: [H] logits, one a head, that join each query's softmax beside its keys and attend to
+        nothing (gpt-oss); only a backend whose `sinks` is set takes them."""
 
 
 # The factory registry: each backend module registers its class at import, or the

@@ -45,6 +45,7 @@ class CpuMetadata:
 @register
 class CpuPagedAttention(AttentionBackend):
     name = "cpu"
+    sinks = True
     kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
     def __init__(self) -> None:
@@ -66,8 +67,9 @@ class CpuPagedAttention(AttentionBackend):
         self._routes: dict[tuple, Route] = {}
 
     @classmethod
-    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None) -> None:
-        super().check_model(num_heads, num_kv_heads, head_dim, v_head_dim)
+    def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+                    sinks: bool = False) -> None:
+        super().check_model(num_heads, num_kv_heads, head_dim, v_head_dim, sinks)
         dims = compiled_head_dims()
         if head_dim not in dims:
             raise ValueError(f"attention backend cpu supports head_dim in {dims}, not {head_dim}; "
@@ -96,15 +98,16 @@ class CpuPagedAttention(AttentionBackend):
         return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
                            torch.tensor(lens, **i32), torch.tensor(starts, **i32), fresh[::-1], starts[-1])
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0):
+    def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0, sinks=None):
         fmt = self.kv.fmt if self.kv is not None else 0
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, fmt)
         out = torch.empty_like(q)
-        apart = self._on_sdpa(meta, q, k, window)
+        apart = self._on_sdpa(meta, q, k, window) if sinks is None else []   # torch's flash attention has no sinks
         n, rows = (apart[0][0], apart[0][1]) if apart else (len(meta.seq_lens), q.shape[0])
         if n:
             self.ops.paged_attention(out[:rows], q[:rows], k_cache, v_cache, meta.block_tables[:n], meta.seq_lens[:n],
-                                     meta.query_start_loc[:n + 1], scale, self.split_k, fmt, window, self.plan_threads)
+                                     meta.query_start_loc[:n + 1], scale, self.split_k, fmt, window, self.plan_threads,
+                                     sinks)
         for _, a, m in apart:
             out[a:a + m] = sdpa_chunk(q[a:a + m], k[a:a + m], v[a:a + m], scale)
         if apart:

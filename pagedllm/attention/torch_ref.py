@@ -72,6 +72,7 @@ class TorchPagedAttention(AttentionBackend):
     name = "torch"
     kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
     latent = True
+    sinks = True
 
     def __init__(self, decode_group: int = 24) -> None:
         # Decodes attend in groups this size: padding each group only to its own longest
@@ -87,7 +88,7 @@ class TorchPagedAttention(AttentionBackend):
         return TorchMetadata.from_layout(layout, device, decode_groups=length_groups(lens, self.decode_group),
                                          write_rows=rows)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int = 0):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TorchMetadata, scale: float, window: int = 0, sinks=None):
         # All new K/V of the step land in the pool before anyone reads it, so a request
         # that hit a prefix block filled in this same step reads it complete.
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping, meta.write_rows, self.kv)
@@ -96,11 +97,12 @@ class TorchPagedAttention(AttentionBackend):
             if end > start:
                 out[start:end] = self._decode(q[start:end], k_cache, v_cache,
                                               meta.decode_block_tables[start:end],
-                                              meta.decode_context_lens[start:end], max_ctx, scale, window, self.kv)
+                                              meta.decode_context_lens[start:end], max_ctx, scale, window, self.kv,
+                                              sinks)
         for p in meta.prefills:
             out[p.q_start:p.q_start + p.q_len] = self._prefill(
                 q[p.q_start:p.q_start + p.q_len], k_cache, v_cache, p.block_table, p.ctx_len, scale, window,
-                self.kv)
+                self.kv, sinks)
         return out
 
     def forward_latent(self, q, latent, cache, meta: TorchMetadata, scale: float, v_dim: int):
@@ -121,7 +123,7 @@ class TorchPagedAttention(AttentionBackend):
 
     @staticmethod
     def _decode(q, k_cache, v_cache, tables, context_lens, max_ctx: int, scale: float, window: int = 0,
-                kv: KVDtype | None = None) -> torch.Tensor:
+                kv: KVDtype | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         n, bs, kvh, d = q.shape[0], k_cache.shape[1], k_cache.shape[2], q.shape[2]
         nblk = cdiv(max_ctx, bs)
         tables = tables[:, :nblk]
@@ -146,13 +148,11 @@ class TorchPagedAttention(AttentionBackend):
         else:
             keys, vals = (_dequantized(cache, tables, mask, kv, q.dtype, key).transpose(1, 2)
                           for cache, key in ((k_cache, True), (v_cache, False)))
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, vals, attn_mask=mask.view(n, 1, 1, -1),
-                                           scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+        return attend(q.unsqueeze(2), keys, vals, mask.view(n, 1, 1, -1), scale, sinks).squeeze(2)
 
     @staticmethod
     def _prefill(q, k_cache, v_cache, table, ctx: int, scale: float, window: int = 0,
-                 kv: KVDtype | None = None) -> torch.Tensor:
+                 kv: KVDtype | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         bs, kvh, d = k_cache.shape[1], k_cache.shape[2], q.shape[2]
         ql = q.shape[0]
         # Keys from the block holding the first query's oldest visible key (position
@@ -169,7 +169,7 @@ class TorchPagedAttention(AttentionBackend):
             rows = [gather_blocks(c, table).view(-1, *c.shape[2:])[:ctx - lo] for c in (k_cache, v_cache)]
             keys = kv_quant.dequantize(rows[0], kv, q.dtype, key=True).transpose(0, 1)
             vals = kv_quant.dequantize(rows[1], kv, q.dtype).transpose(0, 1)
-        if ctx == ql and not window:
+        if ctx == ql and not window and sinks is None:
             o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, is_causal=True,
                                                scale=scale, enable_gqa=True)
         else:
@@ -180,9 +180,35 @@ class TorchPagedAttention(AttentionBackend):
             mask = kpos <= qpos
             if window:
                 mask &= kpos > qpos - window
-            o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, vals, attn_mask=mask,
-                                               scale=scale, enable_gqa=True)
+            o = attend(q.transpose(0, 1), keys, vals, mask, scale, sinks)
         return o.transpose(0, 1)
+
+
+_SINK_SCORES = 1 << 24   # score elements a query slice of attend() holds, with sinks, at once (64 MiB of float32)
+
+
+def attend(q, keys, vals, mask, scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [..., H, Lq, D] over keys / vals [..., KVH, Lk, D] where the bool mask
+    (broadcast to [..., H, Lq, Lk]) allows: SDPA's, or with sinks [H] the softmax in float32 over
+    each row's scores and its head's sink logit, the sink's share attending to nothing (gpt-oss)."""
+    if sinks is None:
+        return F.scaled_dot_product_attention(q, keys, vals, attn_mask=mask, scale=scale, enable_gqa=True)
+    *lead, h, lq, d = q.shape
+    kvh, lk = keys.shape[-3], keys.shape[-2]
+    g = h // kvh
+    out = torch.empty_like(q)
+    step = max(1, _SINK_SCORES // max(1, h * lk * (q.numel() // (h * lq * d))))
+    keys_t, vals_f = keys.float().transpose(-1, -2), vals.float()
+    sink = sinks.float().view(h, 1, 1)
+    for q0 in range(0, lq, step):
+        q1 = min(lq, q0 + step)
+        n = q1 - q0
+        qs = q[..., q0:q1, :].float().reshape(*lead, kvh, g * n, d)   # a KV head's query heads as rows of one matmul
+        scores = torch.matmul(qs, keys_t).mul_(scale).view(*lead, h, n, lk)
+        scores.masked_fill_(~mask[..., q0:q1, :] if mask.shape[-2] == lq else ~mask, float("-inf"))
+        full = torch.cat([scores, sink.expand(*lead, h, n, 1)], dim=-1).softmax(dim=-1)[..., :lk]
+        out[..., q0:q1, :] = torch.matmul(full.reshape(*lead, kvh, g * n, lk), vals_f).view(*lead, h, n, d)
+    return out
 
 
 # Multi-head latent attention: every head reads the one latent head, so the heads are query rows of

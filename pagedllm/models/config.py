@@ -59,13 +59,17 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    o_bias: bool = False              # the attention's output projection has a bias too (gpt-oss)
+    # A learned logit per head that joins every query's softmax and attends to nothing (gpt-oss's
+    # attention sinks): the weights of the real keys sum to less than one.
+    sinks: bool = False
     eos_token_ids: tuple[int, ...] = field(default=())
     sliding_window: int | None = None  # the widest layer's attention window, where the model uses one
     # Each layer's window W (a query at p sees keys p - W < j <= p), 0 for full attention;
     # empty: every layer full.
     layer_windows: tuple[int, ...] = field(default=())
     family: Family = field(default_factory=Family)
-    activation: str = "silu"          # the MLP's gate: silu or gelu_tanh
+    activation: str = "silu"          # the MLP's gate: silu, gelu_tanh, or gpt-oss's swiglu_oai (MoEConfig)
     attn_scale: float = 0.0           # softmax scale of q.k (0: head_dim ** -0.5)
     rotary_dim: int = 0               # RoPE on the first rotary_dim dims of a head (0: all of them)
     local_rope_theta: float = 0.0     # RoPE base of the windowed layers, where theirs differs (Gemma 3)

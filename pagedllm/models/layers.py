@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..attention import AttentionBackend
@@ -26,7 +27,9 @@ class Attention(nn.Module):
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.sinks:   # one logit per head in every softmax (gpt-oss's attention sinks)
+            self.register_buffer("sinks", torch.zeros(self.h))
         self.backend = backend
         self.scale = cfg.scale
         self.window = window  # this layer's sliding window (0: full attention)
@@ -48,7 +51,7 @@ class Attention(nn.Module):
             q, k = ops.head_norm(q, self.q_norm), ops.head_norm(k, self.k_norm)
         q, k = rotate(q, k)
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
-                                 window=self.window)
+                                 window=self.window, **({"sinks": self.sinks} if hasattr(self, "sinks") else {}))
         return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
 
 

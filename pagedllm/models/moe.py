@@ -32,6 +32,10 @@ from .prepack import PANEL, from_panels, panels_shape, to_panels
 from .quantization import FORMAT_IDS, Blocks, RawBlocks, pack, quantize_q4_1, quantize_q8_0, unpack
 
 
+# The compiled experts' activations by name (kernels/csrc/moe.cpp ActKind)
+ACT_IDS = {"gelu_tanh": 0, "silu": 1, "swiglu_oai": 2}
+
+
 def to_slabs(w: torch.Tensor, group: int) -> torch.Tensor:
     """[E, N, K] as the packed kernels read it (moe.cpp: slabs of 16 output columns, each slab's K in
     runs of `group`: 2 bf16 for vdpbf16ps, 4 int8 for vpdpbusd), the same shape, another order."""
@@ -51,15 +55,24 @@ class SparseMoE(nn.Module):
         m = cfg.moe
         self.num_experts, self.top_k, self.norm_topk = m.num_experts, m.top_k, m.norm_topk
         self.routing = m
-        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)   # the router
+        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=m.router_bias)   # the router
         self.gate.router = True   # read by moe_route as it is (prepack.py leaves it plain)
         if m.choice_bias:   # DeepSeek-V3's: added to the scores that pick, not to the weights
             self.gate.register_buffer("e_score_correction_bias", torch.zeros(m.num_experts))
         # The experts this module holds: first_expert.. of the router's (expert parallelism: a rank's
         # share; the decoder sets first_expert by rank), each whole or a shard of its columns.
         self.local_experts, self.first_expert = m.local_experts, 0
-        self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
+        self.width, self.hidden = m.width, cfg.hidden_size
+        if m.blocks:   # the checkpoint's blocks arrive at load (set_blocks): no float stacks, even empty ones
+            self.w13 = self.w2 = None
+        else:
+            self.w13 = nn.Parameter(torch.empty(m.local_experts, 2 * m.width, cfg.hidden_size), requires_grad=False)
+            self.w2 = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size, m.width), requires_grad=False)
+        if m.expert_bias:   # gpt-oss: each expert's gate|up bias [2I] and down bias [H]
+            self.w13_bias = nn.Parameter(torch.empty(m.local_experts, 2 * m.width), requires_grad=False)
+            self.w2_bias = nn.Parameter(torch.empty(m.local_experts, cfg.hidden_size), requires_grad=False)
+        else:
+            self.w13_bias = self.w2_bias = None
         self.packed = False   # w13 / w2 in the layout of vdpbf16ps (pack_bf16)
         self.w8a8 = False     # int8 experts with int8 activations (set_w8a8)
         self.activation = cfg.activation
@@ -75,7 +88,7 @@ class SparseMoE(nn.Module):
     def set_blocks(self, w13: Blocks | RawBlocks, w2: Blocks | RawBlocks) -> None:
         """The experts' weights as blocks in place of the float stacks: w13 the rows of every
         expert's gate then up [E 2I, H], w2 its down's [E H, I] (ValueError on other shapes)."""
-        e, two_i, hid = self.w13.shape
+        e, two_i, hid = self.local_experts, 2 * self.width, self.hidden
         args = []
         for name, b, want in (("w13", w13, (e * two_i, hid)), ("w2", w2, (e * hid, two_i // 2))):
             if tuple(b.shape) != want:
@@ -86,7 +99,6 @@ class SparseMoE(nn.Module):
                 self.register_buffer(f"{name}_blocks{i}", t, persistent=False)
             setattr(self, f"{name}_format", b.fmt)
             args += [FORMAT_IDS[b.fmt], parts]
-        self.width, self.hidden = two_i // 2, hid
         self.w13 = self.w2 = None
         # the kernel's arguments, read every step: a plain attribute, not five lookups of buffers
         self._block_args = (*args, self.width)
@@ -170,13 +182,29 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights, experts
 
+    def act_args(self) -> tuple:
+        """The compiled experts' (b13, b2, alpha, limit): gpt-oss's biases and its SwiGLU's constants."""
+        m = self.routing
+        return self.w13_bias, self.w2_bias, m.swiglu_alpha, m.swiglu_limit
+
+    def activate(self, gate_up: torch.Tensor, act_mul) -> torch.Tensor:
+        """The experts' activation of [gate | up] rows: act_mul's (silu or GELU-tanh times up), or
+        gpt-oss's clamped SwiGLU, (clamp(up, -l, l) + 1) * g * sigmoid(alpha g), g = min(gate, l)."""
+        if self.activation != "swiglu_oai":
+            return act_mul(gate_up, self.activation)
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=self.routing.swiglu_limit)
+        return (up.clamp(-self.routing.swiglu_limit, self.routing.swiglu_limit) + 1) * gate * \
+            torch.sigmoid(gate * self.routing.swiglu_alpha)
+
     def _route_grouped(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSeek's routers, as transformers computes them (fp32 scores of an fp32 matmul):
+        """DeepSeek's and gpt-oss's routers, as transformers computes them (fp32 scores of an fp32 matmul, the bias added):
         softmax or sigmoid scores; the experts picked by the scores plus the choice bias, within
         the best topk_group groups (a group's score: its best expert's, with a bias its best two's
         sum); their weights the unbiased scores, renormalized where norm_topk, times routed_scaling."""
         m = self.routing
-        scores = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        bias = self.gate.bias.float() if self.gate.bias is not None else None
+        scores = torch.nn.functional.linear(x.float(), self.gate.weight.float(), bias)
         scores = scores.sigmoid() if m.scoring == "sigmoid" else scores.softmax(dim=-1)
         choice = scores + self.gate.e_score_correction_bias.float() if m.choice_bias else scores
         if m.groups > 1:
@@ -208,7 +236,7 @@ def experts_verdict(moe: SparseMoE, kernels) -> Verdict:
     has it), timed on this machine over random routings of its shape. One path for every row
     count: packing is in place, and two copies of every expert would double the model."""
     e, n2, h = moe.w13.shape
-    width, k, silu = moe.w2.shape[2], moe.top_k, moe.activation == "silu"
+    width, k, act = moe.w2.shape[2], moe.top_k, ACT_IDS[moe.activation]
     routes: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def run(packed: bool):
@@ -218,7 +246,7 @@ def experts_verdict(moe: SparseMoE, kernels) -> Verdict:
                 scores = torch.rand(m, e, generator=torch.Generator().manual_seed(m))
                 weights, experts = torch.softmax(scores, dim=-1).topk(k, dim=-1)
                 routes[m] = (weights.float().contiguous(), experts.contiguous())
-            kernels.moe_experts(torch.empty_like(x), x, w[0], w[1], *routes[m], silu, 0, e, packed)
+            kernels.moe_experts(torch.empty_like(x), x, w[0], w[1], *routes[m], act, 0, e, packed)
         return go
 
     def panels(w):
@@ -250,8 +278,9 @@ def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, expert
             continue
         idx = rows[start:start + n]
         w13, w2 = moe.expert_weights(e, x.dtype)
-        h = act_mul(F.linear(moe.inputs(x[idx]), w13), moe.activation)
-        y = F.linear(moe.inputs(h), w2).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
+        b13, b2 = (None, None) if moe.w13_bias is None else (moe.w13_bias[e], moe.w2_bias[e])
+        h = moe.activate(F.linear(moe.inputs(x[idx]), w13, b13), act_mul)
+        y = F.linear(moe.inputs(h), w2, b2).float() * weights.reshape(-1)[order[start:start + n]].unsqueeze(1)
         out.index_add_(0, idx, y)
         start += n
     return out.to(x.dtype)

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .batch_invariant import invariant_linear
-from .moe import experts_torch
+from .moe import ACT_IDS, experts_torch
 from .norm import RMSNorm
 from .prepack import argmax_ready, is_packed, packed_argmax, packed_linear
 from .quantization import block_linear
@@ -90,15 +90,17 @@ class Ops:
         rows, weighted; one compiled call on the CPU."""
         if self.fused(x) and x.dtype in (torch.bfloat16, torch.float32):
             out = torch.empty_like(x)
-            silu, where = moe.activation == "silu", (moe.first_expert, moe.num_experts)
+            act, where = ACT_IDS[moe.activation], (moe.first_expert, moe.num_experts)
             if moe.w8a8:
                 if not self.w8a8_experts:   # no VNNI: the same arithmetic in torch
                     return experts_torch(moe, x, weights, experts, self.act_mul)
-                self.k.moe_experts_w8a8(out, x.contiguous(), *moe.w8a8_args(), weights, experts, silu, *where)
+                self.k.moe_experts_w8a8(out, x.contiguous(), *moe.w8a8_args(), weights, experts, act, *where)
             elif moe.quantized:
-                self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts, silu, *where)
+                self.k.moe_experts_blocks(out, x.contiguous(), *moe.block_args(), weights, experts, act, *where,
+                                          *moe.act_args())
             else:
-                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, silu, *where, moe.packed)
+                self.k.moe_experts(out, x.contiguous(), moe.w13, moe.w2, weights, experts, act, *where, moe.packed,
+                                   *moe.act_args())
             return out
         return experts_torch(moe, x, weights, experts, self.act_mul)
 

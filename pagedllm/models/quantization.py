@@ -4,8 +4,10 @@ dtype / fp32):
 
   q4_1: w = d * q + m, q in 0..15, d and m fp16 per block (5 bits a weight);
   q8_0: w = d * q, q in -127..127, d fp16 per block (8.5 bits a weight);
-  GGUF's Q5_0, Q5_1 (5.5, 6 bits) and K-quants Q4_K, Q5_K, Q6_K (4.5, 5.5, 6.56 bits): the
-  file's own bytes (RawBlocks), unpacked block by block inside the same GEMM loop.
+  GGUF's Q5_0, Q5_1 (5.5, 6 bits), K-quants Q4_K, Q5_K, Q6_K (4.5, 5.5, 6.56 bits) and MXFP4
+  (4.25 bits: FP4 codes, a power-of-two scale per 32; gpt-oss's experts, from a GGUF file or
+  from HF's layout, families/gpt_oss.py): the file's own bytes (RawBlocks), unpacked block by block
+  inside the same GEMM loop.
 
 `quantization="gguf"` runs a GGUF file's own blocks (loader/gguf_quant.py), "int4" makes
 q4_1 blocks from float weights (llama.cpp's rounding), "int8" q8_0 blocks. A decode step
@@ -59,7 +61,7 @@ class Blocks:
 
 # GGUF block types kept as the file's bytes: ggml's type id, bytes per block, weights per block.
 RAW_TYPES = {"Q5_0": (6, 22, 32), "Q5_1": (7, 24, 32), "Q4_K": (12, 144, 256), "Q5_K": (13, 176, 256),
-             "Q6_K": (14, 210, 256)}
+             "Q6_K": (14, 210, 256), "MXFP4": (39, 17, 32)}
 
 
 @dataclass

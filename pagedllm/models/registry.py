@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from .families import deepseek, gemma3, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen
+from .families import deepseek, gemma3, gpt_oss, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen
 from .family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -27,6 +27,7 @@ FAMILIES: dict[str, Family] = {
     "granitemoehybrid": granite_hybrid.GRANITE_HYBRID,
     "deepseek_v2": deepseek.DEEPSEEK_V2,
     "deepseek_v3": deepseek.DEEPSEEK_V3,
+    "gpt_oss": gpt_oss.GPT_OSS,
 }
 SUPPORTED = tuple(FAMILIES)
 # model_types a family's checkpoints use that we do not run, and why (the error says what runs instead)

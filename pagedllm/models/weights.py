@@ -10,6 +10,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .family import WeightMapper
+from .quantization import RawBlocks
 
 # Our fused matmuls (in a decoder layer) and the checkpoint's weights whose rows they
 # concatenate, in order: HF names and the GGUF loader's both map through this.
@@ -43,7 +44,7 @@ def stack_experts(loaded: dict[str, torch.Tensor], cfg: ModelConfig, experts: ra
     for name in [n for n in loaded if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
         loaded[name.replace("experts.gate_up_proj", "w13").replace("experts.down_proj", "w2")] = loaded.pop(name)
     for layer in range(cfg.num_layers):
-        if not cfg.moe.is_sparse(layer) or f"layers.{layer}.mlp.w13" in loaded:
+        if not cfg.moe.is_sparse(layer) or any(f"layers.{layer}.mlp.{w}" in loaded for w in ("w13", "w13_blocks")):
             continue
         parts = []
         for e in experts if experts is not None else range(cfg.moe.num_experts):
@@ -92,6 +93,7 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], mapper: 
     if mapper.reorder is not None:
         mapper.reorder(loaded, cfg)
     stack_experts(loaded, cfg, experts)
+    _set_expert_blocks(model, loaded)
     _fuse(loaded, cfg.num_layers)
     expected = {k for k in own if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
     missing, unexpected = expected - loaded.keys(), loaded.keys() - expected
@@ -103,6 +105,19 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], mapper: 
             if own[name].shape != t.shape:
                 raise ValueError(f"{name}: checkpoint shape {tuple(t.shape)} != model {tuple(own[name].shape)}")
             own[name].copy_(t)
+
+
+def _set_expert_blocks(model: nn.Module, loaded: dict) -> None:
+    """Experts the checkpoint holds as blocks (layers.L.mlp.w13_blocks / w2_blocks: the bytes of
+    MoEConfig.blocks' format, made by the family's reorder from gpt-oss's MXFP4) set on their
+    mixtures, never float. ValueError where a layer has one and not the other."""
+    for i, layer in enumerate(model.layers):
+        p = f"layers.{i}.mlp."
+        have = [loaded.pop(p + n, None) for n in ("w13_blocks", "w2_blocks")]
+        if any(b is not None for b in have):
+            if any(b is None for b in have):
+                raise ValueError(f"checkpoint holds layer {i}'s experts as blocks for one of gate_up / down only")
+            layer.mlp.set_blocks(*(RawBlocks(model.cfg.moe.blocks, b) for b in have))
 
 
 def _fuse(loaded: dict[str, torch.Tensor], num_layers: int) -> None:

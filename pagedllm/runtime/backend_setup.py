@@ -48,7 +48,7 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
         raise ValueError(f"attention backend cpu runs on the CPU only, not on {device}")
     try:
         backend = get_backend(chosen)
-        backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.pool_v_dim)
+        backend.check_model(mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.pool_v_dim, mc.sinks)
         return backend
     except ValueError as e:
         if name != "auto" or chosen != "cpu":

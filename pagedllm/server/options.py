@@ -50,15 +50,17 @@ class ServerOptions:
     tool_call_parser: str | None = knob(
         None, "what reads tool calls from the model's text under --enable-auto-tool-choice: "
         f"{', '.join(_TOOL_PARSERS)} (hermes: Hermes and Qwen's <tool_call> JSON; llama3_json: Llama 3.1's JSON; "
-        "mistral: [TOOL_CALLS]; pythonic: Llama 3.2/4's [f(x=1)]; qwen3_coder: Qwen3-Coder's <function=...> XML)",
+        "mistral: [TOOL_CALLS]; pythonic: Llama 3.2/4's [f(x=1)]; qwen3_coder: Qwen3-Coder's <function=...> XML; "
+        "openai: gpt-oss's harmony messages to functions.NAME)",
         choices=_TOOL_PARSERS, metavar="NAME")
     lora_modules: list[str] | None = knob(
         None, "PEFT LoRA adapters served under their own model names (needs --enable-lora; vLLM's flag): "
         "name=path, or '{\"name\": ..., \"path\": ...}'; a request's model field picks one",
         nargs="+", metavar="NAME=PATH")
     reasoning_parser: str | None = knob(
-        None, "split a reasoning model's <think>...</think> from its answer into chat's reasoning_content, and "
-        "start a structured output's grammar after it (vLLM's flag): " + ", ".join(_REASONING_PARSERS),
+        None, "split a reasoning model's <think>...</think> (openai_gptoss: gpt-oss's analysis channel) from its "
+        "answer into chat's reasoning_content, and start a structured output's grammar after it (vLLM's flag): "
+        + ", ".join(_REASONING_PARSERS),
         choices=_REASONING_PARSERS, metavar="NAME")
     otlp_traces_endpoint: str | None = knob(
         None, "send an OpenTelemetry trace of each request (an llm_request span with vLLM's gen_ai.* attributes, "

@@ -14,7 +14,7 @@ from .openai.protocol import ChatCompletionRequest, CompletionRequest
 from .openai.tokenization import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest, detokenize, tokenize
 from .openai.tool_output import ToolOutput
 from .openai.tools import tool_dicts
-from .parsers.reasoning import END as THINK_END, START as THINK_START
+from .parsers.reasoning import REASONING_PARSERS
 from .parsers.tool_calls import TOOL_PARSERS
 from .state import APIError, ServerState
 from .unsupported import CHAT_UNSUPPORTED, COMPLETION_UNSUPPORTED
@@ -66,16 +66,14 @@ def prepare_chat(state: ServerState, body: Any) -> PreparedChat:
 
 
 def _after_thinking(state: ServerState, params: SamplingParams, prompt: str) -> None:
-    """A reasoning model's thinking stays in the text (its tags may be special tokens), and a
-    structured output's grammar starts after it, as vLLM's does: unless the prompt ends by
-    closing the block (Qwen3's template with enable_thinking false writes an empty one there;
-    blocks in earlier turns, a few-shot prompt's, say nothing of this answer)."""
-    special = set(state.tokenizer.all_special_tokens)
-    if THINK_START in special or THINK_END in special:
+    """A reasoning model's thinking stays in the text (its parser's tags may be special tokens), and
+    a structured output's grammar starts after it (at the parser's answer_start), as vLLM's does:
+    unless the prompt already closed the reasoning (the parser's closed_by)."""
+    parser = REASONING_PARSERS[state.reasoning_parser]()
+    if set(parser.tags) & set(state.tokenizer.all_special_tokens):
         params.skip_special_tokens = False
-    closed = prompt.rstrip().endswith(THINK_END)
-    if params.structured_outputs is not None and not closed:
-        params.structured_outputs.reasoning_end = state.tokenizer.encode(THINK_END, add_special_tokens=False)
+    if params.structured_outputs is not None and not parser.closed_by(prompt):
+        params.structured_outputs.reasoning_end = state.tokenizer.encode(parser.answer_start, add_special_tokens=False)
 
 
 def _tool_output(state: ServerState, req: ChatCompletionRequest) -> ToolOutput | None:

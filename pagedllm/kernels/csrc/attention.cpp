@@ -82,6 +82,9 @@ struct Args {
   // Quantized pools (kv_quant.h): bytes, with k_blk / k_head / v_blk / v_head in bytes;
   // a (block, head) row's scales follow its code_bytes of codes.
   const uint8_t* kq; const uint8_t* vq; int64_t code_bytes, v_code_bytes;
+  // Attention sinks (gpt-oss): per query head a logit (base 2, unscaled) in the softmax's
+  // denominator beside the keys', attending to nothing; null: none.
+  const float* sinks = nullptr;
 };
 
 constexpr int QK_ROWS = 4;   // query rows sharing one pass over a K tile
@@ -718,7 +721,8 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       continue;
     }
     T* dst = a.out + (a.q_start[it.seq] + it.t0 + r / G) * a.o_tok + (it.kvh * G + r % G) * a.o_head;
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;  // no visible key (context 0): output 0
+    const float den = l[r] + (a.sinks ? std::exp2(a.sinks[it.kvh * G + r % G] - m[r]) : 0.f);
+    const float inv = l[r] > 0.f ? 1.f / den : 0.f;  // no visible key (context 0): output 0
     for (int c = 0; c < NC; ++c) store16(dst + c * L, loadf(ar + c * L) * inv);
   }
 }
@@ -741,7 +745,7 @@ void merge_parts(int seq, int kvh, int p0, int np, const Args<T>& a) {
       const float* pa = a.part_acc + ((int64_t)(p0 + p) * G + g) * D;
       for (int c = 0; c < NC; ++c) o[c] += loadf(pa + c * L) * w;
     }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
+    const float inv = den > 0.f ? 1.f / (den + (a.sinks ? std::exp2(a.sinks[kvh * G + g] - mx) : 0.f)) : 0.f;
     T* dst = a.out + a.q_start[seq] * a.o_tok + (kvh * G + g) * a.o_head;
     for (int c = 0; c < NC; ++c) store16(dst + c * L, o[c] * inv);
   }
@@ -803,7 +807,7 @@ std::vector<Item> plan(const int32_t* ctx_lens, const int32_t* q_start, int num_
 template <typename T, int NC, Fmt F>
 void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
          const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale, bool split_k,
-         int64_t block_size, int window, int plan_threads) {
+         int64_t block_size, int window, int plan_threads, const float* sinks) {
   const int num_seqs = int(ctx_lens.size(0));
   const int kv_heads = int(k_cache.size(1));
   const int group = int(q.size(1) / kv_heads);
@@ -828,7 +832,7 @@ void run(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, 
             part_acc.data(), part_ml.data(), window,
             quant ? k_cache.data_ptr<uint8_t>() : nullptr, quant ? v_cache.data_ptr<uint8_t>() : nullptr,
             quant ? code_bytes(BITS<F>, block_size, NC * L) : 0,
-            quant ? v_code_bytes(int64_t(F), block_size, NC * L) : 0};
+            quant ? v_code_bytes(int64_t(F), block_size, NC * L) : 0, sinks};
   // Rows past the last sequence pad the step to a bucketed size (slot -1, no sequence):
   // give them zeros rather than whatever the allocator left there.
   const int64_t used = q_start.data_ptr<int32_t>()[num_seqs];
@@ -943,9 +947,11 @@ int64_t check_caches(const at::Tensor& k, const at::Tensor& v, int64_t d, int64_
 // plan_threads > 0: long decodes are split as for that many threads, whatever the current count.
 // kv_fmt: the caches' format (kv_quant.h). window > 0: sliding-window attention; table
 // entries of blocks wholly below every query's window are not read (they may be -1).
+// sinks [H]: attention sinks (gpt-oss), a logit per query head in each row's softmax.
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& tables, const at::Tensor& ctx_lens, const at::Tensor& q_start, double scale,
-                     bool split_k, int64_t kv_fmt, int64_t window, int64_t plan_threads) {
+                     bool split_k, int64_t kv_fmt, int64_t window, int64_t plan_threads,
+                     const c10::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "paged_attention: q and out must be [T, H, D] alike");
   TORCH_CHECK(plan_threads >= 0 && plan_threads < 4096, "paged_attention: plan_threads must be in [0, 4096)");
   const int64_t B = check_caches(k_cache, v_cache, q.size(2), kv_fmt);
@@ -975,6 +981,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
     for (int64_t j = need / B; j < (cl[s] + B - 1) / B; ++j)
       TORCH_CHECK(row[j] >= 0 && row[j] < nb, "paged_attention: block ", row[j], " is outside the pool of ", nb);
   }
+  std::vector<float> sink_logits;   // base 2, as the kernel's scores are
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "paged_attention: sinks must be [H], one a query head");
+    const at::Tensor s = sinks->to(at::kFloat).contiguous();
+    for (int64_t h = 0; h < s.size(0); ++h) sink_logits.push_back(s.data_ptr<float>()[h] * LOG2E);
+  }
+  const float* sink2 = sink_logits.empty() ? nullptr : sink_logits.data();
   const int64_t d = q.size(2);
   with_dim(d, "paged_attention", [&](auto nc) {
     with_fmt(kv_fmt, "paged_attention", [&](auto f) {
@@ -983,14 +996,14 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
       switch (q.scalar_type()) {
         case at::kFloat:
           return run<float, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B, int(window),
-                                   int(plan_threads));
+                                   int(plan_threads), sink2);
         case at::kBFloat16:
           return run<c10::BFloat16, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
-                                           int(window), int(plan_threads));
+                                           int(window), int(plan_threads), sink2);
         case at::kHalf:
           if constexpr (F == Fmt::plain)
             return run<c10::Half, NC, F>(out, q, k_cache, v_cache, tables, ctx_lens, q_start, scale, split_k, B,
-                                         int(window), int(plan_threads));
+                                         int(window), int(plan_threads), sink2);
           [[fallthrough]];
         default: TORCH_CHECK(false, "paged_attention: dtype ", q.scalar_type(), " is not supported",
                              kv_fmt ? " with a quantized KV cache (float32 and bfloat16 are)" : "");
@@ -1160,7 +1173,7 @@ void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor tables, "
         "Tensor ctx_lens, Tensor q_start, float scale, bool split_k=True, int kv_fmt=0, int window=0, "
-        "int plan_threads=0) -> ()");
+        "int plan_threads=0, Tensor? sinks=None) -> ()");
   m.def("write_kv(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, int kv_fmt=0) -> ()");
 }
 

@@ -211,60 +211,99 @@ void to_float(float* out, const T* x, int64_t count) {
 inline vf silu_v(vf a) { return a / (1.f + expv(-a)); }
 inline vf gelu_tanh_v(vf a) { return a / (1.f + expv(-(a + 0.044715f * a * a * a) * 1.5957691216057308f)); }
 
-// a[r] = act(h[r, :n]) * h[r, n:] for rows [r0, r1)
+// The experts' activation (models/moe.py activate) and gpt-oss's biases: gate|up plus its expert's
+// b13 row, then act(gate) * up; the expert's output plus its b2 row.
+enum ActKind : int64_t { GELU_TANH = 0, SILU = 1, SWIGLU_OAI = 2 };
+struct Act {
+  int64_t kind;
+  float alpha, limit;       // SWIGLU_OAI: (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha g), g = min(gate, limit)
+  const void* b13;          // [E, 2I] in x's dtype, or null
+  const void* b2;           // [E, H] in x's dtype, or null
+};
+
+inline vf act_v(const Act& act, vf g, vf u) {
+  if (act.kind == SILU) return silu_v(g) * u;
+  if (act.kind == GELU_TANH) return gelu_tanh_v(g) * u;
+  const vf lim = splat(act.limit), neg = splat(-act.limit);
+  g = g > lim ? lim : g;
+  u = u > lim ? lim : (u < neg ? neg : u);
+  return (u + 1.f) * g / (1.f + expv(-g * act.alpha));
+}
+inline float act_1(const Act& act, float g, float u) {
+  if (act.kind == SILU) return g / (1.f + std::exp(-g)) * u;
+  if (act.kind == GELU_TANH) return g / (1.f + std::exp(-(g + 0.044715f * g * g * g) * 1.5957691216057308f)) * u;
+  g = std::min(g, act.limit);
+  u = std::clamp(u, -act.limit, act.limit);
+  return (u + 1.f) * g / (1.f + std::exp(-g * act.alpha));
+}
+
+// a[r] = act(h[r, :n] (+ b), h[r, n:] (+ b)) for rows [r0, r1) of expert e
 template <class T>
-void act_rows(T* a, const T* h, int64_t r0, int64_t r1, int64_t n, bool silu) {
+void act_rows(T* a, const T* h, int64_t r0, int64_t r1, int64_t n, const Act& act, int64_t e) {
+  const T* b = act.b13 ? static_cast<const T*>(act.b13) + e * 2 * n : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
     const T* g = h + r * 2 * n;
     T* o = a + r * n;
     int64_t i = 0;
     for (; i + L <= n; i += L) {
-      const vf x = load16(g + i);
-      store16(o + i, (silu ? silu_v(x) : gelu_tanh_v(x)) * load16(g + n + i));
+      vf x = load16(g + i), u = load16(g + n + i);
+      if (b) x += load16(b + i), u += load16(b + n + i);
+      store16(o + i, act_v(act, x, u));
     }
-    for (; i < n; ++i) {
-      const float x = float(g[i]);
-      const float act = silu ? x / (1.f + std::exp(-x))
-                             : x / (1.f + std::exp(-(x + 0.044715f * x * x * x) * 1.5957691216057308f));
-      o[i] = T(act * float(g[n + i]));
-    }
+    for (; i < n; ++i)
+      o[i] = T(act_1(act, float(g[i]) + (b ? float(b[i]) : 0.f), float(g[n + i]) + (b ? float(b[n + i]) : 0.f)));
   }
 }
 
 // act_rows over places [start, start + n) on every thread: a prefill's expert runs alone on the
 // caller's thread between its matmuls; inside a parallel region (a decode step's experts) it runs inline.
 template <class T>
-void act_all(T* a, const T* h, int64_t start, int64_t n, int64_t width, bool silu) {
-  at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) { act_rows<T>(a, h, b, end, width, silu); });
+void act_all(T* a, const T* h, int64_t start, int64_t n, int64_t width, const Act& act, int64_t e) {
+  at::parallel_for(start, start + n, 16, [&](int64_t b, int64_t end) { act_rows<T>(a, h, b, end, width, act, e); });
+}
+
+// y's rows [start, start + n) plus expert e's down bias, where it has one.
+template <class T>
+void add_b2(T* y, int64_t start, int64_t n, int64_t hid, const Act& act, int64_t e) {
+  if (!act.b2) return;
+  const T* b = static_cast<const T*>(act.b2) + e * hid;
+  for (int64_t r = start; r < start + n; ++r) {
+    T* yr = y + r * hid;
+    int64_t i = 0;
+    for (; i + L <= hid; i += L) store16(yr + i, load16(yr + i) + load16(b + i));
+    for (; i < hid; ++i) yr[i] = T(float(yr[i]) + float(b[i]));
+  }
 }
 
 template <class T>
 void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& y, const at::Tensor& w13,
-                const at::Tensor& w2, int64_t e, int64_t start, int64_t n, int64_t width, bool silu, bool packed) {
+                const at::Tensor& w2, int64_t e, int64_t start, int64_t n, int64_t width, const Act& act,
+                bool packed) {
+  const int64_t hid = xs.size(1);
 #ifdef __AVX512BF16__
   if constexpr (std::is_same_v<T, c10::BFloat16>) {
     if (packed) {
-      const int64_t hid = xs.size(1);
       panels::gemm(h.data_ptr<T>() + start * 2 * width, 2 * width, xs.data_ptr<T>() + start * hid, hid, n,
                    w13.data_ptr<T>() + e * 2 * width * hid, 2 * width, hid, nullptr);
-      act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, silu);
+      act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, act, e);
       panels::gemm(y.data_ptr<T>() + start * hid, hid, a.data_ptr<T>() + start * width, width, n,
                    w2.data_ptr<T>() + e * hid * width, hid, width, nullptr);
+      add_b2<T>(y.data_ptr<T>(), start, n, hid, act, e);
       return;
     }
   }
 #endif
   TORCH_CHECK(!packed, "moe_experts: packed weights need bf16 and a CPU with AVX512-BF16");
   if (n <= SMALL) {
-    const int64_t hid = xs.size(1);
 #ifdef __AVX512BF16__
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       T* hp = h.data_ptr<T>() + start * 2 * width;
       small_mm_bf16(hp, xs.data_ptr<T>() + start * hid, w13.data_ptr<T>() + e * 2 * width * hid, int(n), 2 * width,
                     hid);
-      act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, start + n, width, silu);
+      act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, start + n, width, act, e);
       small_mm_bf16(y.data_ptr<T>() + start * hid, a.data_ptr<T>() + start * width, w2.data_ptr<T>() + e * hid * width,
                     int(n), hid, width);
+      add_b2<T>(y.data_ptr<T>(), start, n, hid, act, e);
       return;
     }
 #endif
@@ -272,15 +311,17 @@ void run_expert(const at::Tensor& xs, at::Tensor& h, at::Tensor& a, at::Tensor& 
     to_float(xf.data(), xs.data_ptr<T>() + start * hid, n * hid);
     T* hp = h.data_ptr<T>() + start * 2 * width;
     small_mm<T>(hp, xf.data(), w13.data_ptr<T>() + e * 2 * width * hid, int(n), 2 * width, hid);
-    act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, start + n, width, silu);
+    act_rows<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, start + n, width, act, e);
     to_float(xf.data(), a.data_ptr<T>() + start * width, n * width);
     small_mm<T>(y.data_ptr<T>() + start * hid, xf.data(), w2.data_ptr<T>() + e * hid * width, int(n), hid, width);
+    add_b2<T>(y.data_ptr<T>(), start, n, hid, act, e);
     return;
   }
   auto he = h.narrow(0, start, n), ae = a.narrow(0, start, n), ye = y.narrow(0, start, n);
   at::mm_out(he, xs.narrow(0, start, n), w13[e].t());
-  act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, silu);
+  act_all<T>(a.data_ptr<T>(), h.data_ptr<T>(), start, n, width, act, e);
   at::mm_out(ye, ae, w2[e].t());
+  add_b2<T>(y.data_ptr<T>(), start, n, hid, act, e);
 }
 
 // A step's workspaces: x's rows gathered expert by expert (xs), each place's gate|up (h), its
@@ -405,24 +446,42 @@ StackedBlocks stacked(int64_t type, const std::vector<at::Tensor>& parts, int64_
   return {type, n, k, parts};
 }
 
+// The activation's kind and gpt-oss's biases (b13 [E, 2I], b2 [E, H], contiguous, in x's dtype).
+Act make_act(const char* op, const at::Tensor& x, int64_t kind, int64_t ne, int64_t width,
+             const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha, double limit) {
+  TORCH_CHECK(kind >= GELU_TANH && kind <= SWIGLU_OAI, op, ": activation ", kind,
+              " is unknown (0 gelu_tanh, 1 silu, 2 swiglu_oai)");
+  auto check = [&](const c10::optional<at::Tensor>& b, int64_t n, const char* what) -> const void* {
+    if (!b.has_value()) return nullptr;
+    TORCH_CHECK(b->is_contiguous() && b->scalar_type() == x.scalar_type() && b->numel() == ne * n, op, ": ", what,
+                " must be contiguous [", ne, ", ", n, "] in x's dtype");
+    return b->data_ptr();
+  };
+  return {kind, float(alpha), float(limit), check(b13, 2 * width, "b13"), check(b2, x.size(1), "b2")};
+}
+
 }  // namespace
 
 void moe_experts_blocks(at::Tensor out, const at::Tensor& x, int64_t type13, const std::vector<at::Tensor>& w13,
                         int64_t type2, const std::vector<at::Tensor>& w2, int64_t width, const at::Tensor& weights,
-                        const at::Tensor& experts, bool silu, int64_t first, int64_t total) {
+                        const at::Tensor& experts, int64_t act_kind, int64_t first, int64_t total,
+                        const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
+                        double limit) {
   check_rows("moe_experts_blocks", out, x);
   TORCH_CHECK(!w13.empty() && !w2.empty() && width > 0, "moe_experts_blocks: no blocks");
   const int64_t ne = w13[0].size(0), hid = x.size(1);
   const StackedBlocks g = stacked(type13, w13, ne, 2 * width, hid, "w13"), d = stacked(type2, w2, ne, hid, width, "w2");
   check_routing("moe_experts_blocks", x, weights, experts, ne, first, total);
+  const Act act = make_act("moe_experts_blocks", x, act_kind, ne, width, b13, b2, alpha, limit);
   if (x.size(0) == 0) return;
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   auto run = [&](auto tag) {
     using T = decltype(tag);
     moe<T>(out, x, ne, first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
       block_matmul(g.of(e), w.xs.data_ptr<T>() + start * hid, w.h.data_ptr<T>() + start * 2 * width, n, bf16);
-      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, silu);
+      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, act, e);
       block_matmul(d.of(e), w.a.data_ptr<T>() + start * width, w.y.data_ptr<T>() + start * hid, n, bf16);
+      add_b2<T>(w.y.data_ptr<T>(), start, n, hid, act, e);
     });
   };
   if (bf16)
@@ -519,8 +578,8 @@ bool moe_can_w8a8() {
 // A mixture's layer on W8A8 experts: w13 / w2 as [q int8 packed [E, N, K], scales fp32 [E, N], column
 // sums int32 [E, N]] (models/moe.py set_w8a8).
 void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at::Tensor>& w13,
-                      const std::vector<at::Tensor>& w2, const at::Tensor& weights, const at::Tensor& experts, bool silu,
-                      int64_t first, int64_t total) {
+                      const std::vector<at::Tensor>& w2, const at::Tensor& weights, const at::Tensor& experts,
+                      int64_t act_kind, int64_t first, int64_t total) {
   TORCH_CHECK(moe_can_w8a8(), "moe_experts_w8a8: needs a CPU with AVX512-VNNI");
   check_rows("moe_experts_w8a8", out, x);
   TORCH_CHECK(w13.size() == 3 && w2.size() == 3, "moe_experts_w8a8: w13 and w2 are [codes, scales, column sums]");
@@ -536,6 +595,7 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at:
   check(w13, 2 * width, hid, "w13");
   check(w2, hid, width, "w2");
   check_routing("moe_experts_w8a8", x, weights, experts, ne, first, total);
+  const Act act = make_act("moe_experts_w8a8", x, act_kind, ne, width, {}, {}, 0., 0.);
   if (x.size(0) == 0) return;
 #ifdef __AVX512VNNI__
   const int64_t places = experts.numel();
@@ -552,7 +612,7 @@ void moe_experts_w8a8(at::Tensor out, const at::Tensor& x, const std::vector<at:
       auto [q13, s13, c13] = part(w13, e, 2 * width, hid);
       w8_mm(w.h.data_ptr<T>() + start * 2 * width, 2 * width, xq.data() + start * hid, sx.data() + start, n, q13, s13,
             c13, 2 * width, hid);
-      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, silu);
+      act_all<T>(w.a.data_ptr<T>(), w.h.data_ptr<T>(), start, n, width, act, e);
       codes_rows(aq.data() + start * width, sa.data() + start, w.a.data_ptr<T>() + start * width, n, width);
       auto [q2, s2, c2] = part(w2, e, hid, width);
       w8_mm(w.y.data_ptr<T>() + start * hid, hid, aq.data() + start * width, sa.data() + start, n, q2, s2, c2, hid,
@@ -575,8 +635,9 @@ bool moe_can_pack() {
 }
 
 void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                 const at::Tensor& weights, const at::Tensor& experts, bool silu, int64_t first, int64_t total,
-                 bool packed) {
+                 const at::Tensor& weights, const at::Tensor& experts, int64_t act_kind, int64_t first, int64_t total,
+                 bool packed, const c10::optional<at::Tensor>& b13, const c10::optional<at::Tensor>& b2, double alpha,
+                 double limit) {
   check_rows("moe_experts", out, x);
   TORCH_CHECK(w13.dim() == 3 && w2.dim() == 3 && w13.is_contiguous() && w2.is_contiguous() &&
                   w13.size(0) == w2.size(0) && w13.size(2) == x.size(1) && w2.size(1) == x.size(1) &&
@@ -587,12 +648,13 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
   TORCH_CHECK(!packed || (moe_can_pack() && x.scalar_type() == at::kBFloat16 && w13.size(1) % 16 == 0 &&
                           w2.size(1) % 16 == 0 && x.size(1) % 2 == 0 && w2.size(2) % 2 == 0),
               "moe_experts: packed weights need bf16, AVX512-BF16, N a multiple of 16 and K of 2");
-  if (x.size(0) == 0) return;
   const int64_t width = w2.size(2);
+  const Act act = make_act("moe_experts", x, act_kind, w13.size(0), width, b13, b2, alpha, limit);
+  if (x.size(0) == 0) return;
   auto run = [&](auto tag) {
     using T = decltype(tag);
     moe<T>(out, x, w13.size(0), first, width, weights, experts, [&](Work& w, int64_t e, int64_t start, int64_t n) {
-      run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, silu, packed);
+      run_expert<T>(w.xs, w.h, w.a, w.y, w13, w2, e, start, n, width, act, packed);
     });
   };
   if (x.scalar_type() == at::kFloat)
@@ -604,16 +666,19 @@ void moe_experts(at::Tensor out, const at::Tensor& x, const at::Tensor& w13, con
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, bool silu, "
-        "int first, int total, bool packed) -> ()");
+  // act: 0 gelu_tanh, 1 silu, 2 swiglu_oai (alpha, limit); b13 / b2: gpt-oss's expert biases
+  m.def("moe_experts(Tensor(a!) out, Tensor x, Tensor w13, Tensor w2, Tensor weights, Tensor experts, int act, "
+        "int first, int total, bool packed, Tensor? b13=None, Tensor? b2=None, float alpha=1.702, "
+        "float limit=7.0) -> ()");
   // no tensor to dispatch on: these two are one kernel for all backends
   m.def("moe_can_pack() -> bool", &pagedllm::moe_can_pack);
   m.def("moe_can_w8a8() -> bool", &pagedllm::moe_can_w8a8);
   m.def("moe_experts_w8a8(Tensor(a!) out, Tensor x, Tensor[] w13, Tensor[] w2, Tensor weights, Tensor experts, "
-        "bool silu, int first, int total) -> ()");
+        "int act, int first, int total) -> ()");
   m.def("moe_route(Tensor x, Tensor w, int k, bool renorm) -> (Tensor, Tensor)");
   m.def("moe_experts_blocks(Tensor(a!) out, Tensor x, int type13, Tensor[] w13, int type2, Tensor[] w2, int width, "
-        "Tensor weights, Tensor experts, bool silu, int first, int total) -> ()");
+        "Tensor weights, Tensor experts, int act, int first, int total, Tensor? b13=None, Tensor? b2=None, "
+        "float alpha=1.702, float limit=7.0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

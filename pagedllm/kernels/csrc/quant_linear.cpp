@@ -3,7 +3,7 @@
 //   q4_1: qs uint8 [N, ceil(K/64), 32] (byte i of pair p: element i of block 2p in the low
 //         nibble, of block 2p + 1 in the high one), d, m fp16 [N, 2 ceil(K/64)]; w = d * q + m.
 //   q8_0: qs int8 [N, K/32, 32], d fp16 [N, K/32]; w = d * q.
-//   GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K: the file's own bytes [N, row bytes] (ggml_linear),
+//   GGUF's Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4: the file's own bytes [N, row bytes] (ggml_linear),
 //         unpacked block by block like the others: a Q4_K_M file stays ~4.5 bits a weight.
 // out [M, N] = x [M, K] . W^T, x and out bf16 or fp32, fp32 accumulation.
 //
@@ -161,6 +161,36 @@ struct Q51 : Raw {  // 24 bytes / 32: d, m, fifth bits, nibbles; w = d q + m
     const vf d = splat(f16(p)), m = splat(f16(p + 2));
     lo = __builtin_convertvector(a, vf) * d + m;
     hi = __builtin_convertvector(c, vf) * d + m;
+  }
+};
+
+// MXFP4 (OCP microscaling; gpt-oss's experts): 17 bytes / 32, an E8M0 exponent e, then 16 bytes of
+// FP4 (E2M1) codes, byte i: element i low, element 16 + i high (as Q4_0). ggml keeps the codes'
+// values doubled (0, 1, 2, 3, 4, 6, 8, 12 and their negatives) and the scale halved, 2^(e - 128):
+// the same weights, whole numbers times a power of two, so they are exact in bf16.
+constexpr float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+inline float e8m0_half(uint8_t e) {  // 2^(e - 128), its two smallest as denormals
+  const uint32_t bits = e >= 2 ? uint32_t(e - 1) << 23 : 0x00200000u << e;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline vf mxfp4_values(vi q) {
+#ifdef __AVX512F__
+  return (vf)_mm512_permutexvar_ps((__m512i)q, _mm512_loadu_ps(MXFP4_VALUES));
+#else
+  vf v;
+  for (int i = 0; i < L; ++i) v[i] = MXFP4_VALUES[q[i]];
+  return v;
+#endif
+}
+struct MX4 : Raw {
+  inline void block(int64_t n, int64_t b, vf& lo, vf& hi) const {
+    const uint8_t* p = at(n, b, 17);
+    const vi q = widen(p + 1);
+    const vf d = splat(e8m0_half(p[0]));
+    lo = mxfp4_values(q & 15) * d;
+    hi = mxfp4_values(q >> 4) * d;
   }
 };
 
@@ -625,6 +655,26 @@ struct C5 {
     *out = {q, s, M1 ? pair_f16(p + 2, p + B + 2) : _mm512_mul_ps(s, _mm512_set1_ps(-16.f))};
   }
 };
+// MXFP4: a code's value plus 12 as an unsigned byte (one shuffle of 16 entries), the offset -12 d.
+struct CMX4 {
+  static constexpr int PER = 1;
+  const Raw& w;
+  void prefetch(int64_t n, int64_t u) const { _mm_prefetch(reinterpret_cast<const char*>(w.at(n, 2 * u, 17)), _MM_HINT_T1); }
+  static __m256i codes(const uint8_t* qs) {
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    const __m256i nib = _mm256_and_si256(_mm256_inserti128_si256(_mm256_castsi128_si256(v), _mm_srli_epi16(v, 4), 1),
+                                         _mm256_set1_epi8(15));
+    const __m256i table = _mm256_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0,
+                                           12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+    return _mm256_shuffle_epi8(table, nib);
+  }
+  ALWAYS_INLINE void unit(int64_t n, int64_t u, bool two, Codes* out) const {
+    const uint8_t* p = w.at(n, 2 * u, 17);
+    const __m256i hi = two ? codes(p + 17 + 1) : _mm256_setzero_si256();
+    const __m512 s = pair_ps(e8m0_half(p[0]), two ? e8m0_half(p[17]) : 0.f);
+    *out = {join(codes(p + 1), hi), s, _mm512_mul_ps(s, _mm512_set1_ps(-12.f))};
+  }
+};
 // Lanes 0-7 from element a of v's first 8, lanes 8-15 from element b (chunk g of a super-block
 // whose 8 sub-blocks' scales are v: a = 2g, b = 2g + 1).
 inline __m512 spread_pairs(__m256 v, int g) {
@@ -811,6 +861,8 @@ template <>
 struct CodesOf<Q5K> { using T = CK<true>; };
 template <>
 struct CodesOf<Q6K> { using T = C6K; };
+template <>
+struct CodesOf<MX4> { using T = CMX4; };
 #define PAGEDLLM_INT8_CODES 1
 #endif
 
@@ -895,13 +947,14 @@ struct GGMLType {
   const char* name;
 };
 constexpr GGMLType GGML_TYPES[] = {{6, 22, 32, "Q5_0"}, {7, 24, 32, "Q5_1"}, {12, 144, 256, "Q4_K"},
-                                   {13, 176, 256, "Q5_K"}, {14, 210, 256, "Q6_K"}};
+                                   {13, 176, 256, "Q5_K"}, {14, 210, 256, "Q6_K"}, {39, 17, 32, "MXFP4"}};
 
 void ggml_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& raw, int64_t type) {
   const GGMLType* t = nullptr;
   for (const auto& g : GGML_TYPES)
     if (g.id == type) t = &g;
-  TORCH_CHECK(t != nullptr, "ggml_linear: ggml type ", type, " has no kernel (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14 do)");
+  TORCH_CHECK(t != nullptr, "ggml_linear: ggml type ", type, " has no kernel (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, "
+              "MXFP4 39 do)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
               "ggml_linear: x must be contiguous bf16 or fp32 [M, K]");
   const int64_t k = x.size(1);
@@ -917,6 +970,7 @@ void ggml_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& raw, int
     case 7: return dispatch(out, x, Q51{r});
     case 12: return dispatch(out, x, Q4K{r});
     case 13: return dispatch(out, x, Q5K{r});
+    case 39: return dispatch(out, x, MX4{r});
     default: return dispatch(out, x, Q6K{r});
   }
 }
@@ -930,7 +984,8 @@ int64_t block_row_bytes(int64_t type, int64_t k) {
       TORCH_CHECK(k % g.weights == 0, g.name, " needs K a multiple of ", g.weights, ", got ", k);
       return k / g.weights * g.bytes;
     }
-  TORCH_CHECK(false, "blocks of ggml type ", type, " have no kernel (q4_1 3, Q8_0 8, Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)");
+  TORCH_CHECK(false, "blocks of ggml type ", type, " have no kernel (q4_1 3, Q8_0 8, Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14, "
+              "MXFP4 39)");
   return 0;
 }
 
@@ -948,6 +1003,7 @@ void block_matmul(const BlockWeight& w, const void* x, void* out, int64_t rows, 
     case 7: return dispatch_ptr(Q51{r}, x, out, rows, n, k, bf16);
     case 12: return dispatch_ptr(Q4K{r}, x, out, rows, n, k, bf16);
     case 13: return dispatch_ptr(Q5K{r}, x, out, rows, n, k, bf16);
+    case 39: return dispatch_ptr(MX4{r}, x, out, rows, n, k, bf16);
     default: return dispatch_ptr(Q6K{r}, x, out, rows, n, k, bf16);
   }
 }

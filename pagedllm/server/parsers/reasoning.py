@@ -12,6 +12,12 @@ back until `END` (sampling_params.StructuredOutputsParams.reasoning_end): thinki
   until `</think>`; an output that never closes it is all reasoning, as vLLM's.
 - qwen3: Qwen3. The output is reasoning only if it opens with `<think>`; without it
   (enable_thinking false, whose template closes an empty block in the prompt) it is all answer.
+- openai_gptoss: gpt-oss's harmony messages (harmony.py): the analysis channel's are the
+  reasoning, the final channel's the answer.
+
+Each parser names the tags it reads (`tags`: kept in the text where they are special tokens),
+where the answer starts (`answer_start`: a structured output's grammar waits for it), and
+whether a prompt already closed the reasoning (`closed_by`).
 
 This module imports nothing heavy: the CLI reads its names for --reasoning-parser.
 """
@@ -20,18 +26,27 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .base import partial_tag
+from .harmony import HarmonySplitter
 
 START, END = "<think>", "</think>"
 
 
 class ThinkSplitter:
     """`<think>` reasoning `</think>` answer. starts_thinking: the prompt opened the block."""
+    tags = (START, END)
+    answer_start = END
 
     def __init__(self, starts_thinking: bool) -> None:
         self.state = "undecided"   # -> "thinking" -> "answer"; or straight to "answer"
         self.starts_thinking = starts_thinking
         self.held = ""             # text not yet told apart (a tag's first characters)
         self.answer_started = False
+
+    @staticmethod
+    def closed_by(prompt: str) -> bool:
+        """Whether the prompt ends by closing the block (Qwen3's template with enable_thinking false
+        writes an empty one there; blocks in earlier turns, a few-shot prompt's, say nothing)."""
+        return prompt.rstrip().endswith(END)
 
     def feed(self, text: str) -> tuple[str, str]:
         self.held += text
@@ -68,13 +83,14 @@ class ThinkSplitter:
         return text
 
 
-REASONING_PARSERS: dict[str, Callable[[], ThinkSplitter]] = {
+REASONING_PARSERS: dict[str, Callable[[], ThinkSplitter | HarmonySplitter]] = {
     "deepseek_r1": lambda: ThinkSplitter(starts_thinking=True),
     "qwen3": lambda: ThinkSplitter(starts_thinking=False),
+    "openai_gptoss": HarmonySplitter,
 }
 
 
-def split_all(parser: ThinkSplitter, text: str) -> tuple[str, str]:
+def split_all(parser: ThinkSplitter | HarmonySplitter, text: str) -> tuple[str, str]:
     r1, c1 = parser.feed(text)
     r2, c2 = parser.end()
     return r1 + r2, c1 + c2

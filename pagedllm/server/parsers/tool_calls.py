@@ -11,7 +11,7 @@ This module imports nothing heavy: the CLI reads its names for --tool-call-parse
 """
 from __future__ import annotations
 
-from . import tool_call_formats  # noqa: F401  (the parsers register themselves by name)
+from . import harmony, tool_call_formats  # noqa: F401  (the parsers register themselves by name)
 from .base import TOOL_PARSERS, CallPart, Event, ToolParser, TrimmedContent, parse_all, partial_tag, register
 from .tool_call_formats import HermesParser
 

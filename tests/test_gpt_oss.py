@@ -17,11 +17,11 @@ from test_beam_search import hf_beams
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 
 
-def _make():
+def _make(vocab_size: int = 49152):
     import transformers as tf
 
     torch.manual_seed(0)
-    cfg = tf.GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=49152,
+    cfg = tf.GptOssConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=vocab_size,
                           intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
                           sliding_window=16, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
                           pad_token_id=0, rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
@@ -106,6 +106,32 @@ def test_a_prefix_hit_and_beams_match_hf(make_llm, gpt_oss, hf_tokens):
     out = llm.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=10))[0]
     want = hf_beams(hf, ids, 3, 10, [2])
     assert [s.tokens[len(ids):] for s in out.sequences] == [w for w, _ in want]
+
+
+def test_a_gguf_file_runs_its_mxfp4_experts_as_they_are(make_llm, tmp_path):
+    """A GGUF file as llama.cpp writes gpt-oss (experts split into gate / up / down with biases,
+    MXFP4; sinks, router and biases F32; windows and YaRN as keys): the engine runs the file's
+    MXFP4 bytes and gives the greedy tokens of transformers' model of the file's conversion, which
+    holds the original's exact values but for the experts' MXFP4 rounding."""
+    import transformers as tf
+    from benchmarks.lib.gguf_files import write_gguf
+    from hf_greedy import assert_greedy_matches
+
+    model = _make(vocab_size=260)   # the tiny byte-level tokenizer's
+    path = write_gguf(model, tmp_path / "tiny-gpt-oss.gguf", "gpt-oss", "F32", None, expert_quant="MXFP4")
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", quantization="gguf")
+    moe = llm.engine.runner.model.layers[0].mlp
+    assert llm.engine.model_cfg.model_type == "gpt_oss" and moe.w13_format == moe.w2_format == "MXFP4"
+    hf = tf.AutoModelForCausalLM.from_pretrained(llm.engine.model_dir, dtype=torch.float32).eval()
+    assert hf.config.layer_types == model.config.layer_types and hf.config.sliding_window == 16
+    theirs = dict(model.named_parameters())
+    for name, p in hf.named_parameters():
+        if ".experts." in name and "bias" not in name:   # MXFP4: within a third of its block's largest value
+            block_max = theirs[name].abs().unflatten(1, (-1, 32)).amax(2, keepdim=True)   # blocks of 32 along K
+            assert ((p - theirs[name]).abs().unflatten(1, (-1, 32)) <= block_max / 3 + 1e-6).all(), name
+        else:
+            assert torch.equal(p, theirs[name]), name
+    assert_greedy_matches(llm, hf, [[5, 17, 200, 250, 12], list(range(100, 160))], 12)
 
 
 @pytest.mark.parametrize("change, kwargs, match", [

@@ -59,6 +59,12 @@ def _tensors(model, names, arch: str):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.float().numpy().astype(np.float32)
+        if arch == "gpt-oss" and ".mlp.experts." in name:
+            yield from _gpt_oss_experts(name, data)
+            continue
+        if name.endswith("self_attn.sinks"):   # a vector a layer, named as a weight (llama.cpp's attn_sinks)
+            yield f"blk.{name.split('.')[2]}.attn_sinks.weight", data
+            continue
         if name.endswith("mlp.experts.gate_up_proj"):
             layer, half = name.split(".")[2], data.shape[1] // 2
             yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :half])
@@ -78,9 +84,26 @@ def _tensors(model, names, arch: str):
         yield gname, data
 
 
+def _gpt_oss_experts(name: str, data: np.ndarray):
+    """gpt-oss's stacked experts as llama.cpp's converter writes them: gate_up [E, H, 2I] (transposed,
+    gate and up columns interleaved) as ffn_gate_exps and ffn_up_exps [E, I, H], down [E, I, H] as
+    ffn_down_exps [E, H, I], and their biases split alike."""
+    layer, what = name.split(".")[2], name.rsplit(".", 1)[1]
+    if what == "gate_up_proj":
+        yield f"blk.{layer}.ffn_gate_exps.weight", np.ascontiguousarray(data[:, :, 0::2].transpose(0, 2, 1))
+        yield f"blk.{layer}.ffn_up_exps.weight", np.ascontiguousarray(data[:, :, 1::2].transpose(0, 2, 1))
+    elif what == "gate_up_proj_bias":
+        yield f"blk.{layer}.ffn_gate_exps.bias", np.ascontiguousarray(data[:, 0::2])
+        yield f"blk.{layer}.ffn_up_exps.bias", np.ascontiguousarray(data[:, 1::2])
+    elif what == "down_proj":
+        yield f"blk.{layer}.ffn_down_exps.weight", np.ascontiguousarray(data.transpose(0, 2, 1))
+    else:
+        yield f"blk.{layer}.ffn_down_exps.bias", data
+
+
 def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | None,
                expert_quant: str | None = None) -> Path:
-    """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe") as a
+    """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe", "gpt-oss") as a
     GGUF file: its config as the arch's keys, each matmul weight in `quant` ("Q8_0", "Q4_0", "F32")
     where its rows split into blocks (a mixture's ffn_*_exps in `expert_quant` if given), norms and
     routers in F32, a tied head left out (as llama.cpp writes it). tokenizer_gguf: the GGUF file whose
@@ -111,6 +134,13 @@ def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | 
         w.add_expert_feed_forward_length(getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size)
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "sliding_window", None) and arch == "gpt-oss":   # every other layer, the first windowed
+        w.add_sliding_window(cfg.sliding_window)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(rope["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(rope["original_max_position_embeddings"]))
     if tokenizer_gguf is None:
         _tiny_tokenizer(w)
     else:
@@ -118,7 +148,7 @@ def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | 
     for gname, data in _tensors(model, names, arch):
         qtype = gguf.GGMLQuantizationType[expert_quant if expert_quant and "_exps" in gname else quant]
         if data.ndim >= 2 and qtype.name not in ("F32", "F16") and data.shape[-1] % 32 == 0 \
-                and "ffn_gate_inp" not in gname:   # routers stay F32, as llama.cpp writes them
+                and "ffn_gate_inp" not in gname and gname.endswith(".weight"):   # routers, biases: F32, as llama.cpp
             w.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gname, data)

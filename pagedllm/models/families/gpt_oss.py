@@ -13,7 +13,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..family import LAYER_TYPES_ONLY, Family, WeightMapper
+from ..family import LAYER_TYPES_ONLY, Family, GGUFArch, WeightMapper
 from ..moe_config import MoEConfig
 
 _EXPERTS = re.compile(r"(layers\.\d+\.mlp\.)experts\.(gate_up_proj|down_proj)(_bias|_blocks)?")
@@ -86,4 +86,6 @@ def _blocks(loaded: dict, name: str, prefix: str, what: str) -> None:
 GPT_OSS = Family(architecture="GptOssForCausalLM", windows=LAYER_TYPES_ONLY, rope_theta=150_000.0,
                  stop_tokens=("<|return|>", "<|call|>"),   # harmony's: the answer's end, a tool call's
                  own_config=own_config, weights=WeightMapper(renames=(("router", "gate"),), reorder=reorder),
-                 no_tensor_parallel="its attention sinks and expert biases are not sharded over ranks yet")
+                 no_tensor_parallel="its attention sinks and expert biases are not sharded over ranks yet",
+                 # transformers' GGUF reader has no gpt-oss: gguf_moe.py converts its files (MXFP4 experts run as they are)
+                 gguf=GGUFArch("gpt-oss", experts=True, convert=True, expert_count_key="num_local_experts"))

@@ -1,6 +1,6 @@
 """Hybrid models whose layers keep a recurrent state in the KV pool (kv.groups' STATE blocks):
-LFM2's gated short convolutions and Granite 4.0-H's Mamba-2 layers beside their attention
-layers, random weights of their real layouts built with transformers' own classes. Greedy
+LFM2's gated short convolutions, Granite 4.0-H's Mamba-2 layers and Qwen3-Next's gated DeltaNet
+layers beside their attention layers, random weights of their real layouts built with transformers' own classes. Greedy
 tokens, prompt logprobs and beams equal HF transformers' in float32 through chunked prefill and
 continuous batching; a prefix hit restarts from the state cached at a block's end and gives the
 same text as no cache; what the state cannot do (speculation, the one-table tier, quantized KV)
@@ -15,7 +15,7 @@ from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, hf_token
 from pagedllm import BeamSearchParams, SamplingParams
 from test_beam_search import hf_beams
 
-BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens
+BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens, as Qwen3-Next's (4 x 16 x 16)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -27,6 +27,11 @@ def _config(family: str):
     if family == "lfm2":   # LFM2-350M's pattern: convolutions, an attention layer among them
         return tf.Lfm2Config(**COMMON, intermediate_size=192, num_hidden_layers=6, conv_L_cache=3, block_multiple_of=32,
                              layer_types=["conv", "conv", "full_attention", "conv", "full_attention", "conv"])
+    if family == "qwen3_next":   # gated DeltaNet layers (2 key heads, 4 value heads), a gated attention layer, experts
+        return tf.Qwen3NextConfig(**COMMON, head_dim=16, num_hidden_layers=4, intermediate_size=96,
+                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                                  linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
     # Granite 4.0-H-Micro's kind: Mamba-2 layers (two groups of heads), NoPE attention, its scalars
     return tf.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=4, num_local_experts=0, shared_intermediate_size=96,
                                      layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
@@ -57,7 +62,7 @@ def _make(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid", "qwen3_next"])
 def hybrid(request, tmp_path_factory, model_dir):
     return build(request.param, tmp_path_factory, model_dir)
 

@@ -33,26 +33,6 @@ _LAYER = {"attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_lay
           "ffn_gate_inp": "mlp.gate.weight", "ffn_down_exps": "mlp.experts.down_proj"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
         "output.weight": "lm_head.weight"}
-# an architecture's own per-layer names (weights and biases: the suffix follows), over _LAYER
-_ARCH_LAYER = {"gpt-oss": {"attn_norm": "input_layernorm.weight", "post_attention_norm": "post_attention_layernorm.weight",
-                           "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-                           "attn_output": "self_attn.o_proj", "attn_sinks": "self_attn.sinks",
-                           "ffn_gate_inp": "mlp.router"}}
-
-
-def _gpt_oss_experts(layer: int, parts: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-    """gpt-oss's experts in transformers' layout (families/gpt_oss.py reads it): gate_up [E, H, 2I]
-    with gate and up columns interleaved, down [E, I, H], and their biases likewise."""
-    p = f"model.layers.{layer}.mlp.experts."
-    gate, up = parts["ffn_gate_exps.weight"], parts["ffn_up_exps.weight"]   # [E, I, H]
-    gate_up = np.stack([gate, up], axis=2).reshape(gate.shape[0], -1, gate.shape[2]).transpose(0, 2, 1)
-    bias = np.stack([parts["ffn_gate_exps.bias"], parts["ffn_up_exps.bias"]], axis=2).reshape(gate.shape[0], -1)
-    return {p + "gate_up_proj": torch.from_numpy(np.ascontiguousarray(gate_up)),
-            p + "gate_up_proj_bias": torch.from_numpy(np.ascontiguousarray(bias)),
-            p + "down_proj": torch.from_numpy(np.ascontiguousarray(parts["ffn_down_exps.weight"].transpose(0, 2, 1))),
-            p + "down_proj_bias": torch.from_numpy(np.array(parts["ffn_down_exps.bias"]))}
-
-
 def convert(reader, name: str, out: Path, arch: str) -> None:
     """Write the model of the GGUF file `reader` has parsed (gguf.GGUFReader; `name` the file's, for
     errors) into the directory `out`: config.json, model.safetensors, the tokenizer."""
@@ -62,14 +42,15 @@ def convert(reader, name: str, out: Path, arch: str) -> None:
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     state: dict[str, torch.Tensor] = {}
     gate_up: dict[int, dict[str, np.ndarray]] = {}
-    names = {**_LAYER, **_ARCH_LAYER.get(arch, {})}
+    own = FAMILIES[cfg["model_type"]].gguf
+    names = {**_LAYER, **dict(own.layer_names)}
     for t in reader.tensors:
         w = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         if t.name in _TOP:
             state[_TOP[t.name]] = torch.from_numpy(np.array(w))
             continue
         _, layer, kind, suffix = t.name.split(".", 3)
-        if arch == "gpt-oss" and kind.endswith("_exps"):
+        if own.experts_to_hf is not None and kind.endswith("_exps"):   # the family lays them out
             gate_up.setdefault(int(layer), {})[f"{kind}.{suffix}"] = w
             continue
         if kind in ("ffn_gate_exps", "ffn_up_exps"):
@@ -79,11 +60,11 @@ def convert(reader, name: str, out: Path, arch: str) -> None:
             raise ValueError(f"model: {name}: tensor {t.name} ({arch}) is not one this converter knows")
         if arch in PERMUTED_QK and kind in ("attn_q", "attn_k"):   # llama.cpp's permute, undone
             w = w[unpermute_rows(w.shape[0], heads if kind == "attn_q" else kv_heads).numpy()]
-        ours = names[kind] if names[kind].endswith((".weight", "sinks")) else f"{names[kind]}.{suffix}"
-        state[f"model.layers.{layer}.{ours}"] = torch.from_numpy(np.array(w))   # own, writable
+        # "{}": the GGUF name's suffix (weight, bias) goes there
+        state[f"model.layers.{layer}.{names[kind].format(suffix)}"] = torch.from_numpy(np.array(w))   # own, writable
     for layer, parts in gate_up.items():
-        if arch == "gpt-oss":
-            state.update(_gpt_oss_experts(layer, parts))
+        if own.experts_to_hf is not None:
+            state.update({k: torch.from_numpy(v) for k, v in own.experts_to_hf(layer, parts).items()})
             continue
         state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = torch.from_numpy(
             np.concatenate([parts["ffn_gate_exps"], parts["ffn_up_exps"]], axis=1))
@@ -120,12 +101,10 @@ def _config(reader, arch: str) -> dict:
                                      "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
                                      "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
                                      "original_max_position_embeddings": key("rope.scaling.original_context_length")}
-    if arch == "gpt-oss":   # llama.cpp's: every other layer windowed, the first one so; YaRN's ramp not rounded
-        if "rope_parameters" in common:
-            common["rope_parameters"]["truncate"] = False
+    if key("attention.sliding_window"):
         common["sliding_window"] = key("attention.sliding_window")
-        common["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
-                                 for i in range(common["num_hidden_layers"])]
+    if family.gguf.own_config is not None:
+        common.update(family.gguf.own_config(common))
     return {"model_type": model_type, "architectures": [family.architecture],
             family.gguf.expert_count_key: key("expert_count"), **dict(family.gguf.config), **common}
 

@@ -11,6 +11,7 @@ from typing import Any
 from ..kv_dtype import KVDtype
 from . import registry
 from .family import EVERY_LAYER, LAYER_TYPES_ONLY, NO_WINDOWS, QWEN_LAYERS, Family
+from .deltanet_config import DeltaNetConfig
 from .mamba_config import MambaConfig
 from .mla_config import MLAConfig
 from .moe_config import MoEConfig
@@ -78,13 +79,15 @@ class ModelConfig:
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0: none)
     moe: MoEConfig | None = None      # a mixture of experts' routing (None: a dense model)
     # Hybrid models: the layers that keep a recurrent state instead of K/V (kv.groups' STATE), and
-    # their mixer: "short_conv" (gated short convolutions, short_conv.py) or "mamba2" (mamba2.py,
-    # shaped by `mamba`); either runs a causal convolution of conv_kernel taps (conv_bias: its bias).
+    # their mixer: "short_conv" (gated short convolutions, short_conv.py), "mamba2" (mamba2.py,
+    # shaped by `mamba`) or "gated_deltanet" (gated_deltanet.py, shaped by `deltanet`); each runs a
+    # causal convolution of conv_kernel taps (conv_bias: its bias).
     state_layers: tuple[int, ...] = field(default=())
     state_mixer: str = ""
     conv_kernel: int = 0
     conv_bias: bool = False
     mamba: MambaConfig | None = None
+    deltanet: DeltaNetConfig | None = None   # state_mixer "gated_deltanet" (Qwen3-Next): its heads
     # Multi-head latent attention (DeepSeek-V2/V3, mla.py): the pool keeps one latent head of
     # head_dim = mla.latent a layer and no V rows; rotary_dim is its rotary key's.
     mla: MLAConfig | None = None
@@ -198,15 +201,19 @@ class ModelConfig:
     @property
     def state_scans(self) -> bool:
         """Whether a state layer runs a recurrence over its rows (state_steps' segments)."""
-        return self.state_mixer == "mamba2"
+        return self.state_mixer in ("mamba2", "gated_deltanet")
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """A state layer's state in a block: (what its K rows hold, what its V rows hold): the
-        convolution's last K - 1 inputs, and Mamba's SSM state [heads, head_dim, state_size]."""
+        convolution's last K - 1 inputs, and Mamba's SSM state [heads, head_dim, state_size] or
+        the delta rule's [value heads, k_dim, v_dim]."""
         taps = max(0, self.conv_kernel - 1)
         if self.state_mixer == "mamba2":
             m = self.mamba
             return (taps, m.conv_dim), (m.num_heads, m.head_dim, m.state_size)
+        if self.state_mixer == "gated_deltanet":
+            d = self.deltanet
+            return (taps, d.conv_dim), (d.num_v_heads, d.k_dim, d.v_dim)
         return (taps, self.hidden_size), ()
 
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:

@@ -20,6 +20,7 @@ class WeightMapper:
     # a -> b and b -> c, renames a to b and b to c, never a to c).
     renames: tuple[tuple[str, str], ...] = ()
     norm_offset: float = 0.0   # checkpoints store RMSNorm weights as w - offset (1: x * (1 + w))
+    plain_norms: tuple[str, ...] = ()   # norms (name endings) the offset is not for: stored as w itself
     # The family's own changes to the checkpoint's tensors (in our names, before any is fused or
     # stacked), called with them and the ModelConfig: rows reordered, tensors we do not run dropped.
     reorder: Callable[[dict[str, Any], Any], None] | None = None
@@ -45,6 +46,11 @@ class GGUFArch:
     convert: bool = False       # transformers' reader does not convert it: gguf_moe.py does
     expert_count_key: str = "num_experts"   # where the converted config.json holds {arch}.expert_count
     config: tuple[tuple[str, Any], ...] = ()   # config.json keys the file does not hold (its routing)
+    # gguf_moe.py's conversion, where a family's files differ from the common layout:
+    layer_names: tuple[tuple[str, str], ...] = ()   # per-layer GGUF names -> transformers' ("{}": weight / bias)
+    # a layer's ffn_*_exps arrays (weights and biases, "ffn_gate_exps.weight" ...) -> transformers' tensors
+    experts_to_hf: Callable[[int, dict[str, Any]], dict[str, Any]] | None = None
+    own_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None   # the converted config's own keys
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Family:
     expert_width_key: str = "moe_intermediate_size"
     moe_norm_topk: bool = False
     sandwich_norms: bool = False  # norms on the attention's and the MLP's outputs too
+    attn_output_gate: bool = False   # q_proj gives each head a gate too: output * sigmoid(gate) (Qwen3-Next)
     embed_scale: bool = False    # embeddings times sqrt(hidden_size)
     windows: str = NO_WINDOWS
 

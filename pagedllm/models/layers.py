@@ -14,19 +14,24 @@ from .mlp import MLP
 from .moe import SparseMoE
 from .norm import RMSNorm
 from .ops import Ops
+from .gated_deltanet import GatedDeltaNet
 from .mamba2 import Mamba2Mixer
 from .mla import LatentAttention
 from .short_conv import ShortConv
 
 # A state layer's mixer by ModelConfig.state_mixer: (its attribute, as checkpoints name it; its class)
-MIXERS = {"short_conv": ("conv", ShortConv), "mamba2": ("mamba", Mamba2Mixer)}
+MIXERS = {"short_conv": ("conv", ShortConv), "mamba2": ("mamba", Mamba2Mixer),
+          "gated_deltanet": ("linear_attn", GatedDeltaNet)}
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0) -> None:
         super().__init__()
         self.h, self.kvh, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (self.h + 2 * self.kvh) * self.d, bias=cfg.qkv_bias)
+        # Qwen3-Next's output gate: q_proj gives each head its query and a gate of as many values
+        self.gated = cfg.family.attn_output_gate
+        q_rows = self.h * self.d * (2 if self.gated else 1)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q_rows + 2 * self.kvh * self.d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(self.h * self.d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.sinks:   # one logit per head in every softmax (gpt-oss's attention sinks)
             self.register_buffer("sinks", torch.zeros(self.h))
@@ -43,7 +48,11 @@ class Attention(nn.Module):
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: Any):
         t = x.shape[0]
         qkv = ops.linear(self.qkv_proj, x)
-        q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], dim=-1)
+        q, k, v = qkv.split([self.qkv_proj.out_features - 2 * self.kvh * self.d, self.kvh * self.d,
+                             self.kvh * self.d], dim=-1)
+        if self.gated:   # each head's query, then its gate
+            q, gate = q.view(t, self.h, 2 * self.d).split(self.d, dim=-1)
+            q = q.reshape(t, self.h * self.d)
         if self.whole_norm:
             q, k = ops.norm(q.contiguous(), self.q_norm), ops.norm(k.contiguous(), self.k_norm)
         q, k = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d)
@@ -52,7 +61,10 @@ class Attention(nn.Module):
         q, k = rotate(q, k)
         o = self.backend.forward(q, k, v.view(t, self.kvh, self.d), k_cache, v_cache, meta, self.scale,
                                  window=self.window, **({"sinks": self.sinks} if hasattr(self, "sinks") else {}))
-        return ops.linear(self.o_proj, o.reshape(t, self.h * self.d))
+        o = o.reshape(t, self.h * self.d)
+        if self.gated:
+            o = o * torch.sigmoid(gate.reshape(t, self.h * self.d))
+        return ops.linear(self.o_proj, o)
 
 
 class DecoderLayer(nn.Module):

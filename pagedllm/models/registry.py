@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 
-from .families import deepseek, gemma3, gpt_oss, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen
+from .families import deepseek, gemma3, gpt_oss, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen, qwen3_next
 from .family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -28,6 +28,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v2": deepseek.DEEPSEEK_V2,
     "deepseek_v3": deepseek.DEEPSEEK_V3,
     "gpt_oss": gpt_oss.GPT_OSS,
+    "qwen3_next": qwen3_next.QWEN3_NEXT,
 }
 SUPPORTED = tuple(FAMILIES)
 # model_types a family's checkpoints use that we do not run, and why (the error says what runs instead)

@@ -87,7 +87,8 @@ def load_hf_weights(model: nn.Module, weights: dict[str, torch.Tensor], mapper: 
         if "rotary_emb" in name or (name == "lm_head.weight" and cfg.tie_word_embeddings):
             continue
         name = mapper.name(name)
-        if mapper.norm_offset and name.endswith("norm.weight"):  # x * (offset + w): one weight to multiply
+        if mapper.norm_offset and name.endswith("norm.weight") and not name.endswith(mapper.plain_norms):
+            # x * (offset + w): one weight to multiply
             t = t.float() + mapper.norm_offset
         loaded[name] = t
     if mapper.reorder is not None:

@@ -44,20 +44,25 @@ def reference(m: Mamba2Mixer, u, b, c, dt, start_state: torch.Tensor) -> tuple[t
     return torch.stack(ys), states
 
 
+def step_of(chunks: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], int, object]:
+    """A step of these chunks (start, end positions), each sequence's blocks 10 i ..: (tables, each
+    chunk's first row, rows, the scan's StateStep); a step of one-row chunks has no segments."""
+    tables = [[10 * i + j for j in range(8)] for i in range(len(chunks))]
+    q_starts = [0]
+    for s0, e in chunks:
+        q_starts.append(q_starts[-1] + e - s0)
+    meta, = state_steps([tables], [e for _, e in chunks], q_starts, q_starts[-1], B, 4, "cpu", scan=True)
+    assert (meta.segments is None) == all(e - s0 == 1 for s0, e in chunks)
+    return tables, q_starts, q_starts[-1], meta
+
+
 @pytest.mark.parametrize("chunks", [
     [(0, 70), (37, 41), (20, 21), (16, 16 + 80)],   # fresh over blocks and segments; from a state; a decode
     [(5, 6), (31, 32), (0, 1)],                     # a decode step: one offset
 ])
 def test_both_forms_equal_the_recurrence(chunks):
     m = mixer()
-    tables = [[10 * i + j for j in range(8)] for i in range(len(chunks))]
-    lens = [e - s for s, e in chunks]
-    q_starts = [0]
-    for n in lens:
-        q_starts.append(q_starts[-1] + n)
-    t = q_starts[-1]
-    meta, = state_steps([tables], [e for _, e in chunks], q_starts, t, B, 4, "cpu", scan=True)
-    assert (meta.segments is None) == all(n == 1 for n in lens)
+    tables, q_starts, t, meta = step_of(chunks)
     torch.manual_seed(2)
     u, b, c, dt = torch.randn(t, H * P), torch.randn(t, G * N), torch.randn(t, G * N), torch.randn(t, H)
     states = torch.randn(BLOCKS * 10, H, P, N) * 0.3

@@ -83,9 +83,38 @@ def _blocks(loaded: dict, name: str, prefix: str, what: str) -> None:
     loaded[f"{prefix}{'w13' if what == 'gate_up_proj' else 'w2'}_blocks"] = raw.reshape(-1, raw.shape[-1]).contiguous()
 
 
+# llama.cpp's names of a gpt-oss layer's tensors -> transformers' ("{}": weight or bias)
+_GGUF_NAMES = (("attn_norm", "input_layernorm.weight"), ("post_attention_norm", "post_attention_layernorm.weight"),
+               ("attn_q", "self_attn.q_proj.{}"), ("attn_k", "self_attn.k_proj.{}"), ("attn_v", "self_attn.v_proj.{}"),
+               ("attn_output", "self_attn.o_proj.{}"), ("attn_sinks", "self_attn.sinks"),
+               ("ffn_gate_inp", "mlp.router.{}"))
+
+
+def gguf_experts(layer: int, parts: dict) -> dict:
+    """A layer's experts as llama.cpp writes them (ffn_gate_exps / ffn_up_exps [E, I, H], ffn_down_exps
+    [E, H, I], each with a bias) in transformers' layout: gate_up [E, H, 2I] with gate and up columns
+    interleaved, down [E, I, H], biases likewise. Array methods only (this file imports no numpy)."""
+    p = f"model.layers.{layer}.mlp.experts."
+    gate_up = parts["ffn_gate_exps.weight"].repeat(2, axis=1)   # [E, 2I, H]: each gate row twice...
+    gate_up[:, 1::2] = parts["ffn_up_exps.weight"]              # ...the second one the up's
+    bias = parts["ffn_gate_exps.bias"].repeat(2, axis=1)
+    bias[:, 1::2] = parts["ffn_up_exps.bias"]
+    return {p + "gate_up_proj": gate_up.transpose(0, 2, 1).copy(), p + "gate_up_proj_bias": bias,
+            p + "down_proj": parts["ffn_down_exps.weight"].transpose(0, 2, 1).copy(),
+            p + "down_proj_bias": parts["ffn_down_exps.bias"].copy()}
+
+
+def gguf_config(cfg: dict) -> dict:
+    """llama.cpp's gpt-oss: every other layer windowed (the first one so), YaRN's ramp not rounded."""
+    rope = {**cfg["rope_parameters"], "truncate": False} if "rope_parameters" in cfg else None
+    return {"layer_types": ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(cfg["num_hidden_layers"])], **({"rope_parameters": rope} if rope else {})}
+
+
 GPT_OSS = Family(architecture="GptOssForCausalLM", windows=LAYER_TYPES_ONLY, rope_theta=150_000.0,
                  stop_tokens=("<|return|>", "<|call|>"),   # harmony's: the answer's end, a tool call's
                  own_config=own_config, weights=WeightMapper(renames=(("router", "gate"),), reorder=reorder),
                  no_tensor_parallel="its attention sinks and expert biases are not sharded over ranks yet",
                  # transformers' GGUF reader has no gpt-oss: gguf_moe.py converts its files (MXFP4 experts run as they are)
-                 gguf=GGUFArch("gpt-oss", experts=True, convert=True, expert_count_key="num_local_experts"))
+                 gguf=GGUFArch("gpt-oss", experts=True, convert=True, expert_count_key="num_local_experts",
+                               layer_names=_GGUF_NAMES, experts_to_hf=gguf_experts, own_config=gguf_config))

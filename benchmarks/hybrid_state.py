@@ -17,7 +17,8 @@ Parts (each engine in its own process, one after another, the same token ids, gr
     python -m benchmarks hybrid_state --out benchmarks/results/hybrid_state.json
     python -m benchmarks hybrid_state --family granite --out benchmarks/results/hybrid_state_granite.json
 
---family granite: the same on Granite 4.0-H's kind (GRANITE below), at block_size 1024.
+--family granite: the same on Granite 4.0-H's kind (GRANITE below), at block_size 1024; --family
+qwen3_next on Qwen3-Next's layer shapes (QWEN3_NEXT below), at block_size 1024.
 """
 from __future__ import annotations
 
@@ -43,8 +44,20 @@ GRANITE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, n
                mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
                layer_types=["attention" if i in (3, 9) else "mamba" for i in range(12)],
                embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+# Qwen3-Next-80B-A3B's layer shapes at 8 of its 48 layers and 64 of its 512 experts: hidden 2048; gated
+# DeltaNet on 6 layers (16 key heads and 32 value heads of 128, conv 4), gated attention of 16 heads (2 KV)
+# of 256 on layers 3 and 7; experts of 512 (top 10) beside a shared one of 512. Its DeltaNet state
+# (32 x 128 x 128 a layer) fills a block's V rows at block_size 1024.
+QWEN3_NEXT = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+                  intermediate_size=5120, vocab_size=49152, max_position_embeddings=4096, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, linear_num_key_heads=16, linear_num_value_heads=32,
+                  linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=64,
+                  num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
+                  norm_topk_prob=True, layer_types=["full_attention" if i in (3, 7) else "linear_attention"
+                                                    for i in range(8)])
 FAMILIES = {"lfm2": ("lfm2-350m-shape", "Lfm2Config", SHAPE, {}),
-            "granite": ("granite-4.0-h-1024x12", "GraniteMoeHybridConfig", GRANITE, {"block_size": 1024})}
+            "granite": ("granite-4.0-h-1024x12", "GraniteMoeHybridConfig", GRANITE, {"block_size": 1024}),
+            "qwen3_next": ("qwen3-next-2048x8-64e", "Qwen3NextConfig", QWEN3_NEXT, {"block_size": 1024})}
 SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
 
 

@@ -70,25 +70,39 @@ class GatedDeltaNet(nn.Module):
         v = v.view(t, m.num_v_heads, m.v_dim)
         beta = torch.sigmoid(b)                                                    # [T, H]
         g = -torch.exp(self.A_log.float()) * F.softplus(a + self.dt_bias.float())  # [T, H], log decay <= 0
-        o = self.recur(q, k, v, beta, g, state_rows(v_cache, m.num_v_heads, m.k_dim, m.v_dim), meta)
+        o = self.recur(q, k, v, beta, g, state_rows(v_cache, m.num_v_heads, m.k_dim, m.v_dim), meta,
+                       ops.k if x.device.type == "cpu" and m.v_dim % 16 == 0 else None)
         y = self.norm(o.to(x.dtype), z.reshape(t, m.num_v_heads, m.v_dim))
         return ops.linear(self.out_proj, y.reshape(t, m.value_dim))
 
     @staticmethod
-    def recur(q, k, v, beta, g, states: torch.Tensor, meta: StateStep) -> torch.Tensor:
+    def recur(q, k, v, beta, g, states: torch.Tensor, meta: StateStep, kernels=None) -> torch.Tensor:
         """The delta rule over the step's rows (q, k [T, H, Dk], v [T, H, Dv], beta and g [T, H]) from
-        each chunk's state in `states`; writes the states the step leaves. Returns o [T, H, Dv]."""
+        each chunk's state in `states`; writes the states the step leaves. Returns o [T, H, Dv]. On
+        the CPU kernels (`kernels`): row by row, each state in cache (kernels/csrc/delta_rule.cpp);
+        else the torch forms below."""
+        if kernels is not None and meta.row_writes is not None:
+            o = torch.zeros_like(v)
+            kernels.delta_rule(o, q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous(),
+                               states, meta.q_starts, meta.read_blocks, meta.fresh, meta.row_writes)
+            return o
         s = states[meta.read_blocks].float()                                     # [S, H, Dk, Dv]
-        s[meta.fresh] = 0
+        if meta.fresh.any():
+            s[meta.fresh] = 0
         if meta.segments is not None:   # a step with a prefill chunk: the chunked form
             return GatedDeltaNet.chunked(q, k, v, beta, g, s, states, meta.segments)
-        # A decode step: chunk i is row i, the recurrence itself on every sequence's state at once.
-        n = len(meta.read_blocks)
+        # A decode step: chunk i is row i. S's decay folded into what reads it, so each state is
+        # read once for both of its products (S^T q and S^T k, one batched matmul) and updated in
+        # two passes (the decay, the rank-one write): such a step reads and writes every
+        # sequence's whole state, and runs at the speed those passes go.
+        n, h, dk, dv = s.shape
         o = torch.zeros_like(v)
-        s.mul_(torch.exp(g[:n])[..., None, None])
-        delta = (v[:n] - (s * k[:n, :, :, None]).sum(-2)) * beta[:n, :, None]     # [S, H, Dv]
-        s.add_(k[:n, :, :, None] * delta[:, :, None, :])
-        o[:n] = (s * q[:n, :, :, None]).sum(-2)
+        decay = torch.exp(g[:n])                                                   # [S, H]
+        flat = s.view(n * h, dk, dv)
+        read = torch.bmm(torch.stack([q[:n], k[:n]], dim=2).view(n * h, 2, dk), flat).view(n, h, 2, dv)
+        delta = (v[:n] - decay[..., None] * read[:, :, 1]) * beta[:n, :, None]     # beta (v - (exp(g) S)^T k)
+        o[:n] = decay[..., None] * read[:, :, 0] + (q[:n] * k[:n]).sum(-1, keepdim=True) * delta
+        flat.mul_(decay.view(n * h, 1, 1)).baddbmm_(k[:n].reshape(n * h, dk, 1), delta.reshape(n * h, 1, dv))
         states[meta.write_blocks] = s.to(states.dtype)
         return o
 
@@ -124,7 +138,7 @@ class GatedDeltaNet(nn.Module):
             s_in = s[ch]
             u = w[ids] - c[ids] @ s_in
             o[ids] = q_in[ids] @ s_in + intra[ids] @ u
-            s[ch] = s_out[ids] = whole[ids] * s_in + k_out[ids].transpose(-1, -2) @ u
+            s[ch] = s_out[ids] = seg.as_stored(whole[ids] * s_in + k_out[ids].transpose(-1, -2) @ u, ids, states.dtype)
         if len(seg.writes):
             states[seg.blocks] = s_out[seg.writes].to(states.dtype)
         out = v.new_zeros(v.shape[0] + 1, *v.shape[1:])

@@ -52,21 +52,34 @@ class Mamba2Mixer(nn.Module):
         z, xbc, dt = ops.linear(self.in_proj, x).split([m.inner, m.conv_dim, m.num_heads], dim=-1)
         xbc = F.silu(causal_conv(xbc.contiguous(), self.conv1d, k_cache, meta))
         u, b, c = xbc.split([m.inner, m.groups * m.state_size, m.groups * m.state_size], dim=-1)
-        y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta)
+        y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta,
+                      ops.k if x.device.type == "cpu" and m.state_size % 16 == 0 else None)
         return ops.linear(self.out_proj, self.norm(y, z).contiguous())
 
-    def scan(self, u, b, c, dt, states: torch.Tensor, meta: StateStep) -> torch.Tensor:
+    def scan(self, u, b, c, dt, states: torch.Tensor, meta: StateStep, kernels=None) -> torch.Tensor:
         """The selective scan of the step's rows (u [T, inner], b and c [T, groups * N], dt [T, H])
-        from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner]."""
+        from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner].
+        On the CPU kernels (`kernels`): row by row, each state in cache (kernels/csrc/state_scans.cpp);
+        else the torch forms below."""
         m, t, dtype = self.m, u.shape[0], u.dtype
         per_group = m.num_heads // m.groups
+        if kernels is not None and meta.row_writes is not None:
+            uf = u.float().view(t, m.num_heads, m.head_dim).contiguous()
+            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.dt_limit).contiguous()
+            y = torch.zeros_like(uf)
+            kernels.mamba_scan(y, uf, b.float().reshape(t, m.groups, m.state_size).contiguous(),
+                               c.float().reshape(t, m.groups, m.state_size).contiguous(), dt,
+                               (dt * -torch.exp(self.A_log.float())).contiguous(), states, meta.q_starts,
+                               meta.read_blocks, meta.fresh, meta.row_writes)
+            return (y + self.D.float()[:, None] * uf).view(t, m.inner).to(dtype)
         u = u.float().view(t, m.num_heads, m.head_dim)
         b = b.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, 1, -1)
         c = c.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, -1, 1)
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.dt_limit)        # [T, H]
         log_decay = dt * -torch.exp(self.A_log.float())                             # [T, H]
         s = states[meta.read_blocks].float()                                         # [S, H, P, N]
-        s[meta.fresh] = 0
+        if meta.fresh.any():
+            s[meta.fresh] = 0
         if meta.segments is not None:   # a step with a prefill chunk: the chunked form
             y = self.chunked(u, b.squeeze(2), c.squeeze(-1), dt, log_decay, s, states, meta.segments)
         else:
@@ -103,7 +116,7 @@ class Mamba2Mixer(nn.Module):
         for ids in seg.order:   # the k-th segments of their chunks, k = 0, 1, ...
             ch = seg.chunk[ids]
             s_in[ids] = s[ch]
-            s[ch] = s_out[ids] = whole[ids][..., None, None] * s[ch] + own[ids]
+            s[ch] = s_out[ids] = seg.as_stored(whole[ids][..., None, None] * s[ch] + own[ids], ids, states.dtype)
         y = y + torch.einsum("gthn,ghpn->gthp", cs, s_in) * torch.exp(acc)[..., None]
         if len(seg.writes):
             states[seg.blocks] = s_out[seg.writes].to(states.dtype)

@@ -31,6 +31,8 @@ class StateStep:
     decode: bool
     # A step with a longer chunk, for a recurrence (scan=True): its chunks cut into segments.
     segments: Segments | None = None
+    q_starts: torch.Tensor | None = None     # int64 [S + 1]: each chunk's first row (a recurrence run row by row)
+    row_writes: torch.Tensor | None = None   # int64 [T]: the block each row's state is written into, -1 none
 
 
 @dataclass(slots=True)
@@ -44,6 +46,16 @@ class Segments:
     order: list[torch.Tensor]   # for k = 0, 1, ...: the segments that are the k-th of their chunks
     writes: torch.Tensor     # int64 [W]: segments that end a block or their chunk
     blocks: torch.Tensor     # int64 [W]: the block each of those writes its state into
+    stores: torch.Tensor     # bool [G]: the segments in `writes`
+
+    def as_stored(self, state: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The states segments `ids` leave ([len(ids), ...] float32), those a segment stores rounded
+        to the pool's dtype as it is stored: the chunk goes on from the state a later chunk would
+        read back (a prefix hit, a recompute after preemption), so both compute the same numbers."""
+        if dtype == torch.float32:
+            return state
+        keep = self.stores[ids].view(-1, *([1] * (state.dim() - 1)))
+        return torch.where(keep, state.to(dtype).float(), state)
 
 
 SEGMENT = 64   # the most rows a segment runs at once (its [Q, Q] decay matrix per head)
@@ -66,6 +78,7 @@ def state_steps(tables_by_group: Sequence[Sequence[Sequence[int]]], seq_lens: Se
     reads: list[Ref | None] = []
     writes: list[Ref] = []
     write_rows = []
+    writing_rows: list[int] = []   # the row each write follows
     for i in range(n):
         r0, r1, end = q_starts[i], q_starts[i + 1], seq_lens[i]
         c0 = end - (r1 - r0)
@@ -81,6 +94,7 @@ def state_steps(tables_by_group: Sequence[Sequence[Sequence[int]]], seq_lens: Se
             if p % B == B - 1 or p == end - 1:
                 writes.append((i, p // B))
                 write_rows.append([row(p - w + 1 + k) for k in range(w)])
+                writing_rows.append(r0 + p - c0)
 
     def t(x) -> torch.Tensor:
         return torch.tensor(x, dtype=torch.long, device=device)
@@ -89,14 +103,21 @@ def state_steps(tables_by_group: Sequence[Sequence[Sequence[int]]], seq_lens: Se
     decode = all(q_starts[i + 1] - q_starts[i] == 1 for i in range(n))
     taps_t, rows_t = t(taps).view(num_rows, kernel), t(write_rows).view(len(writes), w)
     segments, seg_writes = _segments(q_starts, seq_lens, B, num_rows, t) if scan and not decode else (None, [])
+    starts, writing = (t(q_starts), t(writing_rows)) if scan else (None, None)
     out = []
     for tables in tables_by_group:
         def blocks(refs: Sequence[Ref]) -> torch.Tensor:
             return t([tables[i][j] for i, j in refs])
 
-        out.append(StateStep(t([tables[r[0]][r[1]] if r is not None else 0 for r in reads]), taps_t, blocks(writes),
+        written = blocks(writes)
+        row_writes = None
+        if scan:
+            row_writes = torch.full((num_rows,), -1, dtype=torch.long, device=device)
+            row_writes[writing] = written
+        out.append(StateStep(t([tables[r[0]][r[1]] if r is not None else 0 for r in reads]), taps_t, written,
                              rows_t, num_rows, w, fresh, decode,
-                             replace(segments, blocks=blocks(seg_writes)) if segments is not None else None))
+                             replace(segments, blocks=blocks(seg_writes)) if segments is not None else None,
+                             starts, row_writes))
     return out
 
 
@@ -122,7 +143,9 @@ def _segments(q_starts, seq_lens, B: int, num_rows: int, t) -> tuple[Segments, l
                 refs.append((i, (stop - 1) // B))
             p, k = stop, k + 1
     r = t(rows).view(len(rows), q)
-    return Segments(r, r < num_rows, t(chunk), [t(o) for o in order], t(writes), t([])), refs
+    stores = torch.zeros(len(rows), dtype=torch.bool, device=r.device)
+    stores[t(writes)] = True
+    return Segments(r, r < num_rows, t(chunk), [t(o) for o in order], t(writes), t([]), stores), refs
 
 
 def state_rows(pool: torch.Tensor, *shape: int) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Mamba-2's selective scan over a step's chunks (models/mamba2.py) against the recurrence written
-out token by token: a decode step's one-offset form and a prefill step's chunked form give each
+out token by token: a decode step's one-offset form, a prefill step's chunked form and the compiled
+kernel (row by row, kernels/csrc/state_scans.cpp) give each
 row's output and leave each block the state after its last token, whatever the chunks' starts
 (fresh, from a block's state, mid-block) and lengths (several blocks, past a segment's rows)."""
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pagedllm.models.mamba2 import Mamba2Mixer
 from pagedllm.models.mamba_config import MambaConfig
 from pagedllm.models.state_step import state_steps
 
-H, P, N, G, B = 4, 8, 6, 2, 16
+H, P, N, G, B = 4, 8, 16, 2, 16
 BLOCKS = 32
 
 
@@ -56,11 +57,12 @@ def step_of(chunks: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], 
     return tables, q_starts, q_starts[-1], meta
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled"])
 @pytest.mark.parametrize("chunks", [
     [(0, 70), (37, 41), (20, 21), (16, 16 + 80)],   # fresh over blocks and segments; from a state; a decode
     [(5, 6), (31, 32), (0, 1)],                     # a decode step: one offset
 ])
-def test_both_forms_equal_the_recurrence(chunks):
+def test_both_forms_equal_the_recurrence(chunks, compiled):
     m = mixer()
     tables, q_starts, t, meta = step_of(chunks)
     torch.manual_seed(2)
@@ -68,7 +70,12 @@ def test_both_forms_equal_the_recurrence(chunks):
     states = torch.randn(BLOCKS * 10, H, P, N) * 0.3
     before = states.clone()
     with torch.no_grad():
-        y = m.scan(u, b, c, dt, states, meta)
+        kernels = None
+        if compiled:
+            from pagedllm.kernels import load_ops
+
+            kernels = load_ops()
+        y = m.scan(u, b, c, dt, states, meta, kernels)
         for i, (s0, e) in enumerate(chunks):
             r = slice(q_starts[i], q_starts[i + 1])
             start = before[tables[i][(s0 - 1) // B]] if s0 else torch.zeros(H, P, N)

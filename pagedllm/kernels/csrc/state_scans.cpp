@@ -1,0 +1,243 @@
+// The recurrences of the layers that keep a state in the KV pool, over a step's rows token by token,
+// each (chunk, head)'s state in float32 kept in cache while its rows run. A chunk's state is read
+// from its block in the pool (zero where the chunk starts the sequence); after each row that ends a
+// block or the chunk it is written into that row's block, and the chunk goes on from the state as
+// stored (rounded to the pool's dtype): a later chunk that restarts from it computes the same
+// numbers (a prefix hit, a recompute). Chunks and heads are spread over the threads.
+//
+// delta_rule: the gated delta rule of Qwen3-Next's DeltaNet layers (models/gated_deltanet.py), each (chunk, value head)'s state [Dk, Dv] in float32 kept in L2 while its
+// rows run: per row, one pass over S for both of its products and one to update it,
+//
+//   S^T q, S^T k;  delta = beta (v - e^g S^T k);  o = e^g S^T q + (q . k) delta;  S = e^g S + k delta^T
+//
+// (the decay folded into what reads S). The torch forms (a decode's batched matmuls, a prefill's
+// chunked WY form) wrote ~25 passes over [rows, heads, 128] float32 tensors a layer; this reads
+// each state once a row while it sits in cache.
+//
+// mamba_scan: Mamba-2's selective scan (models/mamba2.py), a state [P, N] a head, one pass a row:
+//
+//   S = e^(dt A) S + (dt u) B^T;  y = S C   (B and C those of the head's group; D u added apart)
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <vector>
+
+#include "vec.h"
+
+namespace pagedllm {
+namespace {
+
+constexpr int MAX_DV = 256;   // value dims a head: accumulators of S^T q and S^T k in registers
+
+template <class T>
+void load_state(std::vector<float>& s, const T* src, bool fresh);
+template <class T>
+void store_state(std::vector<float>& s, T* dst);
+
+template <class T>
+void run_head(const float* q, const float* k, const float* v, const float* beta, const float* g, float* o,
+              T* states, int64_t block_stride, int64_t h, int64_t heads, int64_t dk, int64_t dv, int64_t r0,
+              int64_t r1, int64_t read, bool fresh, const int64_t* write_to, std::vector<float>& s) {
+  const int64_t head_size = dk * dv;
+  load_state(s, states + read * block_stride + h * head_size, fresh);
+  const int64_t nv = dv / L;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* qr = q + (r * heads + h) * dk;
+    const float* kr = k + (r * heads + h) * dk;
+    vf sq[MAX_DV / L] = {}, sk[MAX_DV / L] = {};
+    float qk = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* row = s.data() + i * dv;
+      const vf qi = splat(qr[i]), ki = splat(kr[i]);
+      for (int64_t c = 0; c < nv; ++c) {
+        const vf x = loadf(row + c * L);
+        sq[c] += x * qi;
+        sk[c] += x * ki;
+      }
+      qk += qr[i] * kr[i];
+    }
+    const float decay = std::exp(g[r * heads + h]), b = beta[r * heads + h];
+    const float* vr = v + (r * heads + h) * dv;
+    float* orow = o + (r * heads + h) * dv;
+    vf delta[MAX_DV / L];
+    for (int64_t c = 0; c < nv; ++c) {
+      delta[c] = (loadf(vr + c * L) - splat(decay) * sk[c]) * b;
+      storef(orow + c * L, splat(decay) * sq[c] + splat(qk) * delta[c]);
+    }
+    for (int64_t i = 0; i < dk; ++i) {
+      float* row = s.data() + i * dv;
+      const vf ki = splat(kr[i]);
+      for (int64_t c = 0; c < nv; ++c) storef(row + c * L, splat(decay) * loadf(row + c * L) + ki * delta[c]);
+    }
+    if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
+  }
+}
+
+template <class T>
+void load_state(std::vector<float>& s, const T* src, bool fresh) {
+  if (fresh)
+    std::fill(s.begin(), s.end(), 0.f);
+  else
+    for (size_t i = 0; i < s.size(); ++i) s[i] = float(src[i]);
+}
+
+template <class T>
+void store_state(std::vector<float>& s, T* dst) {   // and go on from it as stored
+  for (size_t i = 0; i < s.size(); ++i) {
+    dst[i] = T(s[i]);
+    s[i] = float(dst[i]);
+  }
+}
+
+template <class T>
+void scan_head(const float* u, const float* b, const float* c, const float* dt, const float* log_decay, float* y,
+               T* states, int64_t block_stride, int64_t h, int64_t heads, int64_t group, int64_t groups, int64_t p_dim,
+               int64_t n, int64_t r0, int64_t r1, int64_t read, bool fresh, const int64_t* write_to,
+               std::vector<float>& s) {
+  const int64_t head_size = p_dim * n;
+  load_state(s, states + read * block_stride + h * head_size, fresh);
+  const int64_t nv = n / L;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* ur = u + (r * heads + h) * p_dim;
+    const float* br = b + (r * groups + group) * n;
+    const float* cr = c + (r * groups + group) * n;
+    const float decay = std::exp(log_decay[r * heads + h]), d = dt[r * heads + h];
+    float* yr = y + (r * heads + h) * p_dim;
+    for (int64_t p = 0; p < p_dim; ++p) {
+      float* row = s.data() + p * n;
+      const vf du = splat(d * ur[p]), dec = splat(decay);
+      vf acc{};
+      for (int64_t j = 0; j < nv; ++j) {
+        const vf x = dec * loadf(row + j * L) + du * loadf(br + j * L);
+        storef(row + j * L, x);
+        acc += x * loadf(cr + j * L);
+      }
+      yr[p] = hsum(acc);
+    }
+    if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
+  }
+}
+
+// The chunk table's checks both scans share: q_starts int64 [S + 1], read_blocks int64 [S], fresh
+// bool [S], write_to int64 [T], blocks within the pool's nb.
+void check_chunks(const char* op, const at::Tensor& q_starts, const at::Tensor& read_blocks, const at::Tensor& fresh,
+                  const at::Tensor& write_to, int64_t t, int64_t nb) {
+  const int64_t n = read_blocks.numel();
+  TORCH_CHECK(q_starts.scalar_type() == at::kLong && read_blocks.scalar_type() == at::kLong &&
+                  write_to.scalar_type() == at::kLong && fresh.scalar_type() == at::kBool && q_starts.numel() == n + 1 &&
+                  fresh.numel() == n && write_to.numel() == t && q_starts.is_contiguous() && read_blocks.is_contiguous() &&
+                  write_to.is_contiguous() && fresh.is_contiguous(),
+              op, ": q_starts int64 [S + 1], read_blocks int64 [S], fresh bool [S], write_to int64 [T]");
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int64_t* rb = read_blocks.data_ptr<int64_t>();
+  const int64_t* wt = write_to.data_ptr<int64_t>();
+  const bool* fr = fresh.data_ptr<bool>();
+  TORCH_CHECK(qs[0] == 0 && qs[n] <= t, op, ": q_starts out of range");
+  for (int64_t i = 0; i < n; ++i)
+    TORCH_CHECK(qs[i] <= qs[i + 1] && (fr[i] || (rb[i] >= 0 && rb[i] < nb)), op, ": chunk ", i, " reads block ", rb[i],
+                " of ", nb);
+  for (int64_t r = 0; r < t; ++r) TORCH_CHECK(wt[r] < nb, op, ": row ", r, " writes block ", wt[r], " of ", nb);
+}
+
+}  // namespace
+
+// y [T, H, P] float32 = the scan over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i (u [T, H, P],
+// b and c [T, G, N], dt and log_decay = dt * A [T, H], all float32 contiguous), states and the
+// chunk table as delta_rule's ([blocks, H, P, N]).
+void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at::Tensor& c, const at::Tensor& dt,
+                const at::Tensor& log_decay, at::Tensor states, const at::Tensor& q_starts,
+                const at::Tensor& read_blocks, const at::Tensor& fresh, const at::Tensor& write_to) {
+  const int64_t t = u.size(0), heads = u.size(1), p_dim = u.size(2), groups = b.size(1), n = b.size(2);
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&y, &u, &b, &c, &dt, &log_decay})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous(), "mamba_scan: y, u, b, c, dt and log_decay "
+                "must be contiguous float32");
+  TORCH_CHECK(u.dim() == 3 && y.sizes() == u.sizes() && b.dim() == 3 && c.sizes() == b.sizes() && b.size(0) == t &&
+                  dt.numel() == t * heads && log_decay.numel() == t * heads && heads % groups == 0,
+              "mamba_scan: u and y [T, H, P], b and c [T, G, N] (G dividing H), dt and log_decay [T, H]");
+  TORCH_CHECK(n % L == 0, "mamba_scan: state_size must be a multiple of ", L, ", got ", n);
+  TORCH_CHECK(states.dim() == 4 && states.size(1) == heads && states.size(2) == p_dim && states.size(3) == n &&
+                  states.stride(3) == 1 && states.stride(2) == n && states.stride(1) == p_dim * n &&
+                  (states.scalar_type() == at::kFloat || states.scalar_type() == at::kBFloat16),
+              "mamba_scan: states [blocks, H, P, N], each block's rows contiguous, float32 or bf16");
+  check_chunks("mamba_scan", q_starts, read_blocks, fresh, write_to, t, states.size(0));
+  const int64_t chunks = read_blocks.numel(), per_group = heads / groups;
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    at::parallel_for(0, chunks * heads, 1, [&](int64_t lo, int64_t hi) {
+      std::vector<float> s(p_dim * n);
+      for (int64_t p = lo; p < hi; ++p) {
+        const int64_t i = p / heads, h = p % heads;
+        scan_head<T>(u.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), dt.data_ptr<float>(),
+                     log_decay.data_ptr<float>(), y.data_ptr<float>(), states.data_ptr<T>(), states.stride(0), h,
+                     heads, h / per_group, groups, p_dim, n, qs[i], qs[i + 1], read_blocks.data_ptr<int64_t>()[i],
+                     fresh.data_ptr<bool>()[i], write_to.data_ptr<int64_t>(), s);
+      }
+    });
+  };
+  if (states.scalar_type() == at::kFloat)
+    run(float());
+  else
+    run(c10::BFloat16());
+}
+
+// o [T, H, Dv] float32 = the rule over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i (q, k
+// [T, H, Dk], v [T, H, Dv], beta and g [T, H], all float32 contiguous), each chunk from the state
+// in block read_blocks[i] of `states` ([blocks, H, Dk, Dv] in the pool's dtype, rows of a block
+// contiguous, blocks states.stride(0) apart), or zero where fresh[i]; write_to [T]: the block a
+// row's state is written into, -1 none.
+void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
+                const at::Tensor& g, at::Tensor states, const at::Tensor& q_starts, const at::Tensor& read_blocks,
+                const at::Tensor& fresh, const at::Tensor& write_to) {
+  const int64_t t = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2), n = read_blocks.size(0);
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&o, &q, &k, &v, &beta, &g})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous(), "delta_rule: q, k, v, beta, g and o must be "
+                "contiguous float32");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == t && v.size(1) == heads &&
+                  o.sizes() == v.sizes() && beta.numel() == t * heads && g.numel() == t * heads,
+              "delta_rule: q, k [T, H, Dk], v and o [T, H, Dv], beta and g [T, H]");
+  TORCH_CHECK(dv % L == 0 && dv <= MAX_DV, "delta_rule: v_dim must be a multiple of ", L, " up to ", MAX_DV, ", got ",
+              dv);
+  TORCH_CHECK(states.dim() == 4 && states.size(1) == heads && states.size(2) == dk && states.size(3) == dv &&
+                  states.stride(3) == 1 && states.stride(2) == dv && states.stride(1) == dk * dv &&
+                  (states.scalar_type() == at::kFloat || states.scalar_type() == at::kBFloat16),
+              "delta_rule: states [blocks, H, Dk, Dv], each block's rows contiguous, float32 or bf16");
+  check_chunks("delta_rule", q_starts, read_blocks, fresh, write_to, t, states.size(0));
+  const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int64_t* rb = read_blocks.data_ptr<int64_t>();
+  const int64_t* wt = write_to.data_ptr<int64_t>();
+  const bool* fr = fresh.data_ptr<bool>();
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    T* st = states.data_ptr<T>();
+    at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
+      std::vector<float> s(dk * dv);
+      for (int64_t p = b; p < e; ++p) {
+        const int64_t i = p / heads, h = p % heads;
+        run_head<T>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(),
+                    g.data_ptr<float>(), o.data_ptr<float>(), st, states.stride(0), h, heads, dk, dv, qs[i], qs[i + 1],
+                    rb[i], fr[i], wt, s);
+      }
+    });
+  };
+  if (states.scalar_type() == at::kFloat)
+    run(float());
+  else
+    run(c10::BFloat16());
+}
+
+}  // namespace pagedllm
+
+TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
+  m.def("delta_rule(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor(b!) states, "
+        "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to) -> ()");
+  m.def("mamba_scan(Tensor(a!) y, Tensor u, Tensor b, Tensor c, Tensor dt, Tensor log_decay, Tensor(b!) states, "
+        "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("delta_rule", &pagedllm::delta_rule);
+  m.impl("mamba_scan", &pagedllm::mamba_scan);
+}

@@ -92,6 +92,30 @@ def test_long_decodes_split_across_threads(threads):
         torch.set_num_threads(old)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sinks_equal_the_reference(dtype):
+    """gpt-oss's attention sinks (a logit per head in each row's softmax) on the kernel: the
+    reference's result over decodes, prefill chunks with and without a cached prefix, long decodes
+    split across the threads (the sink joins the merge's denominator once) and a sliding window."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(11)
+        heads = (8, 2, 64)
+        sinks = torch.randn(heads[0], generator=g) * 2
+        for window in (0, 48):
+            (ref, rk, rv), (cpu, ck, cv), q, k, v, layout, _ = build_step(SEQS[:3] + [(3000, 1), (33, 9), (0, 23)],
+                                                                          heads, 16, dtype, g)
+            want = ref.forward(q, k, v, rk, rv, ref.build_metadata(layout, "cpu"), 0.125, window, sinks)
+            got = cpu.forward(q, k, v, ck, cv, cpu.build_metadata(layout, "cpu"), 0.125, window, sinks)
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+            plain = ref.forward(q, k, v, rk, rv, ref.build_metadata(layout, "cpu"), 0.125, window)
+            assert (plain.float() - want.float()).abs().max() > 10 * tol, "the sinks changed nothing: the test shows nothing"
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_a_split_decode_sums_alike_whatever_the_threads_that_run_it():
     """plan_threads (the engine's configured count) fixes the split-K plan: one long decode gives
     the same bits on 1 thread and on 2, as when the governor drops a thread mid-request; planned for

@@ -3,8 +3,9 @@ LFM2's gated short convolutions, Granite 4.0-H's Mamba-2 layers and Qwen3-Next's
 layers beside their attention layers, random weights of their real layouts built with transformers' own classes. Greedy
 tokens, prompt logprobs and beams equal HF transformers' in float32 through chunked prefill and
 continuous batching; a prefix hit restarts from the state cached at a block's end and gives the
-same text as no cache; what the state cannot do (speculation, the one-table tier, quantized KV)
-is refused by name."""
+same text as no cache, from the pool, from the disk tier after a restart, and from Redis on another
+replica; what the state cannot do (speculation, reserve-max's one table, quantized KV) is refused
+by name."""
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,9 @@ import torch
 
 from hf_greedy import hf_greedy
 from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, hf_tokens_of
-from pagedllm import BeamSearchParams, SamplingParams
 from test_beam_search import hf_beams
+
+from pagedllm import BeamSearchParams, SamplingParams
 
 BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens, as Qwen3-Next's (4 x 16 x 16)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -126,6 +128,73 @@ def test_beams_fork_the_state_as_hf(make_llm, hybrid):
         for s, (_, score) in zip(out.sequences, want):
             assert s.score == pytest.approx(score, rel=1e-5, abs=1e-4)
     assert llm.engine.kv.stats().cow_copies > 0
+
+
+def _tiered(path, **kw):
+    from pagedllm import LLM
+
+    return LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, **kw)
+
+
+def test_the_disk_tier_keeps_the_state_across_a_restart(hybrid, hf_tokens, tmp_path):
+    """Engine A computes a prompt and writes its blocks through to disk, every group's under its
+    own keys; engine B, a fresh pool on the same folder, loads the attention layers' blocks and
+    the state at the last full block the next prompt shares, and computes the rest: HF's text,
+    so the state it restarted from was the prefix's."""
+    a = _tiered(hybrid[1], kv_offload_dir=str(tmp_path))
+    assert a.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[2]
+    a.engine.kv.connector.store.flush()
+    a.close()
+    b = _tiered(hybrid[1], kv_offload_dir=str(tmp_path))
+    kv = b.engine.kv
+    assert b.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_tokens[3]
+    f = kv.connector.figures()
+    assert f.hits == 2 * BLOCK and f.store.read_failures == 0
+    # the shared two blocks of each group that reads them: all of a full group's, the last of a state group's
+    want = sum(2 if g.holds == "kv" else 1 for g in kv.groups)
+    assert f.loaded_blocks == want, (f.loaded_blocks, [g.kind for g in kv.groups])
+    kv.check_integrity()
+    b.close()
+
+
+def test_swap_preemption_saves_the_state_to_the_tier(hybrid, hf_tokens, tmp_path):
+    """A pool too small for all eight, preempting by swap: a victim's full blocks of every
+    group, its state snapshots among them, go to the tier and come back on resume."""
+    llm = _tiered(hybrid[1], kv_offload_dir=str(tmp_path), num_gpu_blocks_override=24, max_model_len=512,
+                  max_num_batched_tokens=64, preemption_mode="swap", kv_offload_write_policy="write_back")
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+    f = llm.engine.kv.connector.figures()
+    assert f.swap_outs > 0 and f.swap_out_blocks > 0 and f.loaded_blocks > 0
+    llm.engine.kv.check_integrity()
+    llm.close()
+
+
+def test_a_replica_takes_the_state_from_redis(tmp_path_factory, model_dir):
+    """The shared tier: what replica A computed of a Qwen3-Next prompt, replica B (its own pool)
+    reads from Redis, state blocks and attention blocks, to the same text as computing it."""
+    from benchmarks.lib.redis_server import RedisServer
+
+    try:
+        server = RedisServer(maxmemory="256mb")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    try:
+        path = build("qwen3_next", tmp_path_factory, model_dir)[1]
+        a = _tiered(path, kv_offload_url=server.url)
+        want = a.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        a.engine.kv.connector.store.flush()
+        a.close()
+        b = _tiered(path, kv_offload_url=server.url)
+        assert b.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == want
+        kv = b.engine.kv
+        f = kv.connector.figures()
+        full = (len(PROMPTS[2]) - 1) // BLOCK
+        assert f.hits == full * BLOCK and f.store.read_failures == 0
+        assert f.loaded_blocks == sum(full if g.holds == "kv" else 1 for g in kv.groups)
+        b.close()
+    finally:
+        server.stop()
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -226,7 +226,7 @@ def qwen2_pattern(tmp_path_factory, model_dir):
     cfg = tf.Qwen2Config(**BASE, use_sliding_window=True, sliding_window=W, max_window_layers=1)
     hf, path = _build(tmp_path_factory, model_dir, "qwen2-pattern", cfg)
     assert hf.config.layer_types == ["full_attention", "sliding_attention"]
-    return path, _windowed_greedy(hf)
+    return path, _windowed_greedy(hf), hf
 
 
 def test_layer_pattern_masks_each_layer_and_frees_the_windowed_groups_blocks(qwen2_pattern, window_backend):
@@ -234,7 +234,7 @@ def test_layer_pattern_masks_each_layer_and_frees_the_windowed_groups_blocks(qwe
     (HF's layer_types). Each layer masks by its own window; the KV cache has a group per
     attention type (a block holds one layer): the windowed group releases the blocks below
     its window while the full group keeps every one, and the tokens are still HF's."""
-    path, want = qwen2_pattern
+    path, want, _ = qwen2_pattern
     eng = engine(path, window_backend)
     assert eng.model_cfg.layer_windows == (0, W) and [g.window for g in eng.kv.groups] == [0, W]
 
@@ -248,6 +248,26 @@ def test_layer_pattern_masks_each_layer_and_frees_the_windowed_groups_blocks(qwe
     assert [o.outputs[0].token_ids for o in outs] == want
     st = eng.kv.stats()
     assert st.groups[1].released > 0 and st.groups[0].released == 0
+
+
+def test_the_disk_tier_loads_only_what_the_windows_read(qwen2_pattern, tmp_path):
+    """Layer groups through the second tier: engine A writes each group's blocks under its own
+    keys; engine B, a fresh pool on the same folder, serves a longer prompt's shared 96 tokens
+    from disk, loading all six of the full group's blocks but only the windowed group's last
+    two (first_window_block(96) = 4: no query of B reads below it), to HF's tokens."""
+    path, _, hf = qwen2_pattern
+    a = engine(path, "cpu", kv_offload_dir=str(tmp_path))
+    run(a, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=1))
+    a.kv.connector.store.flush()
+    a.close()
+    b = engine(path, "cpu", kv_offload_dir=str(tmp_path))
+    longer = PROMPTS[0] + _prompt(6, 10)
+    (out,) = run(b, [longer], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
+    assert out.outputs[0].token_ids == hf_greedy(hf, longer)
+    f = b.kv.connector.figures()
+    assert f.hits == 6 * B and f.loaded_blocks == 6 + 2 and out.num_cached_tokens == 6 * B
+    b.kv.check_integrity()
+    b.close()
 
 
 def test_half_windowed_layers_hold_the_formulas_blocks_over_a_4k_token_generation(tmp_path_factory, model_dir):

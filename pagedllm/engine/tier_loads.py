@@ -4,6 +4,7 @@ forward; a sequence preempted by swap saves its blocks there first."""
 from __future__ import annotations
 
 from ..config import PREEMPTION_MODES
+from ..kv.prefix_hit import PrefixHit
 from ..util import cdiv
 from .hooks import StepHook
 from .sequence import Sequence
@@ -41,19 +42,23 @@ class TierLoads(StepHook):
             return hit, start
         sched = self.scheduler
         kv, B = sched.kv, sched.kv.block_size
-        n = kv.tier_prefix(seq.hashes, len(seq.token_ids), hit)
+        plan = kv.tier_plan(seq.hashes, len(seq.token_ids), hit)
+        n = plan.longest() - plan.start
         if not n:
             return hit, start
-        if self._loaded and n > self._budget:
+        reads = plan.reads(plan.start + n)   # every group's blocks
+        if self._loaded and reads > self._budget:
             return TIER_LATER
         rest = len(seq.token_ids) - (len(hit) + n) * B
-        room = kv.pool.num_available - sum(1 for b in hit if kv.pool.is_available(b)) - \
-            cdiv(min(rest, sched.long_prefill_token_threshold), B) - 1
-        if sched.running and n > room - len(sched.running):
+        held = hit.per_group if isinstance(hit, PrefixHit) else [hit]
+        room = kv.pool.num_available - sum(1 for h in held for b in h if b >= 0 and kv.pool.is_available(b)) - \
+            cdiv(min(rest, sched.long_prefill_token_threshold), B) * len(kv.groups) - 1
+        if sched.running and reads > room - len(sched.running):
             return TIER_NO_ROOM
-        got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, max(0, min(n, room)))
+        limit = max(0, min(reads, room))
+        got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, limit, plan)
         self._loaded = True
-        self._budget -= len(got) - len(hit)
+        self._budget -= limit
         return got, start + (len(got) - len(hit)) * B
 
     def preempted(self, seq: Sequence) -> None:

@@ -20,7 +20,6 @@ from typing import Callable, Protocol, Sequence
 
 from ..config import OFFLOAD_WRITE_POLICIES
 from .block_pool import BlockPool
-from .block_table import BlockTable
 from .block_store import TierStats
 
 # A step's IO, in this order (the runner's): `saves` (block, key): copy the block's bytes now,
@@ -77,15 +76,11 @@ class KVConnector(ABC):
     """The scheduler half of a tier, as the KV manager calls it."""
     pins: dict[int, int]          # block -> references the connector holds (no table does)
 
-    def bind(self, pool: BlockPool, block_size: int, emit: Callable[[dict], None],
-             group_windows: Sequence[int] = (0,)) -> None:
-        """Serve this pool (its groups' windows); ValueError if it cannot."""
+    def bind(self, pool: BlockPool, block_size: int, emit: Callable[[dict], None]) -> None:
+        """Serve this pool; ValueError if it cannot."""
         if not pool.enable_caching:
             raise ValueError("the KV tier (kv_offload_dir, kv_offload_url) needs the prefix cache (its blocks are "
                              "kept under their hashes): drop --no-enable-prefix-caching or the tier")
-        if any(group_windows):
-            raise ValueError("the KV tier with a sliding-window model is not supported: its released blocks "
-                             "would be loaded back for nothing")
         self.pool, self.block_size, self.emit = pool, block_size, emit
 
     def begin_step(self) -> None:
@@ -98,19 +93,27 @@ class KVConnector(ABC):
         """A cached-free block is about to be reused: its bytes are still there."""
 
     @abstractmethod
-    def prefix(self, keys: Sequence[int], start: int) -> int:
-        """How many consecutive blocks from keys[start] the pool or the tier can serve."""
+    def have(self, keys: Sequence[int]) -> set[int]:
+        """Which of these keys the tier holds (one question to the store)."""
 
     @abstractmethod
-    def load(self, seq_id: int, keys: Sequence[int], hit: Sequence[int], limit: int) -> list[int]:
-        """Extend a pool hit (`hit`, blocks of keys[:len(hit)]) by up to `limit` blocks from
-        the tier; the hit's blocks and the loaded ones stay pinned for this step."""
+    def pin_for_step(self, blocks: Sequence[int]) -> None:
+        """Keep these pool blocks (a hit's) as they are until the next step: a load's fresh
+        block must never evict one of them."""
 
-    def loaded_in(self, blocks: Sequence[int]) -> None:
-        """A hit took these blocks: those loaded for it count as tier hits (once)."""
+    @abstractmethod
+    def load_block(self, seq_id: int, key: int, index: int, group: int = 0) -> int | None:
+        """A fresh block registered under `key`, its bytes read from the tier (copied in before
+        the forward), pinned for this step; None when the store cannot serve it or the pool
+        has one block left. `index`, `group`: where the sequence's table takes it (events)."""
 
-    def swap_out(self, seq_id: int, table: BlockTable) -> int:
-        """A sequence preempted by swap: save its blocks the tier lacks; returns how many."""
+    def loaded_in(self, blocks: Sequence[int], count: bool = True) -> None:
+        """A hit took these blocks: those loaded for it count as tier hits (once; `count`:
+        they hold tokens, a state block does not)."""
+
+    def swap_out(self, seq_id: int, blocks: Sequence[tuple[int, int]]) -> int:
+        """A sequence preempted by swap: of its cached (block, key), save those the tier lacks
+        and no other table holds; returns how many."""
         return 0
 
     @abstractmethod
@@ -148,9 +151,8 @@ class OffloadConnector(KVConnector):
         self.writes: list[tuple[int, int]] = []
         self.hits = self.loaded_blocks = self.offloaded_blocks = self.swap_outs = self.swap_out_blocks = 0
 
-    def bind(self, pool: BlockPool, block_size: int, emit: Callable[[dict], None],
-             group_windows: Sequence[int] = (0,)) -> None:
-        super().bind(pool, block_size, emit, group_windows)
+    def bind(self, pool: BlockPool, block_size: int, emit: Callable[[dict], None]) -> None:
+        super().bind(pool, block_size, emit)
         # Writes in place pin their blocks: at most a quarter of the pool waits on the store.
         self.max_inflight = max(1, pool.num_blocks // 4)
 
@@ -221,59 +223,44 @@ class OffloadConnector(KVConnector):
         return io
 
     # -- reads ---------------------------------------------------------------
-    def prefix(self, keys: Sequence[int], start: int) -> int:
-        cached = self.pool.cached
-        # One question to the store for every key the pool lacks (a shared store: one round trip).
-        stored = self.store.have([k for k in keys[start:] if k not in cached])
-        n = 0
-        for key in keys[start:]:
-            if key not in stored and key not in cached:
-                break
-            n += 1
-        return n
+    def have(self, keys: Sequence[int]) -> set[int]:
+        return self.store.have(keys) if keys else set()
 
-    def load(self, seq_id: int, keys: Sequence[int], hit: Sequence[int], limit: int) -> list[int]:
-        """Each read is verified, put in a fresh block registered under its key and pinned for
-        this step; the runner copies the bytes in before the forward. The hit's own blocks are
-        pinned first, so a fresh block never evicts one of them. Stops at the first block the
-        store lacks or cannot serve (that one is recomputed), or with one block left in the pool."""
-        n = min(self.prefix(keys, len(hit)), limit)
-        if n <= 0:
-            return []
-        self._pin(list(hit))
-        self._load_pins += hit
-        got: list[int] = []
-        for key in keys[len(hit):len(hit) + n]:
-            b = self.pool.lookup(key)   # after a gap, the pool may hold later blocks itself
-            if b is not None:
-                self._pin([b])
-            elif self.pool.num_available <= 1 or (payload := self.store.read(key)) is None:
-                break
-            else:
-                b = self.pool.allocate()
-                self.pool.cache(b, key)
-                self.pins[b] = self.pins.get(b, 0) + 1   # allocate() gave it its one reference
-                self._fresh_loads.add(b)
-                self.loads.append((b, payload))
-                self.loaded_blocks += 1
-                self.emit({"type": "tier_load", "seq": seq_id, "block": b, "index": len(hit) + len(got)})
-            self._load_pins.append(b)
-            got.append(b)
-        return got
+    def pin_for_step(self, blocks: Sequence[int]) -> None:
+        self._pin(list(blocks))
+        self._load_pins += blocks
 
-    def loaded_in(self, blocks: Sequence[int]) -> None:
+    def load_block(self, seq_id: int, key: int, index: int, group: int = 0) -> int | None:
+        """The read is verified before the block is taken; the runner copies its bytes in
+        before the forward."""
+        if self.pool.num_available <= 1 or (payload := self.store.read(key)) is None:
+            return None
+        b = self.pool.allocate()
+        self.pool.cache(b, key)
+        self.pins[b] = self.pins.get(b, 0) + 1   # allocate() gave it its one reference
+        self._fresh_loads.add(b)
+        self.loads.append((b, payload))
+        self.loaded_blocks += 1
+        ev = {"type": "tier_load", "seq": seq_id, "block": b, "index": index}
+        if group:
+            ev["group"] = group
+        self.emit(ev)
+        self._load_pins.append(b)
+        return b
+
+    def loaded_in(self, blocks: Sequence[int], count: bool = True) -> None:
         if self._fresh_loads:
             loaded = self._fresh_loads.intersection(blocks)
             self._fresh_loads -= loaded
-            self.hits += len(loaded) * self.block_size
+            if count:
+                self.hits += len(loaded) * self.block_size
 
-    def swap_out(self, seq_id: int, table: BlockTable) -> int:
+    def swap_out(self, seq_id: int, blocks: Sequence[tuple[int, int]]) -> int:
         """A sequence preempted by swap: its full blocks that the store lacks and no other
         table holds are saved before they can be reused; it resumes through a prefix hit
         (pool, else tier). Its partial last block (fewer than B tokens) is recomputed."""
         saved = []
-        for i in range(table.num_released, table.num_cached_blocks):
-            key, b = table.hashes.keys[i], table.block_ids[i]
+        for b, key in blocks:
             # A block another table holds stays in the pool; if it leaves later, the store gets it
             # then (write-back saves at eviction; write-through has written it, or its backlog does).
             if key not in self.store and key not in self._writing and self.pool.blocks[b].ref_cnt == 1:

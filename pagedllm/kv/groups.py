@@ -122,7 +122,7 @@ def kv_layout(layer_windows: Sequence[int], state_layers: Collection[int] = ()) 
 def merged(layer_windows: Sequence[int]) -> KVLayout:
     """One group for all layers: windowed by the widest window when every layer is windowed,
     else full (a sequence keeps every block). For what runs with one table per sequence
-    (a draft model beside the target, CUDA graphs, the disk tier, reserve-max)."""
+    (a draft model beside the target, CUDA graphs, reserve-max)."""
     windows = list(layer_windows)
     window = max(windows) if windows and 0 not in windows else 0
     return KVLayout.single(len(windows), window)
@@ -133,8 +133,8 @@ def engine_layout(layer_windows: Sequence[int], one_table: str | None = None,
     """An engine's layout: by attention type (windowed layers release their old blocks while
     full-attention ones keep theirs; recurrent layers keep a state), unless something reads the
     pool with one block table per sequence (`one_table` says what: a draft model beside the
-    target, with `draft_windows`, the disk tier's one block per key, reserve-max's one
-    reservation). Then one group, windowed only if every layer that reads it is; ValueError for
+    target, with `draft_windows`, reserve-max's one reservation). The second tier keeps each
+    group's blocks under that group's keys (kv.tier_hit), so it needs no single table. Then one group, windowed only if every layer that reads it is; ValueError for
     a model with state layers, whose state cannot share a K/V table."""
     if one_table is None:
         return kv_layout(layer_windows, state_layers)

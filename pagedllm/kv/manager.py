@@ -9,7 +9,8 @@ draws from the one pool, a step's blocks for all groups are counted before any g
 one, and a prefix hit is the longest prefix every group can serve. A model of one
 attention type has one group, and the manager is the plain paged manager of the paper.
 Beside the pool: the prompt logprobs kept with cached blocks (score_store), and a tier
-behind a connector (connector.KVConnector), called at a few named points.
+behind a connector (connector.KVConnector), called at a few named points; what a hit
+loads from it, over every group, is kv.tier_hit's choice.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Callable, Sequence
 from ..config import ALLOCATION_POLICIES
 from .adapter_pages import AdapterPages
 from .block_pool import BlockPool
-from .block_table import BlockTable
+from .block_table import RELEASED, BlockTable
 from .connector import KVConnector, StepIO
 from .events import KVEvent, KVEventLog
 from .groups import KV, STATE
@@ -29,6 +30,7 @@ from .prefix_hit import PrefixHit
 from .score_store import ScoreStore
 from .single_type import Copies, GroupManager
 from .stats import GroupFigures, KVStats
+from .tier_hit import TierHit, load_hit, tier_hit
 
 POLICIES = ALLOCATION_POLICIES
 
@@ -93,8 +95,9 @@ class KVCacheManager:
         self.events: KVEventLog | None = None   # vLLM's KV events (record_events)
         self.connector = connector
         if connector is not None:  # ValueError if it cannot serve this pool
-            connector.bind(self.pool, block_size, self._emit, windows)
-            self.groups[0].on_cached = connector.on_cached
+            connector.bind(self.pool, block_size, self._emit)
+            for g in self.groups:
+                g.on_cached = connector.on_cached
         self._hook_evictions()
 
     def watch(self, listener: Callable[[dict], None] | None) -> None:
@@ -164,21 +167,41 @@ class KVCacheManager:
         return self.connector.take_io() if self.connector is not None else ([], [], [])
 
     def tier_prefix(self, hashes: BlockHashes, num_tokens: int, hit: Sequence[int]) -> int:
-        """Blocks the tier can serve right after a pool hit of `hit` blocks, of a sequence of
-        `num_tokens` tokens (never its last token: that one is computed for its logits)."""
+        """Blocks the tier can extend a pool hit `hit` by, of a sequence of `num_tokens` tokens
+        (never its last token: that one is computed for its logits)."""
+        plan = self.tier_plan(hashes, num_tokens, hit)
+        return plan.longest() - plan.start if plan is not None else 0
+
+    def tier_plan(self, hashes: BlockHashes, num_tokens: int, hit: Sequence[int]) -> TierHit | None:
+        """Where each group's blocks of the prompt would come from after the pool hit `hit`
+        (kv.tier_hit; the store asked once); None without a tier."""
         if self.connector is None:
-            return 0
-        return self.connector.prefix(hashes.keys[:(num_tokens - 1) // self.block_size], len(hit))
+            return None
+        n = (num_tokens - 1) // self.block_size
+        hashes = self._hashes(hashes)
+        return tier_hit(self.groups, self.connector, [g.keys(hashes, n) for g in self.groups], self._per_group(hit))
 
     def load_from_tier(self, seq_id: int, hashes: BlockHashes, num_tokens: int, hit: Sequence[int],
-                       limit: int) -> PrefixHit:
-        """A pool hit extended by at most `limit` blocks read from the tier (connector.load)."""
-        keys = hashes.keys[:(num_tokens - 1) // self.block_size]
-        return PrefixHit([list(hit) + self.connector.load(seq_id, keys, hit, limit)])
+                       limit: int, plan: TierHit | None = None) -> PrefixHit:
+        """A pool hit extended by the longest hit that reads at most `limit` blocks from the tier
+        (kv.tier_hit: each group's needed blocks, pool ones pinned, the rest loaded); `plan`:
+        tier_plan's answer for this hit, if asked already this step."""
+        plan = plan if plan is not None else self.tier_plan(hashes, num_tokens, hit)
+        if plan is None or limit <= 0:
+            return hit if isinstance(hit, PrefixHit) else PrefixHit(self._per_group(hit))
+        return PrefixHit(load_hit(plan, self.connector, seq_id, limit))
 
     def swap_out(self, seq_id: int) -> int:
-        table = self.tables.get(seq_id)
-        return 0 if table is None or self.connector is None else self.connector.swap_out(seq_id, table)
+        """A sequence preempted by swap saves its cached blocks of every group to the tier."""
+        if seq_id not in self.tables or self.connector is None:
+            return 0
+        held = []
+        for g in self.groups:
+            t = g.tables[seq_id]
+            keys = g.keys(t.hashes, t.num_cached_blocks)
+            held += [(t.block_ids[i], keys[i]) for i in range(t.num_released, t.num_cached_blocks)
+                     if t.block_ids[i] != RELEASED]
+        return self.connector.swap_out(seq_id, held)
 
     def blocks_to_flush(self) -> list[tuple[int, int]]:
         return self.connector.blocks_to_flush() if self.connector is not None else []
@@ -291,7 +314,8 @@ class KVCacheManager:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += hit
             if self.connector is not None:
-                self.connector.loaded_in(tables[0].held)
+                for g, t in zip(self.groups, tables):
+                    self.connector.loaded_in(t.held, count=g is self.groups[0])
                 if self.events is not None:   # a hit the tier loaded is hittable here now
                     for g, t, h in zip(self.groups, tables, hits):
                         g.announce(t, token_ids, 0, len(h))

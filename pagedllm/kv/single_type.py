@@ -49,7 +49,7 @@ class GroupManager:
         self.released = 0          # blocks the window released from tables
         self.cow_copies = 0
         self._emit = emit or (lambda ev: None)
-        # (block, key): a group-0 block registered in the prefix cache (the tier writes it through)
+        # (block, key): a block registered in the prefix cache under this group's key (the tier writes it through)
         self.on_cached: Callable[[int, int], None] | None = None
         self.log: KVEventLog | None = None   # vLLM's KV events, while a publisher listens
         self.in_flight: set[int] | None = None   # a state group's blocks registered this step (not hittable yet)
@@ -80,6 +80,16 @@ class GroupManager:
             return list(itertools.takewhile(lambda b: b is not None, map(self.pool.lookup, keys)))
         pending = self.in_flight or ()
         return [RELEASED if b is None or b in pending else b for b in map(self.pool.lookup, keys)]
+
+    def lookup(self, key: int) -> int | None:
+        """The cached block of one of this group's keys, if a hit may take it (a state block
+        registered this step is not written yet)."""
+        b = self.pool.lookup(key)
+        return None if b is not None and self.in_flight and b in self.in_flight else b
+
+    def in_pool(self, key: int) -> bool:
+        """Whether a block is cached under the key, written or not."""
+        return self.pool.lookup(key) is not None
 
     def longest_hit(self, blocks: Sequence[int], num_blocks: int) -> int:
         """The most blocks, at most num_blocks, that serve a prefix hit among `blocks` (cached
@@ -214,7 +224,7 @@ class GroupManager:
                     self.in_flight.add(b)
                 self.emit({"type": "cache", "block": b})
                 if self.on_cached is not None:
-                    self.on_cached(b, keys[i])
+                    self.on_cached(b, keys[i] ^ self.salt)
         table.num_cached_blocks = full
         if self.log is not None:
             self.announce(table, token_ids, start, full)

@@ -12,6 +12,7 @@ import torch
 from ..config import EngineConfig
 from ..kv.block_store import fingerprint
 from ..kv.connector import BlockStore
+from ..kv.groups import KVLayout
 
 
 class BlockBytes:
@@ -78,21 +79,26 @@ def model_identity(model_dir: Path) -> str:
 
 
 def kv_fingerprint(model_dir: Path, draft_dir: Path | None, dtype: torch.dtype, kv_dtype: str, block_size: int,
-                   backend: str, quantization: str | None, pools: list[torch.Tensor]) -> bytes:
+                   backend: str, quantization: str | None, pools: list[torch.Tensor],
+                   layout: KVLayout | None = None) -> bytes:
     """The 16 bytes a stored block must carry to be read back here: the same weights (and
-    draft), dtype, KV dtype, block size, attention layout and pool shapes."""
+    draft), dtype, KV dtype, block size, attention layout, pool shapes and layer groups (which
+    layers a block of each group holds in which tensor slot)."""
     shapes = [(tuple(p.shape[1:]), str(p.dtype)) for p in pools]
+    if layout is not None and len(layout.groups) > 1:   # one group: the fingerprint earlier runs wrote
+        shapes.append(tuple((g.holds, g.window, g.layers) for g in layout.groups))
     return fingerprint(model_identity(model_dir), model_identity(draft_dir) if draft_dir else "", dtype, kv_dtype,
                        block_size, backend, quantization, shapes)
 
 
 def open_tier(cfg: EngineConfig, model_dir: Path, pools: list[torch.Tensor], draft_dir: Path | None,
-              dtype: torch.dtype, kv_dtype: str, backend: str) -> TierIO:
+              dtype: torch.dtype, kv_dtype: str, backend: str, layout: KVLayout | None = None) -> TierIO:
     """The second tier over these pools (every tensor a block id indexes): on disk at
     --kv-offload-dir, or a shared store at --kv-offload-url, keeping blocks of this engine's
     fingerprint."""
     blocks = BlockBytes(pools)
-    fp = kv_fingerprint(model_dir, draft_dir, dtype, kv_dtype, cfg.block_size, backend, cfg.quantization, pools)
+    fp = kv_fingerprint(model_dir, draft_dir, dtype, kv_dtype, cfg.block_size, backend, cfg.quantization, pools,
+                        layout)
     if cfg.kv_offload_url is not None:
         from ..kv.redis_store import RedisStore
 

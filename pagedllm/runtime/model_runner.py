@@ -111,7 +111,6 @@ class ModelRunner:
         mc = self.model_cfg
         windows = [mc.window(i) for i in range(mc.num_layers)]
         why = "a draft model shares the block table" if self.draft is not None else \
-            "the KV tier keeps one block per key" if cfg.kv_offload is not None else \
             "reserve-max reserves one table" if cfg.allocation == "reserve-max" else None
         draft = [self.draft.cfg.window(i) for i in range(self.draft.cfg.num_layers)] if self.draft is not None else []
         layout = engine_layout(windows, why, draft, mc.state_layers)
@@ -190,7 +189,7 @@ class ModelRunner:
             pools += [t for layer in self.draft.layers for t in layer]
         draft_dir = resolve_model_dir(cfg.speculative_config.model) if self.draft is not None else None
         self.tier_io = open_tier(cfg, model_dir, pools, draft_dir, self.dtype, self.kv_cache.kv_dtype.name,
-                                 self.backend_name)
+                                 self.backend_name, self.kv_layout)
         return self.tier_io.store
 
     def move_blocks(self, plan: StepPlan) -> None:

@@ -63,6 +63,6 @@ def test_state_layers_get_groups_of_their_own_kind_after_attention():
 
 
 def test_one_table_layouts_refuse_state_layers():
-    with pytest.raises(ValueError, match="the KV tier.*recurrent state.*layers \\[1\\]"):
-        engine_layout([0, 0], "the KV tier keeps one block per key", state_layers=[1])
+    with pytest.raises(ValueError, match="reserve-max.*recurrent state.*layers \\[1\\]"):
+        engine_layout([0, 0], "reserve-max reserves one table", state_layers=[1])
     assert engine_layout([0, 0], None, state_layers=[1]).kinds == (KV, STATE)

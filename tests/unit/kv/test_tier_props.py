@@ -4,7 +4,9 @@ corrupted files and restarts, checking after every step that
 
 - ref counts equal table references plus pins, and used / cached-free / free partition the pool;
 - a block served by a prefix hit, from the pool or loaded from the tier, holds exactly the
-  history its key names (the salt and every token up to it), so nothing crosses salts;
+  history its key names (the salt and every token up to it), so nothing crosses salts; in a
+  hybrid model's groups (full, windowed, recurrent state), every block the hit's queries read
+  does, and a state block holds the state of the whole prefix;
 - the replayed event stream rebuilds the manager's state;
 - vLLM's KV events (kv.events) rebuild the set of blocks a router may route to: every block
   a table holds as cached was announced, nothing announced has left the cache, and each
@@ -26,9 +28,12 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from pagedllm.kv import KVCacheManager
-from pagedllm.kv.events import BlockRemoved, BlockStored
-from pagedllm.kv.hashing import BlockHashes, hash_block
+from pagedllm.kv.block_table import RELEASED
 from pagedllm.kv.connector import OffloadConnector
+from pagedllm.kv.events import BlockRemoved, BlockStored
+from pagedllm.kv.groups import KV, STATE, STATE_WINDOW
+from pagedllm.kv.hashing import BlockHashes, hash_block
+from pagedllm.kv.single_type import group_salt
 from pagedllm.kv.tier_store import TierStore, fingerprint
 from pagedllm.viz.state import KVReplay, kv_picture
 
@@ -46,6 +51,8 @@ def digest(history: tuple) -> bytes:
 
 class TierMachine(RuleBasedStateMachine):
     POLICY = "write_through"
+    GROUPS: tuple[int, ...] | None = None   # each layer group's window; None: one full group
+    KINDS: tuple[str, ...] | None = None    # what each group's blocks hold; None: K/V
 
     def __init__(self) -> None:
         super().__init__()
@@ -56,8 +63,9 @@ class TierMachine(RuleBasedStateMachine):
 
     def _open(self) -> None:
         self.store = TierStore(self.dir, self.capacity, FP, B * SLOT)
-        self.kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(self.store, self.POLICY))
-        self.replay = KVReplay(NUM_BLOCKS)
+        self.kv = KVCacheManager(NUM_BLOCKS, B, connector=OffloadConnector(self.store, self.POLICY),
+                                 group_windows=self.GROUPS, group_kinds=self.KINDS)
+        self.replay = KVReplay(NUM_BLOCKS, windows=list(self.GROUPS) if self.GROUPS else None)
         self.kv.watch(self.replay.apply)
         self.kv.record_events(salted_token_ids=True)   # every block's tokens, to check them against its key
         self.index: dict[int, None] = {}          # what a KV-aware router learns from the events
@@ -103,9 +111,20 @@ class TierMachine(RuleBasedStateMachine):
             for off in range(B):
                 if src * B + off in self.slots:
                     self.slots[dst * B + off] = self.slots[src * B + off]
-        table = self.kv.block_table(seq)
-        for j in range(start, len(self.tokens[seq])):
-            self.slots[table.slot(j)] = (self.salt[seq], tuple(self.tokens[seq][:j + 1]))
+        n = len(self.tokens[seq])
+        for g, group in enumerate(self.kv.groups):
+            table = self.kv.block_table(seq, g)
+            if group.holds == STATE:   # the state after token j, in the first slot of its block
+                if start:
+                    want = (self.salt[seq], tuple(self.tokens[seq][:start]))
+                    assert self.slots.get(table.block_ids[(start - 1) // B] * B) == want, \
+                        f"group {g}: a step starts from another history's state"
+                for j in range(start, n):
+                    if j % B == B - 1 or j == n - 1:
+                        self.slots[table.block_ids[j // B] * B] = (self.salt[seq], tuple(self.tokens[seq][:j + 1]))
+                continue
+            for j in range(start, n):
+                self.slots[table.slot(j)] = (self.salt[seq], tuple(self.tokens[seq][:j + 1]))
         for b, key in writes:   # after the forward: the block's tokens are written
             self.store.put(key, [self._payload(b)])
 
@@ -119,9 +138,19 @@ class TierMachine(RuleBasedStateMachine):
         hit = self.kv.load_from_tier(self.next_id, hashes, len(toks), hit, limit=NUM_BLOCKS)
         assert len(hit) * B <= len(toks) - 1
         self._flush_writes()  # the loads land before anyone reads them (here: the checks below)
-        for i, b in enumerate(hit):
-            want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
-            assert [self.slots.get(b * B + o) for o in range(B)] == want, f"hit block {i} has another history"
+        k = len(hit)
+        for g, blocks in enumerate(hit.per_group):
+            assert len(blocks) == k, "groups hit different prefixes"
+            first = self.kv.first_window_block(k * B, g)
+            assert RELEASED not in blocks[first:], f"group {g}: the hit lacks a block its queries read"
+            if self.kv.groups[g].holds == STATE:   # its last block holds the prefix's state
+                assert not k or self.slots.get(blocks[-1] * B) == (salt, tuple(toks[:k * B])), \
+                    f"group {g}: the hit's state has another history"
+                continue
+            for i in range(first, k):
+                want = [(salt, tuple(toks[:i * B + o + 1])) for o in range(B)]
+                assert [self.slots.get(blocks[i] * B + o) for o in range(B)] == want, \
+                    f"group {g}: hit block {i} has another history"
         seq = self.next_id
         copies = self.kv.allocate_slots(seq, toks, len(toks), hit, hashes)
         if copies is None:
@@ -216,10 +245,12 @@ class TierMachine(RuleBasedStateMachine):
     def events_index_the_cache(self) -> None:
         for ev in self.kv.take_events():
             if isinstance(ev, BlockStored):
+                gs = group_salt(ev.group_idx)   # a group's keys: the chain's, XOR its salt
                 parent = ev.parent_block_hash
                 for i, key in enumerate(ev.block_hashes):
                     toks = ev.token_ids[i * B:(i + 1) * B]
-                    assert any(hash_block(parent, toks, s) == key for s in (None, "a", "b")), "tokens miss the key"
+                    plain = None if parent is None else parent ^ gs
+                    assert any(hash_block(plain, toks, s) ^ gs == key for s in (None, "a", "b")), "tokens miss the key"
                     assert key not in self.index, "announced twice"
                     self.index[key], parent = None, key
             elif isinstance(ev, BlockRemoved):
@@ -256,10 +287,24 @@ class WriteBackMachine(TierMachine):
     POLICY = "write_back"
 
 
+class HybridTierMachine(TierMachine):
+    """A hybrid model's groups: full attention, a window of 6 keys, and a recurrent state
+    (kv.groups): a hit reads each group's blocks its queries read, each from the pool or the tier."""
+    GROUPS = (0, 6, STATE_WINDOW)
+    KINDS = (KV, KV, STATE)
+
+
+class HybridWriteBackMachine(HybridTierMachine):
+    POLICY = "write_back"
+
+
 TestTierWriteThrough = TierMachine.TestCase
 TestTierWriteBack = WriteBackMachine.TestCase
-TestTierWriteThrough.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
-TestTierWriteBack.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+TestHybridTierWriteThrough = HybridTierMachine.TestCase
+TestHybridTierWriteBack = HybridWriteBackMachine.TestCase
+for _case in (TestTierWriteThrough, TestTierWriteBack, TestHybridTierWriteThrough, TestHybridTierWriteBack):
+    _case.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+del _case
 
 
 def test_a_stored_block_is_found_only_under_its_own_salt(tmp_path) -> None:

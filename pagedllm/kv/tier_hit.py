@@ -80,7 +80,7 @@ def tier_hit(groups: list[GroupManager], connector: KVConnector, keys: list[list
         src = [b if b != RELEASED else None for b in h]
         src += [g.lookup(k) for k in ks[start:]]
         lo = g.first_window_block((start + 1) * g.block_size)
-        ask += [ks[i] for i in range(lo, len(ks)) if src[i] is None and not g.in_pool(ks[i])]
+        ask += [ks[i] for i in range(lo, len(ks)) if src[i] is None and g.pool.lookup(ks[i]) is None]   # in flight: not asked
         source.append(src)
     stored = connector.have(ask)
     for src, ks in zip(source, keys):

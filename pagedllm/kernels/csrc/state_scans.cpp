@@ -33,9 +33,20 @@ namespace {
 constexpr int MAX_DV = 256;   // value dims a head: accumulators of S^T q and S^T k in registers
 
 template <class T>
-void load_state(std::vector<float>& s, const T* src, bool fresh);
+void load_state(std::vector<float>& s, const T* src, bool fresh) {
+  if (fresh)
+    std::fill(s.begin(), s.end(), 0.f);
+  else
+    for (size_t i = 0; i < s.size(); ++i) s[i] = float(src[i]);
+}
+
 template <class T>
-void store_state(std::vector<float>& s, T* dst);
+void store_state(std::vector<float>& s, T* dst) {   // and go on from it as stored
+  for (size_t i = 0; i < s.size(); ++i) {
+    dst[i] = T(s[i]);
+    s[i] = float(dst[i]);
+  }
+}
 
 // A row's q and k of one key head, as the rule reads them: L2-normed (q then scaled) when asked.
 struct RowQK {
@@ -203,22 +214,6 @@ void run_head(const Rows& R, T* states, int64_t block_stride, int64_t h, int64_t
     if (!more) break;
     std::swap(x, next);
     finish_row(sq, sk, x, row_v(r + 1), row_o(r + 1), decay_of(r + 1), R.beta[(r + 1) * heads + h], dv / L, delta);
-  }
-}
-
-template <class T>
-void load_state(std::vector<float>& s, const T* src, bool fresh) {
-  if (fresh)
-    std::fill(s.begin(), s.end(), 0.f);
-  else
-    for (size_t i = 0; i < s.size(); ++i) s[i] = float(src[i]);
-}
-
-template <class T>
-void store_state(std::vector<float>& s, T* dst) {   // and go on from it as stored
-  for (size_t i = 0; i < s.size(); ++i) {
-    dst[i] = T(s[i]);
-    s[i] = float(dst[i]);
   }
 }
 

@@ -58,7 +58,7 @@ class Mamba2Mixer(nn.Module):
         y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta, kernels)
         if kernels is not None and m.inner % 16 == 0:
             out = torch.empty(x.shape[0], m.inner, dtype=x.dtype)
-            kernels.gated_rms_norm(out, y.contiguous(), z, self.norm.weight, self.norm.eps, True)
+            kernels.gated_rms_norm(out, y, z, self.norm.weight, self.norm.eps, True)
             return ops.linear(self.out_proj, out)
         return ops.linear(self.out_proj, self.norm(y.to(x.dtype), z).contiguous())
 
@@ -71,14 +71,13 @@ class Mamba2Mixer(nn.Module):
         m, t, dtype = self.m, u.shape[0], u.dtype
         per_group = m.num_heads // m.groups
         if kernels is not None and meta.row_writes is not None:
-            uf = u.float().view(t, m.num_heads, m.head_dim).contiguous()
-            dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*m.dt_limit).contiguous()
-            y = torch.zeros_like(uf)
-            kernels.mamba_scan(y, uf, b.float().reshape(t, m.groups, m.state_size).contiguous(),
-                               c.float().reshape(t, m.groups, m.state_size).contiguous(), dt,
-                               (dt * -torch.exp(self.A_log.float())).contiguous(), states, meta.q_starts,
+            # u, b and c read in place from the convolution's float32 output, dt from in_proj's
+            y = torch.empty(t, m.inner, dtype=torch.float32)   # float32: the gated norm reads it
+            kernels.mamba_scan(y.view(t, m.num_heads, m.head_dim), u.float().view(t, m.num_heads, m.head_dim),
+                               b.float().view(t, m.groups, m.state_size), c.float().view(t, m.groups, m.state_size), dt,
+                               self.dt_bias, self.A_log, self.D, *m.dt_limit, states, meta.q_starts,
                                meta.read_blocks, meta.fresh, meta.row_writes)
-            return (y + self.D.float()[:, None] * uf).view(t, m.inner)   # float32: the gated norm reads it
+            return y
         u = u.float().view(t, m.num_heads, m.head_dim)
         b = b.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, 1, -1)
         c = c.float().view(t, m.groups, 1, m.state_size).expand(-1, -1, per_group, -1).reshape(t, m.num_heads, -1, 1)

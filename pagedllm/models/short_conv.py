@@ -15,6 +15,19 @@ from .ops import Ops
 from .state_step import StateStep, state_rows
 
 
+def kernel_taps(conv: nn.Conv1d) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """conv's weight as the kernel reads it, float32 [K, D] (a tap a row), and its bias float32: made
+    once for each version of the weights (converting them took a decode step's convolution longer
+    than the convolution itself)."""
+    key = (conv.weight.data_ptr(), conv.weight._version, conv.bias._version if conv.bias is not None else None)
+    cached = getattr(conv, "_kernel_taps", None)
+    if cached is None or cached[0] != key:
+        d, k = conv.weight.shape[0], conv.weight.shape[-1]
+        bias = conv.bias.detach().float().contiguous() if conv.bias is not None else None
+        cached = conv._kernel_taps = (key, conv.weight.detach().view(d, k).t().float().contiguous(), bias)
+    return cached[1], cached[2]
+
+
 def causal_conv(u: torch.Tensor, conv: nn.Conv1d, pool: torch.Tensor, meta: StateStep, kernels=None,
                 silu: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """conv (depthwise, kernel K, its bias if any) over inputs u [T, D] of the step's chunks, each
@@ -24,13 +37,13 @@ def causal_conv(u: torch.Tensor, conv: nn.Conv1d, pool: torch.Tensor, meta: Stat
     (any row stride), the output in out_dtype (default u's)."""
     d, k = u.shape[1], conv.weight.shape[-1]
     states = state_rows(pool, meta.width, d)                  # [num_blocks, K - 1, D]
-    read = states[meta.read_blocks].reshape(-1, d)            # a copy: read before this step writes
     if kernels is not None and d % 16 == 0 and u.stride(1) == 1 and states.dtype == u.dtype:
         y = torch.empty(u.shape[0], d, dtype=out_dtype or u.dtype, device=u.device)
-        bias = conv.bias.float() if conv.bias is not None else None
-        kernels.causal_conv(y, u, read, conv.weight.view(d, k).t().float().contiguous(), bias, meta.taps, silu,
-                            states, meta.write_blocks, meta.write_rows)
+        weight, bias = kernel_taps(conv)
+        kernels.causal_conv(y, u, states, meta.read_blocks, weight, bias, meta.taps, silu, meta.write_blocks,
+                            meta.write_rows)
         return y
+    read = states[meta.read_blocks].reshape(-1, d)            # a copy: read before this step writes
     u = u.contiguous()
     rows = torch.cat([u, read, u.new_zeros(1, d)])
     y = (rows[meta.taps] * conv.weight.view(d, k).t()).sum(1)   # [T, K, D]: inputs at p - K + 1 .. p

@@ -17,10 +17,10 @@ H, P, N, G, B = 4, 8, 16, 2, 16
 BLOCKS = 32
 
 
-def mixer() -> Mamba2Mixer:
+def mixer(p: int = P, n: int = N) -> Mamba2Mixer:
     cfg = ModelConfig("granitemoehybrid", 32, 1, 2, 2, 16, 64, 100, 1e-5, 1e4, None, 512, False, False,
                       state_layers=(0,), state_mixer="mamba2", conv_kernel=4, conv_bias=True,
-                      mamba=MambaConfig(H, P, G, N))
+                      mamba=MambaConfig(H, p, G, n))
     m = Mamba2Mixer(cfg)
     torch.manual_seed(1)
     with torch.no_grad():
@@ -32,7 +32,7 @@ def mixer() -> Mamba2Mixer:
 
 def reference(m: Mamba2Mixer, u, b, c, dt, start_state: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """One sequence's rows, token by token: outputs and the state after each."""
-    A = -torch.exp(m.A_log)
+    A, P, N = -torch.exp(m.A_log), m.m.head_dim, m.m.state_size
     s, ys, states = start_state.clone(), [], []
     for i in range(u.shape[0]):
         d = torch.nn.functional.softplus(dt[i] + m.dt_bias)                          # [H]
@@ -57,17 +57,19 @@ def step_of(chunks: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], 
     return tables, q_starts, q_starts[-1], meta
 
 
+# state sizes the kernel holds in registers (16, 128) and one it runs row by row (48)
+@pytest.mark.parametrize("p, n", [(P, N), (6, 128), (8, 48)], ids=["16", "128", "48"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled"])
 @pytest.mark.parametrize("chunks", [
     [(0, 70), (37, 41), (20, 21), (16, 16 + 80)],   # fresh over blocks and segments; from a state; a decode
     [(5, 6), (31, 32), (0, 1)],                     # a decode step: one offset
 ])
-def test_both_forms_equal_the_recurrence(chunks, compiled):
-    m = mixer()
+def test_both_forms_equal_the_recurrence(chunks, compiled, p, n):
+    m = mixer(p, n)
     tables, q_starts, t, meta = step_of(chunks)
     torch.manual_seed(2)
-    u, b, c, dt = torch.randn(t, H * P), torch.randn(t, G * N), torch.randn(t, G * N), torch.randn(t, H)
-    states = torch.randn(BLOCKS * 10, H, P, N) * 0.3
+    u, b, c, dt = torch.randn(t, H * p), torch.randn(t, G * n), torch.randn(t, G * n), torch.randn(t, H)
+    states = torch.randn(BLOCKS * 10, H, p, n) * 0.3
     before = states.clone()
     with torch.no_grad():
         kernels = None
@@ -78,9 +80,9 @@ def test_both_forms_equal_the_recurrence(chunks, compiled):
         y = m.scan(u, b, c, dt, states, meta, kernels)
         for i, (s0, e) in enumerate(chunks):
             r = slice(q_starts[i], q_starts[i + 1])
-            start = before[tables[i][(s0 - 1) // B]] if s0 else torch.zeros(H, P, N)
+            start = before[tables[i][(s0 - 1) // B]] if s0 else torch.zeros(H, p, n)
             want, after = reference(m, u[r], b[r], c[r], dt[r], start)
             torch.testing.assert_close(y[r], want, atol=2e-4, rtol=2e-4)
-            for k, p in enumerate(range(s0, e)):
-                if p % B == B - 1 or p == e - 1:   # a block end or the chunk's end: its state is kept
-                    torch.testing.assert_close(states[tables[i][p // B]], after[k], atol=2e-4, rtol=2e-4)
+            for k, pos in enumerate(range(s0, e)):
+                if pos % B == B - 1 or pos == e - 1:   # a block end or the chunk's end: its state is kept
+                    torch.testing.assert_close(states[tables[i][pos // B]], after[k], atol=2e-4, rtol=2e-4)

@@ -22,8 +22,10 @@ D, K = 48, 4
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias, silu, out", [(True, True, torch.float32), (False, False, None), (True, False, None)])
 def test_the_convolution_kernel_equals_the_torch_form(dtype, bias, silu, out):
-    # fresh over blocks, from a state mid-block, a decode, one starting a block: every kind of tap
-    _, _, t, meta = step_of([(0, 40), (21, 30), (9, 10), (16, 17)])
+    # fresh over blocks, from a state mid-block, a decode, one starting a block: every kind of tap;
+    # (15, 17) writes its read block (block 0, at position 15) before a state that still reads it
+    # (block 1's, at 16, holds position 14): the kernel reads the pool in place
+    _, _, t, meta = step_of([(0, 40), (21, 30), (9, 10), (16, 17), (15, 17)])
     torch.manual_seed(5)
     conv = nn.Conv1d(D, D, K, groups=D, bias=bias).to(dtype)
     pool = (torch.randn(400, 2 * (K - 1) * D) * 0.5).to(dtype)   # a block holds a state and more

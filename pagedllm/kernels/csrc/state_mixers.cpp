@@ -38,20 +38,30 @@ void by_storage(at::ScalarType dtype, const char* what, F f) {
     TORCH_CHECK(false, what, " must be bfloat16, float16 or float32");
 }
 
+// Rows [u; read; zero] as the taps number them: the step's own inputs u [T, D], then each chunk's
+// K - 1 state rows read in place from its block, then zero (before a sequence's first token).
 template <class T>
-const T* tap_row(int64_t idx, const T* u, int64_t ld_u, int64_t t, const T* read, int64_t d, int64_t r) {
-  if (idx < t) return u + idx * ld_u;
-  if (idx < t + r) return read + (idx - t) * d;
-  return nullptr;   // zero: before the sequence's first token
-}
+struct TapRows {
+  const T* u;
+  int64_t ld_u, t;
+  const T* states;
+  int64_t block_stride, w, d, r;
+  const int64_t* read_blocks;
+  const T* operator()(int64_t idx) const {
+    if (idx < t) return u + idx * ld_u;
+    if (idx < t + r) return states + read_blocks[(idx - t) / w] * block_stride + ((idx - t) % w) * d;
+    return nullptr;
+  }
+};
 
 template <class T, class O>
-void conv_rows(O* out, const T* u, int64_t ld_u, int64_t t, const T* read, int64_t r, const float* w, const float* bias,
-               int64_t d, int64_t k, const int64_t* taps, bool act) {
-  at::parallel_for(0, t, std::max<int64_t>(1, (1 << 14) / d), [&](int64_t lo, int64_t hi) {
+void conv_rows(O* out, const TapRows<T>& rows, const float* w, const float* bias, int64_t k, const int64_t* taps,
+               bool act) {
+  const int64_t d = rows.d;
+  at::parallel_for(0, rows.t, std::max<int64_t>(1, (1 << 14) / d), [&](int64_t lo, int64_t hi) {
     std::vector<const T*> src(k);
     for (int64_t row = lo; row < hi; ++row) {
-      for (int64_t j = 0; j < k; ++j) src[j] = tap_row(taps[row * k + j], u, ld_u, t, read, d, r);
+      for (int64_t j = 0; j < k; ++j) src[j] = rows(taps[row * k + j]);
       O* o = out + row * d;
       for (int64_t c = 0; c < d; c += L) {
         vf acc = bias ? loadf(bias + c) : vf{};
@@ -63,15 +73,21 @@ void conv_rows(O* out, const T* u, int64_t ld_u, int64_t t, const T* read, int64
   });
 }
 
+// The states the step leaves, once every output is computed, the last written first. A state's
+// rows come from its chunk's read block only for the chunk's first K - 2 positions, and the one
+// write that can land in the read block (the block the chunk starts in) is its chunk's first:
+// written last, each of its rows j takes state row > j of the same block, so row by row in order
+// never overwrites a row still to be read. (No gathered copy of the read states: a decode step's
+// was most of this kernel's time.)
 template <class T>
-void write_states(T* states, int64_t block_stride, const T* u, int64_t ld_u, int64_t t, const T* read, int64_t r,
-                  int64_t d, int64_t w, const int64_t* blocks, const int64_t* rows, int64_t n) {
-  for (int64_t i = 0; i < n; ++i)
+void write_states(T* states, const TapRows<T>& rows, const int64_t* blocks, const int64_t* write_rows, int64_t n) {
+  const int64_t w = rows.w, d = rows.d;
+  for (int64_t i = n - 1; i >= 0; --i)
     for (int64_t j = 0; j < w; ++j) {
-      const T* src = tap_row(rows[i * w + j], u, ld_u, t, read, d, r);
-      T* dst = states + blocks[i] * block_stride + j * d;
+      const T* src = rows(write_rows[i * w + j]);
+      T* dst = states + blocks[i] * rows.block_stride + j * d;
       if (src)
-        std::memcpy(dst, src, d * sizeof(T));
+        std::memmove(dst, src, d * sizeof(T));
       else
         std::fill(dst, dst + d, T(0.f));
     }
@@ -101,20 +117,22 @@ void gated_norm_rows(T* out, const Y* y, const T* z, int64_t ld_z, const T* w, i
 
 }  // namespace
 
-// out [T, D] (float32, or u's dtype) = act(bias + sum_j weight[:, j] * rows[taps[:, j]]) with rows =
-// [u; read; zero] (u [T, D] of any row stride, read [R, D] contiguous, both the pool's dtype); weight
-// float32 [K, D] (the taps' order), bias float32 [D] or None; then states[write_blocks[i]] (a [W, D]
-// view of the pool, blocks states.stride(0) apart) = rows[write_rows[i]].
-void causal_conv(at::Tensor out, const at::Tensor& u, const at::Tensor& read, const at::Tensor& weight,
-                 const c10::optional<at::Tensor>& bias, const at::Tensor& taps, bool silu_act, at::Tensor states,
+// out [T, D] (float32, or u's dtype) = act(bias + sum_j weight[j] * rows[taps[:, j]]) with rows =
+// [u; read; zero]: u [T, D] of any row stride, read the K - 1 rows of each chunk's state block
+// states[read_blocks[i]] (states: a [blocks, K - 1, D] view of the pool, blocks states.stride(0)
+// apart, u's dtype), read in place; weight float32 [K, D] (the taps' order), bias float32 [D] or
+// None; then states[write_blocks[i]] = rows[write_rows[i]].
+void causal_conv(at::Tensor out, const at::Tensor& u, at::Tensor states, const at::Tensor& read_blocks,
+                 const at::Tensor& weight, const c10::optional<at::Tensor>& bias, const at::Tensor& taps, bool silu_act,
                  const at::Tensor& write_blocks, const at::Tensor& write_rows) {
-  const int64_t t = u.size(0), d = u.size(1), k = weight.size(0), r = read.size(0), w = k - 1;
-  TORCH_CHECK(u.dim() == 2 && u.stride(1) == 1 && read.dim() == 2 && read.is_contiguous() && read.size(1) == d &&
-                  read.scalar_type() == u.scalar_type(),
-              "causal_conv: u [T, D] (rows of any stride), read [R, D] contiguous, of one dtype");
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 && weight.size(1) == d &&
-                  k >= 1,
-              "causal_conv: weight float32 [K, D] contiguous");
+  const int64_t t = u.size(0), d = u.size(1), w = states.size(1), k = w + 1, s = read_blocks.numel(), r = s * w;
+  TORCH_CHECK(u.dim() == 2 && u.stride(1) == 1, "causal_conv: u [T, D], rows of any stride");
+  TORCH_CHECK(states.scalar_type() == u.scalar_type() && states.dim() == 3 && states.size(2) == d &&
+                  states.stride(2) == 1 && states.stride(1) == d,
+              "causal_conv: states [blocks, K - 1, D] in u's dtype, each block's rows contiguous");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(0) == k && weight.size(1) == d,
+              "causal_conv: weight float32 [K, D] contiguous (K - 1 = states.size(1))");
   TORCH_CHECK(!bias || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == d),
               "causal_conv: bias float32 [D]");
   TORCH_CHECK(d % L == 0, "causal_conv: D must be a multiple of ", L, ", got ", d);
@@ -123,16 +141,18 @@ void causal_conv(at::Tensor out, const at::Tensor& u, const at::Tensor& read, co
               "causal_conv: out [T, D] contiguous, float32 or u's dtype");
   TORCH_CHECK(taps.scalar_type() == at::kLong && taps.is_contiguous() && taps.numel() == t * k,
               "causal_conv: taps int64 [T, K]");
+  TORCH_CHECK(read_blocks.scalar_type() == at::kLong && read_blocks.is_contiguous(),
+              "causal_conv: read_blocks int64 [S]");
   const int64_t n = write_blocks.numel();
   TORCH_CHECK(write_blocks.scalar_type() == at::kLong && write_rows.scalar_type() == at::kLong &&
                   write_blocks.is_contiguous() && write_rows.is_contiguous() && write_rows.numel() == n * w,
               "causal_conv: write_blocks int64 [W], write_rows int64 [W, K - 1]");
-  TORCH_CHECK(states.scalar_type() == u.scalar_type() && states.dim() == 3 && states.size(1) == w &&
-                  states.size(2) == d && states.stride(2) == 1 && states.stride(1) == d,
-              "causal_conv: states [blocks, K - 1, D] in u's dtype, each block's rows contiguous");
   const int64_t* tp = taps.data_ptr<int64_t>();
   for (int64_t i = 0; i < t * k; ++i)
     TORCH_CHECK(tp[i] >= 0 && tp[i] <= t + r, "causal_conv: tap ", tp[i], " outside [0, ", t + r, "]");
+  const int64_t* rb = read_blocks.data_ptr<int64_t>();
+  for (int64_t i = 0; i < s; ++i)
+    TORCH_CHECK(rb[i] >= 0 && rb[i] < states.size(0), "causal_conv: read block ", rb[i]);
   const int64_t* wb = write_blocks.data_ptr<int64_t>();
   const int64_t* wr = write_rows.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) TORCH_CHECK(wb[i] >= 0 && wb[i] < states.size(0), "causal_conv: block ", wb[i]);
@@ -140,13 +160,13 @@ void causal_conv(at::Tensor out, const at::Tensor& u, const at::Tensor& read, co
   const float* bp = bias ? bias->data_ptr<float>() : nullptr;
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    const T* up = u.data_ptr<T>();
-    const T* rp = read.data_ptr<T>();
+    T* st = states.data_ptr<T>();
+    const TapRows<T> rows{u.data_ptr<T>(), u.stride(0), t, st, states.stride(0), w, d, r, rb};
     if (out.scalar_type() == at::kFloat)
-      conv_rows(out.data_ptr<float>(), up, u.stride(0), t, rp, r, weight.data_ptr<float>(), bp, d, k, tp, silu_act);
+      conv_rows(out.data_ptr<float>(), rows, weight.data_ptr<float>(), bp, k, tp, silu_act);
     else
-      conv_rows(out.data_ptr<T>(), up, u.stride(0), t, rp, r, weight.data_ptr<float>(), bp, d, k, tp, silu_act);
-    write_states(states.data_ptr<T>(), states.stride(0), up, u.stride(0), t, rp, r, d, w, wb, wr, n);
+      conv_rows(out.data_ptr<T>(), rows, weight.data_ptr<float>(), bp, k, tp, silu_act);
+    write_states(st, rows, wb, wr, n);
   };
   by_storage(u.scalar_type(), "causal_conv: u", run);
 }
@@ -177,8 +197,8 @@ void gated_rms_norm(at::Tensor out, const at::Tensor& y, const at::Tensor& z, co
 }  // namespace pagedllm
 
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
-  m.def("causal_conv(Tensor(a!) out, Tensor u, Tensor read, Tensor weight, Tensor? bias, Tensor taps, bool silu, "
-        "Tensor(b!) states, Tensor write_blocks, Tensor write_rows) -> ()");
+  m.def("causal_conv(Tensor(a!) out, Tensor u, Tensor(b!) states, Tensor read_blocks, Tensor weight, Tensor? bias, "
+        "Tensor taps, bool silu, Tensor write_blocks, Tensor write_rows) -> ()");
   m.def("gated_rms_norm(Tensor(a!) out, Tensor y, Tensor z, Tensor weight, float eps, bool gate_first) -> ()");
 }
 

@@ -16,12 +16,17 @@
 //
 // mamba_scan: Mamba-2's selective scan (models/mamba2.py), a state [P, N] a head, one pass a row:
 //
-//   S = e^(dt A) S + (dt u) B^T;  y = S C   (B and C those of the head's group; D u added apart)
+//   dt = clamp(softplus(dt + dt_bias));  S = e^(dt A) S + (dt u) B^T;  y = S C + D u
+//
+// (B and C those of the head's group), its inputs read in place from the step's convolution and
+// in_proj outputs: the ten torch passes that made them contiguous float32 and added D u took a
+// decode step of Granite's kind as long as the scan itself.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <cmath>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -218,10 +223,10 @@ void run_head(const Rows& R, T* states, int64_t block_stride, int64_t h, int64_t
 }
 
 // One row of the scan: S_out = e^(dt A) S + (dt u) B^T (S as stored, float32, or null: zero; S_out
-// may be S), y = S_out C from the unrounded state.
+// may be S), y = S_out C + D u from the unrounded state.
 template <class S, class D>
 void scan_row(const S* st, D* out, const float* ur, const float* br, const float* cr, float* yr, float decay, float d,
-              int64_t p_dim, int64_t n) {
+              float skip, int64_t p_dim, int64_t n) {
   const int64_t nv = n / L;
   const vf dec = splat(decay);
   for (int64_t p = 0; p < p_dim; ++p) {
@@ -233,33 +238,137 @@ void scan_row(const S* st, D* out, const float* ur, const float* br, const float
       store16(out + p * n + j * L, x);
       acc += x * loadf(cr + j * L);
     }
-    yr[p] = hsum(acc);
+    yr[p] = hsum(acc) + skip * ur[p];
+  }
+}
+
+// The scan's inputs, each row's heads (or groups) contiguous, rows any stride apart: u [T, H, P],
+// b and c [T, G, N]; dt and the decay e^(dt A) [T, H] already made; D [H]; y [T, H, P] contiguous.
+struct ScanRows {
+  const float *u, *b, *c, *dt, *decay, *skip;
+  float* y;
+  int64_t ld_u, ld_b, ld_c, heads, groups, p_dim, n;
+};
+
+// One row's update of PB state rows of NV vectors held in registers (unrolled whole, so that they
+// stay there), y from the unrounded state; STORE: the rows rounded into dst and carried on so.
+template <int NV, int PB, bool STORE, class T>
+inline void scan_step(vf (&st)[PB][NV], vf dec, float d, float skip, const float* ur, const float* br,
+                      const float* cr, float* yr, T* dst, int64_t n) {
+#pragma GCC unroll 16
+  for (int i = 0; i < PB; ++i) {
+    const vf du = splat(d * ur[i]);
+    vf acc{};
+#pragma GCC unroll 16
+    for (int j = 0; j < NV; ++j) {
+      vf x = dec * st[i][j] + du * loadf(br + j * L);
+      acc += x * loadf(cr + j * L);
+      if (STORE) {
+        store16(dst + i * n + j * L, x);
+        x = load16(dst + i * n + j * L);
+      }
+      st[i][j] = x;
+    }
+    yr[i] = hsum(acc) + skip * ur[i];
+  }
+}
+
+// A chunk's rows of one head, PB of the state's P rows at a time held in registers over a tile of
+// rows (each state row evolves on its own: S[p] = e^(dt A) S[p] + dt u[p] B, y[p] = S[p] . C), the
+// tile's B and C rows reused from cache by every PB: a row-by-row pass streamed the whole [P, N]
+// state through L2 twice a row (a Granite prefill's scan ran at a fifth of the FMA rate).
+// NV: vectors a state row (N / 16).
+template <int NV, int PB, class T>
+void scan_chunk(const ScanRows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1,
+                const int64_t* write_to, float* s) {
+  constexpr int64_t TILE = 64;   // rows: their B and C (2 x 64 x N floats) stay in L2 across the P / PB passes
+  const int64_t n = NV * L, head_size = R.p_dim * n, group = h / (R.heads / R.groups);
+  for (int64_t a = r0; a < r1; a += TILE) {
+    const int64_t b = std::min(r1, a + TILE);
+    for (int64_t p0 = 0; p0 < R.p_dim; p0 += PB) {
+      vf st[PB][NV];
+#pragma GCC unroll 16
+      for (int i = 0; i < PB; ++i)
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) st[i][j] = loadf(s + (p0 + i) * n + j * L);
+      for (int64_t r = a; r < b; ++r) {
+        const float* ur = R.u + r * R.ld_u + h * R.p_dim + p0;
+        const float* br = R.b + r * R.ld_b + group * n;
+        const float* cr = R.c + r * R.ld_c + group * n;
+        const vf dec = splat(R.decay[r * R.heads + h]);
+        const float d = R.dt[r * R.heads + h], skip = R.skip[h];
+        float* yr = R.y + (r * R.heads + h) * R.p_dim + p0;
+        if (write_to[r] < 0)
+          scan_step<NV, PB, false, T>(st, dec, d, skip, ur, br, cr, yr, nullptr, n);
+        else   // stored, and carried on as stored
+          scan_step<NV, PB, true>(st, dec, d, skip, ur, br, cr, yr,
+                                  states + write_to[r] * block_stride + h * head_size + p0 * n, n);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < PB; ++i)
+#pragma GCC unroll 16
+        for (int j = 0; j < NV; ++j) storef(s + (p0 + i) * n + j * L, st[i][j]);
+    }
   }
 }
 
 template <class T>
-void scan_head(const float* u, const float* b, const float* c, const float* dt, const float* log_decay, float* y,
-               T* states, int64_t block_stride, int64_t h, int64_t heads, int64_t group, int64_t groups, int64_t p_dim,
-               int64_t n, int64_t r0, int64_t r1, int64_t read, bool fresh, const int64_t* write_to,
-               std::vector<float>& s) {
-  const int64_t head_size = p_dim * n;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* ur = u + (r * heads + h) * p_dim;
-    const float* br = b + (r * groups + group) * n;
-    const float* cr = c + (r * groups + group) * n;
-    const float decay = std::exp(log_decay[r * heads + h]), d = dt[r * heads + h];
-    float* yr = y + (r * heads + h) * p_dim;
-    if (r1 - r0 == 1 && write_to[r] >= 0) {
-      // A decode: one row from the state as stored to the block it writes (the same one mid-block),
-      // in place, no float32 copy: the same numbers as below.
-      const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
-      scan_row(src, states + write_to[r] * block_stride + h * head_size, ur, br, cr, yr, decay, d, p_dim, n);
-      return;
-    }
-    if (r == r0) load_state(s, states + read * block_stride + h * head_size, fresh);
-    scan_row(s.data(), s.data(), ur, br, cr, yr, decay, d, p_dim, n);
-    if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
+void scan_head(const ScanRows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1, int64_t read,
+               bool fresh, const int64_t* write_to, std::vector<float>& s) {
+  const int64_t head_size = R.p_dim * R.n;
+  if (r1 - r0 == 1 && write_to[r0] >= 0) {
+    // A decode: one row from the state as stored to the block it writes (the same one mid-block),
+    // in place, no float32 copy: the same numbers as a chunk's.
+    const int64_t r = r0;
+    const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
+    scan_row(src, states + write_to[r] * block_stride + h * head_size, R.u + r * R.ld_u + h * R.p_dim,
+             R.b + r * R.ld_b + h / (R.heads / R.groups) * R.n, R.c + r * R.ld_c + h / (R.heads / R.groups) * R.n,
+             R.y + (r * R.heads + h) * R.p_dim, R.decay[r * R.heads + h], R.dt[r * R.heads + h], R.skip[h], R.p_dim,
+             R.n);
+    return;
   }
+  if (r1 == r0) return;
+  load_state(s, states + read * block_stride + h * head_size, fresh);
+  // 16 state vectors in registers: PB rows of NV vectors
+  auto chunk = [&](auto nv, auto pb) {
+    scan_chunk<decltype(nv)::value, decltype(pb)::value>(R, states, block_stride, h, r0, r1, write_to, s.data());
+  };
+  using I = std::integral_constant<int, 1>;
+  if (R.n == 128 && R.p_dim % 2 == 0)
+    chunk(std::integral_constant<int, 8>(), std::integral_constant<int, 2>());
+  else if (R.n == 64 && R.p_dim % 4 == 0)
+    chunk(std::integral_constant<int, 4>(), std::integral_constant<int, 4>());
+  else if (R.n == 32 && R.p_dim % 8 == 0)
+    chunk(std::integral_constant<int, 2>(), std::integral_constant<int, 8>());
+  else if (R.n == 16 && R.p_dim % 8 == 0)
+    chunk(I(), std::integral_constant<int, 8>());
+  else if (R.n == 256)
+    chunk(std::integral_constant<int, 16>(), I());
+  else
+    for (int64_t r = r0; r < r1; ++r) {   // other state sizes: row by row
+      const int64_t g = h / (R.heads / R.groups);
+      scan_row(s.data(), s.data(), R.u + r * R.ld_u + h * R.p_dim, R.b + r * R.ld_b + g * R.n,
+               R.c + r * R.ld_c + g * R.n, R.y + (r * R.heads + h) * R.p_dim, R.decay[r * R.heads + h],
+               R.dt[r * R.heads + h], R.skip[h], R.p_dim, R.n);
+      if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
+    }
+}
+
+// Each (row, head)'s dt = clamp(softplus(dt_raw + dt_bias), lo, hi) (torch's softplus: x past 20
+// kept as is) and its decay e^(dt A), A = -e^(A_log), as the torch form computes them.
+template <class T>
+void dt_and_decay(const T* raw, int64_t ld, int64_t t, int64_t heads, const float* bias, const float* a_log,
+                  double lo, double hi, float* dt, float* decay) {
+  at::parallel_for(0, t, 256, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t h = 0; h < heads; ++h) {
+        const float x = float(raw[r * ld + h]) + bias[h];
+        const float sp = x > 20.f ? x : std::log1p(std::exp(x));
+        const float v = std::min(std::max(sp, float(lo)), float(hi));
+        dt[r * heads + h] = v;
+        decay[r * heads + h] = std::exp(v * -std::exp(a_log[h]));
+      }
+  });
 }
 
 // The chunk table's checks both scans share: q_starts int64 [S + 1], read_blocks int64 [S], fresh
@@ -285,37 +394,63 @@ void check_chunks(const char* op, const at::Tensor& q_starts, const at::Tensor& 
 
 }  // namespace
 
-// y [T, H, P] float32 = the scan over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i (u [T, H, P],
-// b and c [T, G, N], dt and log_decay = dt * A [T, H], all float32 contiguous), states and the
-// chunk table as delta_rule's ([blocks, H, P, N]).
+// y [T, H, P] float32 contiguous = the scan over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i
+// plus D u: u [T, H, P], b and c [T, G, N] float32 (each row's values contiguous, rows any stride
+// apart: views of the convolution's output), dt [T, H] before its bias and softplus (any float
+// dtype, rows any stride apart: a view of in_proj's output), dt_bias, A_log and D [H], dt clamped
+// to [dt_min, dt_max]; states and the chunk table as delta_rule's ([blocks, H, P, N]).
 void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at::Tensor& c, const at::Tensor& dt,
-                const at::Tensor& log_decay, at::Tensor states, const at::Tensor& q_starts,
-                const at::Tensor& read_blocks, const at::Tensor& fresh, const at::Tensor& write_to) {
+                const at::Tensor& dt_bias, const at::Tensor& a_log, const at::Tensor& skip, double dt_min,
+                double dt_max, at::Tensor states, const at::Tensor& q_starts, const at::Tensor& read_blocks,
+                const at::Tensor& fresh, const at::Tensor& write_to) {
   const int64_t t = u.size(0), heads = u.size(1), p_dim = u.size(2), groups = b.size(1), n = b.size(2);
-  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&y, &u, &b, &c, &dt, &log_decay})
-    TORCH_CHECK(x->scalar_type() == at::kFloat && x->is_contiguous(), "mamba_scan: y, u, b, c, dt and log_decay "
-                "must be contiguous float32");
-  TORCH_CHECK(u.dim() == 3 && y.sizes() == u.sizes() && b.dim() == 3 && c.sizes() == b.sizes() && b.size(0) == t &&
-                  dt.numel() == t * heads && log_decay.numel() == t * heads && heads % groups == 0,
-              "mamba_scan: u and y [T, H, P], b and c [T, G, N] (G dividing H), dt and log_decay [T, H]");
+  TORCH_CHECK(y.scalar_type() == at::kFloat && y.is_contiguous(), "mamba_scan: y must be contiguous float32");
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&u, &b, &c})
+    TORCH_CHECK(x->scalar_type() == at::kFloat && x->dim() == 3 && x->stride(2) == 1 && x->stride(1) == x->size(2),
+                "mamba_scan: u, b and c float32, each row's values contiguous");
+  TORCH_CHECK(y.sizes() == u.sizes() && c.sizes() == b.sizes() && b.size(0) == t && dt.dim() == 2 &&
+                  dt.size(0) == t && dt.size(1) == heads && dt.stride(1) == 1 && heads % groups == 0,
+              "mamba_scan: u and y [T, H, P], b and c [T, G, N] (G dividing H), dt [T, H]");
+  for (const at::Tensor* x : std::initializer_list<const at::Tensor*>{&dt_bias, &a_log, &skip})
+    TORCH_CHECK(x->numel() == heads, "mamba_scan: dt_bias, A_log and D must have one value a head (", heads, ")");
   TORCH_CHECK(n % L == 0, "mamba_scan: state_size must be a multiple of ", L, ", got ", n);
   TORCH_CHECK(states.dim() == 4 && states.size(1) == heads && states.size(2) == p_dim && states.size(3) == n &&
                   states.stride(3) == 1 && states.stride(2) == n && states.stride(1) == p_dim * n &&
                   (states.scalar_type() == at::kFloat || states.scalar_type() == at::kBFloat16),
               "mamba_scan: states [blocks, H, P, N], each block's rows contiguous, float32 or bf16");
   check_chunks("mamba_scan", q_starts, read_blocks, fresh, write_to, t, states.size(0));
-  const int64_t chunks = read_blocks.numel(), per_group = heads / groups;
+  const at::Tensor bias = dt_bias.to(at::kFloat).contiguous(), al = a_log.to(at::kFloat).contiguous(),
+                   dd = skip.to(at::kFloat).contiguous();
+  std::vector<float> dtv(t * heads), decay(t * heads);
+  auto prep = [&](auto tag) {
+    using D = decltype(tag);
+    dt_and_decay(dt.data_ptr<D>(), dt.stride(0), t, heads, bias.data_ptr<float>(), al.data_ptr<float>(), dt_min,
+                 dt_max, dtv.data(), decay.data());
+  };
+  if (dt.scalar_type() == at::kFloat)
+    prep(float());
+  else if (dt.scalar_type() == at::kBFloat16)
+    prep(c10::BFloat16());
+  else if (dt.scalar_type() == at::kHalf)
+    prep(c10::Half());
+  else
+    TORCH_CHECK(false, "mamba_scan: dt must be float32, bfloat16 or float16");
+  const ScanRows R{u.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), dtv.data(), decay.data(),
+                   dd.data_ptr<float>(), y.data_ptr<float>(), u.stride(0), b.stride(0), c.stride(0), heads, groups,
+                   p_dim, n};
+  const int64_t chunks = read_blocks.numel();
   const int64_t* qs = q_starts.data_ptr<int64_t>();
+  const int64_t* rb = read_blocks.data_ptr<int64_t>();
+  const bool* fr = fresh.data_ptr<bool>();
+  const int64_t* wt = write_to.data_ptr<int64_t>();
   auto run = [&](auto tag) {
     using T = decltype(tag);
+    T* st = states.data_ptr<T>();
     at::parallel_for(0, chunks * heads, 1, [&](int64_t lo, int64_t hi) {
       std::vector<float> s(p_dim * n);
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t i = p / heads, h = p % heads;
-        scan_head<T>(u.data_ptr<float>(), b.data_ptr<float>(), c.data_ptr<float>(), dt.data_ptr<float>(),
-                     log_decay.data_ptr<float>(), y.data_ptr<float>(), states.data_ptr<T>(), states.stride(0), h,
-                     heads, h / per_group, groups, p_dim, n, qs[i], qs[i + 1], read_blocks.data_ptr<int64_t>()[i],
-                     fresh.data_ptr<bool>()[i], write_to.data_ptr<int64_t>(), s);
+        scan_head<T>(R, st, states.stride(0), h, qs[i], qs[i + 1], rb[i], fr[i], wt, s);
       }
     });
   };
@@ -381,8 +516,9 @@ void delta_rule(at::Tensor o, const at::Tensor& q, const at::Tensor& k, const at
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("delta_rule(Tensor(a!) o, Tensor q, Tensor k, Tensor v, Tensor beta, Tensor g, Tensor(b!) states, "
         "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to, bool l2norm=False, float q_scale=1.0) -> ()");
-  m.def("mamba_scan(Tensor(a!) y, Tensor u, Tensor b, Tensor c, Tensor dt, Tensor log_decay, Tensor(b!) states, "
-        "Tensor q_starts, Tensor read_blocks, Tensor fresh, Tensor write_to) -> ()");
+  m.def("mamba_scan(Tensor(a!) y, Tensor u, Tensor b, Tensor c, Tensor dt, Tensor dt_bias, Tensor A_log, Tensor D, "
+        "float dt_min, float dt_max, Tensor(b!) states, Tensor q_starts, Tensor read_blocks, Tensor fresh, "
+        "Tensor write_to) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

@@ -22,7 +22,8 @@ Parts (each engine in its own process, one after another, the same token ids, gr
     python -m benchmarks hybrid_state --family granite --out benchmarks/results/hybrid_state_granite.json
 
 --family granite: the same on Granite 4.0-H's kind (GRANITE below), at block_size 1024; --family
-qwen3_next on Qwen3-Next's layer shapes (QWEN3_NEXT below), at block_size 1024.
+granite_moe on Granite 4.0-H-Tiny's layer shapes with its experts (GRANITE_MOE below), at block_size
+1024; --family qwen3_next on Qwen3-Next's layer shapes (QWEN3_NEXT below), at block_size 1024.
 """
 from __future__ import annotations
 
@@ -48,6 +49,17 @@ GRANITE = dict(hidden_size=1024, num_hidden_layers=12, num_attention_heads=16, n
                mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4, mamba_expand=2, tie_word_embeddings=True,
                layer_types=["attention" if i in (3, 9) else "mamba" for i in range(12)],
                embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=8.0)
+# Granite 4.0-H-Tiny's layer shapes at 10 of its 40 layers (one attention layer, as its 4 of 40): hidden
+# 1536, Mamba-2 of 48 heads of 64 (state 128, one group), attention of 12 heads (4 KV heads) of 128
+# without RoPE, 64 experts of 512 (top 6) beside the shared MLP of 1024, vocabulary 100,352.
+GRANITE_MOE = dict(hidden_size=1536, num_hidden_layers=10, num_attention_heads=12, num_key_value_heads=4,
+                   vocab_size=100352, max_position_embeddings=4096, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                   num_local_experts=64, num_experts_per_tok=6, intermediate_size=512, shared_intermediate_size=1024,
+                   mamba_n_heads=48, mamba_d_head=64, mamba_d_state=128, mamba_n_groups=1, mamba_d_conv=4,
+                   mamba_expand=2, tie_word_embeddings=True,
+                   layer_types=["attention" if i == 5 else "mamba" for i in range(10)],
+                   embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.0078125,
+                   logits_scaling=6.0)
 # Qwen3-Next-80B-A3B's layer shapes at 8 of its 48 layers and 64 of its 512 experts: hidden 2048; gated
 # DeltaNet on 6 layers (16 key heads and 32 value heads of 128, conv 4), gated attention of 16 heads (2 KV)
 # of 256 on layers 3 and 7; experts of 512 (top 10) beside a shared one of 512. Its DeltaNet state
@@ -61,6 +73,8 @@ QWEN3_NEXT = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
                                                     for i in range(8)])
 FAMILIES = {"lfm2": ("lfm2-350m-shape", "Lfm2Config", SHAPE, {}),
             "granite": ("granite-4.0-h-1024x12", "GraniteMoeHybridConfig", GRANITE, {"block_size": 1024}),
+            "granite_moe": ("granite-4.0-h-tiny-1536x10-64e", "GraniteMoeHybridConfig", GRANITE_MOE,
+                            {"block_size": 1024}),
             "qwen3_next": ("qwen3-next-2048x8-64e", "Qwen3NextConfig", QWEN3_NEXT, {"block_size": 1024})}
 SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
 

@@ -34,8 +34,11 @@ def _config(family: str):
                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                   linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
-    # Granite 4.0-H-Micro's kind: Mamba-2 layers (two groups of heads), NoPE attention, its scalars
-    return tf.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=4, num_local_experts=0, shared_intermediate_size=96,
+    # Granite 4.0-H-Micro's kind: Mamba-2 layers (two groups of heads), NoPE attention, its scalars;
+    # granite_moe: -Tiny's kind, experts in every layer beside the shared MLP
+    return tf.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=4, shared_intermediate_size=96,
+                                     **(dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)
+                                        if family == "granite_moe" else dict(num_local_experts=0)),
                                      layer_types=["mamba", "attention", "mamba", "mamba"], mamba_n_heads=4,
                                      mamba_n_groups=2, mamba_d_state=8, mamba_d_head=32, mamba_d_conv=4,
                                      embedding_multiplier=3.0, residual_multiplier=0.5, attention_multiplier=0.3,
@@ -115,6 +118,22 @@ def test_a_prefix_hit_restarts_from_the_cached_state(make_llm, hybrid, hf_tokens
     assert llm.generate([follow], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == hf_greedy(hybrid[0], follow, 32)
     assert kv.prefix_hits - before == 3 * BLOCK
     kv.check_integrity()
+
+
+def test_granite_with_experts_matches_hf(make_llm, tmp_path_factory, model_dir):
+    """Granite 4.0-H-Tiny's kind: a mixture in every layer (its router a softmax over the top k's
+    logits) beside the ungated shared MLP, the experts stacked in the checkpoint as theirs: HF's
+    tokens and prompt logprobs through chunks and batches, and again through a prefix hit."""
+    hf, path = build("granite_moe", tmp_path_factory, model_dir)
+    tokens = hf_tokens_of(hf)
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=48,
+                   block_size=BLOCK, enable_prefix_caching=True)
+    assert llm.engine.runner.model_cfg.moe.shared_width == 96
+    check_greedy_and_prompt_logprobs(llm, hf, tokens)
+    before = llm.engine.kv.prefix_hits
+    assert llm.generate([PROMPTS[3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == tokens[3]
+    assert llm.engine.kv.prefix_hits - before >= 2 * BLOCK
+    llm.engine.kv.check_integrity()
 
 
 def test_beams_fork_the_state_as_hf(make_llm, hybrid):

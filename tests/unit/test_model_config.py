@@ -61,8 +61,8 @@ def test_qwen3_smollm3_phi3_options():
     ({"model_type": "llama", "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling type 'dynamic'"),
     ({"model_type": "llama", "hidden_act": "relu2"}, "activation 'relu2'"),
     ({**GEMMA, "attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
-    ({"model_type": "granitemoehybrid", "num_local_experts": 32}, r"with experts \(num_local_experts 32\) is not "
-     "supported yet; its dense variant"),
+    ({"model_type": "granitemoehybrid", "num_local_experts": 32, "num_experts_per_tok": 40},
+     r"granitemoehybrid: num_local_experts \(32\), num_experts_per_tok \(40\)"),
     ({"model_type": "granitemoehybrid", "num_local_experts": 0, "layer_types": ["mamba", "ssd"]},
      r"layer_types \['ssd'\]"),
     ({"model_type": "granitemoehybrid", "num_local_experts": 0, "position_embedding_type": "alibi"},

@@ -136,6 +136,50 @@ def test_granite_with_experts_matches_hf(make_llm, tmp_path_factory, model_dir):
     llm.engine.kv.check_integrity()
 
 
+# PEFT's names for every matmul of a family's layers: attention's, the state mixer's own, the MLP's
+LORA_TARGETS = {"lfm2": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"],
+                "granitemoehybrid": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
+                                     "output_linear"]}
+
+
+def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, tmp_path):
+    """A PEFT adapter on each matmul of the layers, the state mixers' included (LFM2's conv
+    in_proj / out_proj, Granite's Mamba in_proj / out_proj), run unmerged from the KV pool's pages:
+    the tokens of PEFT's merged model, not the base's. Qwen3-Next's mixture of experts refuses
+    adapters by name."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from pagedllm import LLM
+    from pagedllm.lora import LoRARequest
+
+    hf, path = hybrid
+    family = hf.config.model_type
+    if family not in LORA_TARGETS:
+        with pytest.raises(ValueError, match="enable_lora is not supported with a mixture of experts"):
+            LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, enable_lora=True)
+        return
+    torch.manual_seed(3)
+    peft = get_peft_model(copy.deepcopy(hf), LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS[family],
+                                                        init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.5)
+    peft.save_pretrained(tmp_path / "adapter")
+    merged = peft.merge_and_unload().eval()
+    prompts = PROMPTS[:4]
+    want = [hf_greedy(merged, ids, 16) for ids in prompts]
+    assert want != [hf_greedy(hf, ids, 16) for ids in prompts], "the adapter must move the tokens"
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, enable_lora=True,
+                   max_lora_rank=8)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,
+                        lora_request=LoRARequest("a", 1, str(tmp_path / "adapter")))
+    assert [o.outputs[0].token_ids for o in outs] == want
+    llm.engine.kv.check_integrity()
+
+
 def test_beams_fork_the_state_as_hf(make_llm, hybrid):
     """Beams share their parent's state block and copy it before writing their own token."""
     hf, path = hybrid

@@ -114,7 +114,7 @@ def test_an_adapter_of_another_model_is_refused_by_shape(lora_llm, tmp_path):
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_"
     save_file({key + "A.weight": torch.zeros(4, 1024), key + "B.weight": torch.zeros(576, 4)},
               str(bad / "adapter_model.safetensors"))
-    with pytest.raises(ValueError, match=r"layer 0 q_proj has A \(4, 1024\).*needs A \(4, 576\)"):
+    with pytest.raises(ValueError, match=r"layer 0 self_attn.q_proj has A \(4, 1024\).*needs A \(4, 576\)"):
         lora_llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False, lora_request=LoRARequest("o", 13, str(bad)))
     save_file({"base_model.model.lm_head.lora_A.weight": torch.zeros(4, 576)}, str(bad / "adapter_model.safetensors"))
     with pytest.raises(ValueError, match="targets a module we do not adapt"):

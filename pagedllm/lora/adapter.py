@@ -2,9 +2,12 @@
 into the low-rank pieces of this model's matmuls.
 
 PEFT names a piece by the checkpoint's module (`...layers.3.self_attn.q_proj.lora_A.weight`,
-A [r, in], B [out, r]); our decoder fuses q/k/v into one matmul and gate/up into another, so a
-piece lands on a column range of the fused output (LoRAPart.col). A checkpoint that fused them
-itself (Phi-3's qkv_proj, gate_up_proj) has one piece over all of them. The delta a piece adds is
+A [r, in], B [out, r]), read in our names through the family's renames (LFM2's
+feed_forward.w1 is our mlp.gate_proj); our decoder fuses q/k/v into one matmul and gate/up into
+another, so a piece lands on a column range of the fused output (LoRAPart.col). A checkpoint that
+fused them itself (Phi-3's qkv_proj, gate_up_proj) has one piece over all of them, and so has a
+state layer's own matmul (LFM2's conv.in_proj, Granite's mamba.in_proj / out_proj), whose B rows
+follow the base weight's through the family's reorder. The delta a piece adds is
 scaling * (x A^T) B^T with scaling = lora_alpha / r (rsLoRA: / sqrt(r)), as PEFT computes it
 unmerged."""
 from __future__ import annotations
@@ -27,7 +30,8 @@ TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj",
            "o_proj": ("self_attn.o_proj", None), "gate_proj": ("mlp.gate_up_proj", 0),
            "up_proj": ("mlp.gate_up_proj", 1), "gate_up_proj": ("mlp.gate_up_proj", None),
            "down_proj": ("mlp.down_proj", None)}
-_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_FUSED = {leaf: part for leaf, part in TARGETS.items() if part[1] is not None}   # q/k/v, gate/up
+_KEY = re.compile(r"base_model\.model\.model\.layers\.(\d+)\.([\w.]+)\.lora_([AB])\.weight")
 # adapter_config.json settings this engine does not compute, and why a user would see them
 _REFUSED = {"use_dora": "DoRA", "modules_to_save": "modules_to_save (fully trained layers)",
             "fan_in_fan_out": "fan_in_fan_out (GPT-2-style Conv1D layers)", "rank_pattern": "rank_pattern",
@@ -90,6 +94,30 @@ def stack_parts(parts: list[LoRAPart], width: int, scaling: float) -> LoRAModule
     return LoRAModule(a, [(p.col, (p.b.T * scaling).contiguous()) for p in parts], width)
 
 
+def layer_matmuls(mc: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of each matmul of `layer` an adapter may reach, our names within
+    the layer: attention's and the MLP's, or a state layer's mixer's and the MLP's."""
+    mlp = {"mlp.gate_up_proj": (mc.hidden_size, 2 * mc.intermediate_size),
+           "mlp.down_proj": (mc.intermediate_size, mc.hidden_size)}
+    if layer in mc.state_layers:
+        from ..models.layers import state_mixer_matmuls
+
+        return {**state_mixer_matmuls(mc), **mlp}
+    q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
+    return {"self_attn.qkv_proj": (mc.hidden_size, q + 2 * kv), "self_attn.o_proj": (q, mc.hidden_size), **mlp}
+
+
+def adapted_matmul(mc: ModelConfig, layer: int, module: str) -> tuple[str, int | None] | None:
+    """Where PEFT's `module` of `layer` (the checkpoint's name within the layer) lands: (our
+    matmul within the layer, which of its fused parts or None for all of it); None where we hold
+    no such matmul."""
+    ours = mc.family.weights.name(module)
+    head, _, leaf = ours.rpartition(".")
+    if leaf in _FUSED and head == _FUSED[leaf][0].split(".")[0]:
+        return _FUSED[leaf]
+    return (ours, None) if ours in layer_matmuls(mc, layer) else None
+
+
 def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
     """(first column, columns) of each part of our matmuls (q, k, v and gate, up where fused)."""
     q, kv, inter = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim, mc.intermediate_size
@@ -100,6 +128,21 @@ def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
 def in_features(mc: ModelConfig, matmul: str) -> int:
     return {"self_attn.o_proj": mc.num_heads * mc.head_dim, "mlp.down_proj": mc.intermediate_size}.get(
         matmul, mc.hidden_size)
+
+
+def _rows_as_stored(mc: ModelConfig, layer: int, matmul: str, b: torch.Tensor, path: Path) -> torch.Tensor:
+    """B [out, r] with its rows where the family's loader puts its base weight's (Qwen3-Next's
+    DeltaNet in_proj rows regrouped): the delta's columns then line up with the base's."""
+    reorder = mc.family.weights.reorder
+    if reorder is None:
+        return b
+    name = f"layers.{layer}.{matmul}.weight"
+    held = {name: b}
+    reorder(held, mc)
+    if set(held) != {name} or held[name].shape != b.shape:
+        raise ValueError(f"lora: {path}: layer {layer} {matmul}'s weight is rearranged at load in a way an "
+                         "adapter's rows cannot follow")
+    return held[name]
 
 
 def read_config(path: Path, max_rank: int) -> tuple[int, float]:
@@ -150,8 +193,8 @@ def _shard(name: str, ab: dict[str, torch.Tensor], rank: int, size: int, path: P
     elif name in _ROW_PARALLEL:
         cut, dim = "A", 1
     else:
-        raise ValueError(f"lora: {path}: {name} is a fused matmul of its own model's layout; tensor parallelism "
-                         "cuts q/k/v and gate/up apart (an adapter of separate modules runs)")
+        raise ValueError(f"lora: {path}: {name} is a matmul tensor parallelism does not cut as an adapter's "
+                         "(q/k/v and gate/up are cut apart, o and down by their inputs; an adapter of those runs)")
     if cut in ab and ab[cut].shape[dim] % size:
         raise ValueError(f"lora: {path}: {name}'s lora_{cut} has {ab[cut].shape[dim]} along the cut, not a multiple "
                          f"of tensor_parallel_size {size}")
@@ -179,12 +222,12 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
-        if m is None or m.group(2) not in TARGETS:
-            raise ValueError(f"lora: {path}: tensor {key!r} targets a module we do not adapt "
-                             f"(supported: {', '.join(TARGETS)} of the decoder layers)")
-        layer = int(m.group(1))
-        if layer >= mc.num_layers:
+        layer = int(m.group(1)) if m is not None else -1
+        if m is not None and layer >= mc.num_layers:
             raise ValueError(f"lora: {path}: {key!r} is for layer {layer}; the base model has {mc.num_layers}")
+        if m is None or adapted_matmul(mc, layer, m.group(2)) is None:
+            raise ValueError(f"lora: {path}: tensor {key!r} targets a module we do not adapt (supported: "
+                             f"{', '.join(TARGETS)} of the decoder layers, and a state layer's own matmuls)")
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
             raise ValueError(f"lora: {path}: tensor {key!r} must hold finite floats (it has "
                              f"{'NaN or Inf values' if t.is_floating_point() else t.dtype})")
@@ -194,12 +237,14 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     for (layer, name), ab in sorted(pairs.items()):
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora: {path}: layer {layer} {name} has lora_{''.join(ab)} without its pair")
-        ab = _shard(name, ab, *tp, path)
-        matmul, part = TARGETS[name]
-        cols = columns[matmul]
-        col, width = cols[part] if part is not None else (0, cols[-1][0] + cols[-1][1])
+        ab = _shard(name.rpartition(".")[2], ab, *tp, path)
+        matmul, part = adapted_matmul(mc, layer, name)
+        k, n = layer_matmuls(mc, layer)[matmul]
+        col, width = columns[matmul][part] if part is not None else (0, n)
         a, b = ab["A"], ab["B"]
-        want_a, want_b = (rank, in_features(mc, matmul)), (width, rank)
+        if part is None and matmul not in columns:   # a state layer's own matmul: B's rows as its weight's
+            b = _rows_as_stored(mc, layer, matmul, b, path)
+        want_a, want_b = (rank, k), (width, rank)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise ValueError(f"lora: {path}: layer {layer} {name} has A {tuple(a.shape)} and B {tuple(b.shape)}; "
                              f"this base model{' (one rank of tensor parallel)' if tp[1] > 1 else ''} needs "
@@ -210,8 +255,8 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         raise ValueError(f"lora: {path} holds no LoRA weights")
     modules = {}
     for name, parts in pieces.items():
-        cols = columns[name.split(".", 2)[2]]
-        m = stack_parts(parts, cols[-1][0] + cols[-1][1], scaling)   # scaled in fp32, then rounded once
+        layer, within = int(name.split(".")[1]), name.split(".", 2)[2]
+        m = stack_parts(parts, layer_matmuls(mc, layer)[within][1], scaling)   # scaled in fp32, then rounded once
         module = LoRAModule(m.a.to(dtype), [(c, bt.to(dtype)) for c, bt in m.bt], m.out_features)
         if not all(bool(torch.isfinite(t).all()) for t in (module.a, *(bt for _, bt in module.bt))):
             raise ValueError(f"lora: {path}: {name}'s weights, scaled by {scaling:g}, overflow {dtype}")

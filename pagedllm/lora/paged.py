@@ -10,7 +10,7 @@ import torch
 from ..kv import KVLayout
 from ..models import ModelConfig
 from ..util import cdiv
-from .adapter import LoRAAdapter, part_columns
+from .adapter import LoRAAdapter, layer_matmuls, part_columns
 from .layout import PageGeometry, best_width
 
 
@@ -29,7 +29,9 @@ class PagedAdapter:
 def matmul_widths(mc: ModelConfig) -> list[int]:
     """The input and output widths of the matmuls an adapter may target, and of their parts."""
     cols = part_columns(mc)
-    return [mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size,
+    own = {d for layer in (mc.state_layers[:1] if mc.state_layers else ()) for dims in layer_matmuls(mc, layer).values()
+           for d in dims}
+    return [mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size, *sorted(own),
             *(w for parts in cols.values() for _, w in parts), *(c for parts in cols.values() for c, _ in parts if c)]
 
 

@@ -24,6 +24,19 @@ MIXERS = {"short_conv": ("conv", ShortConv), "mamba2": ("mamba", Mamba2Mixer),
           "gated_deltanet": ("linear_attn", GatedDeltaNet)}
 
 
+def state_mixer_matmuls(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """A state layer's mixer's matmuls, our names within the layer ("conv.in_proj"), as
+    (in_features, out_features): read off the mixer built on the meta device (no memory), so
+    that what adapters may target is what the layer holds."""
+    if not cfg.state_mixer:
+        return {}
+    attr, cls = MIXERS[cfg.state_mixer]
+    with torch.device("meta"):
+        mixer = cls(cfg)
+    return {f"{attr}.{name}": (m.in_features, m.out_features) for name, m in mixer.named_modules()
+            if isinstance(m, nn.Linear)}
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, window: int = 0) -> None:
         super().__init__()

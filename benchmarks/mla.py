@@ -16,6 +16,10 @@ Parts (each engine in its own process, one after another, greedy):
           left-padded), and with --parts vllm, vLLM-CPU with both cores.
 
     python -m benchmarks mla --out benchmarks/results/mla.json
+    python -m benchmarks mla --family v3 --parts batch,vllm --out benchmarks/results/mla_v3_vllm.json
+
+--family v3: DeepSeek-V3's architecture (its sigmoid router with a picking bias, scaled weights) at
+Moonlight-16B-A3B's shape (MOONLIGHT below), a published deepseek_v3 model of V2-Lite's widths.
 """
 from __future__ import annotations
 
@@ -35,14 +39,33 @@ V2_LITE = dict(hidden_size=2048, num_hidden_layers=LAYERS, num_attention_heads=1
                rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                                 "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
                                 "rope_theta": 10000.0})
+# DeepSeek-V3's architecture (model_type deepseek_v3: sigmoid router scores with a bias that only picks,
+# the top k's weights renormalized and scaled) at Moonlight-16B-A3B's shape, a published deepseek_v3
+# model: V2-Lite's widths, 64 experts of 1,408 top 6 beside 2 shared, routed_scaling 2.446, RoPE
+# theta 50,000 without YaRN; 4 of its 27 layers, SmolLM2's vocabulary.
+MOONLIGHT = {**{k: v for k, v in V2_LITE.items() if k not in ("topk_method", "rope_parameters")},
+             "intermediate_size": 11264, "routed_scaling_factor": 2.446, "norm_topk_prob": True,
+             "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}
+FAMILIES = {"v2_lite": ("deepseek-v2-lite", "DeepseekV2Config", V2_LITE),
+            "v3": ("deepseek-v3-moonlight", "DeepseekV3Config", MOONLIGHT)}
 V3_HEADS = 128
 POOL, BLOCK, OFFERED, PROMPT, NEW = 64 * 2**20, 16, 128, 240, 16
 
 
-def model_dir() -> Path:
+def model_dir(family: str = "v2_lite") -> Path:
     from benchmarks.lib.random_models import random_model
 
-    return random_model("mla-bench", f"deepseek-v2-lite-{LAYERS}l", "DeepseekV2Config", V2_LITE)
+    name, config, shape = FAMILIES[family]
+    return random_model("mla-bench", f"{name}-{LAYERS}l", config, shape,
+                        after=(lambda out: published_keys(out / "config.json")) if family == "v3" else None)
+
+
+def published_keys(config: Path) -> None:
+    """The router keys DeepSeek-V3's and Moonlight's published config.json hold beside transformers'
+    (vLLM makes the router's e_score_correction_bias only under topk_method noaux_tc)."""
+    cfg = json.loads(config.read_text())
+    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    config.write_text(json.dumps(cfg, indent=2))
 
 
 def concurrency(path: str) -> dict:
@@ -102,12 +125,15 @@ def memory(path: Path, res: dict) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm")
+    p.add_argument("--family", default="v2_lite", choices=sorted(FAMILIES),
+                   help="v2_lite: DeepSeek-V2-Lite's shape; v3: DeepSeek-V3's architecture at Moonlight-16B-A3B's")
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
-    path = model_dir()
-    res: dict = {"benchmark": "mla", "shape": V2_LITE, "params": json.loads((path / "complete").read_text())["params"]}
+    path = model_dir(a.family)
+    res: dict = {"benchmark": "mla", "family": a.family, "shape": FAMILIES[a.family][2],
+                 "params": json.loads((path / "complete").read_text())["params"]}
     if "memory" in parts:
         memory(path, res)
     if "batch" in parts or "vllm" in parts:

@@ -315,16 +315,18 @@ void scan_chunk(const ScanRows& R, T* states, int64_t block_stride, int64_t h, i
 template <class T>
 void scan_head(const ScanRows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1, int64_t read,
                bool fresh, const int64_t* write_to, std::vector<float>& s) {
-  const int64_t head_size = R.p_dim * R.n;
+  const int64_t head_size = R.p_dim * R.n, g = h / (R.heads / R.groups);
+  // row r's scan from the state st into out, as one pass (the decode's, and other state sizes')
+  auto row = [&](int64_t r, const auto* st, auto* out) {
+    scan_row(st, out, R.u + r * R.ld_u + h * R.p_dim, R.b + r * R.ld_b + g * R.n, R.c + r * R.ld_c + g * R.n,
+             R.y + (r * R.heads + h) * R.p_dim, R.decay[r * R.heads + h], R.dt[r * R.heads + h], R.skip[h], R.p_dim,
+             R.n);
+  };
   if (r1 - r0 == 1 && write_to[r0] >= 0) {
     // A decode: one row from the state as stored to the block it writes (the same one mid-block),
     // in place, no float32 copy: the same numbers as a chunk's.
-    const int64_t r = r0;
-    const T* src = fresh ? nullptr : states + read * block_stride + h * head_size;
-    scan_row(src, states + write_to[r] * block_stride + h * head_size, R.u + r * R.ld_u + h * R.p_dim,
-             R.b + r * R.ld_b + h / (R.heads / R.groups) * R.n, R.c + r * R.ld_c + h / (R.heads / R.groups) * R.n,
-             R.y + (r * R.heads + h) * R.p_dim, R.decay[r * R.heads + h], R.dt[r * R.heads + h], R.skip[h], R.p_dim,
-             R.n);
+    row(r0, fresh ? nullptr : states + read * block_stride + h * head_size,
+        states + write_to[r0] * block_stride + h * head_size);
     return;
   }
   if (r1 == r0) return;
@@ -346,10 +348,7 @@ void scan_head(const ScanRows& R, T* states, int64_t block_stride, int64_t h, in
     chunk(std::integral_constant<int, 16>(), I());
   else
     for (int64_t r = r0; r < r1; ++r) {   // other state sizes: row by row
-      const int64_t g = h / (R.heads / R.groups);
-      scan_row(s.data(), s.data(), R.u + r * R.ld_u + h * R.p_dim, R.b + r * R.ld_b + g * R.n,
-               R.c + r * R.ld_c + g * R.n, R.y + (r * R.heads + h) * R.p_dim, R.decay[r * R.heads + h],
-               R.dt[r * R.heads + h], R.skip[h], R.p_dim, R.n);
+      row(r, s.data(), s.data());
       if (write_to[r] >= 0) store_state(s, states + write_to[r] * block_stride + h * head_size);
     }
 }

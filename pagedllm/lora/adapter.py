@@ -107,15 +107,15 @@ def layer_matmuls(mc: ModelConfig, layer: int) -> dict[str, tuple[int, int]]:
     return {"self_attn.qkv_proj": (mc.hidden_size, q + 2 * kv), "self_attn.o_proj": (q, mc.hidden_size), **mlp}
 
 
-def adapted_matmul(mc: ModelConfig, layer: int, module: str) -> tuple[str, int | None] | None:
-    """Where PEFT's `module` of `layer` (the checkpoint's name within the layer) lands: (our
-    matmul within the layer, which of its fused parts or None for all of it); None where we hold
-    no such matmul."""
+def adapted_matmul(mc: ModelConfig, module: str, matmuls: dict[str, tuple[int, int]]) -> tuple[str, int | None] | None:
+    """Where PEFT's `module` (the checkpoint's name within a layer whose matmuls are `matmuls`)
+    lands: (our matmul within the layer, which of its fused parts or None for all of it); None
+    where we hold no such matmul."""
     ours = mc.family.weights.name(module)
     head, _, leaf = ours.rpartition(".")
     if leaf in _FUSED and head == _FUSED[leaf][0].split(".")[0]:
         return _FUSED[leaf]
-    return (ours, None) if ours in layer_matmuls(mc, layer) else None
+    return (ours, None) if ours in matmuls else None
 
 
 def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
@@ -220,12 +220,19 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     except (SafetensorError, OSError) as e:
         raise ValueError(f"lora: {weights} cannot be read: {e}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    shapes: dict[int, dict[str, tuple[int, int]]] = {}   # each adapted layer's matmuls, made once
+
+    def matmuls(layer: int) -> dict[str, tuple[int, int]]:
+        if layer not in shapes:
+            shapes[layer] = layer_matmuls(mc, layer)
+        return shapes[layer]
+
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)
         layer = int(m.group(1)) if m is not None else -1
         if m is not None and layer >= mc.num_layers:
             raise ValueError(f"lora: {path}: {key!r} is for layer {layer}; the base model has {mc.num_layers}")
-        if m is None or adapted_matmul(mc, layer, m.group(2)) is None:
+        if m is None or adapted_matmul(mc, m.group(2), matmuls(layer)) is None:
             raise ValueError(f"lora: {path}: tensor {key!r} targets a module we do not adapt (supported: "
                              f"{', '.join(TARGETS)} of the decoder layers, and a state layer's own matmuls)")
         if not t.is_floating_point() or not bool(torch.isfinite(t).all()):
@@ -238,8 +245,8 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
         if set(ab) != {"A", "B"}:
             raise ValueError(f"lora: {path}: layer {layer} {name} has lora_{''.join(ab)} without its pair")
         ab = _shard(name.rpartition(".")[2], ab, *tp, path)
-        matmul, part = adapted_matmul(mc, layer, name)
-        k, n = layer_matmuls(mc, layer)[matmul]
+        matmul, part = adapted_matmul(mc, name, matmuls(layer))
+        k, n = matmuls(layer)[matmul]
         col, width = columns[matmul][part] if part is not None else (0, n)
         a, b = ab["A"], ab["B"]
         if part is None and matmul not in columns:   # a state layer's own matmul: B's rows as its weight's
@@ -256,7 +263,7 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     modules = {}
     for name, parts in pieces.items():
         layer, within = int(name.split(".")[1]), name.split(".", 2)[2]
-        m = stack_parts(parts, layer_matmuls(mc, layer)[within][1], scaling)   # scaled in fp32, then rounded once
+        m = stack_parts(parts, matmuls(layer)[within][1], scaling)   # scaled in fp32, then rounded once
         module = LoRAModule(m.a.to(dtype), [(c, bt.to(dtype)) for c, bt in m.bt], m.out_features)
         if not all(bool(torch.isfinite(t).all()) for t in (module.a, *(bt for _, bt in module.bt))):
             raise ValueError(f"lora: {path}: {name}'s weights, scaled by {scaling:g}, overflow {dtype}")

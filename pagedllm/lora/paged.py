@@ -29,8 +29,8 @@ class PagedAdapter:
 def matmul_widths(mc: ModelConfig) -> list[int]:
     """The input and output widths of the matmuls an adapter may target, and of their parts."""
     cols = part_columns(mc)
-    own = {d for layer in (mc.state_layers[:1] if mc.state_layers else ()) for dims in layer_matmuls(mc, layer).values()
-           for d in dims}
+    # a state layer's own matmuls (every state layer has the same)
+    own = {d for dims in layer_matmuls(mc, mc.state_layers[0]).values() for d in dims} if mc.state_layers else set()
     return [mc.hidden_size, mc.num_heads * mc.head_dim, mc.intermediate_size, *sorted(own),
             *(w for parts in cols.values() for _, w in parts), *(c for parts in cols.values() for c, _ in parts if c)]
 

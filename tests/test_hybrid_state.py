@@ -142,7 +142,7 @@ LORA_TARGETS = {"lfm2": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w
                                      "output_linear"]}
 
 
-def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, tmp_path):
+def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, hf_tokens, tmp_path):
     """A PEFT adapter on each matmul of the layers, the state mixers' included (LFM2's conv
     in_proj / out_proj, Granite's Mamba in_proj / out_proj), run unmerged from the KV pool's pages:
     the tokens of PEFT's merged model, not the base's. Qwen3-Next's mixture of experts refuses
@@ -171,7 +171,7 @@ def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, tm
     merged = peft.merge_and_unload().eval()
     prompts = PROMPTS[:4]
     want = [hf_greedy(merged, ids, 16) for ids in prompts]
-    assert want != [hf_greedy(hf, ids, 16) for ids in prompts], "the adapter must move the tokens"
+    assert want != [t[:16] for t in hf_tokens[:4]], "the adapter must move the tokens"
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, enable_lora=True,
                    max_lora_rank=8)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False,

@@ -76,6 +76,8 @@ FAMILIES = {"lfm2": ("lfm2-350m-shape", "Lfm2Config", SHAPE, {}),
             "granite_moe": ("granite-4.0-h-tiny-1536x10-64e", "GraniteMoeHybridConfig", GRANITE_MOE,
                             {"block_size": 1024}),
             "qwen3_next": ("qwen3-next-2048x8-64e", "Qwen3NextConfig", QWEN3_NEXT, {"block_size": 1024})}
+# Keys LFM2's published config.json holds beside transformers' (vLLM reads conv_dim)
+PUBLISHED = {"lfm2": {k: SHAPE["hidden_size"] for k in ("conv_dim", "conv_dim_out", "block_dim")}}
 SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32
 
 
@@ -84,16 +86,7 @@ def model_dir(family: str = "lfm2") -> Path:
     from benchmarks.lib.random_models import random_model
 
     name, config, shape, _ = FAMILIES[family]
-    return random_model("hybrid-bench", name, config, shape,
-                        after=(lambda out: published_keys(out / "config.json")) if family == "lfm2" else None)
-
-
-def published_keys(config: Path) -> None:
-    """The keys LFM2's published config.json holds beside transformers' (vLLM reads conv_dim)."""
-    cfg = json.loads(config.read_text())
-    h = cfg["hidden_size"]
-    cfg.update(conv_dim=h, conv_dim_out=h, block_dim=h)
-    config.write_text(json.dumps(cfg, indent=2))
+    return random_model("hybrid-bench", name, config, shape, config_keys=PUBLISHED.get(family))
 
 
 def chat_workload(tokenizer_dir: Path) -> tuple[list[int], list[list[int]]]:

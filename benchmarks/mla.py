@@ -48,6 +48,9 @@ MOONLIGHT = {**{k: v for k, v in V2_LITE.items() if k not in ("topk_method", "ro
              "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0}}
 FAMILIES = {"v2_lite": ("deepseek-v2-lite", "DeepseekV2Config", V2_LITE),
             "v3": ("deepseek-v3-moonlight", "DeepseekV3Config", MOONLIGHT)}
+# The router keys DeepSeek-V3's and Moonlight's published config.json hold beside transformers' (vLLM
+# makes the router's e_score_correction_bias only under topk_method noaux_tc)
+PUBLISHED = {"v3": {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}}
 V3_HEADS = 128
 POOL, BLOCK, OFFERED, PROMPT, NEW = 64 * 2**20, 16, 128, 240, 16
 
@@ -56,16 +59,7 @@ def model_dir(family: str = "v2_lite") -> Path:
     from benchmarks.lib.random_models import random_model
 
     name, config, shape = FAMILIES[family]
-    return random_model("mla-bench", f"{name}-{LAYERS}l", config, shape,
-                        after=(lambda out: published_keys(out / "config.json")) if family == "v3" else None)
-
-
-def published_keys(config: Path) -> None:
-    """The router keys DeepSeek-V3's and Moonlight's published config.json hold beside transformers'
-    (vLLM makes the router's e_score_correction_bias only under topk_method noaux_tc)."""
-    cfg = json.loads(config.read_text())
-    cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
-    config.write_text(json.dumps(cfg, indent=2))
+    return random_model("mla-bench", f"{name}-{LAYERS}l", config, shape, config_keys=PUBLISHED.get(family))
 
 
 def concurrency(path: str) -> dict:

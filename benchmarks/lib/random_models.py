@@ -8,10 +8,12 @@ from pathlib import Path
 from typing import Callable
 
 
-def random_model(folder: str, name: str, config: str, shape: dict, after: Callable[[Path], None] | None = None) -> Path:
+def random_model(folder: str, name: str, config: str, shape: dict, after: Callable[[Path], None] | None = None,
+                 config_keys: dict | None = None) -> Path:
     """The directory of transformers' `config` class with `shape`, random bf16 weights, under
-    cache/folder/name (made on the first call; `after` then edits its files). Its `complete` file
-    holds the parameter count."""
+    cache/folder/name (made on the first call; `after` then edits its files). `config_keys`: keys the
+    published config.json carries beside what transformers' class writes (vLLM reads some of them:
+    LFM2's conv_dim, DeepSeek-V3's topk_method). Its `complete` file holds the parameter count."""
     import torch
     import transformers as tf
 
@@ -26,6 +28,9 @@ def random_model(folder: str, name: str, config: str, shape: dict, after: Callab
     cfg.dtype = "bfloat16"
     model = tf.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     model.save_pretrained(out, safe_serialization=True)
+    if config_keys:
+        path = out / "config.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config_keys}, indent=2))
     if after is not None:
         after(out)
     for f in resolve_model_dir(None).iterdir():

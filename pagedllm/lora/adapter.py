@@ -125,11 +125,6 @@ def part_columns(mc: ModelConfig) -> dict[str, list[tuple[int, int]]]:
             "mlp.gate_up_proj": [(0, inter), (inter, inter)], "mlp.down_proj": [(0, mc.hidden_size)]}
 
 
-def in_features(mc: ModelConfig, matmul: str) -> int:
-    return {"self_attn.o_proj": mc.num_heads * mc.head_dim, "mlp.down_proj": mc.intermediate_size}.get(
-        matmul, mc.hidden_size)
-
-
 def _rows_as_stored(mc: ModelConfig, layer: int, matmul: str, b: torch.Tensor, path: Path) -> torch.Tensor:
     """B [out, r] with its rows where the family's loader puts its base weight's (Qwen3-Next's
     DeltaNet in_proj rows regrouped): the delta's columns then line up with the base's."""

@@ -10,7 +10,7 @@ from typing import Sequence
 import torch
 
 from ..models import ModelConfig
-from .adapter import TARGETS, in_features, part_columns
+from .adapter import TARGETS, layer_matmuls, part_columns
 
 
 def write_random_adapter(path: Path, mc: ModelConfig, seed: int, rank: int, targets: Sequence[str],
@@ -28,7 +28,8 @@ def write_random_adapter(path: Path, mc: ModelConfig, seed: int, rank: int, targ
             matmul, part = TARGETS[t]
             out = cols[matmul][part][1] if part is not None else sum(w for _, w in cols[matmul])
             key = f"base_model.model.model.layers.{layer}.{matmul.split('.')[0]}.{t}.lora_"
-            tensors[key + "A.weight"] = (torch.randn(rank, in_features(mc, matmul), generator=g) * std).to(dtype)
+            tensors[key + "A.weight"] = (torch.randn(rank, layer_matmuls(mc, layer)[matmul][0], generator=g)
+                                         * std).to(dtype)
             tensors[key + "B.weight"] = (torch.randn(out, rank, generator=g) * std).to(dtype)
     path.mkdir(parents=True, exist_ok=True)
     (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank,

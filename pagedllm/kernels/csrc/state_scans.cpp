@@ -394,10 +394,11 @@ void check_chunks(const char* op, const at::Tensor& q_starts, const at::Tensor& 
 }  // namespace
 
 // y [T, H, P] float32 contiguous = the scan over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i
-// plus D u: u [T, H, P], b and c [T, G, N] float32 (each row's values contiguous, rows any stride
-// apart: views of the convolution's output), dt [T, H] before its bias and softplus (any float
-// dtype, rows any stride apart: a view of in_proj's output), dt_bias, A_log and D [H], dt clamped
-// to [dt_min, dt_max]; states and the chunk table as delta_rule's ([blocks, H, P, N]).
+// plus D u, zero on rows past the last chunk: u [T, H, P], b and c [T, G, N] float32 (each row's
+// values contiguous, rows any stride apart: views of the convolution's output), dt [T, H] before its
+// bias and softplus (any float dtype, rows any stride apart: a view of in_proj's output), dt_bias,
+// A_log and D [H], dt clamped to [dt_min, dt_max]; states and the chunk table as delta_rule's
+// ([blocks, H, P, N]).
 void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at::Tensor& c, const at::Tensor& dt,
                 const at::Tensor& dt_bias, const at::Tensor& a_log, const at::Tensor& skip, double dt_min,
                 double dt_max, at::Tensor states, const at::Tensor& q_starts, const at::Tensor& read_blocks,
@@ -457,6 +458,8 @@ void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at
     run(float());
   else
     run(c10::BFloat16());
+  // rows past the last chunk (a padded step's) are in no chunk: zero, not whatever y held
+  std::fill(y.data_ptr<float>() + qs[chunks] * heads * p_dim, y.data_ptr<float>() + t * heads * p_dim, 0.f);
 }
 
 // o [T, H, Dv] float32 = the rule over rows q_starts[i] .. q_starts[i + 1] - 1 of chunk i (q, k

@@ -99,23 +99,24 @@ def load_hit(plan: TierHit, connector: KVConnector, seq_id: int, limit: int) -> 
     k = plan.longest(limit)
     if k == plan.start:
         return _blocks(plan, k)   # the pool's own hit
-    pinned = _pin(plan, connector, k, _pin(plan, connector, plan.start, set()))   # the pool hit stays whole
+    pinned = _pin(plan, connector, plan.start, set())   # the pool hit stays whole
     while True:
+        # Pinned again at each length: a shorter hit reads pool blocks the longer one did not
+        # (a window group's earlier blocks), and the next fresh block must not evict them.
+        pinned = _pin(plan, connector, k, pinned)
         todo = sorted((i, gi) for gi in range(len(plan.groups)) for i in plan.needed(gi, k)
                       if plan.source[gi][i] == TIER)
-        if not todo:
-            break
-        for i, gi in todo:
-            b = connector.load_block(seq_id, plan.keys[gi][i], i, gi)
-            plan.source[gi][i] = b
-            if b is None:
-                break
-        else:
-            break
-        plan.refresh()   # a fresh block may have evicted a pool block of a shorter hit
+        if all(_load(plan, connector, seq_id, i, gi) for i, gi in todo):
+            return _blocks(plan, k)
+        plan.refresh()   # the fresh blocks taken so far may have evicted a shorter hit's pool blocks
         k = max([v for v in plan.valid() if v <= k], default=plan.start)
-    _pin(plan, connector, k, pinned)
-    return _blocks(plan, k)
+
+
+def _load(plan: TierHit, connector: KVConnector, seq_id: int, i: int, gi: int) -> bool:
+    """Group gi's block i read from the tier into a fresh block; False if it could not be."""
+    b = connector.load_block(seq_id, plan.keys[gi][i], i, gi)
+    plan.source[gi][i] = b
+    return b is not None
 
 
 def _pin(plan: TierHit, connector: KVConnector, k: int, pinned: set[int]) -> set[int]:

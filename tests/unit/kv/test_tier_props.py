@@ -325,3 +325,23 @@ def test_a_stored_block_is_found_only_under_its_own_salt(tmp_path) -> None:
     kv.lookup_prefix(toks, mine)
     assert kv.tier_prefix(mine, len(toks), []) == 2
     store.close()
+
+
+def test_a_hit_cut_short_by_a_failed_read_keeps_the_pool_blocks_it_reads() -> None:
+    """The machine's find, replayed: a state read fails (its file cut to nothing), the hit falls
+    back one block, and the shorter hit reads a window group's block the longer one did not.
+    That block is cached-free at the head of the queue; the next fresh block (the shorter hit's
+    state) must not be it."""
+    m = HybridTierMachine()
+    try:
+        m.admit(stem=2, extra=[0, 0], salt="a")
+        m.writes_finish()
+        m.grow(pick=0, tok=0, count=1)
+        m.writes_finish()
+        m.free(pick=0, swap=False)
+        m.corrupt_a_file(pick=0, flip=False, at=0, bit=0)
+        m.admit(stem=2, extra=[], salt="a")   # asserts every hit block's history
+        m.consistent()
+        assert m.kv.connector.loaded_blocks == 1, "the hit should have fallen back to one state read"
+    finally:
+        m.teardown()

@@ -115,7 +115,6 @@ def test_the_kv_report_shows_the_latent_and_what_expanding_it_would_cost(tmp_pat
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"attention_backend": "cpu"}, "attention backend cpu does not run multi-head latent attention"),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype int8 is not supported for deepseek_v3"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported for deepseek_v3"),
     ({"enable_lora": True}, "enable_lora is not supported"),   # its experts refuse first; a dense MLA model its latent
@@ -126,6 +125,16 @@ def test_what_the_latent_cannot_do_is_refused_by_name(tmp_path_factory, model_di
     path = build("deepseek_v3", tmp_path_factory, model_dir)[1]
     with pytest.raises(ValueError, match=match):
         LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", **kwargs)
+
+
+def test_a_backend_without_latent_attention_refuses_it_by_name():
+    from pagedllm.attention import AttentionBackend
+
+    class Plain(AttentionBackend):   # what the triton backend is: no forward_latent
+        name = "plain"
+
+    with pytest.raises(ValueError, match="attention backend plain does not run multi-head latent attention"):
+        Plain.check_model(4, 1, LATENT, 0)
 
 
 def test_a_router_we_do_not_compute_is_refused_by_name():

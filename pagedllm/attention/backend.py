@@ -103,7 +103,7 @@ class AttentionBackend(ABC):
         model's attention has sink logits)."""
         if v_head_dim is not None and v_head_dim != head_dim and not cls.latent:
             raise ValueError(f"attention backend {cls.name} does not run multi-head latent attention (K rows of "
-                             f"{head_dim}, values read from them); the torch backend does")
+                             f"{head_dim}, values read from them); the cpu and torch backends do")
         if sinks and not cls.sinks:
             raise ValueError(f"attention backend {cls.name} does not run attention sinks (gpt-oss); "
                              "the torch and cpu backends do")

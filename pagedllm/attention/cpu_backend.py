@@ -7,6 +7,12 @@ one head are contiguous along each (pair of) dimensions, so the kernel scores 16
 per vector instruction without transposing anything, and with bf16 on AVX512_BF16 one
 dot-product instruction does 32 multiply-adds of Q.K or P.V.
 
+Multi-head latent attention (models/mla.py) keeps one latent head of [c, k_pe] rows a token, as the
+torch backend lays it out ([num_blocks, B, 1, D], no V rows): decodes run on a compiled kernel
+(kernels/csrc/latent_attention.cpp: every head of a sequence reads each key once, in place), prefill
+chunks on torch's matmuls (attention/torch_ref.py's latent_prefill), where many query rows share
+each key anyway.
+
 Quantized pools (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2, int4) are uint8
 [num_blocks, KVH, B * (D * bits / 8 + 2)]: per block and head, K's codes in 32-bit lanes
 of one key (16 keys x 4 dims per 64-byte line), or V's codes a key per row, then a bf16
@@ -26,6 +32,7 @@ from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
 from .fresh_prefill import fresh_route, sdpa_chunk
+from .torch_ref import latent_decode, latent_prefill
 
 
 @dataclass
@@ -39,6 +46,7 @@ class CpuMetadata:
     # fresh_prefill.py may run them on torch's flash attention (the runner orders them last).
     fresh: list[tuple[int, int, int]] = field(default_factory=list)
     rows: int = 0                  # real query rows (padding rows after them)
+    num_decodes: int = 0           # the leading sequences of one query row each
     sdpa: list[tuple[int, int, int]] | None = None   # of `fresh`, those flash attention runs: set by the first layer
 
 
@@ -46,6 +54,7 @@ class CpuMetadata:
 class CpuPagedAttention(AttentionBackend):
     name = "cpu"
     sinks = True
+    latent = True
     kv_dtypes = ("int8", "fp8_e4m3", "fp8_e5m2", "int4")
 
     def __init__(self) -> None:
@@ -70,6 +79,11 @@ class CpuPagedAttention(AttentionBackend):
     def check_model(cls, num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                     sinks: bool = False) -> None:
         super().check_model(num_heads, num_kv_heads, head_dim, v_head_dim, sinks)
+        if v_head_dim == 0:   # a latent pool: its own kernel, any width of 16s
+            if head_dim % 16:
+                raise ValueError(f"attention backend cpu runs latent rows of a multiple of 16 values, not {head_dim}; "
+                                 "use --attention-backend torch")
+            return
         dims = compiled_head_dims()
         if head_dim not in dims:
             raise ValueError(f"attention backend cpu supports head_dim in {dims}, not {head_dim}; "
@@ -77,6 +91,8 @@ class CpuPagedAttention(AttentionBackend):
 
     def cache_shapes(self, num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
                      v_head_dim: int | None = None):
+        if v_head_dim == 0:   # a latent pool, laid out as the torch backend's (the kernel reads its rows)
+            return super().cache_shapes(num_blocks, block_size, kv_heads, head_dim, dtype, v_head_dim)
         if self.kv is not None:
             v_row = block_size * self.kv.v_head_bytes(head_dim)
             if self.kv.name in ("int8", "int4"):  # V in pairs of keys: an odd block pads one key's codes
@@ -96,7 +112,8 @@ class CpuPagedAttention(AttentionBackend):
                 break
             fresh.append((s, starts[s], n))
         return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
-                           torch.tensor(lens, **i32), torch.tensor(starts, **i32), fresh[::-1], starts[-1])
+                           torch.tensor(lens, **i32), torch.tensor(starts, **i32), fresh[::-1], starts[-1],
+                           layout.num_decodes)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0, sinks=None):
         fmt = self.kv.fmt if self.kv is not None else 0
@@ -112,6 +129,27 @@ class CpuPagedAttention(AttentionBackend):
             out[a:a + m] = sdpa_chunk(q[a:a + m], k[a:a + m], v[a:a + m], scale)
         if apart:
             out[meta.rows:].zero_()   # padding rows, as the kernel leaves them
+        return out
+
+    def forward_latent(self, q, latent, cache, meta: CpuMetadata, scale: float, v_dim: int):
+        if self.kv is not None:
+            raise ValueError("multi-head latent attention keeps its latent unquantized (kv_cache_dtype auto)")
+        rows = meta.rows
+        write_latent(latent[:rows], cache, meta.slot_mapping[:rows])
+        out = q.new_zeros(*q.shape[:2], v_dim)   # padding rows stay zero
+        nd = meta.num_decodes
+        if nd and v_dim % 16:   # the kernel's vectors: 16 values (DeepSeek's latents are 512)
+            out[:nd] = latent_decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd],
+                                     int(meta.seq_lens[:nd].max()), scale, v_dim)
+        elif nd:
+            self.ops.latent_decode(out[:nd], q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
+        if nd == len(meta.seq_lens):
+            return out
+        starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
+        for s in range(nd, len(lens)):
+            a, b = starts[s], starts[s + 1]
+            table = meta.block_tables[s, :cdiv(lens[s], cache.shape[1])]
+            out[a:b] = latent_prefill(q[a:b], cache, table, lens[s], scale, v_dim)
         return out
 
     def fresh_route(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Route:
@@ -137,3 +175,12 @@ class CpuPagedAttention(AttentionBackend):
                 apart.append(chunk)
             meta.sdpa = apart[::-1]
         return meta.sdpa
+
+
+def write_latent(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Each real row [T, 1, D] into its slot of the latent pool [blocks, B, 1, D]; a row whose slot is
+    -1 (its key already in a block a prefix hit holds) is not written."""
+    keep = slots >= 0
+    if not bool(keep.all()):
+        rows, slots = rows[keep], slots[keep]
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)

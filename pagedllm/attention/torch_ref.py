@@ -114,10 +114,10 @@ class TorchPagedAttention(AttentionBackend):
         out = q.new_empty(*q.shape[:2], v_dim)
         for start, end, max_ctx in meta.decode_groups or [(0, meta.num_decodes, meta.decode_max_context)]:
             if end > start:
-                out[start:end] = _latent_decode(q[start:end], cache, meta.decode_block_tables[start:end],
+                out[start:end] = latent_decode(q[start:end], cache, meta.decode_block_tables[start:end],
                                                 meta.decode_context_lens[start:end], max_ctx, scale, v_dim)
         for p in meta.prefills:
-            out[p.q_start:p.q_start + p.q_len] = _latent_prefill(q[p.q_start:p.q_start + p.q_len], cache,
+            out[p.q_start:p.q_start + p.q_len] = latent_prefill(q[p.q_start:p.q_start + p.q_len], cache,
                                                                  p.block_table, p.ctx_len, scale, v_dim)
         return out
 
@@ -217,7 +217,7 @@ def attend(q, keys, vals, mask, scale: float, sinks: torch.Tensor | None = None)
 _LATENT_SCORES = 1 << 25   # score elements a prefill slice holds at once (128 MiB of float32)
 
 
-def _latent_decode(q, cache, tables, context_lens, max_ctx: int, scale: float, v_dim: int) -> torch.Tensor:
+def latent_decode(q, cache, tables, context_lens, max_ctx: int, scale: float, v_dim: int) -> torch.Tensor:
     """q [n, H, D], one query row per sequence: [n, H, v_dim]."""
     n, d, bs = q.shape[0], q.shape[2], cache.shape[1]
     nblk = cdiv(max_ctx, bs)
@@ -228,7 +228,7 @@ def _latent_decode(q, cache, tables, context_lens, max_ctx: int, scale: float, v
     return torch.bmm(probs, keys[..., :v_dim])
 
 
-def _latent_prefill(q, cache, table, ctx: int, scale: float, v_dim: int) -> torch.Tensor:
+def latent_prefill(q, cache, table, ctx: int, scale: float, v_dim: int) -> torch.Tensor:
     """q [ql, H, D], the last ql of ctx positions, each seeing the keys up to its own: [ql, H, v_dim]."""
     ql, h, d = q.shape
     keys = gather_blocks(cache, table).view(-1, d)[:ctx]

@@ -27,7 +27,7 @@ CSRC = Path(__file__).parent / "csrc"
 SOURCES = [CSRC / "attention.cpp", CSRC / "elementwise.cpp", CSRC / "linear.cpp", CSRC / "quant_linear.cpp",
            CSRC / "sampling.cpp", CSRC / "scoring.cpp", CSRC / "shm_allreduce.cpp", CSRC / "grammar_mask.cpp",
            CSRC / "w8a8.cpp", CSRC / "lora.cpp", CSRC / "moe.cpp", CSRC / "panel_linear.cpp", CSRC / "state_scans.cpp",
-           CSRC / "state_mixers.cpp"]
+           CSRC / "state_mixers.cpp", CSRC / "latent_attention.cpp"]
 
 
 def _arch_flags() -> list[str]:

@@ -29,7 +29,7 @@ def attention_backend(cfg: EngineConfig, device: torch.device, dtype: torch.dtyp
                              f"{backend.name} attention on {device.type}")
         backend.split_k = False
         backend.fresh_prefill = False   # every chunk on the paged kernel: one path whatever the batch
-    if getattr(backend, "fresh_prefill", False) and backend.kv is None:   # timed now, not in a request's first step
+    if getattr(backend, "fresh_prefill", False) and backend.kv is None and mc.mla is None:   # timed now, not in a request's first step
         backend.fresh_route(mc.num_heads, mc.num_kv_heads, mc.head_dim, dtype)
     if backend.name == "triton" and device.type == "cpu":
         logger.warning("the Triton backend on CPU runs under Triton's interpreter: correct but very slow "
@@ -41,9 +41,6 @@ def _make_backend(name: str, device: str, mc: ModelConfig) -> AttentionBackend:
     """The attention backend asked for; auto on CPU falls back to the torch reference,
     with a warning, where the compiled kernel cannot be built or cannot run this model."""
     chosen = pick_backend(name, device)
-    if name == "auto" and mc.mla is not None:   # only the torch backend reads a latent pool (attention/torch_ref.py)
-        logger.info("multi-head latent attention: the torch attention backend reads its latent pool")
-        chosen = "torch"
     if chosen == "cpu" and device != "cpu":
         raise ValueError(f"attention backend cpu runs on the CPU only, not on {device}")
     try:

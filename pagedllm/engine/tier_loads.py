@@ -56,7 +56,7 @@ class TierLoads(StepHook):
         if sched.running and reads > room - len(sched.running):
             return TIER_NO_ROOM
         limit = max(0, min(reads, room))
-        got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, limit, plan)
+        got = kv.load_from_tier(seq.seq_id, seq.hashes, len(seq.token_ids), hit, limit, plan, seq.token_ids)
         self._loaded = True
         self._budget -= limit
         return got, start + (len(got) - len(hit)) * B

@@ -107,6 +107,10 @@ class KVConnector(ABC):
         the forward), pinned for this step; None when the store cannot serve it or the pool
         has one block left. `index`, `group`: where the sequence's table takes it (events)."""
 
+    def fresh_loads(self) -> set[int]:
+        """Blocks read from the tier that no admission has taken yet."""
+        return set()
+
     def loaded_in(self, blocks: Sequence[int], count: bool = True) -> None:
         """A hit took these blocks: those loaded for it count as tier hits (once; `count`:
         they hold tokens, a state block does not)."""
@@ -247,6 +251,9 @@ class OffloadConnector(KVConnector):
         self.emit(ev)
         self._load_pins.append(b)
         return b
+
+    def fresh_loads(self) -> set[int]:
+        return self._fresh_loads
 
     def loaded_in(self, blocks: Sequence[int], count: bool = True) -> None:
         if self._fresh_loads:

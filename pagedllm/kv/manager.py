@@ -182,14 +182,22 @@ class KVCacheManager:
         return tier_hit(self.groups, self.connector, [g.keys(hashes, n) for g in self.groups], self._per_group(hit))
 
     def load_from_tier(self, seq_id: int, hashes: BlockHashes, num_tokens: int, hit: Sequence[int],
-                       limit: int, plan: TierHit | None = None) -> PrefixHit:
+                       limit: int, plan: TierHit | None = None, token_ids: Sequence[int] | None = None) -> PrefixHit:
         """A pool hit extended by the longest hit that reads at most `limit` blocks from the tier
         (kv.tier_hit: each group's needed blocks, pool ones pinned, the rest loaded); `plan`:
-        tier_plan's answer for this hit, if asked already this step."""
+        tier_plan's answer for this hit, if asked already this step. `token_ids` (the prompt's):
+        with KV events on, each block read is announced as it lands in the pool's cache."""
         plan = plan if plan is not None else self.tier_plan(hashes, num_tokens, hit)
         if plan is None or limit <= 0:
             return hit if isinstance(hit, PrefixHit) else PrefixHit(self._per_group(hit))
-        return PrefixHit(load_hit(plan, self.connector, seq_id, limit))
+        blocks = load_hit(plan, self.connector, seq_id, limit)
+        if self.events is not None and token_ids is not None:
+            fresh = self.connector.fresh_loads()
+            for g, src in zip(self.groups, plan.source):
+                for i, b in enumerate(src):
+                    if b is not None and b in fresh:
+                        g.announce_loaded(hashes, token_ids, i)
+        return PrefixHit(blocks)
 
     def swap_out(self, seq_id: int) -> int:
         """A sequence preempted by swap saves its cached blocks of every group to the tier."""

@@ -241,6 +241,14 @@ class GroupManager:
                             token_ids[i * B:j * B], salted=table.hashes.salt is not None)
             i = j
 
+    def announce_loaded(self, hashes: BlockHashes, token_ids: Sequence[int], i: int) -> None:
+        """Tell the event log of a prompt's block i read from the tier into the pool: hittable from
+        now on, whether or not a table takes it (a hit that falls back, or an admission that does
+        not fit, leaves it cached)."""
+        B, keys, salt = self.block_size, hashes.keys, self.salt
+        self.log.stored(self.gid, [keys[i] ^ salt], keys[i - 1] ^ salt if i else None,
+                        token_ids[i * B:(i + 1) * B], salted=hashes.salt is not None)
+
     # -- sequences -----------------------------------------------------------
     def fork(self, parent_id: int, child_id: int, n: int, hashes: BlockHashes) -> Copies | None:
         """The child's table over the parent's first n tokens: shared blocks (paged), or its

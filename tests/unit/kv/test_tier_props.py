@@ -135,7 +135,7 @@ class TierMachine(RuleBasedStateMachine):
         toks = STEMS[stem] + extra
         hashes = self.kv.new_hashes(salt)
         hit = self.kv.lookup_prefix(toks, hashes)
-        hit = self.kv.load_from_tier(self.next_id, hashes, len(toks), hit, limit=NUM_BLOCKS)
+        hit = self.kv.load_from_tier(self.next_id, hashes, len(toks), hit, limit=NUM_BLOCKS, token_ids=toks)
         assert len(hit) * B <= len(toks) - 1
         self._flush_writes()  # the loads land before anyone reads them (here: the checks below)
         k = len(hit)
@@ -343,5 +343,23 @@ def test_a_hit_cut_short_by_a_failed_read_keeps_the_pool_blocks_it_reads() -> No
         m.admit(stem=2, extra=[], salt="a")   # asserts every hit block's history
         m.consistent()
         assert m.kv.connector.loaded_blocks == 1, "the hit should have fallen back to one state read"
+    finally:
+        m.teardown()
+
+
+def test_a_block_read_for_a_hit_that_fell_back_is_announced() -> None:
+    """The write-back machine's find, replayed: after a restart a cut file makes a hit fall back to
+    nothing, and the blocks read for it stay cached under their keys. A router's index (the KV
+    events) must hear of them: a later request hits them from the pool."""
+    m = HybridWriteBackMachine()
+    try:
+        m.admit(stem=0, extra=[], salt=None)
+        m.restart()
+        m.corrupt_a_file(pick=21757, flip=False, at=0, bit=0)
+        for rule in (lambda: m.admit(stem=1, extra=[], salt=None), lambda: m.grow(pick=0, tok=0, count=1),
+                     lambda: m.grow(pick=0, tok=0, count=4), lambda: m.admit(stem=0, extra=[], salt=None)):
+            rule()
+            m.consistent()
+            m.events_index_the_cache()
     finally:
         m.teardown()

@@ -193,9 +193,10 @@ class KVCacheManager:
         blocks = load_hit(plan, self.connector, seq_id, limit)
         if self.events is not None and token_ids is not None:
             fresh = self.connector.fresh_loads()
-            for g, src in zip(self.groups, plan.source):
+            for g, src, keys in zip(self.groups, plan.source, plan.keys):
                 for i, b in enumerate(src):
-                    if b is not None and b in fresh:
+                    # under its own key: a source past the hit may name a block a later read reused
+                    if b is not None and b in fresh and self.pool.blocks[b].block_hash == keys[i]:
                         g.announce_loaded(hashes, token_ids, i)
         return PrefixHit(blocks)
 

@@ -363,3 +363,19 @@ def test_a_block_read_for_a_hit_that_fell_back_is_announced() -> None:
             m.events_index_the_cache()
     finally:
         m.teardown()
+
+
+def test_only_the_blocks_read_are_announced_not_stale_sources() -> None:
+    """The write-back machine's second find, replayed: a window group's source past the hit named a
+    block that a later read of the same hit reused for another key; announcing by that stale source
+    told a router of a key the cache does not hold."""
+    m = HybridWriteBackMachine()
+    try:
+        m.admit(stem=2, extra=[], salt=None)
+        for _ in range(4):
+            m.grow(pick=0, tok=0, count=1)
+        m.admit(stem=2, extra=[], salt=None)
+        m.consistent()
+        m.events_index_the_cache()
+    finally:
+        m.teardown()

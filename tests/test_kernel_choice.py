@@ -19,9 +19,14 @@ from unit.test_kernel_chooser import _choose
 
 @pytest.mark.skipif(sys.platform != "linux", reason="/proc/stat tells whether others use our CPUs")
 def test_a_verdict_measured_beside_a_busy_neighbour_is_not_cached(tmp_path):
-    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    # The neighbour says when it spins: a fixed sleep was too short for Python's start-up on a
+    # loaded machine (the suite's other worker and the AVX2-only copy's build), and the chooser
+    # measured beside nothing yet.
+    spin = subprocess.Popen([sys.executable, "-c", "print('spinning', flush=True)\nwhile True: pass"],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        time.sleep(0.5)   # spinning before the measurement starts
+        assert spin.stdout.readline().strip() == "spinning"
+        time.sleep(0.2)
         v = _choose(KernelChooser(tmp_path, "b"), k=1024, rows=(1, 64, 256))
     finally:
         spin.kill()

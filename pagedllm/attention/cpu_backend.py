@@ -32,7 +32,7 @@ from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
 from .fresh_prefill import fresh_route, sdpa_chunk
-from .torch_ref import latent_decode, latent_prefill
+from .torch_ref import latent_decode, latent_prefill, write_rows
 
 
 @dataclass
@@ -47,6 +47,9 @@ class CpuMetadata:
     fresh: list[tuple[int, int, int]] = field(default_factory=list)
     rows: int = 0                  # real query rows (padding rows after them)
     num_decodes: int = 0           # the leading sequences of one query row each
+    host_starts: list[int] = field(default_factory=list)   # query_start_loc and seq_lens as lists
+    host_lens: list[int] = field(default_factory=list)
+    latent_rows: torch.Tensor | None = None   # rows whose latent a step writes: set by the first MLA layer
     sdpa: list[tuple[int, int, int]] | None = None   # of `fresh`, those flash attention runs: set by the first layer
 
 
@@ -113,7 +116,7 @@ class CpuPagedAttention(AttentionBackend):
             fresh.append((s, starts[s], n))
         return CpuMetadata(torch.tensor(layout.slots, dtype=torch.long, device=device), layout.padded_tables(device),
                            torch.tensor(lens, **i32), torch.tensor(starts, **i32), fresh[::-1], starts[-1],
-                           layout.num_decodes)
+                           layout.num_decodes, starts, lens)
 
     def forward(self, q, k, v, k_cache, v_cache, meta: CpuMetadata, scale: float, window: int = 0, sinks=None):
         fmt = self.kv.fmt if self.kv is not None else 0
@@ -134,18 +137,18 @@ class CpuPagedAttention(AttentionBackend):
     def forward_latent(self, q, latent, cache, meta: CpuMetadata, scale: float, v_dim: int):
         if self.kv is not None:
             raise ValueError("multi-head latent attention keeps its latent unquantized (kv_cache_dtype auto)")
-        rows = meta.rows
-        write_latent(latent[:rows], cache, meta.slot_mapping[:rows])
-        out = q.new_zeros(*q.shape[:2], v_dim)   # padding rows stay zero
-        nd = meta.num_decodes
+        if meta.latent_rows is None:   # once a step: a row whose key a prefix hit holds (slot -1) writes nothing
+            meta.latent_rows = (meta.slot_mapping[:meta.rows] >= 0).nonzero().squeeze(1)
+        rows = meta.latent_rows
+        write_rows(latent[rows], cache, meta.slot_mapping[rows])
+        out = q.new_empty(*q.shape[:2], v_dim)
+        out[meta.rows:].zero_()   # padding rows, as forward leaves them
+        nd, starts, lens = meta.num_decodes, meta.host_starts, meta.host_lens
         if nd and v_dim % 16:   # the kernel's vectors: 16 values (DeepSeek's latents are 512)
-            out[:nd] = latent_decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd],
-                                     int(meta.seq_lens[:nd].max()), scale, v_dim)
+            out[:nd] = latent_decode(q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], max(lens[:nd]),
+                                     scale, v_dim)
         elif nd:
             self.ops.latent_decode(out[:nd], q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
-        if nd == len(meta.seq_lens):
-            return out
-        starts, lens = meta.query_start_loc.tolist(), meta.seq_lens.tolist()
         for s in range(nd, len(lens)):
             a, b = starts[s], starts[s + 1]
             table = meta.block_tables[s, :cdiv(lens[s], cache.shape[1])]
@@ -176,11 +179,3 @@ class CpuPagedAttention(AttentionBackend):
             meta.sdpa = apart[::-1]
         return meta.sdpa
 
-
-def write_latent(rows: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Each real row [T, 1, D] into its slot of the latent pool [blocks, B, 1, D]; a row whose slot is
-    -1 (its key already in a block a prefix hit holds) is not written."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        rows, slots = rows[keep], slots[keep]
-    cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, rows)

@@ -12,6 +12,8 @@ scaling * (x A^T) B^T with scaling = lora_alpha / r (rsLoRA: / sqrt(r)), as PEFT
 unmerged."""
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 import re
@@ -215,12 +217,7 @@ def load_adapter(req: LoRARequest, mc: ModelConfig, max_rank: int, dtype: torch.
     except (SafetensorError, OSError) as e:
         raise ValueError(f"lora: {weights} cannot be read: {e}") from None
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    shapes: dict[int, dict[str, tuple[int, int]]] = {}   # each adapted layer's matmuls, made once
-
-    def matmuls(layer: int) -> dict[str, tuple[int, int]]:
-        if layer not in shapes:
-            shapes[layer] = layer_matmuls(mc, layer)
-        return shapes[layer]
+    matmuls = functools.cache(functools.partial(layer_matmuls, mc))   # each adapted layer's, made once
 
     for key, t in tensors.items():
         m = _KEY.fullmatch(key)

@@ -88,8 +88,9 @@ def _json_params(schema: dict, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm(llm_fp32):
-    return llm_fp32  # the session's fp32 engine: one model load less
+def llm(make_llm):
+    from hw import FAST_DTYPE
+    return make_llm(dtype=FAST_DTYPE, kv_cache_memory="256MiB", max_model_len=2048)
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

@@ -780,7 +780,9 @@ def plot_files(files: list[tuple[str, Any]], out_dir: Path) -> list[Path]:
 
     def save(fig, name: str) -> None:
         path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110, bbox_inches="tight")  # tight: no label is cut off
+        # tight_layout (below) already fits every label and the title: a tight bbox here drew each
+        # figure twice, half of the report's time
+        fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
 

@@ -79,6 +79,16 @@ def server():
 
 
 @pytest.fixture(scope="session")
+def fp32_server():
+    """The default server in float32, in process: for answers held to HF transformers' float32."""
+    from .inproc import serve_in_process
+
+    s = serve_in_process("--dtype", "float32")
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="session")
 def tiny_server(tiny_flags):
     """The tiny model's server, in process: for what the model's text does not matter to."""
     from .inproc import serve_in_process

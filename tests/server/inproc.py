@@ -14,7 +14,12 @@ import threading
 
 import httpx
 
-BASE = ("--dtype", "float32", "--kv-cache-memory", "160MiB", "--max-model-len", "1024", "--log-interval", "2")
+from hw import FAST_DTYPE  # noqa: E402
+
+# The dtype the CPU runs fast (bf16 where it has bf16 instructions, else fp32): the in-process
+# servers' answers are held to offline engines of the same dtype; what is held to HF
+# transformers' float32 runs on fp32_server.
+BASE = ("--dtype", FAST_DTYPE, "--kv-cache-memory", "160MiB", "--max-model-len", "1024", "--log-interval", "2")
 URL = "http://inproc"
 
 

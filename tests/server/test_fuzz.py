@@ -59,7 +59,7 @@ def test_no_server_errors(socket_server):
                           op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
 
         @given(case=cases)
-        @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck), database=None)
         def no_5xx(case):
             _shorten(case.body)
             case.call_and_validate(checks=[not_a_server_error], timeout=120)

@@ -23,8 +23,8 @@ from schemathesis import GenerationMode
 from .inproc import serve_in_process
 from .test_fuzz import _shorten
 
-BODIES = 24    # generated per endpoint: 8 endpoints, 192 bodies (each run draws new ones)
-VALID = 3      # valid bodies per endpoint whose every value is then replaced in turn (thousands in all)
+BODIES = 16    # generated per endpoint: 8 endpoints, 128 bodies (each run draws new ones)
+VALID = 2      # valid bodies per endpoint whose every value is then replaced in turn (hundreds in all)
 WRONG = (None, 7, [])
 ENDPOINTS = {"POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses", "POST /v1/load_lora_adapter",
              "POST /v1/unload_lora_adapter", "POST /v1/embeddings", "POST /score", "POST /rerank"}
@@ -100,7 +100,7 @@ def test_generated_bodies_get_no_server_error(fuzz_server):
 
         no_5xx()
         confused_no_5xx()
-    assert sent >= 1500, sent
+    assert sent >= 400, sent
     print(f"{sent} bodies in {time.monotonic() - t0:.0f} s")
     assert client.get("/health").status_code == 200
     r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})

@@ -20,6 +20,12 @@ DOCS = [PREAMBLE + "The library opens at nine and closes at six on weekdays.",
 
 
 @pytest.fixture(scope="module")
+def server(fp32_server):
+    """Every vector here is held to HF transformers' float32."""
+    return fp32_server
+
+
+@pytest.fixture(scope="module")
 def client(server):
     return server.openai(api_key="unused", max_retries=0, timeout=120)
 

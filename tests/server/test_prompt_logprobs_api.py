@@ -10,6 +10,8 @@ import httpx
 import pytest
 import torch
 
+from hw import FAST_DTYPE
+
 from .conftest import MODEL
 
 COMP = "/v1/completions"
@@ -63,10 +65,11 @@ def text_of(tokenizer):
     return lambda t: tokenizer.convert_tokens_to_string([tokenizer.convert_ids_to_tokens(t)])
 
 
-def test_echo_logprobs_of_token_id_prompts_as_lm_eval_reads_them(server, tokenizer, hf_model):
+def test_echo_logprobs_of_token_id_prompts_as_lm_eval_reads_them(fp32_server, tokenizer, hf_model):
     """A batch of [context + continuation] id lists: each its own choice, its prompt echoed
-    as the decoded ids, the logprob of each sent id at its own position; lm-eval's greedy
-    check is right both ways."""
+    as the decoded ids, the logprob of each sent id at its own position (HF's, in float32);
+    lm-eval's greedy check is right both ways."""
+    server = fp32_server
     ctx = tokenizer.encode("The capital of France is", add_special_tokens=False)
     ref = hf_logprobs(hf_model, ctx)
     greedy = ctx + [int(ref[-1].argmax())]                 # the model's own next token
@@ -163,7 +166,7 @@ def test_vllm_prompt_logprobs_field_on_both_endpoints(server, tokenizer):
     assert "prompt_logprobs" not in chat["choices"][0]
 
 
-def test_prompt_at_max_model_len_is_scored_whole(tiny_server, tokenizer, tiny_fp32):
+def test_prompt_at_max_model_len_is_scored_whole(tiny_server, tokenizer, make_llm, tiny_model):
     """A prompt of max_model_len - 1 ids and its one token: every position answered, as the
     offline engine scores them (HF's forward at this length would cost seconds more). On the
     tiny model: the subject is the length limit and the echo, which the model does not change."""
@@ -177,8 +180,9 @@ def test_prompt_at_max_model_len_is_scored_whole(tiny_server, tokenizer, tiny_fp
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == 1024 and lp["tokens"][:1023] == [text_of(tokenizer)(t) for t in ids]
-    want = tiny_fp32.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
-                             use_tqdm=False)[0].prompt_logprobs
+    offline = make_llm(model=tiny_model, dtype=FAST_DTYPE, kv_cache_memory="160MiB", max_model_len=1024)
+    want = offline.generate([{"prompt_token_ids": ids}], SamplingParams(max_tokens=1, prompt_logprobs=0),
+                            use_tqdm=False)[0].prompt_logprobs
     assert max(abs(lp["token_logprobs"][j] - want[j][ids[j]].logprob) for j in range(1, 1023)) < 1e-3
     r = post(tiny_server, COMP, {"model": TINY_NAME, "prompt": ids + [ids[0]], "max_tokens": 0, "echo": True,
                                  "logprobs": 0})

@@ -175,19 +175,23 @@ def test_tokenize_routes_in_openapi(server):
 
 
 # -- 6. beam search and best_of ----------------------------------------------------------
-def test_beam_search_over_the_api(server, llm_fp32):
+def test_beam_search_over_the_api(server, make_llm):
     """use_beam_search with n as the width: the engine's beams, best first, as LLM.beam_search gives them."""
+    from hw import FAST_DTYPE
+
     from pagedllm import BeamSearchParams
+
+    offline = make_llm(dtype=FAST_DTYPE, kv_cache_memory="160MiB", max_model_len=1024)
 
     prompt = "The capital of France is"
     r = post(server, COMP, {"model": MODEL, "prompt": prompt, "n": 3, "max_tokens": 8, "use_beam_search": True,
                             "length_penalty": 0.8, "early_stopping": True})
     assert r.status_code == 200, r.text
-    want = llm_fp32.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.8,
+    want = offline.beam_search(prompt, BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.8,
                                                          early_stopping=True))[0].sequences
     assert [c["text"] for c in r.json()["choices"]] == [s.text for s in want]
     assert r.json()["usage"]["completion_tokens"] == sum(len(s.tokens) for s in want) - 3 * len(
-        llm_fp32.tokenizer.encode(prompt))
+        offline.tokenizer.encode(prompt))
     chat = post(server, CHAT, {"model": MODEL, "messages": MSGS, "n": 2, "max_tokens": 6, "use_beam_search": True})
     assert chat.status_code == 200 and len(chat.json()["choices"]) == 2, chat.text
     # Streamed, the beams arrive when the search ends (a beam's tokens can still be dropped before).

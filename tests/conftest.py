@@ -410,6 +410,15 @@ def llm_fp32(make_llm):
     return make_llm(dtype="float32", kv_cache_memory="256MiB", max_model_len=2048)
 
 
+@pytest.fixture(scope="session")
+def llm_fast(make_llm):
+    """llm_fp32's engine in the dtype the CPU runs fast (hw.FAST_DTYPE): for what is held to
+    itself or to an engine of the same dtype, not to HF transformers' float32."""
+    from hw import FAST_DTYPE
+
+    return make_llm(dtype=FAST_DTYPE, kv_cache_memory="256MiB", max_model_len=2048)
+
+
 @pytest.fixture(params=["torch", "cpu"])
 def window_backend(request) -> str:
     """The attention backends that take a sliding window: the torch reference and the

@@ -94,7 +94,7 @@ def test_some_sequences_speculate_while_others_decode_normally(tiny_fp32, spec_l
     assert len(got[1].outputs[0].logprobs) == 48
 
 
-def test_seeded_sampling_keeps_the_target_distribution(make_llm, spec_real):
+def test_seeded_sampling_keeps_the_target_distribution(llm_fast, spec_real):
     """Temperature 1 on a prompt whose continuation the n-gram lookup drafts: each of the
     first output tokens' frequencies over 120 seeds, with and without speculation, come
     from the same distribution (chi-square test of homogeneity per position, tokens seen
@@ -103,8 +103,7 @@ def test_seeded_sampling_keeps_the_target_distribution(make_llm, spec_real):
              "the quick brown fox jumps over the lazy dog. the quick brown"
     reqs = [SamplingParams(temperature=1.0, seed=s, max_tokens=6, ignore_eos=True) for s in range(120)]
     before = spec_real.engine.stats().spec.num_accepted_tokens
-    plain_llm = make_llm(dtype=FAST_DTYPE, kv_cache_memory="256MiB", max_model_len=2048)
-    plain = _ids(plain_llm.generate([prompt] * len(reqs), reqs, use_tqdm=False))
+    plain = _ids(llm_fast.generate([prompt] * len(reqs), reqs, use_tqdm=False))
     spec = _ids(spec_real.generate([prompt] * len(reqs), reqs, use_tqdm=False))
     assert spec_real.engine.stats().spec.num_accepted_tokens - before > 100
     assert plain != spec   # seeded, but drawn differently: the distributions are compared, not the tokens

@@ -88,9 +88,8 @@ def _json_params(schema: dict, **kw) -> SamplingParams:
 
 
 @pytest.fixture(scope="module")
-def llm(make_llm):
-    from hw import FAST_DTYPE
-    return make_llm(dtype=FAST_DTYPE, kv_cache_memory="256MiB", max_model_len=2048)
+def llm(llm_fast):
+    return llm_fast  # the session's engine in the CPU's fast dtype: one model load less
 
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},

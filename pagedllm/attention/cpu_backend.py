@@ -178,4 +178,3 @@ class CpuPagedAttention(AttentionBackend):
                 apart.append(chunk)
             meta.sdpa = apart[::-1]
         return meta.sdpa
-

@@ -228,7 +228,6 @@ class GroupManager:
     def announce(self, table: BlockTable, token_ids: Sequence[int], start: int, end: int) -> None:
         """Tell the event log of blocks start..end-1 of a table (those it holds; the log skips
         the ones it announced before)."""
-        B, keys, salt = self.block_size, table.hashes.keys, self.salt
         i = start
         while i < end:
             if table.block_ids[i] == RELEASED:
@@ -237,17 +236,20 @@ class GroupManager:
             j = i
             while j < end and table.block_ids[j] != RELEASED:
                 j += 1
-            self.log.stored(self.gid, [k ^ salt for k in keys[i:j]], keys[i - 1] ^ salt if i else None,
-                            token_ids[i * B:j * B], salted=table.hashes.salt is not None)
+            self._stored(table.hashes, token_ids, i, j)
             i = j
 
     def announce_loaded(self, hashes: BlockHashes, token_ids: Sequence[int], i: int) -> None:
         """Tell the event log of a prompt's block i read from the tier into the pool: hittable from
         now on, whether or not a table takes it (a hit that falls back, or an admission that does
         not fit, leaves it cached)."""
+        self._stored(hashes, token_ids, i, i + 1)
+
+    def _stored(self, hashes: BlockHashes, token_ids: Sequence[int], i: int, j: int) -> None:
+        """The event of a prompt's blocks i..j-1 stored, under this group's salted keys."""
         B, keys, salt = self.block_size, hashes.keys, self.salt
-        self.log.stored(self.gid, [keys[i] ^ salt], keys[i - 1] ^ salt if i else None,
-                        token_ids[i * B:(i + 1) * B], salted=hashes.salt is not None)
+        self.log.stored(self.gid, [k ^ salt for k in keys[i:j]], keys[i - 1] ^ salt if i else None,
+                        token_ids[i * B:j * B], salted=hashes.salt is not None)
 
     # -- sequences -----------------------------------------------------------
     def fork(self, parent_id: int, child_id: int, n: int, hashes: BlockHashes) -> Copies | None:

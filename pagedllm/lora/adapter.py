@@ -13,7 +13,6 @@ unmerged."""
 from __future__ import annotations
 
 import functools
-
 import json
 import math
 import re

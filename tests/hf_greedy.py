@@ -3,11 +3,14 @@ from __future__ import annotations
 
 
 def hf_greedy(hf, ids: list[int], new: int) -> list[int]:
-    """`new` greedy tokens after `ids` from transformers' generate (EOS not stopping it)."""
+    """`new` greedy tokens after `ids` from transformers' generate (EOS not stopping it), computed
+    once per machine and versions (hf_memo)."""
     import torch
 
-    with torch.no_grad():
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+    import hf_memo
+
+    out = hf_memo.generate(hf, torch.tensor([ids]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                           pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_memo
+
 from pagedllm import LLM, BeamSearchParams, SamplingParams
 
 PLAIN = ["The capital of France is", "1, 2, 3,", "Once upon a time in a small village by the sea, there lived"]
@@ -18,7 +20,7 @@ CHAT = [[{"role": "user", "content": "What is 2 + 2? Answer with one number only
 
 def hf_beams(hf_model, ids: list[int], k: int, max_tokens: int, eos: list[int], length_penalty=1.0,
              early_stopping=False):
-    out = hf_model.generate(torch.tensor([ids]), num_beams=k, num_return_sequences=k, do_sample=False,
+    out = hf_memo.generate(hf_model, torch.tensor([ids]), num_beams=k, num_return_sequences=k, do_sample=False,
                             max_new_tokens=max_tokens, length_penalty=length_penalty, early_stopping=early_stopping,
                             eos_token_id=eos, pad_token_id=eos[0], output_scores=True, return_dict_in_generate=True)
     beams = []

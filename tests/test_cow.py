@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+import hf_memo
+
 from pagedllm import SamplingParams
 
 MAX_NEW = 12
@@ -12,9 +14,8 @@ PROMPT = ("Once upon a time, in a small village by the sea, there lived an old f
 
 
 def hf_greedy(hf_model, ids: list[int], max_new: int) -> list[int]:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
-                                do_sample=False, pad_token_id=hf_model.config.eos_token_id)
+    out = hf_memo.generate(hf_model, torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
+                           do_sample=False, pad_token_id=hf_model.config.eos_token_id)
     return out[0, len(ids):].tolist()
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_memo
+
 from pagedllm.kv.groups import held_blocks
 from pagedllm.sampling_params import SamplingParams
 
@@ -48,9 +50,8 @@ def test_greedy_tokens_match_transformers(gemma, hf_gemma):
     width = max(len(o.prompt_token_ids) for o in outs)
     ids = torch.tensor([[0] * (width - len(o.prompt_token_ids)) + o.prompt_token_ids for o in outs])
     mask = torch.tensor([[0] * (width - len(o.prompt_token_ids)) + [1] * len(o.prompt_token_ids) for o in outs])
-    with torch.no_grad():
-        wants = hf_gemma.generate(ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                                  pad_token_id=0)[:, width:].tolist()
+    wants = hf_memo.generate(hf_gemma, ids, attention_mask=mask, max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                             pad_token_id=0)[:, width:].tolist()
     same = total = 0
     for out, want in zip(outs, wants):
         got = out.outputs[0].token_ids

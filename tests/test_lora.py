@@ -13,6 +13,7 @@ import torch
 from pagedllm import SamplingParams
 from pagedllm.lora import LoRARequest
 
+import hf_memo
 from lora_adapters import make_adapter
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -43,9 +44,8 @@ def peft_greedy(model_dir, req: LoRARequest | None, ids: list[int]) -> list[int]
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if req is not None:
         model = PeftModel.from_pretrained(model, req.lora_path)  # unmerged: base + scaling * B A x
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                             pad_token_id=0)
+    out = hf_memo.generate(model, torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                           pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 

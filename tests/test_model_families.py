@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+import hf_memo
+
 from pagedllm import SamplingParams
 
 BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -86,7 +88,7 @@ def test_family_matches_hf(make_llm, tmp_path, model_dir, family):
     outs = llm.generate(prompts, params, use_tqdm=False)
     for ids, out in zip(prompts, outs):
         with torch.no_grad():
-            want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+            want = hf_memo.generate(hf, torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
                                pad_token_id=0)[0, len(ids):].tolist()
             ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
         assert out.outputs[0].token_ids == want

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+import hf_memo
+
 from pagedllm import SamplingParams
 
 SHARED = ("You are a helpful assistant for a city library. The library opens at nine, closes at six, "
@@ -31,9 +33,8 @@ def hf_greedy(hf_model, ids: list[int], max_new: int) -> list[int]:
     the same prompts: the reference does not change with the engine's settings)."""
     key = (id(hf_model), tuple(ids), max_new)
     if key not in _HF_GREEDY:
-        with torch.no_grad():
-            out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
-                                    pad_token_id=hf_model.config.eos_token_id)
+        out = hf_memo.generate(hf_model, torch.tensor([ids]), max_new_tokens=max_new, do_sample=False,
+                               pad_token_id=hf_model.config.eos_token_id)
         _HF_GREEDY[key] = out[0, len(ids):].tolist()
     return list(_HF_GREEDY[key])
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import hf_memo
 from hf_greedy import assert_greedy_matches
 
 from pagedllm import SamplingParams
@@ -67,7 +68,7 @@ def test_moe_family_matches_hf(make_llm, tmp_path, model_dir, family, monkeypatc
     want, refs = [], []
     for ids in prompts:
         with torch.no_grad():
-            want.append(hf.generate(torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
+            want.append(hf_memo.generate(hf, torch.tensor([ids]), max_new_tokens=8, min_new_tokens=8, do_sample=False,
                                     pad_token_id=0)[0, len(ids):].tolist())
             refs.append(torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1))
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB")

@@ -12,6 +12,8 @@ import shutil
 import pytest
 import torch
 
+import hf_memo
+
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
 from pagedllm.kv.block_table import RELEASED
@@ -69,9 +71,8 @@ def _without_window(model):
 
 
 def hf_greedy(model, ids: list[int], n: int = GEN) -> list[int]:
-    with torch.no_grad():
-        return model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                              pad_token_id=0)[0, len(ids):].tolist()
+    return hf_memo.generate(model, torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            pad_token_id=0)[0, len(ids):].tolist()
 
 
 def hf_prompt_logprobs(model, ids: list[int]) -> list[float]:

@@ -6,6 +6,12 @@ The library is compiled for this CPU (-march=native) by torch's extension builde
 ninja) and cached under ~/.cache/pagedllm/ext/ keyed by the sources, torch version, flags
 and CPU, so a later start only loads the .so (milliseconds). `scripts/install.sh` builds
 it, so the first `pagedllm generate` does not wait for the compiler.
+
+A build after an edit of the sources compiles only what the edit touches: each configuration
+(torch, flags, CPU) keeps one working folder of objects, and the sources are mirrored into it
+writing only the files whose bytes changed, so that ninja (which goes by times, and a fresh
+clone gives every file a new one) sees the others as they were. An edit of panel_linear.cpp
+recompiles that file and links, not the attention kernel's instantiations (most of a full build).
 """
 from __future__ import annotations
 
@@ -80,14 +86,47 @@ def _cpu_signature() -> str:
         return platform.processor() + platform.machine()
 
 
+def _sources() -> list[Path]:
+    """Every file of csrc/ (the compiled sources and the headers they include)."""
+    return sorted(p for p in CSRC.iterdir() if p.is_file())
+
+
+def config_key() -> str:
+    """What decides the compiler's output beside the sources: flags, torch and CPU."""
+    h = hashlib.sha256()
+    for part in (" ".join(p.name for p in SOURCES), torch.__version__, " ".join(CFLAGS), _cpu_signature()):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
 def build_key() -> str:
     """What names this machine's build of the library: its sources, flags, torch and CPU."""
     h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in sorted(CSRC.iterdir())), " ".join(p.name for p in SOURCES).encode(),
+    for part in (*(p.read_bytes() for p in _sources()), " ".join(p.name for p in SOURCES).encode(),
                  torch.__version__.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
         h.update(part)
     return h.hexdigest()[:16]
+
+
+def mirror_sources(into: Path) -> list[str]:
+    """csrc/ copied into `into`, writing only the files whose bytes differ from the copy there
+    (and removing files csrc/ no longer has): an unchanged file keeps its old time, so ninja
+    does not compile it again. Returns the names written."""
+    into.mkdir(parents=True, exist_ok=True)
+    wanted = {p.name: p.read_bytes() for p in _sources()}
+    for old in into.iterdir():
+        if old.name not in wanted:
+            old.unlink()
+    written = []
+    for name, data in wanted.items():
+        dest = into / name
+        if not dest.exists() or dest.read_bytes() != data:
+            tmp = into / f".{name}.tmp"
+            tmp.write_bytes(data)
+            os.replace(tmp, dest)
+            written.append(name)
+    return written
 
 
 @lru_cache(maxsize=1)
@@ -104,27 +143,48 @@ def load_ops():
         torch.ops.load_library(str(lib))
         return torch.ops.pagedllm_cpu
     build_dir.mkdir(parents=True, exist_ok=True)
-    # One build at a time per copy, under a lock the kernel drops when its holder dies: torch's
-    # own lock file stays behind when a build is killed, and every later start then waited on
-    # it forever. Holding ours, any such file is stale.
+    # One build at a time per copy, under a lock the kernel drops when its holder dies.
     with open(build_dir / "build.flock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         if lib.exists():  # built by another process while this one waited
             torch.ops.load_library(str(lib))
             return torch.ops.pagedllm_cpu
-        (build_dir / "lock").unlink(missing_ok=True)
+        _build(lib)   # torch's builder loads what it built: loading the copy too would register the ops twice
+    return torch.ops.pagedllm_cpu
+
+
+def _build(lib: Path) -> None:
+    """Compiles the library in this configuration's working folder (what the sources' edit
+    touched, all of it the first time) and copies it to `lib`."""
+    import fcntl
+    import shutil
+
+    work = cache_root() / "ext" / f"work_{config_key()}"
+    work.mkdir(parents=True, exist_ok=True)
+    # Builds of other sources in the same configuration share the folder: one at a time.
+    with open(work / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        # torch's own lock file stays behind when a build is killed, and every later start then
+        # waited on it forever: holding ours, any such file is stale.
+        (work / "lock").unlink(missing_ok=True)
+        changed = mirror_sources(work / "src")
         t0 = time.perf_counter()
-        logger.info("compiling the CPU kernels once (a few minutes on 2 cores) into %s", build_dir)
+        logger.info("compiling the CPU kernels (%s; a few minutes on 2 cores the first time) in %s",
+                    ", ".join(changed) or "nothing changed", work)
         try:
             from torch.utils.cpp_extension import load
-            load(name=name, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"],
-                 build_directory=str(build_dir), is_python_module=False,
+            # One name for every build of this configuration: it is in each object's command
+            # line, and another name would make ninja compile everything again.
+            load(name="pagedllm_cpu", sources=[str(work / "src" / p.name) for p in SOURCES], extra_cflags=CFLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(work), is_python_module=False,
                  verbose=bool(os.environ.get("PAGEDLLM_VERBOSE_BUILD")))
         except Exception as e:  # compiler missing, headers missing, ninja missing...
             raise RuntimeError(f"could not build the CPU kernels ({type(e).__name__}: {e}); "
                                "install g++ and ninja, or use --attention-backend torch") from e
+        tmp = lib.with_suffix(".so.tmp")
+        shutil.copyfile(work / "pagedllm_cpu.so", tmp)
+        os.replace(tmp, lib)   # atomic: a process starting now loads a whole library or builds
         logger.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
-    return torch.ops.pagedllm_cpu
 
 
 def cpu_kernels_available() -> str | None:

@@ -19,7 +19,6 @@ from . import __version__
 from .bench.provenance import provenance
 from .kernels import cpu_kernels_available, load_ops
 from .kernels.chooser import ROWS, Verdict, chooser, machine
-from .kernels.cpu import build_key
 from .loader import load_config, resolve_model_dir
 from .models import ModelConfig
 from .models.prepack import argmax_verdict, linear_candidates, linear_verdict
@@ -108,7 +107,7 @@ def report(model: str | None, dtype: str, quantization: str | None, with_peaks: 
     kernels = load_ops() if kernels_error is None else None
     torch_dtype = getattr(torch, dtype)
     name, shapes, cfg = model_shapes(model)
-    mach = machine(build_key() if kernels is not None else None)
+    mach = machine(chooser().kernels_build if kernels is not None else None)
     out = {"pagedllm": __version__, "provenance": provenance(), "machine": mach, "cpu_kernels": kernels_error or "built",
            "panel_kernel": bool(kernels is not None and kernels.has_panel_linear()),
            "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),

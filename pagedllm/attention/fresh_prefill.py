@@ -57,4 +57,5 @@ def fresh_verdict(ops, backend, heads: int, kv_heads: int, head_dim: int, dtype:
              Candidate("sdpa", lambda w: w, lambda _w, x: sdpa_chunk(*x, head_dim ** -0.5))]
     # A causal chunk of m rows: m^2 / 2 query-key pairs, 4 H D flops each (QK^T and PV)
     return chooser().choose(f"fresh-prefill-{dtype_name(dtype)}", (heads, kv_heads, head_dim),
-                            2 * heads * head_dim, cands, lambda g: None, 1 << 40, make_input, CHUNKS, power=2)
+                            2 * heads * head_dim, cands, lambda g: None, 1 << 40, make_input, CHUNKS, power=2,
+                            sources=("attention.cpp",))

@@ -7,8 +7,10 @@ on a 2-core AMD Zen 4 (AVX-512 BF16, no AMX) the panels ran 1.1-1.6x oneDNN over
 step, while on an Intel Xeon with AMX oneDNN ran 3.5-5.4x the panels (issue 58). So at first
 load each op shape's candidates are timed at the row counts a step runs (one sequence, a few,
 a decode batch, a prefill chunk), the fastest taken per row range, and the verdict cached per
-machine (CPU model and flags, torch, the kernels' build, threads) under
-~/.cache/pagedllm/kernel_choice/, so later starts only read it.
+machine (CPU model and flags, torch, the kernels' build flags, threads) under
+~/.cache/pagedllm/kernel_choice/, so later starts only read it. A verdict is keyed by the
+sources of the kernel it times too (its csrc/ file and the headers that includes): an edit of
+the panels' kernel times the linear layers again, not the experts or the attention.
 
 Timed as a step runs them: a step streams every weight from memory, so a small weight timed
 alone would sit in the caches and flatter whichever path reads it more often. Each candidate
@@ -217,7 +219,10 @@ class KernelChooser:
     disk) what it found. forced: a candidate name that wins wherever an op has it
     (PAGEDLLM_PREPACK=panels|onednn, for comparisons)."""
     directory: Path
-    kernels_build: str | None = None
+    kernels_build: str | None = None   # the kernels' configuration (flags, torch, CPU: cpu.config_key)
+    # The whole build's key (cpu.build_key), which named the verdict files before verdicts were
+    # keyed by their own kernel's sources: a verdict found there is moved over, not timed again.
+    legacy_build: str | None = None
     forced: str | None = None
     busy_cpus: float = BUSY_CPUS
     memo: dict[str, Verdict] = field(default_factory=dict)
@@ -231,10 +236,12 @@ class KernelChooser:
     def choose(self, op: str, shape: tuple[int, ...], flops_per_row: int, candidates: list[Candidate],
                make_weight: Callable[[torch.Generator], Any], weight_bytes: int,
                make_input: Callable[[int], torch.Tensor], rows: tuple[int, ...] = ROWS,
-               gain: float = SECOND_LAYOUT_GAIN, power: int = 1) -> Verdict:
+               gain: float = SECOND_LAYOUT_GAIN, power: int = 1, sources: tuple[str, ...] = ()) -> Verdict:
         """The verdict for `op` on a weight of `shape`; gain: how much faster a path must be at some
         row count to run there beside another (math.inf: one path for all, where the layouts
-        cannot live side by side)."""
+        cannot live side by side); sources: the csrc/ files of our candidates' kernels (the
+        verdict is timed again when they or the headers they include change, and only then;
+        none named: when any kernel source changes)."""
         names = [c.name for c in candidates]
         if not candidates:
             raise ValueError(f"no candidate computes {op} {shape}")
@@ -246,11 +253,18 @@ class KernelChooser:
         key = f"{op}/{'x'.join(map(str, shape))}/{','.join(names)}/{','.join(map(str, rows))}"
         if gain != SECOND_LAYOUT_GAIN:   # another gain routes the same timings otherwise
             key += f"/gain={gain}"
+        legacy_key = key
+        key += f"/src={self._sources_key(sources)}"
         memo_key = f"{mach['threads']}/{key}"
         if memo_key in self.memo:
             return self.memo[memo_key]
         path = self.path_for(mach)
         cached = _read(path).get("verdicts", {}).get(key)
+        if cached is None and self.legacy_build is not None:
+            # measured on these very sources (the old file is named by all of them): moved over
+            old = _read(self.path_for(machine(self.legacy_build))).get("verdicts", {}).get(legacy_key)
+            if old is not None:
+                cached = _store(path, mach, key, Verdict.from_json(old)).to_json()
         if cached is not None:
             verdict = Verdict.from_json(cached)
         else:
@@ -262,6 +276,12 @@ class KernelChooser:
             self.measured.append(verdict)
         self.memo[memo_key] = verdict
         return verdict
+
+    def _sources_key(self, sources: tuple[str, ...]) -> str:
+        if not sources or self.kernels_build is None:
+            return f"build:{self.legacy_build or self.kernels_build}"
+        from .cpu import sources_digest
+        return sources_digest(sources)
 
     def _measure(self, op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
                  gain) -> Verdict:
@@ -322,8 +342,8 @@ def chooser() -> KernelChooser:
     forced = os.environ.get("PAGEDLLM_PREPACK", "1").strip().lower()
     directory = Path(os.environ.get("PAGEDLLM_KERNEL_CHOICE_DIR") or cache_root() / "kernel_choice")
     if _CHOOSER is None or _CHOOSER.directory != directory:
-        from .cpu import build_key
-        _CHOOSER = KernelChooser(directory, build_key())
+        from .cpu import build_key, config_key
+        _CHOOSER = KernelChooser(directory, config_key(), build_key())
     _CHOOSER.forced = forced if forced in ("panels", "onednn") else None
     _CHOOSER.busy_cpus = float(os.environ.get("PAGEDLLM_KERNEL_CHOICE_BUSY_CPUS", BUSY_CPUS))
     return _CHOOSER

@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -106,6 +107,27 @@ def build_key() -> str:
                  torch.__version__.encode(),
                  " ".join(CFLAGS).encode(), _cpu_signature().encode()):
         h.update(part)
+    return h.hexdigest()[:16]
+
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
+
+
+def sources_digest(names: tuple[str, ...]) -> str:
+    """A digest of the csrc/ files `names` and every local header they include, transitively:
+    what a kernel of those files computes with (the kernel chooser keys its verdicts by it, so
+    an edit of another file does not send it timing this kernel again)."""
+    seen: set[str] = set()
+    todo = list(names)
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        todo += [inc for inc in _INCLUDE.findall((CSRC / name).read_text()) if (CSRC / inc).is_file()]
+    h = hashlib.sha256()
+    for name in sorted(seen):
+        h.update(name.encode() + b"\0" + (CSRC / name).read_bytes())
     return h.hexdigest()[:16]
 
 

@@ -258,7 +258,7 @@ def experts_verdict(moe: SparseMoE, kernels) -> Verdict:
     cands = [Candidate("panels", panels, run(True)), Candidate("plain", lambda w: w, run(False))]
     return chooser().choose(f"moe-experts-top{k}", (e, n2, h), 2 * k * (n2 * h + h * width), cands, weight,
                             2 * e * (n2 * h + h * width), lambda m: torch.randn(m, h).to(torch.bfloat16),
-                            gain=math.inf)
+                            gain=math.inf, sources=("moe.cpp",))
 
 
 def experts_torch(moe: SparseMoE, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,

@@ -114,7 +114,7 @@ def _verdict(op: str, cands: list[Candidate], n: int, k: int, dtype: torch.dtype
              gain: float = SECOND_LAYOUT_GAIN) -> Verdict:
     return chooser().choose(op, (n, k, dtype.itemsize), 2 * n * k, cands,
                             lambda g: (torch.randn(n, k, generator=g) * 0.02).to(dtype), n * k * dtype.itemsize,
-                            lambda m: torch.randn(m, k).to(dtype), rows, gain)
+                            lambda m: torch.randn(m, k).to(dtype), rows, gain, sources=("panel_linear.cpp",))
 
 
 HEAD_ROWS = ROWS[:-1]   # the LM head runs on sampled rows only: at most a decode batch

@@ -245,7 +245,7 @@ def blocks_verdict(layer: nn.Linear, kernels) -> Verdict:
         cands.append(Candidate("dequant", lambda w: w, lambda w, x: F.linear(x, dequantize(w, x.dtype))))
     nbytes = sum(getattr(layer, p).numel() * getattr(layer, p).element_size() for p in parts)
     return chooser().choose(f"blocks-{layer.qformat}-{dtype_name(dtype)}", (n, k), 2 * n * k, cands,
-                            weight, nbytes, lambda m: torch.randn(m, k).to(dtype))
+                            weight, nbytes, lambda m: torch.randn(m, k).to(dtype), sources=("quant_linear.cpp",))
 
 
 def choose_block_paths(model: nn.Module, kernels) -> int:

@@ -134,7 +134,7 @@ def w8a8_verdict(n: int, k: int, dtype: torch.dtype, kernels) -> Verdict:
         return Int8Weight(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=g), torch.rand(n, generator=g) / 100, n)
 
     return chooser().choose(f"w8a8-{dtype_name(dtype)}", (n, k), 2 * n * k, w8a8_candidates(kernels),
-                            weight, n * k, lambda m: torch.randn(m, k).to(dtype), CHOICE_ROWS)
+                            weight, n * k, lambda m: torch.randn(m, k).to(dtype), CHOICE_ROWS, sources=("w8a8.cpp",))
 
 
 def pack_w8a8_linears(model: nn.Module, keep: set[int], kernels=None) -> int:

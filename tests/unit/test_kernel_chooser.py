@@ -79,3 +79,48 @@ def test_a_forced_path_wins_where_the_op_has_it(tmp_path):
     assert _choose(elsewhere).source == "measured"
     one = KernelChooser(tmp_path, "b").choose("one", (1, 1), 2, _candidates(1)[:1], None, 0, None)
     assert one.route == Route(("whole",)) and one.source == "only"
+
+
+def test_a_verdict_is_timed_again_when_its_own_kernel_sources_change_and_only_then(tmp_path, monkeypatch):
+    import pagedllm.kernels.cpu as cpu
+
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "mine.cpp").write_text('#include "shared.h"\n// the op\n')
+    (src / "shared.h").write_text("// a header\n")
+    (src / "other.cpp").write_text("// another op\n")
+    monkeypatch.setattr(cpu, "CSRC", src)
+
+    def choose(build: str = "config-1", legacy: str | None = None):
+        chooser = KernelChooser(tmp_path / "verdicts", build, legacy, busy_cpus=float("inf"))
+        v = chooser.choose("test-op", (128, 64), 2 * 128 * 64, _candidates(64),
+                           lambda g: torch.randn(128, 64, generator=g), 128 * 64 * 4, lambda m: torch.randn(m, 64),
+                           (1, 64), sources=("mine.cpp",))
+        return v, len(chooser.take_measured())
+
+    first, timed = choose()
+    assert timed == 1
+    (src / "other.cpp").write_text("// another op, edited\n")
+    again, timed = choose()   # another kernel's edit: the verdict stands
+    assert timed == 0 and again.source == "cache" and again.seconds == first.seconds
+    (src / "shared.h").write_text("// a header, edited\n")
+    assert choose()[1] == 1         # a header the kernel includes: timed again
+    (src / "mine.cpp").write_text('#include "shared.h"\n// the op, edited\n')
+    assert choose()[1] == 1
+    assert choose(build="config-2")[1] == 1   # other flags, torch or CPU
+
+
+def test_a_verdict_of_the_whole_builds_file_is_moved_over_not_timed_again(tmp_path):
+    from pagedllm.kernels.chooser import _store, machine
+
+    v = _choose(KernelChooser(tmp_path, "scratch", busy_cpus=float("inf")))
+    # as verdicts were stored before they were keyed by their own sources: in the file of the
+    # whole build's key, under the op's key alone
+    old = KernelChooser(tmp_path, "whole-build-key")
+    _store(old.path_for(machine("whole-build-key")), machine("whole-build-key"), "test-op/128x256/whole,by_row/1,256", v)
+    moved = KernelChooser(tmp_path, "config-1", "whole-build-key")
+    got = _choose(moved)
+    assert got.seconds == v.seconds and moved.take_measured() == []
+    old.path_for(machine("whole-build-key")).unlink()   # now in the new file
+    again = KernelChooser(tmp_path, "config-1", "whole-build-key")
+    assert _choose(again).seconds == v.seconds and again.take_measured() == []

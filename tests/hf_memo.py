@@ -71,11 +71,19 @@ def _adapters(model) -> str | None:
                       sort_keys=True, default=as_list)
 
 
+def _config(model) -> dict:
+    """The model's config without where it was loaded from (a test's temporary folder is another
+    each run: the same model would never be found again)."""
+    config = json.loads(model.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    return config
+
+
 def _key(model, input_ids: torch.Tensor, kwargs: dict) -> str:
     import transformers
 
     parts = {"format": FORMAT, "class": type(model).__name__, "weights": weights_digest(model), "peft": _adapters(model),
-             "config": model.config.to_json_string(use_diff=False),
+             "config": _config(model),
              "generation_config": model.generation_config.to_json_string(use_diff=False),
              "input_ids": _plain(input_ids), "kwargs": _plain(kwargs),
              "transformers": transformers.__version__, "torch": torch.__version__, "cpu": _cpu()}

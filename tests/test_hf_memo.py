@@ -51,6 +51,9 @@ def test_a_second_call_reads_the_first_and_a_change_computes_again(model, tmp_pa
     model.config.rope_theta = 500.0
     hf_memo.generate(model, ids, **GREEDY)
     assert calls[0] == 5
+    model.config._name_or_path = "/tmp/pytest-of-someone/pytest-7/model0"   # where it was loaded from: the same model
+    hf_memo.generate(model, ids, **GREEDY)
+    assert calls[0] == 5
     monkeypatch.setenv("PAGEDLLM_TEST_HF_FRESH", "1")
     hf_memo.generate(model, ids, **GREEDY)
     assert calls[0] == 6

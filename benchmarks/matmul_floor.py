@@ -1,5 +1,5 @@
 """How close a hybrid benchmark model's run is to its matmuls' floor: each linear layer's shape
-timed on our bf16 panel kernel and on torch's F.linear (the baseline, in the same process) at the
+as our engine builds it (env_report.model_shapes) timed on our bf16 panel kernel and on torch's F.linear (the baseline, in the same process) at the
 row counts a step runs, and the seconds the issue-61 workload's matmuls take at the panels' rate,
 beside an engine's measured time from a result file (ours and vLLM-CPU's).
 
@@ -15,7 +15,6 @@ a step costs (attention, elementwise, the host). Prints; writes no result file.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 
 import torch
@@ -23,24 +22,6 @@ import torch
 from benchmarks.lib.attention import median_time
 
 PREFILL_ROWS, DECODE_ROWS = (256, 1024, 1600), (8, 16, 32)
-
-
-def linear_shapes(family: str) -> tuple[dict[tuple[int, int], int], tuple[int, int]]:
-    """((out, in) of each linear layer but the LM head: how many layers have it), LM head's (out, in),
-    from transformers' own module tree of the family's benchmark shape (on the meta device)."""
-    import transformers as tf
-
-    from benchmarks.hybrid_state import FAMILIES
-
-    _, config, shape, _ = FAMILIES[family]
-    with torch.device("meta"):
-        model = tf.AutoModelForCausalLM.from_config(getattr(tf, config)(**shape))
-    head = model.get_output_embeddings()
-    counts: collections.Counter = collections.Counter()
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module is not head:
-            counts[(module.out_features, module.in_features)] += 1
-    return dict(counts), (head.out_features, head.in_features)
 
 
 def rates(n: int, k: int, rows: tuple[int, ...], kernels) -> dict[int, tuple[float, float]]:
@@ -61,8 +42,9 @@ def rates(n: int, k: int, rows: tuple[int, ...], kernels) -> dict[int, tuple[flo
 
 
 def main() -> None:
-    from benchmarks.hybrid_state import FAMILIES
+    from benchmarks.hybrid_state import FAMILIES, model_dir
     from pagedllm.bench.provenance import provenance
+    from pagedllm.env_report import model_shapes
     from pagedllm.kernels import load_ops
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,22 +59,21 @@ def main() -> None:
         raise SystemExit("the panel kernel needs AVX512-BF16: this CPU has none")
     p = provenance()
     print(f"{p.get('cpu')}, torch {p.get('torch')}, {torch.get_num_threads()} threads, commit {p.get('commit')}")
-    layers, head = linear_shapes(args.family)
-    prefill = decode = head_decode = 0.0   # GFLOP a token, and each shape's best panel rate
-    best_prefill, best_decode = {}, {}
-    for (n, k), count in sorted(layers.items()) + [(head, 0)]:
-        r = rates(n, k, PREFILL_ROWS + DECODE_ROWS, kernels)
+    # the matmuls our engine runs (its own module tree: q/k/v and gate/up fused, the experts' routers aside)
+    _, shapes, _ = model_shapes(str(model_dir(args.family)))
+    prefill = decode = head_decode = 0.0   # seconds a token: the layers at prefill and decode rates, the head
+    for s in sorted(shapes, key=lambda s: (s.head, s.n, s.k)):
+        r = rates(s.n, s.k, PREFILL_ROWS + DECODE_ROWS, kernels)
         for m, (ours, aten) in r.items():
-            print(f"  {n:>6} x {k:<6} ({'LM head' if count == 0 else f'{count} layers'}) M {m:>5}: panels "
+            print(f"  {s.n:>6} x {s.k:<6} ({'LM head' if s.head else f'{s.count} layers'}) M {m:>5}: panels "
                   f"{ours:6.1f} GFLOP/s, F.linear {aten:6.1f} ({ours / aten:4.2f}x)")
-        best_prefill[(n, k)] = max(r[m][0] for m in PREFILL_ROWS)
-        best_decode[(n, k)] = max(r[m][0] for m in DECODE_ROWS)
-        gflop = 2 * n * k / 1e9
-        if count:
-            prefill += count * gflop / best_prefill[(n, k)]
-            decode += count * gflop / best_decode[(n, k)]
+        gflop = 2 * s.n * s.k / 1e9
+        best_prefill, best_decode = max(r[m][0] for m in PREFILL_ROWS), max(r[m][0] for m in DECODE_ROWS)
+        if s.head:
+            head_decode = gflop / best_decode
         else:
-            head_decode = gflop / best_decode[(n, k)]
+            prefill += s.count * gflop / best_prefill
+            decode += s.count * gflop / best_decode
     if not args.results:
         return
     data = json.loads(open(args.results).read())

@@ -13,12 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from pagedllm.kernels.chooser import cpu_name
 from pagedllm.util import cache_root
 
 # What the cached files hold: bump when the stored form changes.
@@ -26,12 +26,7 @@ FORMAT = 1
 
 
 def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
-    except OSError:
-        names = []
-    return f"{names[0] if names else platform.processor()}|{torch.backends.cpu.get_cpu_capability()}"
+    return f"{cpu_name()}|{torch.backends.cpu.get_cpu_capability()}"
 
 
 def weights_digest(model) -> str:

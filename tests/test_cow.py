@@ -2,21 +2,13 @@
 and KVCache.copy_blocks moving exactly the blocks asked, in every layer, K and V."""
 from __future__ import annotations
 
-import torch
-
-import hf_memo
+from hf_greedy import hf_greedy
 
 from pagedllm import SamplingParams
 
 MAX_NEW = 12
 PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who "
           "mended his nets every morning and told stories to the children")
-
-
-def hf_greedy(hf_model, ids: list[int], max_new: int) -> list[int]:
-    out = hf_memo.generate(hf_model, torch.tensor([ids]), max_new_tokens=max_new, min_new_tokens=max_new,
-                           do_sample=False, pad_token_id=hf_model.config.eos_token_id)
-    return out[0, len(ids):].tolist()
 
 
 def test_n3_greedy_samples_share_a_partial_block_by_cow(hf_model, llm_fp32):

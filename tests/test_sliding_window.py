@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-import hf_memo
+from hf_greedy import hf_greedy
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.engine import LLMEngine
@@ -70,11 +70,6 @@ def _without_window(model):
     return full
 
 
-def hf_greedy(model, ids: list[int], n: int = GEN) -> list[int]:
-    return hf_memo.generate(model, torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                            pad_token_id=0)[0, len(ids):].tolist()
-
-
 def hf_prompt_logprobs(model, ids: list[int]) -> list[float]:
     """Each prompt token's logprob given the tokens before it (from the second on)."""
     with torch.no_grad():
@@ -92,9 +87,9 @@ def mistral(tmp_path_factory, model_dir):
 
 def _windowed_greedy(model) -> list[list[int]]:
     """HF's greedy tokens for PROMPTS, checked to differ from the same weights' without a window."""
-    want = [hf_greedy(model, p) for p in PROMPTS]
+    want = [hf_greedy(model, p, GEN) for p in PROMPTS]
     full = _without_window(model)
-    assert any(w != hf_greedy(full, p) for w, p in zip(want, PROMPTS)), \
+    assert any(w != hf_greedy(full, p, GEN) for w, p in zip(want, PROMPTS)), \
         "HF's tokens do not depend on the window: these tests could not fail"
     return want
 
@@ -203,7 +198,7 @@ def test_prefix_hits_under_the_window_are_exact(mistral, window_backend):
     assert RELEASED not in hit[eng.kv.first_window_block(len(hit) * B):]
     (out,) = run(eng, [shared], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True), held_within_window)
     assert out.num_cached_tokens == len(hit) * B
-    assert out.outputs[0].token_ids == hf_greedy(hf, shared)
+    assert out.outputs[0].token_ids == hf_greedy(hf, shared, GEN)
 
 
 def test_speculative_rollback_keeps_the_window(mistral, window_backend):
@@ -216,7 +211,7 @@ def test_speculative_rollback_keeps_the_window(mistral, window_backend):
     (out,) = run(eng, [prompt], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True), held_within_window)
     spec = eng.stats().spec
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens, spec  # accepted ones, and rollbacks
-    assert out.outputs[0].token_ids == hf_greedy(hf, prompt)
+    assert out.outputs[0].token_ids == hf_greedy(hf, prompt, GEN)
     assert eng.kv.stats().window_released > 0
 
 
@@ -264,7 +259,7 @@ def test_the_disk_tier_loads_only_what_the_windows_read(qwen2_pattern, tmp_path)
     b = engine(path, "cpu", kv_offload_dir=str(tmp_path))
     longer = PROMPTS[0] + _prompt(6, 10)
     (out,) = run(b, [longer], SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True))
-    assert out.outputs[0].token_ids == hf_greedy(hf, longer)
+    assert out.outputs[0].token_ids == hf_greedy(hf, longer, GEN)
     f = b.kv.connector.figures()
     assert f.hits == 6 * B and f.loaded_blocks == 6 + 2 and out.num_cached_tokens == 6 * B
     b.kv.check_integrity()

@@ -227,6 +227,7 @@ class KernelChooser:
     busy_cpus: float = BUSY_CPUS
     memo: dict[str, Verdict] = field(default_factory=dict)
     measured: list[Verdict] = field(default_factory=list)   # since the last take_measured()
+    digests: dict[tuple[str, ...], str] = field(default_factory=dict)   # sources' digests, read once
 
     def path_for(self, mach: dict) -> Path:
         """The file holding the verdicts of machine `mach` (machine())."""
@@ -280,8 +281,10 @@ class KernelChooser:
     def _sources_key(self, sources: tuple[str, ...]) -> str:
         if not sources or self.kernels_build is None:
             return f"build:{self.legacy_build or self.kernels_build}"
-        from .cpu import sources_digest
-        return sources_digest(sources)
+        if sources not in self.digests:   # asked at every choice: the files are read once a chooser
+            from .cpu import sources_digest
+            self.digests[sources] = sources_digest(sources)
+        return self.digests[sources]
 
     def _measure(self, op, shape, flops_per_row, candidates, make_weight, weight_bytes, make_input, rows,
                  gain) -> Verdict:

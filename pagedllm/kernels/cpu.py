@@ -92,22 +92,28 @@ def _sources() -> list[Path]:
     return sorted(p for p in CSRC.iterdir() if p.is_file())
 
 
-def config_key() -> str:
-    """What decides the compiler's output beside the sources: flags, torch and CPU."""
+def _config_parts() -> list[bytes]:
+    """What decides the compiler's output beside the sources' bytes: the compiled files, torch,
+    the flags and the CPU."""
+    return [part.encode() for part in (" ".join(p.name for p in SOURCES), torch.__version__, " ".join(CFLAGS),
+                                       _cpu_signature())]
+
+
+def _digest(parts: list[bytes]) -> str:
     h = hashlib.sha256()
-    for part in (" ".join(p.name for p in SOURCES), torch.__version__, " ".join(CFLAGS), _cpu_signature()):
-        h.update(part.encode())
+    for part in parts:
+        h.update(part)
     return h.hexdigest()[:16]
+
+
+def config_key() -> str:
+    """What names a configuration's working folder of objects: flags, torch and CPU."""
+    return _digest(_config_parts())
 
 
 def build_key() -> str:
     """What names this machine's build of the library: its sources, flags, torch and CPU."""
-    h = hashlib.sha256()
-    for part in (*(p.read_bytes() for p in _sources()), " ".join(p.name for p in SOURCES).encode(),
-                 torch.__version__.encode(),
-                 " ".join(CFLAGS).encode(), _cpu_signature().encode()):
-        h.update(part)
-    return h.hexdigest()[:16]
+    return _digest([p.read_bytes() for p in _sources()] + _config_parts())
 
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)

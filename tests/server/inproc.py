@@ -14,7 +14,7 @@ import threading
 
 import httpx
 
-from hw import FAST_DTYPE  # noqa: E402
+from hw import FAST_DTYPE
 
 # The dtype the CPU runs fast (bf16 where it has bf16 instructions, else fp32): the in-process
 # servers' answers are held to offline engines of the same dtype; what is held to HF

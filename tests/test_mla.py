@@ -69,16 +69,66 @@ def hf_tokens(deepseek):
     return hf_tokens_of(deepseek[0])
 
 
-def test_greedy_and_logprobs_of_a_latent_pool_match_hf(make_llm, deepseek, hf_tokens):
+def test_greedy_and_logprobs_of_a_latent_pool_match_hf(make_llm, deepseek, hf_tokens, monkeypatch):
     """All eight at once (past YaRN's original 64 positions), prefills chunked at 48 tokens beside
-    other sequences' decodes; the pool holds the latent alone."""
+    other sequences' decodes; the pool holds the latent alone. A prompt's first chunk runs on
+    expanded heads, short chunks after keys in latent space, decodes on the latent kernel: each of
+    them ran."""
+    from pagedllm.attention import cpu_backend
+    from pagedllm.models.mla import LatentAttention
+
+    ran = {"fresh": 0, "latent": 0}
+
+    def expanded(self, *args):
+        for _, _, rows, keys in args[5]:
+            ran["fresh"] += keys == rows
+        return LatentAttention._expanded.__wrapped__(self, *args)
+
+    def latent(*args):
+        ran["latent"] += 1
+        return latent.__wrapped__(*args)
+
+    expanded.__wrapped__, latent.__wrapped__ = LatentAttention._expanded, cpu_backend.latent_prefill
+    monkeypatch.setattr(LatentAttention, "_expanded", expanded)
+    monkeypatch.setattr(cpu_backend, "latent_prefill", latent)
     hf, path = deepseek
     llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=48,
                    enable_prefix_caching=False)
     check_greedy_and_prompt_logprobs(llm, hf, hf_tokens)
+    assert all(ran.values()), ran
     s = llm.engine.stats()
     assert s.bytes_per_token == 3 * LATENT * 4, "M_KV: L x (kv_lora_rank + rope dims) x 4 bytes, no V rows"
     assert llm.engine.kv.pool.num_used == 0
+
+
+def test_a_long_prompt_chunked_attends_on_expanded_heads_over_its_pooled_keys(make_llm, deepseek, monkeypatch):
+    """A 240-token prompt in chunks of 64 (a quarter of the step's budget): the first on full heads,
+    the next two on full heads over the keys before them, up-projected from the latents read back
+    from the pool, the 48-row tail after 192 keys in latent space (fewer flops there). Greedy
+    tokens and prompt logprobs equal HF's."""
+    from hf_greedy import hf_greedy
+    from pagedllm.models.mla import LatentAttention
+
+    after_keys = []
+
+    def expanded(self, *args):
+        after_keys.extend(keys for _, _, rows, keys in args[5] if keys > rows)
+        return LatentAttention._expanded.__wrapped__(self, *args)
+
+    expanded.__wrapped__ = LatentAttention._expanded
+    monkeypatch.setattr(LatentAttention, "_expanded", expanded)
+    hf, path = deepseek
+    ids = [(7 * i * i + 3 * i) % 49000 + 100 for i in range(240)]
+    llm = make_llm(model=str(path), dtype="float32", kv_cache_memory="16MiB", max_num_batched_tokens=256,
+                   enable_prefix_caching=False)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, prompt_logprobs=0),
+                       use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == hf_greedy(hf, ids, 8)
+    assert sorted(set(after_keys)) == [128, 192], after_keys
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    got = torch.tensor([out.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))])
+    torch.testing.assert_close(got, ref[torch.arange(len(ids) - 1), ids[1:]], atol=1e-3, rtol=0)
 
 
 def test_a_prefix_hit_reads_the_cached_latent(make_llm, deepseek, hf_tokens):

@@ -131,10 +131,22 @@ class AttentionBackend(ABC):
 
     def forward_latent(self, q: torch.Tensor, latent: torch.Tensor, cache: torch.Tensor, meta: Any, scale: float,
                        v_dim: int) -> torch.Tensor:
-        """Multi-head latent attention (models/mla.py): q [T, H, D] absorbed queries, latent [T, 1, D]
-        the new tokens' rows, written into `cache` (K's pool) at their slots; every head attends to
-        the one latent head, each key's first v_dim dims its value. Returns [T, H, v_dim]."""
+        """Multi-head latent attention (models/mla.py): latent [T, 1, D] the new tokens' rows, all
+        written into `cache` (K's pool) at their slots; q [R, H, D] absorbed queries of the step's
+        first R rows (R < T where the model runs the chunks after them on expanded heads itself,
+        latent_chunks): every head attends to the one latent head, each key's first v_dim dims its
+        value. Returns [R, H, v_dim]."""
         raise NotImplementedError(f"attention backend {self.name} does not run multi-head latent attention")
+
+    def latent_chunks(self, meta: Any) -> list[tuple[int, int, int, int]]:
+        """The step's prefill chunks (every sequence after the decodes) as (sequence, first row,
+        rows, keys after the step), of which multi-head latent attention may run a trailing run on
+        expanded heads (models/mla.py); none here: every row in latent space."""
+        return []
+
+    def latent_keys(self, cache: torch.Tensor, meta: Any, seq: int) -> torch.Tensor:
+        """[keys, D]: a sequence's latent rows, every key it has after the step, from the pool."""
+        raise NotImplementedError(f"attention backend {self.name} does not read latent rows back")
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -9,9 +9,9 @@ dot-product instruction does 32 multiply-adds of Q.K or P.V.
 
 Multi-head latent attention (models/mla.py) keeps one latent head of [c, k_pe] rows a token, as the
 torch backend lays it out ([num_blocks, B, 1, D], no V rows): decodes run on a compiled kernel
-(kernels/csrc/latent_attention.cpp: every head of a sequence reads each key once, in place), prefill
-chunks on torch's matmuls (attention/torch_ref.py's latent_prefill), where many query rows share
-each key anyway.
+(kernels/csrc/latent_attention.cpp: every head of a sequence reads each key once, in place), short
+prefill chunks on torch's matmuls (attention/torch_ref.py's latent_prefill), where many query rows
+share each key anyway; long ones the model runs on expanded heads itself (latent_chunks).
 
 Quantized pools (--kv-cache-dtype int8, fp8_e4m3, fp8_e5m2, int4) are uint8
 [num_blocks, KVH, B * (D * bits / 8 + 2)]: per block and head, K's codes in 32-bit lanes
@@ -32,7 +32,7 @@ from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
 from .fresh_prefill import fresh_route, sdpa_chunk
-from .torch_ref import latent_decode, latent_prefill, write_rows
+from .torch_ref import gather_blocks, latent_decode, latent_prefill, write_rows
 
 
 @dataclass
@@ -151,9 +151,23 @@ class CpuPagedAttention(AttentionBackend):
             self.ops.latent_decode(out[:nd], q[:nd], cache, meta.block_tables[:nd], meta.seq_lens[:nd], scale)
         for s in range(nd, len(lens)):
             a, b = starts[s], starts[s + 1]
+            if a >= q.shape[0]:   # the chunks the model ran on expanded heads (latent_chunks)
+                break
             table = meta.block_tables[s, :cdiv(lens[s], cache.shape[1])]
             out[a:b] = latent_prefill(q[a:b], cache, table, lens[s], scale, v_dim)
         return out
+
+    def latent_chunks(self, meta: CpuMetadata) -> list[tuple[int, int, int, int]]:
+        # None in batch-invariant mode: how a prompt is chunked depends on the step's budget, so
+        # which form a chunk took would too
+        if not self.fresh_prefill:
+            return []
+        starts, lens = meta.host_starts, meta.host_lens
+        return [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(meta.num_decodes, len(lens))]
+
+    def latent_keys(self, cache: torch.Tensor, meta: CpuMetadata, seq: int) -> torch.Tensor:
+        n = meta.host_lens[seq]
+        return gather_blocks(cache, meta.block_tables[seq, :cdiv(n, cache.shape[1])]).view(-1, cache.shape[-1])[:n]
 
     def fresh_route(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Route:
         """Which fresh chunk lengths run on flash attention for this head shape (timed once, by the

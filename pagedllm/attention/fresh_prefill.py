@@ -27,6 +27,18 @@ def sdpa_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return o.squeeze(0).transpose(0, 1)
 
 
+def sdpa_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a chunk after keys: q [L, H, D] the last L of k, v's S positions [S, KVH, D],
+    query i seeing keys up to S - L + i (sdpa_chunk where S = L)."""
+    n, s = q.shape[0], k.shape[0]
+    if n == s:
+        return sdpa_chunk(q, k, v, scale)
+    later = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - n, s, device=q.device)[:, None]
+    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=later, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    return o.squeeze(0).transpose(0, 1)
+
+
 def fresh_route(ops, backend, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Route:
     """Per chunk length: "paged" (the backend's kernel) or "sdpa" (torch's flash attention),
     timed on this machine for this head shape and dtype."""

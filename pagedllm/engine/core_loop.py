@@ -115,6 +115,8 @@ class EngineCoreLoop:
                     self.gate.after_step(stop)
                 else:
                     self._apply(self.source.get(IDLE_WAIT))
+                    if not engine.has_unfinished_requests() and engine.kv.tier_backlog():
+                        engine.core_step()   # written now, for the other replicas: not at the next request
                     if not self.sink.idle(engine.refresh_view(), self.adds_applied):
                         return
                 if self.log_interval is not None and time.monotonic() - last_log >= self.log_interval:

@@ -166,6 +166,10 @@ class KVCacheManager:
     def take_io(self) -> StepIO:
         return self.connector.take_io() if self.connector is not None else ([], [], [])
 
+    def tier_backlog(self) -> int:
+        """Write-through blocks held back while the store was behind: an idle step hands them over."""
+        return self.connector.figures().backlog if self.connector is not None else 0
+
     def tier_prefix(self, hashes: BlockHashes, num_tokens: int, hit: Sequence[int]) -> int:
         """Blocks the tier can extend a pool hit `hit` by, of a sequence of `num_tokens` tokens
         (never its last token: that one is computed for its logits)."""

@@ -144,8 +144,8 @@ class AttentionBackend(ABC):
         expanded heads (models/mla.py); none here: every row in latent space."""
         return []
 
-    def latent_keys(self, cache: torch.Tensor, meta: Any, seq: int) -> torch.Tensor:
-        """[keys, D]: a sequence's latent rows, every key it has after the step, from the pool."""
+    def latent_keys(self, cache: torch.Tensor, meta: Any, seq: int, n: int) -> torch.Tensor:
+        """[n, D]: a sequence's first n latent rows, from the pool."""
         raise NotImplementedError(f"attention backend {self.name} does not read latent rows back")
 
     @abstractmethod

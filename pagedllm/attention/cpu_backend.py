@@ -32,7 +32,7 @@ from ..kernels.cpu import compiled_head_dims
 from ..util import cdiv
 from .backend import AttentionBackend, StepLayout, register
 from .fresh_prefill import fresh_route, sdpa_chunk
-from .torch_ref import gather_blocks, latent_decode, latent_prefill, write_rows
+from .torch_ref import latent_decode, latent_prefill, latent_rows, write_rows
 
 
 @dataclass
@@ -51,6 +51,7 @@ class CpuMetadata:
     host_lens: list[int] = field(default_factory=list)
     latent_rows: torch.Tensor | None = None   # rows whose latent a step writes: set by the first MLA layer
     sdpa: list[tuple[int, int, int]] | None = None   # of `fresh`, those flash attention runs: set by the first layer
+    prefills: list[tuple[int, int, int, int]] | None = None   # latent_chunks': set by the first MLA layer
 
 
 @register
@@ -153,8 +154,7 @@ class CpuPagedAttention(AttentionBackend):
             a, b = starts[s], starts[s + 1]
             if a >= q.shape[0]:   # the chunks the model ran on expanded heads (latent_chunks)
                 break
-            table = meta.block_tables[s, :cdiv(lens[s], cache.shape[1])]
-            out[a:b] = latent_prefill(q[a:b], cache, table, lens[s], scale, v_dim)
+            out[a:b] = latent_prefill(q[a:b], cache, meta.block_tables[s], lens[s], scale, v_dim)
         return out
 
     def latent_chunks(self, meta: CpuMetadata) -> list[tuple[int, int, int, int]]:
@@ -162,12 +162,14 @@ class CpuPagedAttention(AttentionBackend):
         # which form a chunk took would too
         if not self.fresh_prefill:
             return []
-        starts, lens = meta.host_starts, meta.host_lens
-        return [(s, starts[s], starts[s + 1] - starts[s], lens[s]) for s in range(meta.num_decodes, len(lens))]
+        if meta.prefills is None:   # once a step: every layer asks
+            starts, lens = meta.host_starts, meta.host_lens
+            meta.prefills = [(s, starts[s], starts[s + 1] - starts[s], lens[s])
+                             for s in range(meta.num_decodes, len(lens))]
+        return meta.prefills
 
-    def latent_keys(self, cache: torch.Tensor, meta: CpuMetadata, seq: int) -> torch.Tensor:
-        n = meta.host_lens[seq]
-        return gather_blocks(cache, meta.block_tables[seq, :cdiv(n, cache.shape[1])]).view(-1, cache.shape[-1])[:n]
+    def latent_keys(self, cache: torch.Tensor, meta: CpuMetadata, seq: int, n: int) -> torch.Tensor:
+        return latent_rows(cache, meta.block_tables[seq], n)
 
     def fresh_route(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> Route:
         """Which fresh chunk lengths run on flash attention for this head shape (timed once, by the

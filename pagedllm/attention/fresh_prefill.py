@@ -21,21 +21,14 @@ POOL_BLOCK = 16
 
 
 def sdpa_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of one fresh chunk: q [L, H, D] over its own k, v [L, KVH, D]."""
-    qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
-    return o.squeeze(0).transpose(0, 1)
-
-
-def sdpa_tail(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal attention of a chunk after keys: q [L, H, D] the last L of k, v's S positions [S, KVH, D],
-    query i seeing keys up to S - L + i (sdpa_chunk where S = L)."""
+    """Causal attention of one chunk: q [L, H, D] the last L of k, v's S positions [S, KVH, D], query
+    i seeing keys up to S - L + i (a fresh chunk: S = L, torch's causal mask)."""
     n, s = q.shape[0], k.shape[0]
-    if n == s:
-        return sdpa_chunk(q, k, v, scale)
-    later = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - n, s, device=q.device)[:, None]
+    mask = None if n == s else \
+        torch.arange(s, device=q.device)[None, :] <= torch.arange(s - n, s, device=q.device)[:, None]
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=later, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                       enable_gqa=q.shape[1] != k.shape[1])
     return o.squeeze(0).transpose(0, 1)
 
 

@@ -228,10 +228,15 @@ def latent_decode(q, cache, tables, context_lens, max_ctx: int, scale: float, v_
     return torch.bmm(probs, keys[..., :v_dim])
 
 
+def latent_rows(cache: torch.Tensor, table: torch.Tensor, n: int) -> torch.Tensor:
+    """[n, D]: a sequence's first n latent rows, through its block table (only the blocks they fill)."""
+    return gather_blocks(cache, table[:cdiv(n, cache.shape[1])]).view(-1, cache.shape[-1])[:n]
+
+
 def latent_prefill(q, cache, table, ctx: int, scale: float, v_dim: int) -> torch.Tensor:
     """q [ql, H, D], the last ql of ctx positions, each seeing the keys up to its own: [ql, H, v_dim]."""
     ql, h, d = q.shape
-    keys = gather_blocks(cache, table).view(-1, d)[:ctx]
+    keys = latent_rows(cache, table, ctx)
     out = q.new_empty(ql, h, v_dim)
     rows = max(1, _LATENT_SCORES // (h * ctx))
     kpos = torch.arange(ctx, device=q.device)[None, :]

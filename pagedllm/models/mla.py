@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionBackend
-from ..attention.fresh_prefill import sdpa_tail
+from ..attention.fresh_prefill import sdpa_chunk
 from .config import ModelConfig
 from .norm import RMSNorm
 from .ops import Ops
@@ -131,12 +131,12 @@ class LatentAttention(nn.Module):
             i = start - first
             kv, pe = own[i:i + n], latent[i:i + n, :, r:]
             if keys > n:   # the keys before the chunk, from the pool (the chunk's own were just written)
-                before = self.backend.latent_keys(cache, meta, seq)[:keys - n]
+                before = self.backend.latent_keys(cache, meta, seq, keys - n)
                 kv = torch.cat([F.linear(before[:, :r], w).view(-1, h, nope + m.v_dim), kv])
                 pe = torch.cat([before[:, None, r:], pe])
             k_full = torch.cat([kv[..., :nope], pe.expand(-1, h, m.rope_dim)], dim=-1)
             q_full = torch.cat([q[i:i + n, :, :nope], q_pe[i:i + n]], dim=-1)
             pad = width - k_full.shape[-1]
             values = F.pad(kv[..., nope:], (0, width - m.v_dim))
-            out[i:i + n] = sdpa_tail(F.pad(q_full, (0, pad)), F.pad(k_full, (0, pad)), values, self.scale)[..., :m.v_dim]
+            out[i:i + n] = sdpa_chunk(F.pad(q_full, (0, pad)), F.pad(k_full, (0, pad)), values, self.scale)[..., :m.v_dim]
         return out

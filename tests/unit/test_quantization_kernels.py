@@ -42,8 +42,9 @@ def test_block_kernels_are_the_dequantized_matmul(fmt, dtype, k):
     w = blocks.dequantize()
     ops = load_ops()
     # a tile in registers (1-6 rows; q4_1 x bf16 up to 4 on its own path), the scratch path
-    # with a short last tile, many tiles, and chunks of rows (K=576: 222 rows of bf16 a chunk)
-    for m in (1, 3, 5, 16, 40, 500):
+    # with a short last tile, many tiles, chunks of rows (K=576: 222 rows of bf16 a chunk), and
+    # bf16 rows from 64 on: panels of 32 columns unpacked for the bf16 panels' tiles
+    for m in (1, 3, 5, 16, 40, 64, 500):
         x = torch.randn(m, k, generator=g).to(dtype)
         want = x.float() @ w.T
         tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \
@@ -134,7 +135,9 @@ def test_gguf_block_kernels_are_gguf_pys_dequantized_matmul(fmt, dtype):
     layer = layer_with(blocks, dtype)
     assert layer.weight is None and layer.qraw.shape == (37, k // RAW_TYPES[fmt][2] * RAW_TYPES[fmt][1])
     ops = load_ops()
-    for m in (1, 4, 7, 40):
+    # int8 codes (1, 4), blocks unpacked to registers (7) or 4 columns at a time (40), and from 64
+    # rows whole panels of 32 columns (100: the second panel 5 columns, the last tile 2 rows)
+    for m in (1, 4, 7, 40, 100):
         x = torch.randn(m, k, generator=g).to(dtype)
         want = x.float() @ w.T
         tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \

@@ -124,23 +124,25 @@ inline void pack_rows(c10::BFloat16* dst, const c10::BFloat16* x, int64_t ldx, i
   }
 }
 
-// Every tile of x [m, k] (ldx apart, k even) over every panel of W (n columns): sink_at(row0, p,
-// n_valid) makes the sink of rows row0.. over panel p. Rows go in chunks of ROW_CHUNK, packed once
-// a chunk; panels are spread over the threads (`grain` panels at least a thread), every tile of the
-// chunk's rows over a panel before the next. Inside a parallel region (a decode step's experts) it
-// runs inline on the caller's thread.
-template <typename SinkAt>
-inline void sweep(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
-                  int64_t grain, const SinkAt& sink_at) {
-  const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS, panel = k2 * COLS * 2;
+// Every tile of x [m, k] (ldx apart, k even) over every panel of W (n columns): panel_at(p) gives
+// panel p in the panels' layout (W's own, or one unpacked from quantized blocks into the thread's
+// scratch, valid until that thread's next call), sink_at(row0, p, n_valid) makes the sink of rows
+// row0.. over panel p. Rows go in chunks of ROW_CHUNK, packed once a chunk; panels are spread over
+// the threads (`grain` panels at least a thread), every tile of the chunk's rows over a panel
+// before the next. Inside a parallel region (a decode step's experts) it runs inline on the
+// caller's thread.
+template <typename PanelAt, typename SinkAt>
+inline void sweep_panels(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t n, int64_t k, int64_t grain,
+                         const PanelAt& panel_at, const SinkAt& sink_at, int64_t row_chunk = ROW_CHUNK) {
+  const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS;
   const bool pack = m > ROWS / 2 && rows_collide(ldx);
   // the caller's thread's buffer, kept between calls (a fresh one of ~100 KB+ is an mmap, its
   // pages faulted in every call)
   thread_local std::vector<c10::BFloat16> packed;
-  if (pack) packed.resize(std::max<size_t>(packed.size(), ((std::min(m, ROW_CHUNK) + ROWS - 1) / ROWS) * k * ROWS));
+  if (pack) packed.resize(std::max<size_t>(packed.size(), ((std::min(m, row_chunk) + ROWS - 1) / ROWS) * k * ROWS));
   c10::BFloat16* xp = packed.data();
-  for (int64_t c0 = 0; c0 < m; c0 += ROW_CHUNK) {
-    const int64_t c1 = std::min(m, c0 + ROW_CHUNK), tiles = (c1 - c0 + ROWS - 1) / ROWS;
+  for (int64_t c0 = 0; c0 < m; c0 += row_chunk) {
+    const int64_t c1 = std::min(m, c0 + row_chunk), tiles = (c1 - c0 + ROWS - 1) / ROWS;
     if (pack) {
       at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
         for (int64_t t = t0; t < t1; ++t)
@@ -151,17 +153,26 @@ inline void sweep(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFl
     at::parallel_for(0, np, grain, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t n_valid = std::min(COLS, n - p * COLS);
+        const c10::BFloat16* w = panel_at(p);
         for (int64_t t = 0; t < tiles; ++t) {
           const int rows = int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS));
           auto sink = sink_at(c0 + t * ROWS, p, n_valid);
           if (pack)
-            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w + p * panel, k2, sink);
+            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w, k2, sink);
           else
-            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w + p * panel, k2, sink);
+            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w, k2, sink);
         }
       }
     });
   }
+}
+
+// sweep_panels over W packed whole in panels (models/prepack.py to_panels).
+template <typename SinkAt>
+inline void sweep(const c10::BFloat16* x, int64_t ldx, int64_t m, const c10::BFloat16* w, int64_t n, int64_t k,
+                  int64_t grain, const SinkAt& sink_at) {
+  const int64_t panel = k / 2 * COLS * 2;
+  sweep_panels(x, ldx, m, n, k, grain, [=](int64_t p) { return w + p * panel; }, sink_at);
 }
 
 // out [m, n] (ldo apart) = x [m, k] (ldx apart, k even) . W^T (+ bias), W packed in panels.

@@ -16,8 +16,10 @@
 // 0.85-0.95x of it; and a third of bf16's bytes to read when the weights come from memory.
 // Paths: q4_1 x bf16 on AVX512-BF16 at up to 4 rows multiplies the nibbles as they are (run_words);
 // the other types x bf16 at up to 4 rows on AVX512-VNNI take x as int8 codes and the blocks as
-// bytes (run_codes: one request's decode, as llama.cpp computes it); the rest unpack blocks to
-// fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
+// bytes (run_codes: one request's decode, as llama.cpp computes it); bf16 x from 64 rows on
+// AVX512-BF16 unpacks W a panel of 32 columns at a time into the bf16 panels' layout and runs
+// their outer-product tiles over it (run_panels: a prefill, at 0.9x+ the bf16 panels' speed); the
+// rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
 // two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
 // One request's decode is bound by streaming the weights: measured on one core of this
@@ -32,6 +34,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_panels.h"
 #include "blocks.h"
 #include "vec.h"
 
@@ -413,6 +416,84 @@ void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T*
     });
   }
 }
+
+#ifdef PAGEDLLM_BF16_DOT
+// 16 vectors of 16 dwords transposed in place: dword j of r[i] goes to dword i of r[j].
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + e], 128-bit lane l: dword 4l + e of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // the 4 x 4 lanes of r[e], r[4 + e], r[8 + e], r[12 + e] transposed
+    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// W's columns 32 p .. 32 p + 31 unpacked from their blocks (rounded to bf16 as BF16::unpack does)
+// into dst in the panels' layout [K / 2][32][2] (bf16_panels.h), zero past n: a block of 16 rows of
+// W is 16 vectors of k pairs, which a transpose turns into 16 k pairs of 16 columns each. Each row's
+// blocks are unpacked RUN at a time into an L1 buffer first: a row's bytes read in sequence, the 16
+// rows' cache misses in flight together (a block of each row in turn waited on each row's miss).
+template <class Q>
+void unpack_panel(const Q& q, int64_t p, int64_t n, int64_t k, c10::BFloat16* dst) {
+  constexpr int64_t RUN = 8;
+  const int64_t nblk = k / G;
+  __m512i run[16][RUN];
+  for (int half = 0; half < 2; ++half) {
+    const int64_t c0 = p * panels::COLS + half * 16;
+    for (int64_t b0 = 0; b0 < nblk; b0 += RUN) {
+      const int64_t nb = std::min(RUN, nblk - b0);
+      for (int j = 0; j < 16; ++j)
+        for (int64_t i = 0; i < nb; ++i)
+          run[j][i] = c0 + j < n ? (__m512i)BF16::unpack(q, c0 + j, b0 + i) : _mm512_setzero_si512();
+      for (int64_t i = 0; i < nb; ++i) {
+        __m512i r[16];
+        for (int j = 0; j < 16; ++j) r[j] = run[j][i];
+        transpose16(r);
+        const int64_t b = b0 + i;
+        for (int e = 0; e < 16; ++e) _mm512_storeu_si512(dst + ((b * 16 + e) * panels::COLS + half * 16) * 2, r[e]);
+      }
+    }
+  }
+}
+
+// From this many rows a matmul on blocks unpacks each panel of 32 columns of W once a chunk of
+// rows into the thread's scratch and runs the bf16 panels' outer-product tiles over it (14 rows,
+// no horizontal sums: bf16_panels.h), instead of run<BF16>'s dot products on 4 columns, which ran
+// at 0.74-0.79x the bf16 panels at 64-1,024 rows (2880 x 2880 MXFP4, 2-core Zen 4); unpacked
+// panels, 0.8x at 64 rows and 0.9-0.97x from 256. The transpose into the panels' layout costs
+// more than the tiles gain below ~48-64 rows (MXFP4) and ~64-128 (Q4_K, Q6_K): there run<BF16>.
+constexpr int64_t PANELS_MIN_M = 64;
+constexpr int64_t PANELS_ROW_CHUNK = 1024;   // rows a panel is unpacked for (x's chunk stays in L3)
+
+template <class Q>
+void run_panels(const Q& q, const c10::BFloat16* x, int64_t m, int64_t n, int64_t k, c10::BFloat16* out) {
+  panels::sweep_panels(
+      x, k, m, n, k, 1,
+      [&](int64_t p) {
+        thread_local std::vector<c10::BFloat16> scratch;  // kept between calls, as the panels' row buffer
+        scratch.resize(std::max<size_t>(scratch.size(), size_t(k) * panels::COLS));
+        unpack_panel(q, p, n, k, scratch.data());
+        return static_cast<const c10::BFloat16*>(scratch.data());
+      },
+      [&](int64_t row0, int64_t p, int64_t n_valid) {
+        return panels::Store(out + row0 * n + p * panels::COLS, n, n_valid, nullptr);
+      }, PANELS_ROW_CHUNK);
+}
+#endif
 
 #ifdef PAGEDLLM_BF16_DOT
 // Q4_1 against bf16 rows without unpacking to fp32. A nibble q with 0x4300 in the bits
@@ -899,7 +980,10 @@ void dispatch_ptr(const W& w, const void* xv, void* outv, int64_t m, int64_t n, 
   }
 #endif
 #ifdef PAGEDLLM_BF16_DOT
-  run<BF16>(w, x, m, n, k, out);
+  if (m >= PANELS_MIN_M)
+    run_panels(w, x, m, n, k, out);
+  else
+    run<BF16>(w, x, m, n, k, out);
 #else
   std::vector<float> buf(size_t(m) * k);
   for (int64_t i = 0; i < m * k; i += L) storef(buf.data() + i, load16(x + i));

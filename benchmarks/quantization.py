@@ -13,6 +13,13 @@ Perplexity of a fixed 1024-token text (ShareGPT replies, pagedllm.bench.quality)
 tokens a step, through the kernels too.
 
     python -m benchmarks quantization --rounds 3 --out benchmarks/results/quantization.json
+
+`--parts prefill` (alone or with speed,quality) times prefill alone, where the block kernels run
+their many-row path: 16 ShareGPT prompts cut to 1,000 tokens (long ones kept, cut), one new token,
+a cold pass then the median of 3 warm ones (prefix cache reset before each), each quantization in
+its own process, alternating for `--rounds` rounds:
+
+    python -m benchmarks quantization --parts prefill --out benchmarks/results/quantization_prefill.json
 """
 from __future__ import annotations
 
@@ -41,6 +48,42 @@ def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int) -
     return {"output_tok_s": n / dt, "elapsed_s": dt, "runner": llm.engine.runner.describe()}
 
 
+def prefill(quantization: str | None, prompts: list[list[int]]) -> dict:
+    """Seconds of a prefill-only pass over `prompts` (one new token each): a cold pass, then the
+    median of 3 warm ones, the prefix cache reset before each."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(dtype="bfloat16", max_model_len=2048, quantization=quantization)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for _ in range(4):
+        llm.reset_prefix_cache()
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        times.append(time.perf_counter() - t0)
+    warm = statistics.median(times[1:])
+    return {"cold_s": times[0], "warm_s": warm, "prompt_tok_s": sum(map(len, prompts)) / warm,
+            "runner": llm.engine.runner.describe()}
+
+
+def prefill_part(rounds: int) -> list[dict]:
+    prompts = [list(r.prompt) for r in sharegpt_truncated(16, 1000, 1)]
+    runs: dict[str, list[dict]] = {}
+    for _ in range(rounds):
+        for q in QUANTS:
+            runs.setdefault(q or "bf16", []).append(in_own_process(prefill, q, prompts))
+    base = statistics.median(r["prompt_tok_s"] for r in runs["bf16"])
+    rows = []
+    for label, rs in runs.items():
+        med = statistics.median(r["prompt_tok_s"] for r in rs)
+        rows.append({"workload": f"prefill, 16 ShareGPT prompts cut to 1,000 ({sum(map(len, prompts))} tokens)",
+                     "engine": f"pagedllm {label}", "prompt_tok_s": med, "rounds": [r["prompt_tok_s"] for r in rs],
+                     "warm_s": [r["warm_s"] for r in rs], "vs_bf16": med / base, "runner": rs[0]["runner"]})
+        print(f"prefill {label:<5} {med:7.1f} prompt tok/s ({med / base:.2f}x bf16)  rounds "
+              + ", ".join(f"{r['prompt_tok_s']:.1f}" for r in rs))
+    return rows
+
+
 def greedy(kw: dict, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     from pagedllm import LLM, SamplingParams
 
@@ -60,12 +103,26 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
+    ap.add_argument("--parts", default="speed,quality", help="comma list: speed, quality, prefill")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    res: dict = {"rounds": args.rounds}
+    if "prefill" in parts:
+        res["prefill"] = prefill_part(args.rounds)
+    if "speed" in parts:
+        res["results"] = speed_part(args.rounds)
+    if "quality" in parts:
+        res.update(quality_part())
+    save(res, args.out)
+    print(f"saved {args.out}")
+
+
+def speed_part(rounds: int) -> list[dict]:
     rng = random.Random(0)
     one = [[rng.randrange(0, 10000) for _ in range(64)]]
     batch = [list(r.prompt) for r in sharegpt_truncated(48, 256, 128)]
     runs: dict[str, dict[str, list[dict]]] = {"one request": {}, "48 ShareGPT prompts": {}}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, prompts, max_tokens in (("one request", one, 256), ("48 ShareGPT prompts", batch, 128)):
             for q in QUANTS:
                 runs[name].setdefault(q or "bf16", []).append(in_own_process(speed, q, prompts, max_tokens))
@@ -78,6 +135,10 @@ def main() -> None:
                          "rounds": [r["output_tok_s"] for r in rs], "vs_bf16": med / base, "runner": rs[0]["runner"]})
             each = ", ".join(f"{r['output_tok_s']:.1f}" for r in rs)
             print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x bf16)  rounds {each}")
+    return rows
+
+
+def quality_part() -> dict:
     prompts = [list(r.prompt) for r in sharegpt_truncated(50, 256, 64)]
     modes = {"fp32": {"dtype": "float32"}, "bf16": {"dtype": "bfloat16"},
              **{q: {"dtype": "bfloat16", "quantization": q} for q in QUANTS if q}}
@@ -94,9 +155,7 @@ def main() -> None:
         quality[f"{a}_vs_{b}"] = {"mean_common_prefix": mean, "all_64_equal": whole, "prompts": len(prompts)}
         print(f"greedy, 50 ShareGPT prompts x 64 tokens: {a} vs {b}: common prefix {mean:.1f} tokens on average, "
               f"{whole}/50 equal throughout")
-    save({"results": rows, "quality": quality, "perplexity": {"text_tokens": len(text), **ppl},
-          "rounds": args.rounds}, args.out)
-    print(f"saved {args.out}")
+    return {"quality": quality, "perplexity": {"text_tokens": len(text), **ppl}}
 
 
 if __name__ == "__main__":

@@ -558,6 +558,28 @@ def plot_mla_prefill(fig, data: dict) -> None:
         ax.set_xlabel(f"{name}: s ({r['latent_over_expanded']:.2f}x)", fontsize=8)
 
 
+def plot_quant_prefill(ax, data: dict) -> None:
+    """Prefill-only passes on each quantization's blocks (benchmarks/quantization.py --parts
+    prefill): prompt tok/s, the median over rounds as a bar, each round a dot, bf16 the baseline."""
+    rows = data["prefill"]
+    labels = [f"{r['engine'].removeprefix('pagedllm ')} ({r['vs_bf16']:.2f}x bf16)" for r in rows]
+    _bars(ax, labels, [r["prompt_tok_s"] for r in rows],
+          [OTHER_COLOUR if r["engine"].endswith("bf16") else OURS for r in rows], "{:.0f}",
+          [r["rounds"] for r in rows])
+    ax.set_xlabel("prompt tokens / s (prefill only)")
+
+
+def plot_expert_rows(ax, data: dict) -> None:
+    """One layer's experts on MXFP4 blocks against bf16 (benchmarks/gpt_oss.py --parts experts):
+    the speed ratio at each token count, decode's few rows and a prefill's many."""
+    rows = data["experts"]["rows"]
+    ms = list(rows)
+    _bars(ax, [f"{m} token{'s' if str(m) != '1' else ''}" for m in ms], [rows[m]["mxfp4_speedup"] for m in ms],
+          [OURS if rows[m]["mxfp4_speedup"] >= 1 else OTHER_COLOUR for m in ms], "{:.2f}x")
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel(f"MXFP4 blocks' speed / bf16 experts' ({data['experts']['bf16_layout']})")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -765,6 +787,10 @@ PLOTTERS: list[Plotter] = [
     (lambda d: isinstance(d.get("throughput"), list), plot_batch_invariant, "Batch-invariant mode", False),
     (lambda d: isinstance(d.get("median"), dict) and "output_tok_s" in d, plot_viz_overhead,
      "Visualizer overhead", False),
+    (lambda d: isinstance(d.get("prefill"), list) and bool(d["prefill"]) and "prompt_tok_s" in d["prefill"][0],
+     plot_quant_prefill, "Prefill on quantized blocks (SmolLM2)", False),
+    (lambda d: d.get("benchmark") == "gpt_oss" and "experts" in d and not engine_runs(d), plot_expert_rows,
+     "gpt-oss: one layer's MXFP4 experts against bf16", False),
     (lambda d: bool(engine_runs(d)), plot_engines, "Output throughput", False),
 ]
 

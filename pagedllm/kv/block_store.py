@@ -114,6 +114,14 @@ class QueuedStore(ABC):
         """Which of `keys` the store holds or is writing (one question, however many keys)."""
         return {k for k in keys if k in self}
 
+    @abstractmethod
+    def read(self, key: int) -> memoryview | None:
+        """The block's payload, verified; None when the store cannot serve it."""
+
+    def read_many(self, keys: Sequence[int]) -> list[memoryview | None]:
+        """read() of each key, in order (a networked store asks for all of them at once)."""
+        return [self.read(k) for k in keys]
+
     def put(self, key: int, parts: Sequence) -> None:
         """Queue a block's bytes (buffer objects, concatenated in order) for writing; they
         must stay unchanged until take_done() reports the key."""

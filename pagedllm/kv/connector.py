@@ -36,6 +36,7 @@ class BlockStore(Protocol):
     def __contains__(self, key: int) -> bool: ...
     def have(self, keys: Sequence[int]) -> set[int]: ...
     def read(self, key: int) -> object | None: ...
+    def read_many(self, keys: Sequence[int]) -> list[object | None]: ...
     def put(self, key: int, parts: Sequence) -> None: ...
     def take_done(self) -> list[tuple[int, bool]]: ...
     def flush(self) -> None: ...
@@ -106,6 +107,17 @@ class KVConnector(ABC):
         """A fresh block registered under `key`, its bytes read from the tier (copied in before
         the forward), pinned for this step; None when the store cannot serve it or the pool
         has one block left. `index`, `group`: where the sequence's table takes it (events)."""
+
+    def load_blocks(self, seq_id: int, wanted: Sequence[tuple[int, int, int]]) -> list[int]:
+        """load_block for each (key, index, group) in order, up to the first that cannot be
+        loaded: the blocks loaded, one per entry before it."""
+        loaded = []
+        for key, index, group in wanted:
+            b = self.load_block(seq_id, key, index, group)
+            if b is None:
+                break
+            loaded.append(b)
+        return loaded
 
     def fresh_loads(self) -> set[int]:
         """Blocks read from the tier that no admission has taken yet."""
@@ -237,7 +249,26 @@ class OffloadConnector(KVConnector):
     def load_block(self, seq_id: int, key: int, index: int, group: int = 0) -> int | None:
         """The read is verified before the block is taken; the runner copies its bytes in
         before the forward."""
-        if self.pool.num_available <= 1 or (payload := self.store.read(key)) is None:
+        if self.pool.num_available <= 1:
+            return None
+        return self._take(seq_id, key, index, group, self.store.read(key))
+
+    def load_blocks(self, seq_id: int, wanted: Sequence[tuple[int, int, int]]) -> list[int]:
+        """The blocks' bytes asked for in one request to the store (a networked store: one round
+        trip for all of a hit's blocks, not one each), then taken in order as load_block takes one."""
+        room = self.pool.num_available - 1
+        payloads = self.store.read_many([key for key, _, _ in wanted[:max(room, 0)]])
+        loaded = []
+        for (key, index, group), payload in zip(wanted, payloads):
+            b = self._take(seq_id, key, index, group, payload) if self.pool.num_available > 1 else None
+            if b is None:
+                break
+            loaded.append(b)
+        return loaded
+
+    def _take(self, seq_id: int, key: int, index: int, group: int, payload: object | None) -> int | None:
+        """A fresh block for a verified payload (None: none)."""
+        if payload is None:
             return None
         b = self.pool.allocate()
         self.pool.cache(b, key)

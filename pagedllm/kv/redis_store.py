@@ -15,10 +15,10 @@ the sealed block (block_store: header, checksum, fingerprint, key, then the payl
   run): a block the server dropped is a miss, recomputed. With `noeviction` a full server
   refuses writes; they are counted as write errors and the blocks stay in the pool only.
 
-Requests: `have` asks for many keys in one pipelined round trip (a prefix lookup); a read
-is one GET; writes go through the background writer (block_store.QueuedStore). A store that
-is down or slow costs each call at most `timeout` seconds and is treated as empty: the
-engine keeps running on its pool and recomputes.
+Requests: `have` asks for many keys in one pipelined round trip (a prefix lookup), and a hit's
+reads are one pipelined round trip of GETs (`read_many`); writes go through the background writer
+(block_store.QueuedStore). A store that is down or slow costs each call at most `timeout` seconds
+and is treated as empty: the engine keeps running on its pool and recomputes.
 """
 from __future__ import annotations
 
@@ -124,16 +124,29 @@ class RedisStore(QueuedStore):
     def read(self, key: int) -> memoryview | None:
         """The block's payload, verified; None (with a warning, the value deleted) when it is
         missing, wrong or the store cannot be reached."""
-        data = self._being_written(key)
-        if data is not None:
-            return data
-        if not self._up():
-            return None
+        return self.read_many([key])[0]
+
+    def read_many(self, keys: Sequence[int]) -> list[memoryview | None]:
+        """read() of each key, those not being written asked for in one pipelined round trip (a
+        GET each was a round trip each: ~0.05 ms on loopback, a network's RTT across hosts)."""
+        out = [self._being_written(k) for k in keys]
+        ask = [i for i, data in enumerate(out) if data is None]
+        if not ask or not self._up():
+            return out
         try:
-            raw = self.client.get(self.name(key))
+            pipe = self.client.pipeline(transaction=False)
+            for i in ask:
+                pipe.get(self.name(keys[i]))
+            raws = pipe.execute()
         except redis.RedisError as e:
             self._failed("a read", e)
-            return None
+            return out
+        for i, raw in zip(ask, raws):
+            out[i] = self._verified(keys[i], raw)
+        return out
+
+    def _verified(self, key: int, raw: bytes | None) -> memoryview | None:
+        """A GET's value as a payload, checked; None (the value deleted) when wrong or missing."""
         if raw is None:   # the server evicted it, or another engine's check deleted it
             self._forget(key)
             return None

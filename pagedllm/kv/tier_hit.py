@@ -106,17 +106,15 @@ def load_hit(plan: TierHit, connector: KVConnector, seq_id: int, limit: int) -> 
         pinned = _pin(plan, connector, k, pinned)
         todo = sorted((i, gi) for gi in range(len(plan.groups)) for i in plan.needed(gi, k)
                       if plan.source[gi][i] == TIER)
-        if all(_load(plan, connector, seq_id, i, gi) for i, gi in todo):
+        loaded = connector.load_blocks(seq_id, [(plan.keys[gi][i], i, gi) for i, gi in todo])
+        for (i, gi), b in zip(todo, loaded):
+            plan.source[gi][i] = b
+        if len(loaded) == len(todo):
             return _blocks(plan, k)
+        i, gi = todo[len(loaded)]
+        plan.source[gi][i] = None   # the block the store could not serve (or no room for)
         plan.refresh()   # the fresh blocks taken so far may have evicted a shorter hit's pool blocks
         k = max([v for v in plan.valid() if v <= k], default=plan.start)
-
-
-def _load(plan: TierHit, connector: KVConnector, seq_id: int, i: int, gi: int) -> bool:
-    """Group gi's block i read from the tier into a fresh block; False if it could not be."""
-    b = connector.load_block(seq_id, plan.keys[gi][i], i, gi)
-    plan.source[gi][i] = b
-    return b is not None
 
 
 def _pin(plan: TierHit, connector: KVConnector, k: int, pinned: set[int]) -> set[int]:

@@ -108,8 +108,21 @@ def test_another_replica_is_served_from_the_store(redis_server, tiny_model, comp
     assert f.loaded_blocks == len(keys), "every full block of the document came from the store"
     assert f.hits == len(keys) * B and f.store.read_failures == 0
     assert b.engine.scheduler.counters.computed_prompt_tokens < 2 * B, "B computed only the question's tail"
-    # the lookup and the reads of the hit's 177 blocks: a pipelined round trip each, not a GET a block
+    # the lookup and the reads of the hit's 177 blocks (~8 KiB each): pipelined, not a GET a block
     assert trips["get"] == 0 and trips["pipelines"] <= 4, trips
+    b.close()
+
+
+def test_a_hit_read_in_several_pipelines_is_whole(redis_server, tiny_model, computed, monkeypatch):
+    from pagedllm.kv import redis_store
+
+    b = replica(tiny_model, redis_server.url)
+    monkeypatch.setattr(redis_store, "READ_BATCH_BYTES", 10 * tier(b).store.entry_bytes)
+    trips = round_trips(tier(b).store.client)
+    assert answer(b) == computed
+    n = len(doc_keys(b))
+    assert tier(b).figures().loaded_blocks == n and trips["get"] == 0
+    assert trips["pipelines"] >= -(-n // 10), "pipelines of 10 blocks each"
     b.close()
 
 

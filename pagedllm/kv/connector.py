@@ -254,8 +254,8 @@ class OffloadConnector(KVConnector):
         return self._take(seq_id, key, index, group, self.store.read(key))
 
     def load_blocks(self, seq_id: int, wanted: Sequence[tuple[int, int, int]]) -> list[int]:
-        """The blocks' bytes asked for in one request to the store (a networked store: one round
-        trip for all of a hit's blocks, not one each), then taken in order as load_block takes one."""
+        """The blocks' bytes asked for in one request to the store (a networked store: a round
+        trip for many of a hit's blocks, not one each), then taken in order as load_block takes one."""
         room = self.pool.num_available - 1
         payloads = self.store.read_many([key for key, _, _ in wanted[:max(room, 0)]])
         loaded = []

@@ -113,7 +113,11 @@ def experts(rows: tuple[int, ...] = ROWS, reps: int = 30) -> dict:
     if ops.k.moe_can_pack() and experts_verdict(bf16, ops.k).route.paths == ("panels",):
         bf16.pack_bf16()
         layout = "panels"
-    out = {"bf16_layout": layout, "rows": {}}
+    from pagedllm.models.moe import interleave_experts
+
+    # the MXFP4 stacks as the engine keeps them at load: repacked for the int8 kernel where VNNI is
+    mx_layout = "repacked (int8 kernel)" if interleave_experts(mx, ops.k) else "file's blocks"
+    out = {"bf16_layout": layout, "mxfp4_layout": mx_layout, "rows": {}}
     for m in rows:
         x = torch.randn(m, hid, generator=g).bfloat16()
         weights, chosen = torch.softmax(torch.randn(m, e, generator=g), -1).topk(k, -1)
@@ -151,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
         res["experts"] = ex
         for m, r in ex["rows"].items():
             print(f"experts at {m} rows ({r['experts_touched']} of 32 touched): bf16 ({ex['bf16_layout']}) "
-                  f"{r['bf16_ms']:.2f} ms, MXFP4 {r['mxfp4_ms']:.2f} ms: {r['mxfp4_speedup']:.2f}x")
+                  f"{r['bf16_ms']:.2f} ms, MXFP4 ({ex.get('mxfp4_layout', '')}) {r['mxfp4_ms']:.2f} ms: "
+                  f"{r['mxfp4_speedup']:.2f}x")
     if "batch" in parts or "vllm" in parts:
         from benchmarks.moe import compare_batch, ours_batch, requests
 

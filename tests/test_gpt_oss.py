@@ -94,6 +94,8 @@ def test_mxfp4_experts_run_as_blocks_and_match_transformers_dequantized(make_llm
                    enable_prefix_caching=False, attention_backend="torch")
     moe = llm.engine.runner.model.layers[0].mlp
     assert moe.quantized and moe.w13_format == moe.w2_format == "MXFP4"
+    from pagedllm.kernels import load_ops
+    assert moe.interleaved == load_ops().moe_can_w8a8(), "repacked for the int8 kernel where the CPU has VNNI"
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_tokens_of(ref)
 

@@ -19,7 +19,7 @@ from ..distributed import TPGroup
 from .batch_invariant import ROW_TILE, pack_linears
 from .config import ModelConfig
 from .layers import DecoderLayer
-from .moe import SparseMoE, pack_experts
+from .moe import SparseMoE, interleave_experts, pack_experts
 from .norm import RMSNorm
 from .ops import Ops
 from .prepack import prepack_linears, prepack_wanted
@@ -132,6 +132,7 @@ class DecoderForCausalLM(nn.Module):
                             self.ops.k, head=self.lm_head, single=self.ops.batch_invariant)
         self.ops.packed = n > 0
         n += pack_experts(self, self.ops.k)   # bf16 experts, where packed runs faster here
+        n += interleave_experts(self, self.ops.k)   # MXFP4 experts, for the int8 outer-product kernel
         choose_block_paths(self, self.ops.k)   # quantized blocks: the kernel, or dequantized where that wins
         # W8A8's int8 weights too; a tied head whose embedding was dropped keeps its rows to look up.
         return n + pack_w8a8_linears(self, {id(self.lm_head)} if self.embed_tokens.weight is None else set(), self.ops.k)

@@ -74,6 +74,7 @@ class SparseMoE(nn.Module):
         else:
             self.w13_bias = self.w2_bias = None
         self.packed = False   # w13 / w2 in the layout of vdpbf16ps (pack_bf16)
+        self.interleaved = False   # MXFP4 blocks repacked for the int8 outer-product kernel (interleave_mxfp4)
         self.w8a8 = False     # int8 experts with int8 activations (set_w8a8)
         self.activation = cfg.activation
         if m.shared_width:
@@ -156,6 +157,24 @@ class SparseMoE(nn.Module):
             p.data = to_panels(p.data).view(p.shape)
         self.packed = True
 
+    def can_interleave(self) -> bool:
+        """Whether interleave_mxfp4 applies: MXFP4 blocks whose matrices have rows in sixteens."""
+        return self.quantized and not self.w8a8 and not self.interleaved \
+            and getattr(self, "w13_format", None) == getattr(self, "w2_format", None) == "MXFP4" \
+            and (2 * self.width) % IL_ROWS == 0 and self.hidden % IL_ROWS == 0
+
+    def interleave_mxfp4(self, kernels) -> None:
+        """The MXFP4 experts' bytes repacked once (kernels' mxfp4_interleave) for the int8 outer-
+        product kernel: the same bytes in another order, 16 rows' codes side by side."""
+        t13, p13, t2, p2, width = self._block_args
+        parts = []
+        for name, (raw,) in (("w13", p13), ("w2", p2)):
+            il = kernels.mxfp4_interleave(raw.reshape(-1, raw.shape[-1])).view(raw.shape)
+            self.register_buffer(f"{name}_blocks0", il, persistent=False)
+            parts.append([il])
+        self._block_args = (MXFP4_IL, parts[0], MXFP4_IL, parts[1], width)
+        self.interleaved = True
+
     def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert e's (w13 [2I, H], w2 [H, I]) in dtype: its blocks unpacked where quantized, its
         pairs put back where packed."""
@@ -166,6 +185,8 @@ class SparseMoE(nn.Module):
         if not self.quantized:
             return self.w13[e], self.w2[e]
         _, p13, _, p2, width = self.block_args()
+        if self.interleaved:
+            p13, p2 = [deinterleave_mxfp4(p13[0])], [deinterleave_mxfp4(p2[0])]
         return (unpack(self.w13_format, [t[e] for t in p13], self.hidden).dequantize().to(dtype),
                 unpack(self.w2_format, [t[e] for t in p2], width).dequantize().to(dtype))
 
@@ -299,6 +320,38 @@ def quantize_experts(model: nn.Module, method: str) -> int:
             else:
                 mod.set_blocks(make(mod.w13.reshape(-1, mod.w13.shape[-1])), make(mod.w2.reshape(-1, mod.w2.shape[-1])))
             n += 1
+    return n
+
+
+IL_ROWS = 16                 # rows of W whose codes the repacked MXFP4 keeps side by side
+MXFP4_IL = 1039              # the kernels' id of repacked MXFP4 (blocks.h BLOCKS_MXFP4_IL)
+
+
+def deinterleave_mxfp4(il: torch.Tensor) -> torch.Tensor:
+    """Repacked MXFP4 [..., R, K/32 * 17] (R a multiple of 16) back in ggml's block order: per 16
+    rows and block, 16 exponents, then 4 units of 64 bytes, byte 4c + i of unit s holding row c's
+    codes of k = 8s + i (low nibble) and 8s + 4 + i (high)."""
+    *lead, rows, row_bytes = il.shape
+    nblk = row_bytes // 17
+    t = il.reshape(-1, nblk, 272)
+    exps = t[..., :16]                                           # [G, nblk, c]
+    units = t[..., 16:].reshape(-1, nblk, 4, 16, 4)              # [G, nblk, s, c, i]
+    codes = torch.stack([units & 15, units >> 4], dim=-2)        # [G, nblk, s, c, half, i]: k = 8s + 4 half + i
+    codes = codes.permute(0, 1, 3, 2, 4, 5).reshape(-1, nblk, 16, 32)
+    blocks = torch.cat([exps.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1)   # [G, nblk, c, 17]
+    return blocks.permute(0, 2, 1, 3).reshape(*lead, rows, row_bytes).contiguous()
+
+
+def interleave_experts(model: nn.Module, kernels) -> int:
+    """Every mixture's MXFP4 experts repacked for the int8 outer-product kernel (interleave_mxfp4),
+    once at load, where the kernels were built with AVX512-VNNI. Returns how many stacks."""
+    if kernels is None or not kernels.moe_can_w8a8():
+        return 0
+    n = 0
+    for moe in model.modules():
+        if isinstance(moe, SparseMoE) and moe.can_interleave():
+            moe.interleave_mxfp4(kernels)
+            n += 2
     return n
 
 

@@ -202,3 +202,37 @@ def test_few_bf16_rows_are_int8_codes_times_the_blocks(fmt):
             off_exact += (exact - want).abs().mean().item()
     if vnni():  # the codes are what was computed: it is closer to them than x itself is
         assert off_codes < 0.6 * off_exact, (off_codes, off_exact)
+
+
+@pytest.mark.skipif(not load_ops().moe_can_w8a8(), reason="the repacked MXFP4 kernel needs AVX512-VNNI")
+def test_repacked_mxfp4_is_the_files_blocks_in_another_order():
+    """mxfp4_interleave's bytes (16 rows' codes side by side, for the int8 outer-product kernel) give
+    back the file's blocks exactly, and multiply as they do: fp32 x exactly, bf16 x through int8
+    codes (as the 1-4 row path has always run); a bf16 row's result does not depend on the others."""
+    from pagedllm.models.moe import MXFP4_IL, deinterleave_mxfp4
+
+    g = torch.Generator().manual_seed(2)
+    n, k = 48, 96   # three groups of 16 rows, three blocks
+    blocks = random_raw("MXFP4", n, k, g)
+    raw, w = blocks.raw.contiguous(), blocks.dequantize()
+    ops = load_ops()
+    il = ops.mxfp4_interleave(raw)
+    assert il.shape == raw.shape and not torch.equal(il, raw) and torch.equal(deinterleave_mxfp4(il), raw)
+    for m in (1, 4, 7, 9, 40, 100):   # every tile of 1-8 rows, several tiles
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=g).to(dtype)
+            want = x.float() @ w.T
+            out = torch.empty(m, n, dtype=dtype)
+            ops.ggml_linear(out, x, il, MXFP4_IL)
+            tol = dict(atol=1e-5 * want.abs().max().item(), rtol=1e-5) if dtype == torch.float32 else \
+                dict(atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+            torch.testing.assert_close(out.float(), want, **tol)
+            if dtype == torch.bfloat16 and m > 1:
+                alone = torch.empty(1, n, dtype=dtype)
+                ops.ggml_linear(alone, x[m - 1:].contiguous(), il, MXFP4_IL)
+                assert torch.equal(alone[0], out[m - 1]), "a row's result is its own, whatever the batch"
+    with pytest.raises(RuntimeError, match="groups of 16"):
+        ops.ggml_linear(torch.empty(1, 40, dtype=torch.bfloat16), torch.zeros(1, k, dtype=torch.bfloat16),
+                        il[:40].contiguous(), MXFP4_IL)
+    with pytest.raises(RuntimeError, match="R a multiple of 16"):
+        ops.mxfp4_interleave(raw[:40].contiguous())

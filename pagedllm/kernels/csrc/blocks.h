@@ -8,8 +8,9 @@
 
 namespace pagedllm {
 
-// Formats by ggml's type ids, except Q4_1: ours, packed in pairs of blocks (quant_linear.cpp).
-constexpr int64_t BLOCKS_Q4_1 = 3, BLOCKS_Q8_0 = 8;
+// Formats by ggml's type ids, except Q4_1: ours, packed in pairs of blocks, and MXFP4_IL: MXFP4
+// repacked for the int8 outer-product kernel (quant_linear.cpp, mxfp4_interleave).
+constexpr int64_t BLOCKS_Q4_1 = 3, BLOCKS_Q8_0 = 8, BLOCKS_MXFP4_IL = 1039;
 
 struct BlockWeight {
   int64_t type;          // BLOCKS_Q4_1, BLOCKS_Q8_0, or a raw ggml type (Q5_0 6, Q5_1 7, Q4_K 12, Q5_K 13, Q6_K 14)

@@ -19,7 +19,9 @@
 // bytes (run_codes: one request's decode, as llama.cpp computes it); bf16 x from 64 rows on
 // AVX512-BF16 unpacks W a panel of 32 columns at a time into the bf16 panels' layout and runs
 // their outer-product tiles over it (run_panels: a prefill, at 0.9x+ the bf16 panels' speed); the
-// rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16).
+// rest unpack blocks to fp32 (and to bf16 for vdpbf16ps where there is AVX512-BF16). MXFP4 repacked
+// at load (mxfp4_interleave, MX4IL) runs bf16 x at every row count on an int8 outer-product kernel
+// (run_il: ~600 GFLOP/s here, the bf16 panels 430-460).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
 // two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
 // One request's decode is bound by streaming the weights: measured on one core of this

@@ -236,3 +236,33 @@ def test_repacked_mxfp4_is_the_files_blocks_in_another_order():
                         il[:40].contiguous(), MXFP4_IL)
     with pytest.raises(RuntimeError, match="R a multiple of 16"):
         ops.mxfp4_interleave(raw[:40].contiguous())
+
+
+@pytest.mark.skipif(not load_ops().moe_can_w8a8(), reason="the repacked MXFP4 kernel needs AVX512-VNNI")
+def test_a_mixtures_mxfp4_experts_repacked_keep_their_weights_and_outputs():
+    """interleave_experts repacks a mixture's MXFP4 stacks once: each expert's float weights are
+    the same numbers after (the torch path's), and the layer's fp32 output is the same."""
+    from types import SimpleNamespace
+
+    from pagedllm.models.moe import SparseMoE, interleave_experts
+    from pagedllm.models.moe_config import MoEConfig
+    from pagedllm.models.ops import Ops
+
+    g = torch.Generator().manual_seed(3)
+    e, hid, width = 4, 64, 32
+    moe = SparseMoE(SimpleNamespace(hidden_size=hid, activation="swiglu_oai",
+                                    moe=MoEConfig(e, 2, width, True, router_bias=True, expert_bias=True,
+                                                  blocks="MXFP4")))
+    moe.w13_bias.data = torch.randn(e, 2 * width, generator=g) * 0.02
+    moe.w2_bias.data = torch.randn(e, hid, generator=g) * 0.02
+    moe.set_blocks(random_raw("MXFP4", e * 2 * width, hid, g), random_raw("MXFP4", e * hid, width, g))
+    ops = Ops(load_ops())
+    x = torch.randn(6, hid, generator=g)
+    weights, chosen = torch.softmax(torch.randn(6, e, generator=g), -1).topk(2, -1)
+    before = [moe.expert_weights(i, torch.float32) for i in range(e)]
+    out = ops.experts(moe, x, weights.contiguous(), chosen)
+    assert interleave_experts(moe, ops.k) == 2 and moe.interleaved and moe.block_args()[0] == 1039
+    for (a13, a2), (b13, b2) in zip(before, (moe.expert_weights(i, torch.float32) for i in range(e))):
+        assert torch.equal(a13, b13) and torch.equal(a2, b2)
+    torch.testing.assert_close(ops.experts(moe, x, weights.contiguous(), chosen), out, atol=1e-5, rtol=1e-5)
+    assert interleave_experts(moe, ops.k) == 0, "once"

@@ -103,21 +103,12 @@ class KVConnector(ABC):
         block must never evict one of them."""
 
     @abstractmethod
-    def load_block(self, seq_id: int, key: int, index: int, group: int = 0) -> int | None:
-        """A fresh block registered under `key`, its bytes read from the tier (copied in before
-        the forward), pinned for this step; None when the store cannot serve it or the pool
-        has one block left. `index`, `group`: where the sequence's table takes it (events)."""
-
     def load_blocks(self, seq_id: int, wanted: Sequence[tuple[int, int, int]]) -> list[int]:
-        """load_block for each (key, index, group) in order, up to the first that cannot be
-        loaded: the blocks loaded, one per entry before it."""
-        loaded = []
-        for key, index, group in wanted:
-            b = self.load_block(seq_id, key, index, group)
-            if b is None:
-                break
-            loaded.append(b)
-        return loaded
+        """For each (key, index, group) in order, a fresh block registered under the key, its bytes
+        read from the tier (copied in before the forward), pinned for this step; up to the first
+        the store cannot serve or the pool has no room for (one block is always left): the
+        blocks loaded, one per entry before it. `index`, `group`: where the sequence's table takes
+        each (events)."""
 
     def fresh_loads(self) -> set[int]:
         """Blocks read from the tier that no admission has taken yet."""
@@ -246,30 +237,20 @@ class OffloadConnector(KVConnector):
         self._pin(list(blocks))
         self._load_pins += blocks
 
-    def load_block(self, seq_id: int, key: int, index: int, group: int = 0) -> int | None:
-        """The read is verified before the block is taken; the runner copies its bytes in
-        before the forward."""
-        if self.pool.num_available <= 1:
-            return None
-        return self._take(seq_id, key, index, group, self.store.read(key))
-
     def load_blocks(self, seq_id: int, wanted: Sequence[tuple[int, int, int]]) -> list[int]:
         """The blocks' bytes asked for in one request to the store (a networked store: a round
-        trip for many of a hit's blocks, not one each), then taken in order as load_block takes one."""
-        room = self.pool.num_available - 1
-        payloads = self.store.read_many([key for key, _, _ in wanted[:max(room, 0)]])
+        trip for many of a hit's blocks, not one each), each verified before its block is taken;
+        the runner copies them in before the forward."""
+        room = max(self.pool.num_available - 1, 0)
         loaded = []
-        for (key, index, group), payload in zip(wanted, payloads):
-            b = self._take(seq_id, key, index, group, payload) if self.pool.num_available > 1 else None
-            if b is None:
+        for (key, index, group), payload in zip(wanted, self.store.read_many([key for key, _, _ in wanted[:room]])):
+            if payload is None:
                 break
-            loaded.append(b)
+            loaded.append(self._take(seq_id, key, index, group, payload))
         return loaded
 
-    def _take(self, seq_id: int, key: int, index: int, group: int, payload: object | None) -> int | None:
-        """A fresh block for a verified payload (None: none)."""
-        if payload is None:
-            return None
+    def _take(self, seq_id: int, key: int, index: int, group: int, payload: object) -> int:
+        """A fresh block for a verified payload."""
         b = self.pool.allocate()
         self.pool.cache(b, key)
         self.pins[b] = self.pins.get(b, 0) + 1   # allocate() gave it its one reference

@@ -166,7 +166,7 @@ class SparseMoE(nn.Module):
     def interleave_mxfp4(self, kernels) -> None:
         """The MXFP4 experts' bytes repacked once (kernels' mxfp4_interleave) for the int8 outer-
         product kernel: the same bytes in another order, 16 rows' codes side by side."""
-        t13, p13, t2, p2, width = self._block_args
+        _, p13, _, p2, width = self._block_args
         parts = []
         for name, (raw,) in (("w13", p13), ("w2", p2)):
             il = kernels.mxfp4_interleave(raw.reshape(-1, raw.shape[-1])).view(raw.shape)
@@ -324,6 +324,7 @@ def quantize_experts(model: nn.Module, method: str) -> int:
 
 
 IL_ROWS = 16                 # rows of W whose codes the repacked MXFP4 keeps side by side
+IL_BYTES = IL_ROWS + 4 * 64  # a group's block: its rows' exponents, then 4 units of 64 bytes of codes
 MXFP4_IL = 1039              # the kernels' id of repacked MXFP4 (blocks.h BLOCKS_MXFP4_IL)
 
 
@@ -333,9 +334,9 @@ def deinterleave_mxfp4(il: torch.Tensor) -> torch.Tensor:
     codes of k = 8s + i (low nibble) and 8s + 4 + i (high)."""
     *lead, rows, row_bytes = il.shape
     nblk = row_bytes // 17
-    t = il.reshape(-1, nblk, 272)
-    exps = t[..., :16]                                           # [G, nblk, c]
-    units = t[..., 16:].reshape(-1, nblk, 4, 16, 4)              # [G, nblk, s, c, i]
+    t = il.reshape(-1, nblk, IL_BYTES)
+    exps = t[..., :IL_ROWS]                                      # [G, nblk, c]
+    units = t[..., IL_ROWS:].reshape(-1, nblk, 4, IL_ROWS, 4)    # [G, nblk, s, c, i]
     codes = torch.stack([units & 15, units >> 4], dim=-2)        # [G, nblk, s, c, half, i]: k = 8s + 4 half + i
     codes = codes.permute(0, 1, 3, 2, 4, 5).reshape(-1, nblk, 16, 32)
     blocks = torch.cat([exps.unsqueeze(-1), codes[..., :16] | (codes[..., 16:] << 4)], dim=-1)   # [G, nblk, c, 17]

@@ -856,6 +856,19 @@ struct XCodes {
   std::vector<float> dx, sx;
   int64_t chunks;
 };
+// 32 values of x as int8 codes at q, to nearest, with the scale d = max |x| / 127 (returned) and
+// the codes' sum at *sum where asked.
+inline float quantize_block(const c10::BFloat16* x, int8_t* q, int32_t* sum) {
+  const vf a = load16(x), c = load16(x + 16);
+  const vf aa = (vf)((vu)a & 0x7FFFFFFFu), ca = (vf)((vu)c & 0x7FFFFFFFu);
+  const float d = hmax(aa > ca ? aa : ca) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  const __m512i qa = _mm512_cvtps_epi32((__m512)(a * inv)), qc = _mm512_cvtps_epi32((__m512)(c * inv));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qc));
+  if (sum != nullptr) *sum = _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+  return d;
+}
+
 XCodes quantize_x(const c10::BFloat16* x, int64_t m, int64_t k) {
   XCodes xc;
   xc.chunks = (k + 2 * G - 1) / (2 * G);
@@ -865,12 +878,7 @@ XCodes quantize_x(const c10::BFloat16* x, int64_t m, int64_t k) {
   xc.sx.assign(m * xc.chunks * L, 0.f);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < k / G; ++b) {
-      const vf a = load16(x + r * k + b * G), c = load16(x + r * k + b * G + 16);
-      const vf aa = (vf)((vu)a & 0x7FFFFFFFu), ca = (vf)((vu)c & 0x7FFFFFFFu);
-      const float d = hmax(aa > ca ? aa : ca) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      int8_t* q = xc.q.data() + r * kp + b * G;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(a * inv))));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32((__m512)(c * inv))));
+      const float d = quantize_block(x + r * k + b * G, xc.q.data() + r * kp + b * G, nullptr);
       float* dl = xc.dx.data() + (r * xc.chunks + b / 2) * L + (b % 2) * 8;
       for (int i = 0; i < 8; ++i) dl[i] = d;
     }
@@ -973,8 +981,8 @@ template <>
 struct CodesOf<MX4> { using T = CMX4; };
 #define PAGEDLLM_INT8_CODES 1
 
-// x's rows as int8 codes a block of 32 (d = max |x| / 127, to nearest, as quantize_x), with each
-// (row, block)'s d and 12 times its codes' sum (the MXFP4 codes' offset: a weight is d_w (u - 12)).
+// x's rows as int8 codes a block of 32 (quantize_block, as quantize_x), with each (row, block)'s d
+// and 12 times its codes' sum (the MXFP4 codes' offset: a weight is d_w (u - 12)).
 struct XBlocks {
   std::vector<int8_t> q;
   std::vector<float> d, c12;
@@ -984,15 +992,9 @@ XBlocks quantize_blocks(const c10::BFloat16* x, int64_t m, int64_t k) {
   XBlocks xb{std::vector<int8_t>(m * k), std::vector<float>(m * nblk), std::vector<float>(m * nblk)};
   for (int64_t r = 0; r < m; ++r)
     for (int64_t b = 0; b < nblk; ++b) {
-      const vf a = load16(x + r * k + b * G), c = load16(x + r * k + b * G + 16);
-      const vf aa = (vf)((vu)a & 0x7FFFFFFFu), ca = (vf)((vu)c & 0x7FFFFFFFu);
-      const float d = hmax(aa > ca ? aa : ca) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-      const __m512i qa = _mm512_cvtps_epi32((__m512)(a * inv)), qc = _mm512_cvtps_epi32((__m512)(c * inv));
-      int8_t* q = xb.q.data() + r * k + b * G;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qc));
-      xb.d[r * nblk + b] = d;
-      xb.c12[r * nblk + b] = 12.f * float(_mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc)));
+      int32_t sum;
+      xb.d[r * nblk + b] = quantize_block(x + r * k + b * G, xb.q.data() + r * k + b * G, &sum);
+      xb.c12[r * nblk + b] = 12.f * float(sum);
     }
   return xb;
 }
@@ -1008,11 +1010,8 @@ inline void tile_il(const uint8_t* w, int64_t nblk, const XBlocks& xb, int64_t r
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < nblk; ++b) {
     const uint8_t* p = w + b * IL_BYTES;
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES + 64), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES + 128), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES + 192), _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES + 256), _MM_HINT_T0);
+    for (int64_t o = 0; o < IL_BYTES; o += 64)   // the block after next's lines
+      _mm_prefetch(reinterpret_cast<const char*>(p + 2 * IL_BYTES + o), _MM_HINT_T0);
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
     for (int s = 0; s < 4; ++s) {
@@ -1191,17 +1190,8 @@ void ggml_linear(at::Tensor out, const at::Tensor& x, const at::Tensor& raw, int
               "ggml_linear: raw must be contiguous uint8 [N, ", row_bytes, "] (", t->name, " rows of K = ", k, ")");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.scalar_type() == x.scalar_type() && out.size(0) == x.size(0) &&
                   out.size(1) == raw.size(0), "ggml_linear: out must be contiguous [M, N] in x's dtype");
-  const Raw r{raw.data_ptr<uint8_t>(), row_bytes};
-  switch (type) {
-    case 6: return dispatch(out, x, Q50{r});
-    case 7: return dispatch(out, x, Q51{r});
-    case 12: return dispatch(out, x, Q4K{r});
-    case 13: return dispatch(out, x, Q5K{r});
-    case 39: return dispatch(out, x, MX4{r});
-    case BLOCKS_MXFP4_IL:
-      return il_ptr(MX4IL{r}, x.data_ptr(), out.data_ptr(), x.size(0), out.size(1), k, x.scalar_type() == at::kBFloat16);
-    default: return dispatch(out, x, Q6K{r});
-  }
+  block_matmul({type, raw.data_ptr(), nullptr, nullptr, raw.size(0), k}, x.data_ptr(), out.data_ptr(), x.size(0),
+               x.scalar_type() == at::kBFloat16);
 }
 
 // MXFP4 rows [R, K/32 * 17] (ggml's blocks; R a multiple of 16) in the repacked order MX4IL reads,

@@ -38,12 +38,17 @@ namespace panels {
 constexpr int64_t COLS = 32;      // output columns of a panel
 constexpr int ROWS = 14;          // rows of x of a tile
 constexpr int64_t AHEAD = 16;     // k pairs the tile prefetches ahead (2 KB of the panel)
+// At a decode's few rows (one tile a panel, each panel read once from memory, little work a line)
+// the tile leaves the fetching to the hardware's stream prefetcher: AHEAD's T0 prefetches on top of
+// it cost 10-30 % of the read rate at 1-4 rows (2-core Zen 4; a mixture's experts at a decode step,
+// 1-3 rows each, 1.1-1.3x without). From ~6 rows the prefetches pay (0.6-0.9x without).
+constexpr int STREAM_ROWS = 4;
 constexpr int64_t ROW_CHUNK = 256;  // rows a sweep over the panels takes (x's chunk stays in L2 / L3)
 
 // The fp32 sums of x[r] . panel for r < R, handed to sink(r, sums of columns 0-15, 16-31); x's
 // pair kp of row r at xp + kp * s_kp + r * s_r (elements: packed by pack_rows, s_kp = 2 * ROWS
 // and s_r = 2; or in place, s_kp = 2 and s_r = the row stride).
-template <int R, typename Sink>
+template <int R, bool STREAM, typename Sink>
 inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel, int64_t k2,
                  Sink& sink) {
   __m512 acc[R][2];
@@ -51,8 +56,10 @@ inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::
   const char* p = reinterpret_cast<const char*>(panel);
   for (int64_t kp = 0; kp < k2; ++kp) {
     // past the panel's end these touch the next panel (or nothing: prefetches never fault)
-    _mm_prefetch(p + (kp + AHEAD) * 128, _MM_HINT_T0);
-    _mm_prefetch(p + (kp + AHEAD) * 128 + 64, _MM_HINT_T0);
+    if constexpr (!STREAM) {
+      _mm_prefetch(p + (kp + AHEAD) * 128, _MM_HINT_T0);
+      _mm_prefetch(p + (kp + AHEAD) * 128 + 64, _MM_HINT_T0);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(p + kp * 128);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(p + kp * 128 + 64);
 #pragma GCC unroll 14
@@ -68,13 +75,21 @@ inline void tile(const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::
 }
 
 // tile<rows>, rows in 1..R chosen at run time.
-template <int R, typename Sink>
+template <int R, bool STREAM, typename Sink>
 inline void tile_of(int rows, const c10::BFloat16* xp, int64_t s_kp, int64_t s_r, const c10::BFloat16* panel,
                     int64_t k2, Sink& sink) {
   if constexpr (R > 0) {
-    if (rows == R) return tile<R>(xp, s_kp, s_r, panel, k2, sink);
-    return tile_of<R - 1>(rows, xp, s_kp, s_r, panel, k2, sink);
+    if (rows == R) return tile<R, STREAM>(xp, s_kp, s_r, panel, k2, sink);
+    return tile_of<R - 1, STREAM>(rows, xp, s_kp, s_r, panel, k2, sink);
   }
+}
+
+// tile_of, without prefetches (STREAM) at STREAM_ROWS rows or fewer (rows <= STREAM_ROWS there).
+template <typename Sink>
+inline void tile_any(bool stream, int rows, const c10::BFloat16* xp, int64_t s_kp, int64_t s_r,
+                     const c10::BFloat16* panel, int64_t k2, Sink& sink) {
+  if (stream) return tile_of<STREAM_ROWS, true>(rows, xp, s_kp, s_r, panel, k2, sink);
+  tile_of<ROWS, false>(rows, xp, s_kp, s_r, panel, k2, sink);
 }
 
 inline __mmask16 low_lanes(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : __mmask16((1u << n) - 1); }
@@ -136,6 +151,7 @@ inline void sweep_panels(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t
                          const PanelAt& panel_at, const SinkAt& sink_at, int64_t row_chunk = ROW_CHUNK) {
   const int64_t k2 = k / 2, np = (n + COLS - 1) / COLS;
   const bool pack = m > ROWS / 2 && rows_collide(ldx);
+  const bool stream = m <= STREAM_ROWS;   // then rows <= m: tile_any's STREAM tiles cover them
   // the caller's thread's buffer, kept between calls (a fresh one of ~100 KB+ is an mmap, its
   // pages faulted in every call)
   thread_local std::vector<c10::BFloat16> packed;
@@ -158,9 +174,9 @@ inline void sweep_panels(const c10::BFloat16* x, int64_t ldx, int64_t m, int64_t
           const int rows = int(std::min<int64_t>(ROWS, c1 - c0 - t * ROWS));
           auto sink = sink_at(c0 + t * ROWS, p, n_valid);
           if (pack)
-            tile_of<ROWS>(rows, xp + t * k * ROWS, 2 * ROWS, 2, w, k2, sink);
+            tile_any(stream, rows, xp + t * k * ROWS, 2 * ROWS, 2, w, k2, sink);
           else
-            tile_of<ROWS>(rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w, k2, sink);
+            tile_any(stream, rows, x + (c0 + t * ROWS) * ldx, 2, ldx, w, k2, sink);
         }
       }
     });

@@ -461,3 +461,30 @@ def test_router_ties_are_transformers_choice():
         want_w, want_e = torch.topk(probs, 4, dim=-1)
         assert torch.equal(got_e.sort(-1).values, want_e.sort(-1).values)
         torch.testing.assert_close(got_w.sort(-1).values, (want_w / want_w.sum(-1, keepdim=True)).sort(-1).values)
+
+
+def test_weights_on_huge_pages_give_the_same_tokens(tmp_path, model_dir, monkeypatch):
+    """The engine moves its packed weights onto 2 MiB pages at load (runtime/host_pages.py; the
+    suite turns that off with PAGEDLLM_HUGE_PAGES=0 for start-up time): here every storage moves
+    (the size floor lowered), the experts' packed stacks, the head and the embedding included,
+    and the engine writes the same tokens and prompt logprobs, bit for bit, as without."""
+    from pagedllm import LLM
+    from pagedllm.runtime import host_pages
+
+    _, path = make_model(tmp_path, model_dir, "qwen3_moe")
+    prompts = [list(range(100, 140)), list(range(300, 320))]
+    params = SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=0, ignore_eos=True)
+    got = {}
+    monkeypatch.setattr(host_pages, "MIN_WEIGHT_BYTES", 1)
+    for huge in ("0", "1"):
+        monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", huge)
+        llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory="16MiB")
+        model = llm.engine.runner.model
+        on_huge = [t.data_ptr() % host_pages.HUGE == 0 for t in (model.layers[1].mlp.w13, model.layers[1].mlp.w2,
+                                                                 model.embed_tokens.weight)]
+        assert all(on_huge) == (huge == "1"), on_huge
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[huge] = [(o.outputs[0].token_ids, [lp[t].logprob for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
+                     for o, p in zip(outs, prompts)]
+        llm.engine.close()
+    assert got["1"] == got["0"]

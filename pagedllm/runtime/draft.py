@@ -21,6 +21,7 @@ from ..kv.block_table import RELEASED
 from ..loader import load_config
 from ..models import ModelConfig
 from .build import build_model
+from .host_pages import weights_to_huge_pages
 from .kv_cache import allocate_layers, copy_blocks
 from .spec_decode import Proposal
 
@@ -34,6 +35,8 @@ class DraftRunner:
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype, max_model_len)
         self.model.prepack()  # drafts run at a few rows a step, where reordered weights gain most
+        if device.type == "cpu":
+            weights_to_huge_pages(self.model)
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len
         self.bytes_per_token = self.cfg.kv_bytes_per_token(backend.kv_dtype_of(dtype))

@@ -6,12 +6,9 @@ slot per layer; a model whose layers mix attention types has g slots, each share
 of every layer group, so one block id holds the g layers of whichever group owns it."""
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
-import mmap
 import os
-import sys
 from typing import Callable
 
 import torch
@@ -23,11 +20,11 @@ from ..kv import KVLayout
 from ..kv.groups import KV
 from ..models import ModelConfig
 from ..util import cdiv
+from .host_pages import mapped, populate
 
 logger = logging.getLogger(__name__)
 
 _CPU_DEFAULT_CAP = 2 * 1024**3
-_HUGE = 2 * 1024**2   # a transparent huge page
 
 
 def available_ram() -> int:
@@ -80,26 +77,10 @@ def allocate_pools(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: to
     faulted in, all at once, at start-up (see populate_wanted)."""
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
-    pools = [_mapped(shape, dtype) for shape in shapes]
+    pools = [mapped(shape, dtype) for shape in shapes]
     if populate_wanted():
         populate_all(pools)
     return pools
-
-
-def _mapped(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes == 0:
-        return torch.zeros(shape, dtype=dtype)
-    # A 2 MiB-aligned start, so that every huge page of the pool lies wholly inside it.
-    buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    offset = -ctypes.addressof(ctypes.c_char.from_buffer(buf)) % _HUGE
-    # frombuffer holds a reference to the mapping: it is unmapped when the last view of it goes.
-    t = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
-    start, end = t.data_ptr(), t.data_ptr() + nbytes
-    # MADV_HUGEPAGE, or MADV_NOHUGEPAGE when they are not wanted: "not asked for" is not enough,
-    # since with transparent huge pages set to "always" the kernel would still compact for them.
-    _madvise(cdiv(start, _HUGE) * _HUGE, end // _HUGE * _HUGE, 14 if huge_pages_wanted() else 15)
-    return t
 
 
 def populate_all(pools: list[torch.Tensor]) -> None:
@@ -110,7 +91,7 @@ def populate_all(pools: list[torch.Tensor]) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(1, min(4, len(pools))), thread_name_prefix="kv-populate") as ex:
-        list(ex.map(_populate, pools))
+        list(ex.map(populate, pools))
 
 
 def populate_wanted() -> bool:
@@ -121,33 +102,6 @@ def populate_wanted() -> bool:
     faults (and, with huge pages on a fragmented machine, the kernel's compaction for them)
     inside its timed steps: measured 0.91x offline throughput on a cold 96-prompt pass."""
     return os.environ.get("PAGEDLLM_KV_POPULATE", "1").strip() != "0"
-
-
-def _populate(t: torch.Tensor) -> None:
-    """Faults every page of t in: MADV_POPULATE_WRITE (Linux 5.14) in one call, the kernel
-    zeroing each page once; elsewhere a write of zeros over it."""
-    start = t.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE
-    if not _madvise(start, t.data_ptr() + t.numel() * t.element_size(), 23):  # MADV_POPULATE_WRITE
-        t.zero_()
-
-
-def _madvise(start: int, end: int, advice: int) -> bool:
-    """madvise over [start, end) (page-aligned start); False where it failed or is not Linux."""
-    if end <= start or not sys.platform.startswith("linux"):
-        return False
-    try:
-        return ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def huge_pages_wanted() -> bool:
-    """PAGEDLLM_HUGE_PAGES=0 asks for 4 KiB pages instead. Where memory is fragmented (a machine
-    that has run for long, a test suite that starts dozens of engines) the kernel compacts memory
-    to find huge pages as it faults the pool in: seconds of system time per start-up, which a
-    short-lived engine never wins back (measured: a 256 MiB pool's first touch 0.05 s without, up
-    to 5 s with; a default 2 GiB pool 9.3 s with, on a machine up for five hours)."""
-    return os.environ.get("PAGEDLLM_HUGE_PAGES", "1").strip() != "0"
 
 
 class KVCache:

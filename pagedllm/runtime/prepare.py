@@ -14,6 +14,7 @@ from ..kernels.chooser import chooser
 from ..lora.batch import name_lora_layers
 from ..models import ModelConfig
 from ..models.prepack import describe_paths
+from .host_pages import weights_to_huge_pages
 from .scratch import ScratchForward
 
 logger = logging.getLogger(__name__)
@@ -49,7 +50,10 @@ def ready_model(model, cfg: EngineConfig, model_dir: Path, mc: ModelConfig, tp: 
     # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
     invariant = model.make_batch_invariant() if cfg.batch_invariant else None
     packed = model.prepack()
+    paged = weights_to_huge_pages(model) if device.type == "cpu" else 0   # packed copies included
     log = logger.info if tp.is_driver else logger.debug
+    if paged:
+        log("weights on 2 MiB pages: %.2f GiB", paged / 2**30)
     log("model loaded in %.1f s (%s, %s, %s attention%s%s)", time.perf_counter() - t0, scratch.dtype, device,
         scratch.backend.name, f"; batch-invariant: {invariant}, no split-K attention" if invariant else "",
         f"; matmuls {describe_paths(model)}" if packed else "")

@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"experts at {m} rows ({r['experts_touched']} of 32 touched): bf16 ({ex['bf16_layout']}) "
                   f"{r['bf16_ms']:.2f} ms, MXFP4 ({ex.get('mxfp4_layout', '')}) {r['mxfp4_ms']:.2f} ms: "
                   f"{r['mxfp4_speedup']:.2f}x")
-    if "batch" in parts or "vllm" in parts:
+    if parts & {"batch", "vllm", "vllm_thp"}:
         from benchmarks.moe import compare_batch, ours_batch, requests
 
         bf16, mx = model_dirs()

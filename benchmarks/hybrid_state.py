@@ -185,7 +185,8 @@ def against_off(got: dict, off: dict, name: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, tier, batch, vllm")
+    p.add_argument("--parts", default="prefix,batch", help="comma list: prefix, tier, batch, vllm, vllm_thp (vLLM with torch's allocator on huge pages "
+                   "too)")
     p.add_argument("--family", default="lfm2", choices=sorted(FAMILIES))
     p.add_argument("--num-prompts", type=int, default=32)
     p.add_argument("--out", default=None)
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({off['median_ttft_s'] * 1e3:.0f}): {res['prefix']['ttft_off_over_on_mean']:.2f}x lower mean, "
               f"{res['prefix']['ttft_off_over_on_median']:.2f}x median; identical texts "
               f"{res['prefix']['identical_texts']}")
-    if "batch" in parts or "vllm" in parts:
+    if parts & {"batch", "vllm", "vllm_thp"}:
         from benchmarks.moe import compare_batch
 
         compare_batch(str(path), parts, a.num_prompts, res, **engine)

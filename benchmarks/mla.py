@@ -165,7 +165,8 @@ def prefill(path: Path, res: dict, reps: int = 4) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm, prefill")
+    p.add_argument("--parts", default="memory,batch", help="comma list: memory, batch, vllm, vllm_thp (vLLM with torch's allocator on huge pages "
+                   "too), prefill")
     p.add_argument("--family", default="v2_lite", choices=sorted(FAMILIES),
                    help="v2_lite: DeepSeek-V2-Lite's shape; v3: DeepSeek-V3's architecture at Moonlight-16B-A3B's")
     p.add_argument("--num-prompts", type=int, default=32)
@@ -179,7 +180,7 @@ def main(argv: list[str] | None = None) -> None:
         memory(path, res)
     if "prefill" in parts:
         prefill(path, res)
-    if "batch" in parts or "vllm" in parts:
+    if parts & {"batch", "vllm", "vllm_thp"}:
         from benchmarks.moe import compare_batch
 
         compare_batch(str(path), parts, a.num_prompts, res)

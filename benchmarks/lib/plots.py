@@ -580,6 +580,17 @@ def plot_expert_rows(ax, data: dict) -> None:
     ax.set_xlabel(f"MXFP4 blocks' speed / bf16 experts' ({data['experts']['bf16_layout']})")
 
 
+def plot_huge_pages(ax, data: dict) -> None:
+    """Weights on 2 MiB pages against 4 KiB pages (benchmarks/huge_pages.py): the paired speedup
+    of each kernel case and of each model's batch pass, dots for the engines' single pairs."""
+    rows = [(name, r["huge_speedup"], []) for name, r in data.get("kernels", {}).items()]
+    rows += [(f"{fam}: batch pass", r["huge_speedup"], r["paired"]) for fam, r in data.get("engines", {}).items()]
+    _bars(ax, [n for n, _, _ in rows], [v for _, v, _ in rows], [OURS if v >= 1 else OTHER_COLOUR for _, v, _ in rows],
+          "{:.2f}x", [p for _, _, p in rows])
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.set_xlabel("time on 4 KiB pages / time on 2 MiB pages, paired in one process")
+
+
 def plot_engine_layer(fig, data: dict) -> None:
     """Before and after a revision of the engine layer (benchmarks/engine_layer.py): the
     batch-96 decode step, and mean TPOT at each request rate; a dot per round."""
@@ -791,6 +802,7 @@ PLOTTERS: list[Plotter] = [
      plot_quant_prefill, "Prefill on quantized blocks (SmolLM2)", False),
     (lambda d: d.get("benchmark") == "gpt_oss" and "experts" in d and not engine_runs(d), plot_expert_rows,
      "gpt-oss: one layer's MXFP4 experts against bf16", False),
+    (lambda d: d.get("benchmark") == "huge_pages", plot_huge_pages, "Weights on 2 MiB pages against 4 KiB", False),
     (lambda d: bool(engine_runs(d)), plot_engines, "Output throughput", False),
 ]
 

@@ -142,5 +142,7 @@ def weights_to_huge_pages(model: nn.Module) -> int:
                 if id(t) not in seen and _movable(t):
                     seen.add(id(t))
                     by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
-    with torch.no_grad():
+    # inference mode: weights made under it are inference tensors, which set_ may re-point only there
+    # (a normal tensor is re-pointed there as well, and stays normal)
+    with torch.inference_mode():
         return sum(_move(tensors) for tensors in by_storage.values())

@@ -104,3 +104,18 @@ def test_mapped_tensors_are_zeroed_and_aligned(monkeypatch):
     t = host_pages.mapped((3, HUGE // 4 + 5), torch.float32)
     host_pages.populate_parallel(t)
     assert t.data_ptr() % HUGE == 0 and t.abs().sum().item() == 0 and t.shape == (3, HUGE // 4 + 5)
+
+
+def test_inference_tensors_move_and_normal_ones_stay_normal(monkeypatch):
+    """Weights made under torch.inference_mode are inference tensors, which set_ may re-point only
+    inside it; a normal tensor moved there stays normal (in-place ops on it outside still work)."""
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    m = nn.Module()
+    with torch.inference_mode():
+        m.made_inside = torch.ones(MIN_WEIGHT_BYTES // 4)
+    m.made_outside = torch.ones(MIN_WEIGHT_BYTES // 4)
+    assert weights_to_huge_pages(m) == 2 * MIN_WEIGHT_BYTES
+    assert m.made_inside.data_ptr() % HUGE == 0 and m.made_outside.data_ptr() % HUGE == 0
+    assert not m.made_outside.is_inference()
+    m.made_outside.add_(1)
+    assert m.made_outside.sum().item() == 2 * m.made_outside.numel()

@@ -4,11 +4,12 @@ pages, for the KV pools (kv_cache.py) and for the weights a step streams.
 A decode step reads every weight it multiplies from memory, once. On 4 KiB pages the hardware's
 stream prefetchers stop at each page's end and a weight of 1 GB is 260,000 TLB entries; on 2 MiB
 pages a stream runs 512 times as far. Measured on a 2-core AMD EPYC Zen 4 (AVX-512 BF16, no AMX),
-in one process, a mixture's bf16 experts at DeepSeek-V3/Moonlight's widths (64 of 1,408 x 2,048,
-1.1 GB) at a 32-token decode step: 25.7 ms on 4 KiB pages, 18.2 ms on huge pages (1.41x); a
-plain read of 128 MB 1.3-1.4x faster. The kernel only gives huge pages to memory that asks for
-them where transparent huge pages are set to "madvise" (the usual default), and torch's allocator
-does not ask."""
+paired in one process (benchmarks/huge_pages.py, BENCHMARKS §58): a mixture's bf16 experts at
+DeepSeek-V3/Moonlight's widths (64 of 1,408 x 2,048, 1.1 GB) and a dense matmul at 1-32 rows
+1.06-1.31x faster on huge pages, the V3-shaped model's batch 1.04-1.10x; models whose decode is
+compute-bound (LFM2, Granite) ~1 %. The kernel only gives huge pages to memory that asks for
+them where transparent huge pages are set to "madvise" (the usual default), and torch's
+allocator does not ask."""
 from __future__ import annotations
 
 import ctypes
@@ -24,8 +25,10 @@ from ..util import cdiv
 
 HUGE = 2 * 1024**2   # a transparent huge page
 MADV_HUGEPAGE, MADV_NOHUGEPAGE, MADV_POPULATE_WRITE = 14, 15, 23
-# A weight's storage below this stays where it is: a mapping of its own pays for itself only
-# over a few huge pages (and SmolLM2's layers, 1-2 MB each, sit in the caches between steps).
+# A weight's storage below this stays where it is: a mapping of its own holds whole huge pages
+# only past 2 MiB, and packing SmolLM2's 1-2 MB layers into one huge-page arena instead gained
+# nothing measurable (a scratch A/B, paired in one process: one request 0.98x, a 32-row batch
+# 1.03x; its decode is bound by the step's host work, not by reading weights).
 MIN_WEIGHT_BYTES = 4 * HUGE
 
 

@@ -41,6 +41,20 @@ def huge_pages_wanted() -> bool:
     return os.environ.get("PAGEDLLM_HUGE_PAGES", "1").strip() != "0"
 
 
+THP_ENABLED = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def thp_mode() -> str | None:
+    """The kernel's transparent huge page setting ("always", "madvise" or "never": the word in
+    brackets), or None where it cannot be read (not Linux, no THP)."""
+    try:
+        text = open(THP_ENABLED).read()
+    except OSError:
+        return None
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else None
+
+
 def madvise(start: int, end: int, advice: int) -> bool:
     """madvise over [start, end) (page-aligned start); False where it failed or is not Linux."""
     if end <= start or not sys.platform.startswith("linux"):
@@ -134,9 +148,9 @@ def weights_to_huge_pages(model: nn.Module) -> int:
     (Tensor.set_), so views and tied weights keep sharing one copy and every holder of a tensor
     sees the move; a storage held by something not found stays where it is. One storage at a
     time: the copy costs the largest storage's bytes at most. Returns the bytes moved (none with
-    PAGEDLLM_HUGE_PAGES=0)."""
-    if not huge_pages_wanted() or not sys.platform.startswith("linux"):
-        return 0
+    PAGEDLLM_HUGE_PAGES=0, or where the kernel has transparent huge pages off or none)."""
+    if not huge_pages_wanted() or thp_mode() in (None, "never"):
+        return 0   # no huge pages to be had: the copy would be pure cost
     by_storage: dict[int, list[torch.Tensor]] = {}
     seen: set[int] = set()
     for module in model.modules():

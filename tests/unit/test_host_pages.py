@@ -119,3 +119,18 @@ def test_inference_tensors_move_and_normal_ones_stay_normal(monkeypatch):
     assert not m.made_outside.is_inference()
     m.made_outside.add_(1)
     assert m.made_outside.sum().item() == 2 * m.made_outside.numel()
+
+
+@pytest.mark.parametrize("setting, mode", [("always [madvise] never\n", "madvise"), ("[always] madvise never\n", "always"),
+                                           ("always madvise [never]\n", "never"), (None, None)])
+def test_nothing_moves_where_the_kernel_gives_no_huge_pages(monkeypatch, tmp_path, setting, mode):
+    """With transparent huge pages "never" (or no THP at all) the copy would be pure cost."""
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    path = tmp_path / "enabled"
+    if setting is not None:
+        path.write_text(setting)
+    monkeypatch.setattr(host_pages, "THP_ENABLED", str(path))
+    assert host_pages.thp_mode() == mode
+    m = _model()
+    moved = weights_to_huge_pages(m)
+    assert (moved > 0) == (mode in ("always", "madvise"))

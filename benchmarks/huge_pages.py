@@ -16,7 +16,6 @@ on both sides of every ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
@@ -29,13 +28,8 @@ def _place(t, huge: bool):
     """A copy of t in a mapping of its own, advised to huge pages or against them."""
     from pagedllm.runtime import host_pages
 
-    before = os.environ.get("PAGEDLLM_HUGE_PAGES")
-    os.environ["PAGEDLLM_HUGE_PAGES"] = "1" if huge else "0"
-    try:
-        m = host_pages.mapped(tuple(t.shape), t.dtype)
-    finally:
-        os.environ.pop("PAGEDLLM_HUGE_PAGES") if before is None else os.environ.update(PAGEDLLM_HUGE_PAGES=before)
-    host_pages.populate_parallel(m)
+    m = host_pages.mapped(tuple(t.shape), t.dtype, huge=huge)
+    host_pages.populate_all([m])
     return m.copy_(t)
 
 
@@ -97,7 +91,7 @@ def model_path(family: str) -> tuple[str, dict]:
 
 def engines(family: str, rounds: int) -> dict:
     """Paired batch passes of the family's model, weights moved or not (in this process)."""
-    import pagedllm.runtime.prepare as prepare
+    from pagedllm.runtime import prepare
     from benchmarks.moe import requests
     from pagedllm import LLM, SamplingParams
 

@@ -35,8 +35,7 @@ class DraftRunner:
         backend.check_model(self.cfg.num_heads, self.cfg.num_kv_heads, self.cfg.head_dim)
         self.model = build_model(model_dir, self.cfg, backend, kernels, TPGroup(), device, dtype, max_model_len)
         self.model.prepack()  # drafts run at a few rows a step, where reordered weights gain most
-        if device.type == "cpu":
-            weights_to_huge_pages(self.model)
+        weights_to_huge_pages(self.model)   # CPU tensors only
         self.backend, self.device, self.dtype = backend, device, dtype
         self.max_model_len = max_model_len
         self.bytes_per_token = self.cfg.kv_bytes_per_token(backend.kv_dtype_of(dtype))

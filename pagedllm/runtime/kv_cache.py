@@ -20,7 +20,7 @@ from ..kv import KVLayout
 from ..kv.groups import KV
 from ..models import ModelConfig
 from ..util import cdiv
-from .host_pages import mapped, populate
+from .host_pages import mapped, populate_all
 
 logger = logging.getLogger(__name__)
 
@@ -74,24 +74,14 @@ def allocate_pools(shapes: list[tuple[int, ...]], dtype: torch.dtype, device: to
     pool reuses another's freed memory). Its pages are asked to be 2 MiB huge pages before first
     touch: blocks are read in table order, all over the pool, and 4 KiB pages then cost a TLB
     miss per block (decode attention measured 1.2-1.4x faster with huge pages). Then they are
-    faulted in, all at once, at start-up (see populate_wanted)."""
+    faulted in, all at once, at start-up, on a few threads (host_pages.populate_all; see
+    populate_wanted)."""
     if device.type != "cpu":
         return [torch.zeros(shape, dtype=dtype, device=device) for shape in shapes]
     pools = [mapped(shape, dtype) for shape in shapes]
     if populate_wanted():
         populate_all(pools)
     return pools
-
-
-def populate_all(pools: list[torch.Tensor]) -> None:
-    """Faults CPU pools in on a few threads at once: the kernel zeroes pages (and compacts
-    memory for huge pages) for each faulting thread in parallel, and the madvise call releases
-    the GIL (measured: 1 GiB of huge pages in 4 pools, 3.25 s one after another, 1.13 s on 4
-    threads, on 2 cores)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max_workers=max(1, min(4, len(pools))), thread_name_prefix="kv-populate") as ex:
-        list(ex.map(populate, pools))
 
 
 def populate_wanted() -> bool:

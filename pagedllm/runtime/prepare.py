@@ -50,7 +50,7 @@ def ready_model(model, cfg: EngineConfig, model_dir: Path, mc: ModelConfig, tp: 
     # After quantizing: w8a8's matmuls are batch-invariant as they are, what stays float is packed.
     invariant = model.make_batch_invariant() if cfg.batch_invariant else None
     packed = model.prepack()
-    paged = weights_to_huge_pages(model) if device.type == "cpu" else 0   # packed copies included
+    paged = weights_to_huge_pages(model)   # the packed copies included; CPU tensors only
     log = logger.info if tp.is_driver else logger.debug
     if paged:
         log("weights on 2 MiB pages: %.2f GiB", paged / 2**30)

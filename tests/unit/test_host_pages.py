@@ -102,7 +102,7 @@ def test_nothing_moves_when_huge_pages_are_off(monkeypatch):
 def test_mapped_tensors_are_zeroed_and_aligned(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
     t = host_pages.mapped((3, HUGE // 4 + 5), torch.float32)
-    host_pages.populate_parallel(t)
+    host_pages.populate_all([t])
     assert t.data_ptr() % HUGE == 0 and t.abs().sum().item() == 0 and t.shape == (3, HUGE // 4 + 5)
 
 

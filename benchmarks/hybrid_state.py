@@ -23,7 +23,8 @@ Parts (each engine in its own process, one after another, the same token ids, gr
 
 --family granite: the same on Granite 4.0-H's kind (GRANITE below), at block_size 1024; --family
 granite_moe on Granite 4.0-H-Tiny's layer shapes with its experts (GRANITE_MOE below), at block_size
-1024; --family qwen3_next on Qwen3-Next's layer shapes (QWEN3_NEXT below), at block_size 1024.
+1024; --family qwen3_next on Qwen3-Next's layer shapes (QWEN3_NEXT below), at block_size 1024; --family
+nemotron_h on Nemotron-H-4B's widths at its first ten blocks (NEMOTRON_H below), at block_size 1024.
 """
 from __future__ import annotations
 
@@ -71,11 +72,21 @@ QWEN3_NEXT = dict(hidden_size=2048, num_hidden_layers=8, num_attention_heads=16,
                   num_experts_per_tok=10, moe_intermediate_size=512, shared_expert_intermediate_size=512,
                   norm_topk_prob=True, layer_types=["full_attention" if i in (3, 7) else "linear_attention"
                                                     for i in range(8)])
+# Nemotron-H-4B's widths at its first 10 of 52 blocks ("M-M-M-M*-": four Mamba-2, one attention, five
+# ReLU-squared MLP blocks): hidden 3072; Mamba-2 of 112 heads of 64 (state 128, 8 groups); attention of 32
+# heads (8 KV heads) of 128 without RoPE; MLP 12,288; vocabulary 131,072, untied. Its SSM state (112 x 64 x
+# 128 a layer) fits a block's V rows at block_size 1024 (8 KV heads of 128).
+NEMOTRON_H = dict(hidden_size=3072, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                  intermediate_size=12288, vocab_size=131072, max_position_embeddings=8192, bos_token_id=1,
+                  eos_token_id=2, pad_token_id=0, mamba_num_heads=112, mamba_head_dim=64, n_groups=8, ssm_state_size=128,
+                  conv_kernel=4, tie_word_embeddings=False,
+                  layers_block_type=[{"M": "linear_attention", "*": "full_attention", "-": "mlp"}[c] for c in "M-M-M-M*-"])
 FAMILIES = {"lfm2": ("lfm2-350m-shape", "Lfm2Config", SHAPE, {}),
             "granite": ("granite-4.0-h-1024x12", "GraniteMoeHybridConfig", GRANITE, {"block_size": 1024}),
             "granite_moe": ("granite-4.0-h-tiny-1536x10-64e", "GraniteMoeHybridConfig", GRANITE_MOE,
                             {"block_size": 1024}),
-            "qwen3_next": ("qwen3-next-2048x8-64e", "Qwen3NextConfig", QWEN3_NEXT, {"block_size": 1024})}
+            "qwen3_next": ("qwen3-next-2048x8-64e", "Qwen3NextConfig", QWEN3_NEXT, {"block_size": 1024}),
+            "nemotron_h": ("nemotron-h-4b-3072x10", "NemotronHConfig", NEMOTRON_H, {"block_size": 1024})}
 # Keys LFM2's published config.json holds beside transformers' (vLLM reads conv_dim)
 PUBLISHED = {"lfm2": {k: SHAPE["hidden_size"] for k in ("conv_dim", "conv_dim_out", "block_dim")}}
 SYSTEM_TOKENS, CHATS, CHAT_MAX, CHAT_OUT = 1024, 16, 256, 32

@@ -17,7 +17,8 @@ from test_beam_search import hf_beams
 
 from pagedllm import BeamSearchParams, SamplingParams
 
-BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens, as Qwen3-Next's (4 x 16 x 16)
+BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens, as Qwen3-Next's and
+# Nemotron-H's (4 x 16 x 16)
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
 COMMON = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=49152,
               max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -34,6 +35,14 @@ def _config(family: str):
                                   linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                                   linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=8,
                                   num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    if family == "nemotron_h":   # Mamba-2 blocks (two groups of heads, its norm by group), NoPE attention, ReLU^2 MLP blocks;
+        # state_size 16 and groups of 32 channels: the compiled kernels' path (the other families' tests run torch's).
+        # time_step_min ~0: transformers' prefill clamps dt below at it (its decode, NVIDIA's code and vLLM do not; ours
+        # takes time_step_limit, (0, inf)), and these weights put some dt under the default 0.001
+        return tf.NemotronHConfig(**COMMON, head_dim=16, intermediate_size=96, mamba_num_heads=4, mamba_head_dim=16,
+                                  n_groups=2, ssm_state_size=16, conv_kernel=4, time_step_min=1e-9,
+                                  layers_block_type=["linear_attention", "mlp", "full_attention", "mlp", "linear_attention",
+                                                     "linear_attention", "mlp", "mlp"])
     # Granite 4.0-H-Micro's kind: Mamba-2 layers (two groups of heads), NoPE attention, its scalars;
     # granite_moe: -Tiny's kind, experts in every layer beside the shared MLP
     return tf.GraniteMoeHybridConfig(**COMMON, num_hidden_layers=4, shared_intermediate_size=96,
@@ -67,7 +76,7 @@ def _make(family: str):
     return model
 
 
-@pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid", "qwen3_next"])
+@pytest.fixture(scope="module", params=["lfm2", "granitemoehybrid", "qwen3_next", "nemotron_h"])
 def hybrid(request, tmp_path_factory, model_dir):
     return build(request.param, tmp_path_factory, model_dir)
 
@@ -136,6 +145,29 @@ def test_granite_with_experts_matches_hf(make_llm, tmp_path_factory, model_dir):
     llm.engine.kv.check_integrity()
 
 
+def test_nemotron_h_reads_nvidia_s_checkpoint_layout(make_llm, tmp_path_factory, model_dir, tmp_path):
+    """The files NVIDIA published: the blocks named by hybrid_override_pattern beside num_hidden_layers,
+    the tensors under backbone. rather than model.: read as transformers' own layout, HF's tokens."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    hf, path = build("nemotron_h", tmp_path_factory, model_dir)
+    nvidia = tmp_path / "nvidia"
+    shutil.copytree(path, nvidia)
+    cfg = json.loads((nvidia / "config.json").read_text())
+    symbol = {"linear_attention": "M", "full_attention": "*", "mlp": "-"}
+    blocks = cfg.pop("layers_block_type")
+    cfg.update(hybrid_override_pattern="".join(symbol[b] for b in blocks), num_hidden_layers=len(blocks))
+    (nvidia / "config.json").write_text(json.dumps(cfg))
+    weights = load_file(nvidia / "model.safetensors")
+    save_file({k.replace("model.", "backbone.", 1): v for k, v in weights.items()}, nvidia / "model.safetensors")
+    llm = make_llm(model=str(nvidia), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK)
+    outs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens_of(hf)[:3]
+
+
 # PEFT's names for every matmul of a family's layers: attention's, the state mixer's own, the MLP's
 LORA_TARGETS = {"lfm2": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w1", "w2", "w3"],
                 "granitemoehybrid": ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj", "out_proj", "input_linear",
@@ -145,8 +177,8 @@ LORA_TARGETS = {"lfm2": ["q_proj", "k_proj", "v_proj", "out_proj", "in_proj", "w
 def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, hf_tokens, tmp_path):
     """A PEFT adapter on each matmul of the layers, the state mixers' included (LFM2's conv
     in_proj / out_proj, Granite's Mamba in_proj / out_proj), run unmerged from the KV pool's pages:
-    the tokens of PEFT's merged model, not the base's. Qwen3-Next's mixture of experts refuses
-    adapters by name."""
+    the tokens of PEFT's merged model, not the base's. Qwen3-Next's mixture of experts and
+    Nemotron-H's MLP blocks refuse adapters by name."""
     import copy
 
     from peft import LoraConfig, get_peft_model
@@ -157,7 +189,9 @@ def test_a_lora_adapter_on_every_matmul_gives_peft_s_tokens(make_llm, hybrid, hf
     hf, path = hybrid
     family = hf.config.model_type
     if family not in LORA_TARGETS:
-        with pytest.raises(ValueError, match="enable_lora is not supported with a mixture of experts"):
+        why = {"qwen3_next": "enable_lora is not supported with a mixture of experts",
+               "nemotron_h": "enable_lora is not supported for nemotron_h: adapters do not reach the MLP blocks"}
+        with pytest.raises(ValueError, match=why[family]):
             LLM(model=str(path), dtype="float32", kv_cache_memory="16MiB", block_size=BLOCK, enable_lora=True)
         return
     torch.manual_seed(3)
@@ -264,6 +298,7 @@ def test_a_replica_takes_the_state_from_redis(tmp_path_factory, model_dir):
     ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
      "speculative decoding is not supported for lfm2"),
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype int8 is not supported for lfm2"),
+    ({"quantization": "w8a8"}, "quantization w8a8 is not supported for lfm2"),
     ({"allocation": "reserve-max"}, "reserve-max reserves one table, which a model whose layers keep a recurrent state"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size > 1 is not supported for lfm2"),
 ])

@@ -96,11 +96,16 @@ class ModelConfig:
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logit_scale: float = 1.0
+    # Nemotron-H: its blocks (each one mixer, MLP blocks among them) run as our layers of one
+    # Mamba-2 or attention block each, then the MLP blocks that follow it, as many as this gives a layer.
+    trailing_mlps: tuple[int, ...] = field(default=())
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> "ModelConfig":
         mt = cfg.get("model_type", "llama")
         fam = registry.family(mt)
+        if fam.hf_keys is not None:
+            cfg = fam.hf_keys(cfg)
         if cfg.get("use_bidirectional_attention"):
             raise ValueError(f"{mt}: use_bidirectional_attention (an embedding model) is not supported")
         if cfg.get("attn_logit_softcapping"):

@@ -38,7 +38,10 @@ def _rounded(value: float, dtype: torch.dtype) -> float:
 
 class DecoderForCausalLM(nn.Module):
     """A causal decoder-only language model: the class of every family registry.py lists with the
-    shared decoder, which its config's options (cfg.family) shape."""
+    shared decoder, which its config's options (cfg.family) shape; a family with layers of its own
+    kind (nemotron_h.py) names their class in `layer`."""
+
+    layer = DecoderLayer
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, kernels=None, tp: TPGroup | None = None) -> None:
         """cfg: this rank's slice of the model (ModelConfig.shard) under tensor parallelism."""
@@ -50,7 +53,7 @@ class DecoderForCausalLM(nn.Module):
         # cost a second of start-up on the meta device (it imports torch._dynamo).
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
                                          _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer(cfg, backend, i) for i in range(cfg.num_layers))
         for moe in self.mixtures():   # expert parallelism: this rank's experts
             moe.first_expert = self.expert_range.start
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

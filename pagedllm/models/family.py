@@ -89,3 +89,11 @@ class Family:
     # ModelConfig fields its config.json holds its own way (key names, derived widths, state layers):
     # called with the HF config, returns those fields; ValueError naming a variant we do not run.
     own_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+    # The HF config as the shared reader (config.py) reads it, where the family's config.json lacks
+    # keys that reader needs (Nemotron-H's names no num_hidden_layers): called first, returns the dict read.
+    hf_keys: Callable[[dict[str, Any]], dict[str, Any]] | None = None
+
+
+def config_number(v: Any) -> float:
+    """A float as config.json holds it: transformers writes infinity as {"__float__": "Infinity"}."""
+    return float(v["__float__"] if isinstance(v, dict) else v)

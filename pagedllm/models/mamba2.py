@@ -24,14 +24,18 @@ from .state_step import StateStep, state_rows
 
 
 class GatedRMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """norm(y * silu(gate)) * weight, the norm over each of `groups` equal groups of channels
+    (Nemotron-H's, one a group of Mamba heads; Granite's: one group)."""
+
+    def __init__(self, size: int, eps: float, groups: int = 1) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.group = size // groups
 
     def forward(self, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        y = y.float() * F.silu(gate.float())
-        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        y = (y.float() * F.silu(gate.float())).unflatten(-1, (-1, self.group))
+        y = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)).flatten(-2)
         return self.weight * y.to(gate.dtype)
 
 
@@ -44,7 +48,7 @@ class Mamba2Mixer(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(m.num_heads))
         self.A_log = nn.Parameter(torch.empty(m.num_heads))
         self.D = nn.Parameter(torch.empty(m.num_heads))
-        self.norm = GatedRMSNorm(m.inner, cfg.rms_norm_eps)
+        self.norm = GatedRMSNorm(m.inner, cfg.rms_norm_eps, m.norm_groups)
         self.out_proj = nn.Linear(m.inner, cfg.hidden_size, bias=m.proj_bias)
 
     def forward(self, x, ops: Ops, rotate, k_cache, v_cache, meta: StateStep):
@@ -56,9 +60,9 @@ class Mamba2Mixer(nn.Module):
                           out_dtype=torch.float32 if kernels is not None else None)
         u, b, c = xbc.split([m.inner, m.groups * m.state_size, m.groups * m.state_size], dim=-1)
         y = self.scan(u, b, c, dt, state_rows(v_cache, m.num_heads, m.head_dim, m.state_size), meta, kernels)
-        if kernels is not None and m.inner % 16 == 0:
+        if kernels is not None and self.norm.group % 16 == 0:
             out = torch.empty(x.shape[0], m.inner, dtype=x.dtype)
-            kernels.gated_rms_norm(out, y, z, self.norm.weight, self.norm.eps, True)
+            kernels.gated_rms_norm(out, y, z, self.norm.weight, self.norm.eps, True, self.norm.group)
             return ops.linear(self.out_proj, out)
         return ops.linear(self.out_proj, self.norm(y.to(x.dtype), z).contiguous())
 

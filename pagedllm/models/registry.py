@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import importlib
 
-from .families import deepseek, gemma3, gpt_oss, granite_hybrid, lfm2, llama, mixtral, olmoe, phi3, qwen, qwen3_next
+from .families import (deepseek, gemma3, gpt_oss, granite_hybrid, lfm2, llama, mixtral, nemotron_h, olmoe, phi3,
+                       qwen, qwen3_next)
 from .family import Family
 
 FAMILIES: dict[str, Family] = {
@@ -29,6 +30,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": deepseek.DEEPSEEK_V3,
     "gpt_oss": gpt_oss.GPT_OSS,
     "qwen3_next": qwen3_next.QWEN3_NEXT,
+    "nemotron_h": nemotron_h.NEMOTRON_H,
 }
 SUPPORTED = tuple(FAMILIES)
 # model_types a family's checkpoints use that we do not run, and why (the error says what runs instead)

@@ -25,6 +25,9 @@ def check_adapters(cfg: EngineConfig, mc: ModelConfig, device: torch.device, dty
     if mc.mla is not None:
         raise ValueError(f"enable_lora is not supported for {mc.model_type}: adapters do not reach its multi-head "
                          "latent attention's matmuls yet")
+    if mc.trailing_mlps:
+        raise ValueError(f"enable_lora is not supported for {mc.model_type}: adapters do not reach the MLP blocks "
+                         "its layers run after their Mamba-2 or attention block yet")
     if cfg.quantization == "w8a8":
         raise ValueError("enable_lora with quantization w8a8 is not supported: SmoothQuant folds scales into the "
                          "matmuls' inputs (and v's outputs), which an adapter trained on the model as published "

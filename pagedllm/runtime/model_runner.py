@@ -29,7 +29,7 @@ from .build import build_model, rope_rows
 from .device import attach_shared_memory, cpu_kernels, rank_device, resolve_device, resolve_dtype, thread_governor
 from .kv_cache import KVCache, check_state_model
 from .kv_tier import TierIO, open_tier
-from .prepare import check_moe, ready_model
+from .prepare import check_moe, check_quantization, ready_model
 from .prompt_scores import score_prompt, split_scores
 from .scratch import ScratchForward
 from .spec_decode import make_proposer
@@ -64,6 +64,7 @@ class ModelRunner:
         kernels = cpu_kernels() if cpu else None
         if model_cfg.moe is not None:
             check_moe(cfg, model_cfg)
+        check_quantization(cfg, model_cfg)
         if tp.distributed and tp.size > 1 and cpu:
             attach_shared_memory(tp, kernels)
         if cfg.enable_lora:   # before the weights are read: a refusal costs nothing

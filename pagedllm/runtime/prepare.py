@@ -30,6 +30,16 @@ def check_moe(cfg: EngineConfig, mc: ModelConfig) -> None:
                          "gguf) or W8A8, not batch-invariant, without adapters")
 
 
+def check_quantization(cfg: EngineConfig, mc: ModelConfig) -> None:
+    """What a quantization does not run on yet, refused before any weight is read: W8A8's SmoothQuant
+    folds its scales into each layer's attention and MLP norms, which a hybrid's state layers
+    (convolutions, Mamba-2, DeltaNet) and Nemotron-H's MLP blocks are not built like."""
+    if cfg.quantization == "w8a8" and (mc.state_layers or mc.trailing_mlps):
+        raise ValueError(f"quantization w8a8 is not supported for {mc.model_type} yet: SmoothQuant's scales fold into "
+                         "attention and MLP layers' norms, which its state layers are not; weight-only int8 and "
+                         "int4 run it")
+
+
 def ready_model(model, cfg: EngineConfig, model_dir: Path, mc: ModelConfig, tp: TPGroup, device: torch.device,
                 scratch: ScratchForward, rope_rows: int, t0: float) -> None:
     """Quantize, name adapter layers, make batch-invariant and prepack `model` in place, as `cfg`

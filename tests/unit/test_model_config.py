@@ -68,6 +68,12 @@ def test_qwen3_smollm3_phi3_options():
     ({"model_type": "granitemoehybrid", "num_local_experts": 0, "position_embedding_type": "alibi"},
      "position_embedding_type 'alibi'"),
     ({"model_type": "lfm2", "layer_types": ["conv", "mamba"]}, "lfm2: layer_types"),
+    ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-ME*-"}, "nemotron_h: blocks of experts"),
+    ({"model_type": "nemotron_h", "hybrid_override_pattern": "M-M+"}, r"hybrid_override_pattern has \['\+'\]"),
+    ({"model_type": "nemotron_h", "layers_block_type": ["mlp", "linear_attention"]}, "starts with an MLP block"),
+    ({"model_type": "nemotron_h", "layers_block_type": ["linear_attention", "mlp"], "mlp_hidden_act": "silu"},
+     "mlp_hidden_act 'silu'"),
+    ({"model_type": "nemotron_h"}, "names no blocks"),
 ])
 def test_unsupported_fails_at_load_naming_what(bad, match):
     """A variant we do not run is refused naming what, before any weight is read."""
@@ -158,6 +164,19 @@ def test_hybrid_configs_name_their_state_layers_and_shapes():
     assert cfg.mamba.head_dim == 32 and cfg.mamba.conv_dim == 128 + 2 * 2 * 8 and cfg.mamba.dt_limit[1] == float("inf")
     assert cfg.state_shapes() == ((3, 160), (4, 32, 8)) and cfg.logit_scale == 0.25 and cfg.scale == 0.25
     assert cfg.layer_ropes == (-1, -1, -1), "no RoPE unless position_embedding_type says rope"
+    # Nemotron-H: its blocks as our layers (each Mamba-2 or attention block, then the MLP blocks after
+    # it), from NVIDIA's pattern or transformers' list alike; no num_hidden_layers in transformers' file
+    nvidia = {"model_type": "nemotron_h", "hidden_size": 64, "num_attention_heads": 4, "head_dim": 16,
+              "intermediate_size": 96, "vocab_size": 100, "mamba_num_heads": 8, "mamba_head_dim": 16, "n_groups": 2,
+              "ssm_state_size": 16, "layer_norm_epsilon": 1e-6, "hidden_act": "relu2"}
+    pattern = ModelConfig.from_hf({**nvidia, "hybrid_override_pattern": "M-*--MM-", "num_hidden_layers": 8})
+    listed = ModelConfig.from_hf({**nvidia, "layers_block_type": ["linear_attention", "mlp", "full_attention", "mlp",
+                                                                   "mlp", "linear_attention", "linear_attention", "mlp"]})
+    assert pattern == listed
+    assert pattern.num_layers == 4 and pattern.trailing_mlps == (1, 2, 0, 1) and pattern.state_layers == (0, 2, 3)
+    assert pattern.mamba.inner == 128 and pattern.mamba.norm_groups == 2 and pattern.rms_norm_eps == 1e-6
+    assert pattern.state_shapes() == ((3, 128 + 2 * 2 * 16), (8, 16, 16)) and pattern.layer_ropes == (-1,) * 4
+    assert not pattern.qkv_bias and pattern.mamba.dt_limit == (0.0, float("inf"))
     lfm = ModelConfig.from_hf({"model_type": "lfm2", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
                                "intermediate_size": 6656, "vocab_size": 100, "full_attn_idxs": [1]})
     assert lfm.state_layers == (0,) and lfm.intermediate_size == 4608 and lfm.state_shapes() == ((2, 64), ())

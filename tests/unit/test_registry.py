@@ -21,11 +21,13 @@ TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "nu
         "intermediate_size": 96, "vocab_size": 128,
         # read by the mixtures only (each names its experts' width under one of the two keys)
         "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+# what a family needs named beside TINY: Nemotron-H's blocks (a Mamba-2 and an MLP block, an attention block: two layers)
+OWN = {"nemotron_h": {"layers_block_type": ["linear_attention", "mlp", "full_attention"]}}
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_every_registered_model_type_builds(model_type):
-    cfg = ModelConfig.from_hf({**TINY, "model_type": model_type})
+    cfg = ModelConfig.from_hf({**TINY, **OWN.get(model_type, {}), "model_type": model_type})
     assert cfg.family is family(model_type) is FAMILIES[model_type]
     cls = decoder_for(model_type)
     assert issubclass(cls, nn.Module)

@@ -56,3 +56,25 @@ def test_both_gated_norms_equal_their_modules(gate_first):
     with torch.no_grad():
         want = norm(y, z) if gate_first else norm(y.view(t, heads, n), z.reshape(t, heads, n)).view(t, -1)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_gated_norm_by_groups_of_channels_equals_its_module(dtype):
+    """Nemotron-H's: each group of channels normed alone, a weight a channel (not one a group's
+    value, as Qwen3-Next's heads share)."""
+    torch.manual_seed(7)
+    t, groups, n = 5, 4, 32
+    norm = GatedRMSNorm(groups * n, 1e-5, groups)
+    with torch.no_grad():
+        norm.weight.normal_(1, 0.3)
+    y = torch.randn(t, groups * n) * torch.linspace(0.1, 10, groups).repeat_interleave(n)   # groups far apart
+    z = torch.randn(t, groups * n + 3)[:, 1:1 + groups * n].to(dtype)
+    out = torch.empty(t, groups * n, dtype=dtype)
+    load_ops().gated_rms_norm(out, y, z, norm.weight.detach().to(dtype), norm.eps, True, n)
+    with torch.no_grad():
+        want = norm.to(dtype)(y, z)
+        whole = GatedRMSNorm(groups * n, 1e-5).to(dtype)
+        whole.weight.copy_(norm.weight)
+        assert not torch.allclose(whole(y, z).float(), want.float(), atol=0.1), "the groups must matter here"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, want, atol=tol, rtol=tol)

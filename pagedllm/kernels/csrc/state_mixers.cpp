@@ -10,7 +10,8 @@
 // states the step leaves (each the K - 1 inputs before a block or chunk end) written to the pool.
 //
 // gated_rms_norm: Mamba-2's norm(y * silu(z)) * w, or Qwen3-Next's norm(y) * w * silu(z), over
-// groups of n values of each row.
+// groups of n values of each row; w one weight a group's value (every group alike: Qwen3-Next's
+// heads) or one a channel (Nemotron-H's groups of Mamba heads).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
@@ -94,14 +95,15 @@ void write_states(T* states, const TapRows<T>& rows, const int64_t* blocks, cons
 }
 
 template <class T, class Y>
-void gated_norm_rows(T* out, const Y* y, const T* z, int64_t ld_z, const T* w, int64_t rows, int64_t groups,
-                     int64_t n, float eps, bool gate_first) {
+void gated_norm_rows(T* out, const Y* y, const T* z, int64_t ld_z, const T* w, int64_t w_group, int64_t rows,
+                     int64_t groups, int64_t n, float eps, bool gate_first) {
   at::parallel_for(0, rows * groups, std::max<int64_t>(1, (1 << 14) / n), [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       const int64_t row = p / groups, gi = p % groups;
       const Y* yr = y + row * groups * n + gi * n;
       const T* zr = z + row * ld_z + gi * n;
       T* o = out + row * groups * n + gi * n;
+      const T* wg = w + gi * w_group;
       vf acc{};
       for (int64_t c = 0; c < n; c += L) {
         vf x = load16(yr + c);
@@ -110,7 +112,7 @@ void gated_norm_rows(T* out, const Y* y, const T* z, int64_t ld_z, const T* w, i
       }
       const float inv = 1.f / std::sqrt(hsum(acc) / float(n) + eps);
       // either order ends as y silu(z) w / rms: only what the rms is taken of differs
-      for (int64_t c = 0; c < n; c += L) store16(o + c, load16(yr + c) * silu(load16(zr + c)) * (inv * load16(w + c)));
+      for (int64_t c = 0; c < n; c += L) store16(o + c, load16(yr + c) * silu(load16(zr + c)) * (inv * load16(wg + c)));
     }
   });
 }
@@ -172,24 +174,27 @@ void causal_conv(at::Tensor out, const at::Tensor& u, at::Tensor states, const a
 }
 
 // out [T, G * n] (z's dtype) = per group of n: norm(y * silu(z)) * w (gate_first) or norm(y) * w *
-// silu(z); y [T, G * n] contiguous (float32 or z's dtype), z [T, G * n] of any row stride, w [n].
+// silu(z); y [T, G * n] contiguous (float32 or z's dtype), z [T, G * n] of any row stride; w [n] (each
+// group alike) or [G * n] (a weight a channel); n = group, or w's size where group is 0.
 void gated_rms_norm(at::Tensor out, const at::Tensor& y, const at::Tensor& z, const at::Tensor& w, double eps,
-                    bool gate_first) {
-  const int64_t t = y.size(0), c = y.size(1), n = w.numel();
+                    bool gate_first, int64_t group) {
+  const int64_t t = y.size(0), c = y.size(1), n = group > 0 ? group : w.numel();
   TORCH_CHECK(y.dim() == 2 && y.is_contiguous() && z.dim() == 2 && z.size(0) == t && z.size(1) == c && z.stride(1) == 1 &&
                   out.is_contiguous() && out.sizes() == y.sizes() && out.scalar_type() == z.scalar_type() &&
                   w.scalar_type() == z.scalar_type() && w.is_contiguous() && n > 0 && c % n == 0 && n % L == 0 &&
+                  (w.numel() == n || w.numel() == c) &&
                   (y.scalar_type() == at::kFloat || y.scalar_type() == z.scalar_type()),
-              "gated_rms_norm: y [T, C] contiguous (float32 or z's dtype), z [T, C], out [T, C] and w [n] in z's "
-              "dtype, n a multiple of ", L, " dividing C");
+              "gated_rms_norm: y [T, C] contiguous (float32 or z's dtype), z [T, C], out [T, C] and w [n] or [C] in "
+              "z's dtype, groups of n (group, or w's size) a multiple of ", L, " dividing C");
+  const int64_t w_group = w.numel() == c ? n : 0;   // per channel: each group its own n weights
   auto run = [&](auto tag) {
     using T = decltype(tag);
     if (y.scalar_type() == at::kFloat)
-      gated_norm_rows(out.data_ptr<T>(), y.data_ptr<float>(), z.data_ptr<T>(), z.stride(0), w.data_ptr<T>(), t, c / n, n,
-                      float(eps), gate_first);
+      gated_norm_rows(out.data_ptr<T>(), y.data_ptr<float>(), z.data_ptr<T>(), z.stride(0), w.data_ptr<T>(), w_group, t,
+                      c / n, n, float(eps), gate_first);
     else
-      gated_norm_rows(out.data_ptr<T>(), y.data_ptr<T>(), z.data_ptr<T>(), z.stride(0), w.data_ptr<T>(), t, c / n, n,
-                      float(eps), gate_first);
+      gated_norm_rows(out.data_ptr<T>(), y.data_ptr<T>(), z.data_ptr<T>(), z.stride(0), w.data_ptr<T>(), w_group, t,
+                      c / n, n, float(eps), gate_first);
   };
   by_storage(z.scalar_type(), "gated_rms_norm: z", run);
 }
@@ -199,7 +204,7 @@ void gated_rms_norm(at::Tensor out, const at::Tensor& y, const at::Tensor& z, co
 TORCH_LIBRARY_FRAGMENT(pagedllm_cpu, m) {
   m.def("causal_conv(Tensor(a!) out, Tensor u, Tensor(b!) states, Tensor read_blocks, Tensor weight, Tensor? bias, "
         "Tensor taps, bool silu, Tensor write_blocks, Tensor write_rows) -> ()");
-  m.def("gated_rms_norm(Tensor(a!) out, Tensor y, Tensor z, Tensor weight, float eps, bool gate_first) -> ()");
+  m.def("gated_rms_norm(Tensor(a!) out, Tensor y, Tensor z, Tensor weight, float eps, bool gate_first, int group=0) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..family import Family, WeightMapper
+from ..family import Family, WeightMapper, config_number
 from ..mamba_config import MambaConfig
 from ..moe_config import MoEConfig
 
@@ -49,7 +49,8 @@ def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"intermediate_size": shared, "moe": _experts(cfg, shared),
             "state_layers": tuple(i for i, t in enumerate(types) if t in STATE_TYPES), "state_mixer": "mamba2",
             "mamba": MambaConfig(heads, head_dim, cfg.get("mamba_n_groups", 1), cfg.get("mamba_d_state", 256),
-                                 bool(cfg.get("mamba_proj_bias", False)), (_number(limit[0]), _number(limit[1]))),
+                                 bool(cfg.get("mamba_proj_bias", False)),
+                                 (config_number(limit[0]), config_number(limit[1]))),
             "conv_kernel": cfg.get("mamba_d_conv", 4), "conv_bias": bool(cfg.get("mamba_conv_bias", True)),
             "attn_scale": float(cfg.get("attention_multiplier", 1.0)),
             "embedding_multiplier": float(cfg.get("embedding_multiplier", 1.0)),
@@ -84,10 +85,6 @@ def reorder(loaded: dict[str, Any], cfg) -> None:
         else:
             loaded[name.replace(".mlp.", ".mlp.shared_expert.")] = loaded.pop(name)
 
-
-def _number(v: Any) -> float:
-    """A float as config.json holds it: transformers writes infinity as {"__float__": "Infinity"}."""
-    return float(v["__float__"] if isinstance(v, dict) else v)
 
 
 GRANITE_HYBRID = Family(

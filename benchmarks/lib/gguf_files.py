@@ -1,6 +1,7 @@
 """GGUF files of random HF models, written the way llama.cpp's converter names and lays out a
 family's tensors (gguf-py's own name map, GGUFWriter and quantizer; a mixture's experts stacked in
-ffn_*_exps; a "llama" file's q / k rows permuted), with the default SmolLM2 file's tokenizer or a
+ffn_*_exps; a "llama" file's q / k rows permuted; LFM2's convolution taps [D, L], its KV heads per
+layer), with the default SmolLM2 file's tokenizer or a
 tiny byte-level one: the test models of families whose real GGUF files are not on PyPI, and the
 MoE benchmark's file."""
 from __future__ import annotations
@@ -77,6 +78,8 @@ def _tensors(model, names, arch: str):
         assert gname is not None, name
         if gname.endswith("ffn_gate_inp_shexp.weight"):   # llama.cpp keeps Qwen2-MoE's shared gate a vector
             data = data.reshape(-1)
+        if gname.endswith("shortconv.conv.weight"):   # LFM2's depthwise taps: [D, 1, L] as llama.cpp's [D, L]
+            data = np.ascontiguousarray(data.reshape(data.shape[0], -1))
         if arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):   # llama.cpp's LlamaModel.permute
             heads = cfg.num_attention_heads if ".attn_q." in gname else cfg.num_key_value_heads
             data = np.ascontiguousarray(data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:])
@@ -103,7 +106,7 @@ def _gpt_oss_experts(name: str, data: np.ndarray):
 
 def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | None,
                expert_quant: str | None = None) -> Path:
-    """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe", "gpt-oss") as a
+    """`model` (a transformers causal LM of architecture `arch`: "qwen3", "phi3", "qwen3moe", "gpt-oss", "lfm2") as a
     GGUF file: its config as the arch's keys, each matmul weight in `quant` ("Q8_0", "Q4_0", "F32")
     where its rows split into blocks (a mixture's ffn_*_exps in `expert_quant` if given), norms and
     routers in F32, a tied head left out (as llama.cpp writes it). tokenizer_gguf: the GGUF file whose
@@ -118,12 +121,17 @@ def write_gguf(model, path: Path, arch: str, quant: str, tokenizer_gguf: Path | 
     w.add_context_length(cfg.max_position_embeddings)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    if arch == "lfm2":   # the MLP's width as built (its config's is adjusted), KV heads per layer (0: a convolution)
+        w.add_feed_forward_length(model.model.layers[0].feed_forward.w1.out_features)
+        w.add_head_count_kv([cfg.num_key_value_heads if t == "full_attention" else 0 for t in cfg.layer_types])
+        w.add_shortconv_l_cache(cfg.conv_L_cache)
+    else:
+        w.add_feed_forward_length(cfg.intermediate_size)
+        w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_rope_dimension_count(head_dim)
     w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_layer_norm_rms_eps(cfg.norm_eps if arch == "lfm2" else cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     experts = getattr(cfg, "num_experts", None) or getattr(cfg, "num_local_experts", None)
     if experts:   # a mixture of experts (qwen2moe, qwen3moe, olmoe; Mixtral as "llama")

@@ -37,11 +37,13 @@ _LINEARS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v"
             # a mixture of experts': all experts of a layer in one tensor [E, N, K], and Qwen2-MoE's shared expert
             "ffn_gate_exps": "mlp.experts.gate_proj", "ffn_up_exps": "mlp.experts.up_proj",
             "ffn_down_exps": "mlp.experts.down_proj", "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-            "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj"}
+            "ffn_up_shexp": "mlp.shared_expert.up_proj", "ffn_down_shexp": "mlp.shared_expert.down_proj",
+            # LFM2's gated short convolutions' matmuls (our ShortConv's in_proj and o_proj)
+            "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.o_proj"}
 # Architectures whose files keep gate/up fused as our model fuses it: their ffn_up holds the gate's
 # rows then the up's (HF's gate_up_proj).
 _FUSED_UP = tuple(f.gguf.arch for f in FAMILIES.values() if f.gguf is not None and f.gguf.fused_up)
-_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_BLOCK = re.compile(r"blk\.(\d+)\.([\w.]+)\.weight")
 
 
 def hf_name(gguf_name: str, arch: str = "llama") -> str | None:

@@ -1,12 +1,14 @@
 """LFM2 (Liquid AI): a hybrid of gated short convolutions (short_conv.py), whose state is the last
 K - 1 inputs of each sequence (kv.groups' STATE blocks), and a few attention layers with a
 per-head QK-norm; SwiGLU MLPs whose width the config derives, and a norm after the embeddings'
-last layer that transformers calls embedding_norm."""
+last layer that transformers calls embedding_norm. Its GGUF files (Liquid AI's, llama.cpp's "lfm2")
+are converted by transformers' reader (the KV heads a list per layer, 0 on a convolution layer; the
+MLP width as built), their matmuls run as the file's blocks."""
 from __future__ import annotations
 
 from typing import Any
 
-from ..family import Family, WeightMapper
+from ..family import Family, GGUFArch, WeightMapper
 
 # Theirs -> ours, part by part: out_proj is the attention's o_proj and the convolution's alike.
 _NAMES = (("operator_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm"),
@@ -51,4 +53,4 @@ LFM2 = Family(
     architecture="Lfm2ForCausalLM", qk_norm=True, rope_theta=1_000_000.0, own_config=own_config,
     weights=WeightMapper(renames=_NAMES),
     no_tensor_parallel="its convolution layers are not sharded over ranks yet",
-    stop_tokens=("<|im_end|>",))
+    stop_tokens=("<|im_end|>",), gguf=GGUFArch("lfm2"))

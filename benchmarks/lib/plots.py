@@ -433,8 +433,9 @@ def plot_single_request(fig, data: dict) -> None:
 
 
 def plot_gemma3(fig, data: dict) -> None:
-    """Gemma 3 270M against llama.cpp on the same GGUF (one request's decode and resident
-    memory; a batch), and against vLLM-CPU with both cores on its bf16 safetensors."""
+    """Gemma 3 270M (or LFM2's shape, lfm2_gguf.py) against llama.cpp on the same GGUF (one
+    request's decode and, where measured, resident memory; a batch), and against vLLM-CPU with both
+    cores on its bf16 safetensors."""
     parts = [p for p in ("single", "batch", "vllm") if p in data]
     fig.set_size_inches(9, 2.6 * len(parts))
     axes = fig.subplots(len(parts), 1)
@@ -442,7 +443,7 @@ def plot_gemma3(fig, data: dict) -> None:
         d = data[part]
         if part == "single":
             runs = d["ours"] + [d["llama_cpp"]]
-            labels = [f"{r['engine']} ({r['rss_mib']:.0f} MiB)" for r in runs]
+            labels = [r["engine"] + (f" ({r['rss_mib']:.0f} MiB)" if "rss_mib" in r else "") for r in runs]
             _bars(ax, labels, [r["decode_tok_s"] for r in runs], [family_colour(r["engine"]) for r in runs], "{:.1f}")
             ax.set_xlabel("one request: decode tokens/s (resident memory)")
         else:
@@ -782,6 +783,8 @@ PLOTTERS: list[Plotter] = [
     (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
+    (lambda d: d.get("benchmark") == "lfm2_gguf", plot_gemma3, "LFM2-350M's shape from a Q8_0 GGUF, against llama.cpp",
+     True),
     (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
     (lambda d: d.get("benchmark") == "moe", plot_moe, "A mixture of experts (Qwen3-MoE shape, 1.9B, 0.28B active)", True),
     (lambda d: d.get("benchmark") == "parsers_and_tracing", plot_parsers_and_tracing,

@@ -1,18 +1,21 @@
 """LFM2 from a GGUF file against llama.cpp on the same file: LFM2-350M's shape (hybrid_state.SHAPE)
 with SmolLM2's 49,152-token vocabulary (llama.cpp takes the tokenizer's count as the embedding's
 rows), random weights written as llama.cpp's converter lays LFM2 out (benchmarks/lib/gguf_files.py),
-made once under the cache: Q8_0 matmuls (norms and the convolutions' taps F32), and an F32 twin.
+made once under the cache: Q8_0 matmuls (norms and the convolutions' taps F32), an F32 twin, and
+Q4_K_M made from the F32 file by llama.cpp's own quantizer (llama_model_quantize: its Q4_K / Q6_K
+mix, as the files people download are made).
 
 Parts (each engine in its own process, one after another, the same token ids, greedy, EOS ignored):
   check   the F32 file, 4 ShareGPT prompts cut to 256 tokens, 32 new tokens: llama.cpp's greedy
           tokens against ours (float32, the file's values) - the two engines' reading of one file
-  single  the Q8_0 file, one request (a ShareGPT prompt cut to 256 tokens, 128 new): decode tok/s
+  single  the --quant file (Q8_0 or Q4_K_M), one request (a ShareGPT prompt cut to 256 tokens, 128 new): decode tok/s
           after the first token; ours on the file's blocks (`quantization="gguf"`) and on its
           values in bf16
-  batch   the Q8_0 file, 32 ShareGPT prompts cut to 256 tokens, 64 new tokens each: ours in one
+  batch   the --quant file, 32 ShareGPT prompts cut to 256 tokens, 64 new tokens each: ours in one
           batch against llama.cpp's continuous batching over 32 slots and its one-at-a-time API
 
     python -m benchmarks lfm2_gguf --out benchmarks/results/lfm2_gguf_llama_cpp.json
+    python -m benchmarks lfm2_gguf --parts single,batch --quant Q4_K_M --out benchmarks/results/lfm2_gguf_llama_cpp_q4km.json
 """
 from __future__ import annotations
 
@@ -26,7 +29,8 @@ VOCAB = 49152
 
 
 def files() -> dict[str, Path]:
-    """{"Q8_0": path, "F32": path}: the GGUF files, written once beside the random model."""
+    """{"Q8_0": path, "F32": path, "Q4_K_M": path}: the GGUF files, written once beside the random model
+    (Q4_K_M by llama.cpp's quantizer: the benchmark needs llama-cpp-python anyway)."""
     from benchmarks.hybrid_state import SHAPE
     from benchmarks.lib.gguf_files import write_gguf
     from benchmarks.lib.random_models import random_model
@@ -44,7 +48,24 @@ def files() -> dict[str, Path]:
             tmp = path.with_suffix(f".tmp-{os.getpid()}")
             write_gguf(model, tmp, "lfm2", q, default_gguf_path())
             os.replace(tmp, path)
+    out["Q4_K_M"] = src / "lfm2-350m-shape.Q4_K_M.gguf"
+    if not out["Q4_K_M"].is_file():
+        _llama_quantize(out["F32"], out["Q4_K_M"])
     return out
+
+
+def _llama_quantize(src: Path, dst: Path) -> None:
+    """dst: src quantized to Q4_K_M by llama.cpp's own quantizer (its choice of Q4_K and Q6_K per tensor)."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype, params.nthread = lc.LLAMA_FTYPE_MOSTLY_Q4_K_M, os.cpu_count() or 1
+    tmp = dst.with_suffix(f".tmp-{os.getpid()}")
+    if lc.llama_model_quantize(str(src).encode(), str(tmp).encode(), ctypes.byref(params)) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {src}")
+    os.replace(tmp, dst)
 
 
 def llama_tokens(gguf: str, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -111,14 +132,16 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="check,single,batch")
+    p.add_argument("--quant", default="Q8_0", choices=["Q8_0", "Q4_K_M"], help="the file single and batch run")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     why = llama_cpp_available()
     if why:
         raise SystemExit(why)
     parts, paths = set(a.parts.split(",")), files()
-    q8, f32 = str(paths["Q8_0"]), str(paths["F32"])
-    res: dict = {"benchmark": "lfm2_gguf", "files": {"Q8_0": q8, "F32": f32}, "vocab_size": VOCAB}
+    gguf, f32 = str(paths[a.quant]), str(paths["F32"])
+    res: dict = {"benchmark": "lfm2_gguf", "quant": a.quant, "files": {k: str(v) for k, v in paths.items()},
+                 "vocab_size": VOCAB}
     if "check" in parts:
         prompts = [r.prompt for r in requests(4, 256, 32)]
         theirs = in_own_process(llama_tokens, f32, prompts, 32)
@@ -133,24 +156,24 @@ def main(argv: list[str] | None = None) -> None:
     variants = ["gguf", None]
     if "single" in parts:
         req = requests(1, 256, 128)[0]
-        theirs = in_own_process(llama_single, q8, req.prompt, 128)
+        theirs = in_own_process(llama_single, gguf, req.prompt, 128)
         res["single"] = {"prompt_tokens": req.prompt_len, "new_tokens": 128, "llama_cpp": theirs, "ours": []}
         for q in variants:
-            ours = in_own_process(ours_single, q8, req.prompt, 128, q)
+            ours = in_own_process(ours_single, gguf, req.prompt, 128, q)
             ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
             res["single"]["ours"].append(ours)
             print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode; llama.cpp "
                   f"{theirs['decode_tok_s']:.1f}: {ours['decode_ratio']:.2f}x")
     if "batch" in parts:
         reqs = requests(32, 256, 64)
-        batched = in_own_process(llama_cpp_batched, reqs, q8, 32)
-        seq = in_own_process(llama_cpp_sequential, reqs, q8)
+        batched = in_own_process(llama_cpp_batched, reqs, gguf, 32)
+        seq = in_own_process(llama_cpp_sequential, reqs, gguf)
         for r in (batched, seq):
-            r["quant"] = "Q8_0 GGUF"
+            r["quant"] = f"{a.quant} GGUF"
         best = max(batched["output_tok_s"], seq["output_tok_s"])
         res["batch"] = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
         for q in variants:
-            ours = in_own_process(ours_batch, reqs, q8, q)
+            ours = in_own_process(ours_batch, reqs, gguf, q)
             ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
             res["batch"]["ours"].append(ours)
             print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "

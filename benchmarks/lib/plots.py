@@ -783,7 +783,7 @@ PLOTTERS: list[Plotter] = [
     (lambda d: d.get("benchmark") == "kv_tier", plot_kv_tier,
      "KV tier: RAG after a restart, FCFS vs LPM, recompute vs swap", True),
     (lambda d: d.get("benchmark") == "gemma3", plot_gemma3, "Gemma 3 270M (Q4_K_M GGUF)", True),
-    (lambda d: d.get("benchmark") == "lfm2_gguf", plot_gemma3, "LFM2-350M's shape from a Q8_0 GGUF, against llama.cpp",
+    (lambda d: d.get("benchmark") == "lfm2_gguf", plot_gemma3, "LFM2-350M's shape from a GGUF file, against llama.cpp",
      True),
     (lambda d: d.get("benchmark") == "lora", plot_lora, "LoRA: 8 adapters and the base in one batch", True),
     (lambda d: d.get("benchmark") == "moe", plot_moe, "A mixture of experts (Qwen3-MoE shape, 1.9B, 0.28B active)", True),

@@ -161,7 +161,7 @@ def kv_4k() -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from benchmarks.lib.baselines import llama_cpp_batched, llama_cpp_sequential
+    from benchmarks.lib.baselines import batch_against_llama_cpp, single_against_llama_cpp
     from pagedllm.loader.model_files import model_path
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -176,31 +176,17 @@ def main(argv: list[str] | None = None) -> None:
     variants = [None if v == "bf16" else v for v in a.variants.split(",")]
     if "single" in parts:
         req = _requests(1, 256, 128)[0]
-        theirs = in_own_process(llama_single, gguf, req.prompt, 128)
-        res["single"] = {"prompt_tokens": req.prompt_len, "new_tokens": 128, "llama_cpp": theirs, "ours": []}
-        for q in variants:
-            ours = in_own_process(ours_single, req.prompt, 128, a.dtype, q)
-            ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        res["single"] = single_against_llama_cpp(llama_single, gguf, req.prompt, 128,
+                                                 [(ours_single, (req.prompt, 128, a.dtype, q)) for q in variants])
+        theirs = res["single"]["llama_cpp"]
+        for ours in res["single"]["ours"]:
             ours["rss_ratio"] = ours["rss_mib"] / theirs["rss_mib"]
-            res["single"]["ours"].append(ours)
-            print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode, {ours['rss_mib']:.0f} MiB "
-                  f"resident; llama.cpp {theirs['decode_tok_s']:.1f} tok/s, {theirs['rss_mib']:.0f} MiB: "
-                  f"{ours['decode_ratio']:.2f}x speed, {ours['rss_ratio']:.2f}x memory")
+            print(f"single: {ours['engine']} {ours['rss_mib']:.0f} MiB resident; llama.cpp {theirs['rss_mib']:.0f} MiB: "
+                  f"{ours['rss_ratio']:.2f}x memory")
     if "batch" in parts:
         reqs = _requests(32, 256, 64)
-        batched = in_own_process(llama_cpp_batched, reqs, gguf, 32)
-        seq = in_own_process(llama_cpp_sequential, reqs, gguf)
-        for r in (batched, seq):
-            r["quant"] = "Q4_K_M GGUF"
-        best = max(batched["output_tok_s"], seq["output_tok_s"])
-        res["batch"] = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
-        for q in variants:
-            ours = in_own_process(ours_batch, reqs, a.dtype, q)
-            ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
-            res["batch"]["ours"].append(ours)
-            print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
-                  f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
-                  f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+        res["batch"] = batch_against_llama_cpp(reqs, gguf, "Q4_K_M GGUF",
+                                               [(ours_batch, (reqs, a.dtype, q)) for q in variants])
     if "vllm" in parts:
         from benchmarks.lib.vllm_baseline import BOTH_CORES, run_vllm_offline, vllm_python
 

@@ -92,29 +92,14 @@ def ours_tokens(gguf: str, prompts: list[list[int]], new: int) -> tuple[list[lis
     llm = LLM(model=gguf, dtype="float32", max_model_len=1024)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, logprobs=2),
                         use_tqdm=False)
-    gaps = [[(lambda v: v[0] - v[1])(sorted((x.logprob for x in step.values()), reverse=True))
-             for step in o.outputs[0].logprobs] for o in outs]
+    gaps = [[_top2_gap(step) for step in o.outputs[0].logprobs] for o in outs]
     return [list(o.outputs[0].token_ids) for o in outs], gaps
 
 
-def ours_single(gguf: str, ids: list[int], new: int, quantization: str | None) -> dict:
-    import torch
-
-    from benchmarks.lib.one_request import ours_one_request
-
-    r = ours_one_request({"model": gguf, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
-                         ids, new)
-    return {"engine": "pagedllm bf16" + (f" {quantization}" if quantization else ""), **r,
-            "threads": torch.get_num_threads()}
-
-
-def ours_batch(reqs, gguf: str, quantization: str | None) -> dict:
-    from pagedllm.bench.throughput import run_engine
-
-    r = run_engine(reqs, {"model": gguf, "dtype": "bfloat16", "max_model_len": 2048, "quantization": quantization},
-                   use_tqdm=False, label="pagedllm " + (quantization or "bf16"))
-    r.pop("steps"), r.pop("stats")
-    return r
+def _top2_gap(step: dict) -> float:
+    """The gap between a step's two best logprobs."""
+    best, second = sorted((x.logprob for x in step.values()), reverse=True)[:2]
+    return best - second
 
 
 def _agreeing(a: list[int], b: list[int]) -> int:
@@ -127,8 +112,8 @@ def _agreeing(a: list[int], b: list[int]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     from benchmarks.gemma3 import llama_single
-    from benchmarks.moe import requests
-    from benchmarks.lib.baselines import llama_cpp_available, llama_cpp_batched, llama_cpp_sequential
+    from benchmarks.lib.baselines import batch_against_llama_cpp, llama_cpp_available, single_against_llama_cpp
+    from benchmarks.moe import ours_batch, ours_single, requests
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", default="check,single,batch")
@@ -155,30 +140,13 @@ def main(argv: list[str] | None = None) -> None:
               f"tokens agreeing before the first difference {same}; our top-two logprob gap there {at}")
     variants = ["gguf", None]
     if "single" in parts:
-        req = requests(1, 256, 128)[0]
-        theirs = in_own_process(llama_single, gguf, req.prompt, 128)
-        res["single"] = {"prompt_tokens": req.prompt_len, "new_tokens": 128, "llama_cpp": theirs, "ours": []}
-        for q in variants:
-            ours = in_own_process(ours_single, gguf, req.prompt, 128, q)
-            ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
-            res["single"]["ours"].append(ours)
-            print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode; llama.cpp "
-                  f"{theirs['decode_tok_s']:.1f}: {ours['decode_ratio']:.2f}x")
+        ids = list(requests(1, 256, 128)[0].prompt)
+        res["single"] = single_against_llama_cpp(llama_single, gguf, ids, 128,
+                                                 [(ours_single, (gguf, ids, 128, q)) for q in variants])
     if "batch" in parts:
         reqs = requests(32, 256, 64)
-        batched = in_own_process(llama_cpp_batched, reqs, gguf, 32)
-        seq = in_own_process(llama_cpp_sequential, reqs, gguf)
-        for r in (batched, seq):
-            r["quant"] = f"{a.quant} GGUF"
-        best = max(batched["output_tok_s"], seq["output_tok_s"])
-        res["batch"] = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
-        for q in variants:
-            ours = in_own_process(ours_batch, reqs, gguf, q)
-            ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
-            res["batch"]["ours"].append(ours)
-            print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
-                  f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
-                  f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+        res["batch"] = batch_against_llama_cpp(reqs, gguf, f"{a.quant} GGUF", [
+            (ours_batch, (gguf, reqs, "pagedllm " + (q or "bf16")), {"quantization": q}) for q in variants])
     if a.out:
         save(res, a.out)
 

@@ -87,11 +87,11 @@ def requests(num: int, prompt_len: int, output_len: int):
     return sharegpt_truncated(num, prompt_len, output_len, fixed_output_len=output_len)   # every output that long
 
 
-def ours_batch(path: str, reqs, **engine) -> dict:
+def ours_batch(path: str, reqs, label: str = "pagedllm", **engine) -> dict:
     from pagedllm.bench.throughput import run_engine
 
     r = run_engine(reqs, {"model": path, "dtype": "bfloat16", "max_model_len": 2048, **engine}, use_tqdm=False,
-                   label="pagedllm")
+                   label=label)
     r.pop("steps"), r.pop("stats")
     return r
 

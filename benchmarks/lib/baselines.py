@@ -204,3 +204,42 @@ def _result(engine: str, reqs: list[BenchRequest], dt: float, output_tokens: int
     return {"engine": engine, "num_requests": len(reqs), "elapsed_s": dt, "requests_per_s": len(reqs) / dt,
             "output_tokens": out_tok, "prompt_tokens": prompt_tok, "output_tok_s": out_tok / dt,
             "total_tok_s": (out_tok + prompt_tok) / dt, **extra}
+
+
+def single_against_llama_cpp(llama_single, gguf: str, ids: list[int], new: int, runs: list[tuple]) -> dict:
+    """One request on `gguf`: `llama_single(gguf, ids, new)` (llama.cpp's decode, in its own
+    process), then each of our runs (a function, its arguments and, optionally, keyword
+    arguments; in its own process), each with its decode_ratio to llama.cpp's."""
+    from pagedllm.bench.throughput import in_own_process
+
+    theirs = in_own_process(llama_single, gguf, ids, new)
+    out = {"prompt_tokens": len(ids), "new_tokens": new, "llama_cpp": theirs, "ours": []}
+    for fn, args, *kw in runs:
+        ours = in_own_process(fn, *args, **(kw[0] if kw else {}))
+        ours["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+        out["ours"].append(ours)
+        print(f"single: {ours['engine']} {ours['decode_tok_s']:.1f} tok/s decode; llama.cpp "
+              f"{theirs['decode_tok_s']:.1f}: {ours['decode_ratio']:.2f}x")
+    return out
+
+
+def batch_against_llama_cpp(reqs: list[BenchRequest], gguf: str, quant: str, runs: list[tuple]) -> dict:
+    """`reqs` on `gguf` ("quant": what the file holds, for the record): llama.cpp's continuous
+    batching over 32 slots and its one-at-a-time API, each in its own process, then each of our
+    runs (as single_against_llama_cpp's), each with its ratio to llama.cpp's better mode."""
+    from pagedllm.bench.throughput import in_own_process
+
+    batched = in_own_process(llama_cpp_batched, reqs, gguf, 32)
+    seq = in_own_process(llama_cpp_sequential, reqs, gguf)
+    for r in (batched, seq):
+        r["quant"] = quant
+    best = max(batched["output_tok_s"], seq["output_tok_s"])
+    out = {"llama_cpp_batched": batched, "llama_cpp_sequential": seq, "ours": []}
+    for fn, args, *kw in runs:
+        ours = in_own_process(fn, *args, **(kw[0] if kw else {}))
+        ours["ratio_vs_best_llama_cpp"] = ours["output_tok_s"] / best
+        out["ours"].append(ours)
+        print(f"batch: {ours['engine']} {ours['output_tok_s']:.1f} tok/s; llama.cpp batched "
+              f"{batched['output_tok_s']:.1f}, sequential {seq['output_tok_s']:.1f}: "
+              f"{ours['ratio_vs_best_llama_cpp']:.2f}x the best")
+    return out

@@ -68,8 +68,7 @@ def hf_keys(cfg: dict[str, Any]) -> dict[str, Any]:
     regrouped), the norms' epsilon; its MLP's activation is read by own_config."""
     mixers, _ = layers_of(block_types(cfg))
     out = {k: v for k, v in cfg.items() if k not in ("hidden_act", "hidden_activation")}
-    return {**out, "num_hidden_layers": len(mixers), "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5),
-            "attention_bias": False}   # its attention has no biases whatever the config says (transformers')
+    return {**out, "num_hidden_layers": len(mixers), "rms_norm_eps": cfg.get("layer_norm_epsilon", 1e-5)}
 
 
 def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -88,7 +87,8 @@ def own_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"state_layers": tuple(i for i, t in enumerate(mixers) if t == "linear_attention"),
             "state_mixer": "mamba2", "mamba": mamba, "conv_kernel": cfg.get("conv_kernel", cfg.get("mamba_d_conv", 4)),
             "conv_bias": bool(cfg.get("use_conv_bias", cfg.get("mamba_conv_bias", True))),
-            "layer_ropes": (-1,) * len(mixers), "trailing_mlps": trailing}
+            "layer_ropes": (-1,) * len(mixers), "trailing_mlps": trailing,
+            "qkv_bias": False}   # its attention has no biases whatever attention_bias says (as transformers')
 
 
 def reorder(loaded: dict[str, Any], cfg) -> None:

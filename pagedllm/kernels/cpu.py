@@ -209,8 +209,16 @@ def _build(lib: Path) -> None:
         except Exception as e:  # compiler missing, headers missing, ninja missing...
             raise RuntimeError(f"could not build the CPU kernels ({type(e).__name__}: {e}); "
                                "install g++ and ninja, or use --attention-backend torch") from e
+        built = work / "pagedllm_cpu.so"
+        newest = max((work / "src" / p.name).stat().st_mtime_ns for p in _sources())
+        if built.stat().st_mtime_ns < newest:
+            # torch's builder skips the build when this process asked for one before (it failed:
+            # no ninja, a compile error) and loads the library already there, of older sources:
+            # copied, it would stand for these sources in every later start.
+            raise RuntimeError("could not build the CPU kernels: an earlier build in this process failed, and "
+                               f"{built} is older than the sources; start a new process")
         tmp = lib.with_suffix(".so.tmp")
-        shutil.copyfile(work / "pagedllm_cpu.so", tmp)
+        shutil.copyfile(built, tmp)
         os.replace(tmp, lib)   # atomic: a process starting now loads a whole library or builds
         logger.info("CPU kernels built in %.0f s", time.perf_counter() - t0)
 

@@ -70,8 +70,9 @@ class Mamba2Mixer(nn.Module):
         """The selective scan of the step's rows (u [T, inner], b and c [T, groups * N], dt [T, H])
         from each chunk's state in `states`; writes the states the step leaves. Returns y [T, inner]
         (float32 from the kernels, else u's dtype).
-        On the CPU kernels (`kernels`): row by row, each state in cache (kernels/csrc/state_scans.cpp);
-        else the torch forms below."""
+        On the CPU kernels (`kernels`, kernels/csrc/state_scans.cpp): a chunk of 16 rows or more in
+        the chunked form on small matrix products, a shorter one row by row with each state in
+        cache; else the torch forms below."""
         m, t, dtype = self.m, u.shape[0], u.dtype
         per_group = m.num_heads // m.groups
         if kernels is not None and meta.row_writes is not None:

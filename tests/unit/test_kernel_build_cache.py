@@ -1,9 +1,13 @@
 """The kernels' build cache (kernels/cpu.py): an edit of the sources gives another library key
 but the same working folder, and the sources are mirrored into it writing only the files whose
-bytes changed, so ninja (which goes by file times) compiles only what the edit touches."""
+bytes changed, so ninja (which goes by file times) compiles only what the edit touches; and a
+build that did not run leaves no library under the new key."""
 from __future__ import annotations
 
 import os
+
+import pytest
+import torch.utils.cpp_extension as ext
 
 import pagedllm.kernels.cpu as cpu
 
@@ -35,3 +39,27 @@ def test_the_working_folder_follows_flags_not_sources(monkeypatch):
     before = cpu.config_key()
     monkeypatch.setattr(cpu, "CFLAGS", [*cpu.CFLAGS, "-DPAGEDLLM_HEAD_DIMS=64"])
     assert cpu.config_key() != before
+
+
+def test_a_build_that_did_not_run_is_not_kept(tmp_path, monkeypatch):
+    """torch's builder skips a process's second build after a failed first one and loads the
+    library already in the folder: copied, that older library would stand for the new sources
+    (a unit test's refused build did this, and later runs loaded the stale copy)."""
+    src = tmp_path / "csrc"
+    src.mkdir()
+    (src / "a.cpp").write_text("// a.cpp\n")
+    monkeypatch.setattr(cpu, "CSRC", src)
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path / "cache"))
+    work = tmp_path / "cache" / "ext" / f"work_{cpu.config_key()}"
+    work.mkdir(parents=True)
+    built = work / "pagedllm_cpu.so"
+    built.write_bytes(b"older sources")
+    os.utime(built, ns=(1, 1))
+    lib = tmp_path / "lib.so"
+    monkeypatch.setattr(ext, "load", lambda **kw: None)   # skipped: nothing compiled
+    with pytest.raises(RuntimeError, match="older than the sources"):
+        cpu._build(lib)
+    assert not lib.exists()
+    monkeypatch.setattr(ext, "load", lambda **kw: built.write_bytes(b"these sources"))
+    cpu._build(lib)
+    assert lib.read_bytes() == b"these sources"

@@ -45,28 +45,33 @@ def reference(m: Mamba2Mixer, u, b, c, dt, start_state: torch.Tensor) -> tuple[t
     return torch.stack(ys), states
 
 
-def step_of(chunks: list[tuple[int, int]]) -> tuple[list[list[int]], list[int], int, object]:
-    """A step of these chunks (start, end positions), each sequence's blocks 10 i ..: (tables, each
-    chunk's first row, rows, the scan's StateStep); a step of one-row chunks has no segments."""
+def step_of(chunks: list[tuple[int, int]], block: int = B) -> tuple[list[list[int]], list[int], int, object]:
+    """A step of these chunks (start, end positions), each sequence's blocks 10 i .. of `block`
+    positions: (tables, each chunk's first row, rows, the scan's StateStep); a step of one-row
+    chunks has no segments."""
     tables = [[10 * i + j for j in range(8)] for i in range(len(chunks))]
     q_starts = [0]
     for s0, e in chunks:
         q_starts.append(q_starts[-1] + e - s0)
-    meta, = state_steps([tables], [e for _, e in chunks], q_starts, q_starts[-1], B, 4, "cpu", scan=True)
+    meta, = state_steps([tables], [e for _, e in chunks], q_starts, q_starts[-1], block, 4, "cpu", scan=True)
     assert (meta.segments is None) == all(e - s0 == 1 for s0, e in chunks)
     return tables, q_starts, q_starts[-1], meta
 
 
-# state sizes the kernel holds in registers (16, 128) and one it runs row by row (48)
-@pytest.mark.parametrize("p, n", [(P, N), (6, 128), (8, 48)], ids=["16", "128", "48"])
+# state sizes the kernel's recurrence holds in registers (16, 128), one it runs row by row (48), and
+# head sizes its chunked form runs (a multiple of 16), on blocks that cut segments short (16) and
+# blocks past its 64-row segments (128)
+@pytest.mark.parametrize("p, n, block", [(P, N, B), (6, 128, B), (8, 48, B), (16, 32, B), (64, 128, B), (32, 64, 128),
+                                         (16, 256, 128)],
+                         ids=["16", "128", "48", "chunked-32", "chunked-128", "chunked-64-long", "chunked-256-long"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["torch", "compiled"])
 @pytest.mark.parametrize("chunks", [
     [(0, 70), (37, 41), (20, 21), (16, 16 + 80)],   # fresh over blocks and segments; from a state; a decode
     [(5, 6), (31, 32), (0, 1)],                     # a decode step: one offset
 ])
-def test_both_forms_equal_the_recurrence(chunks, compiled, p, n):
+def test_both_forms_equal_the_recurrence(chunks, compiled, p, n, block):
     m = mixer(p, n)
-    tables, q_starts, t, meta = step_of(chunks)
+    tables, q_starts, t, meta = step_of(chunks, block)
     torch.manual_seed(2)
     u, b, c, dt = torch.randn(t, H * p), torch.randn(t, G * n), torch.randn(t, G * n), torch.randn(t, H)
     states = torch.randn(BLOCKS * 10, H, p, n) * 0.3
@@ -80,9 +85,9 @@ def test_both_forms_equal_the_recurrence(chunks, compiled, p, n):
         y = m.scan(u, b, c, dt, states, meta, kernels)
         for i, (s0, e) in enumerate(chunks):
             r = slice(q_starts[i], q_starts[i + 1])
-            start = before[tables[i][(s0 - 1) // B]] if s0 else torch.zeros(H, p, n)
+            start = before[tables[i][(s0 - 1) // block]] if s0 else torch.zeros(H, p, n)
             want, after = reference(m, u[r], b[r], c[r], dt[r], start)
             torch.testing.assert_close(y[r], want, atol=2e-4, rtol=2e-4)
             for k, pos in enumerate(range(s0, e)):
-                if pos % B == B - 1 or pos == e - 1:   # a block end or the chunk's end: its state is kept
-                    torch.testing.assert_close(states[tables[i][pos // B]], after[k], atol=2e-4, rtol=2e-4)
+                if pos % block == block - 1 or pos == e - 1:   # a block end or the chunk's end: its state is kept
+                    torch.testing.assert_close(states[tables[i][pos // block]], after[k], atol=2e-4, rtol=2e-4)

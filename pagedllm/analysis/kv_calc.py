@@ -1,10 +1,18 @@
-"""`pagedllm kv-calc`: M_KV = 2*L*d_kv*S*b*bytes, and what fits a budget."""
+"""`pagedllm kv-calc`: M_KV = 2*L*d_kv*S*b*bytes, and what fits a budget.
+
+What fits is counted as the engine counts it (kv.groups): a pool block holds g layer slots (g: the
+fewest layers of any attention type), each group of layers keeps its own blocks, a windowed group
+only its window's, a hybrid's state group one or two a sequence (the state after the last token,
+in the slots' K/V rows). A model of one attention type has one group of every layer: M_KV's
+arithmetic as it is."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from ..config import DTYPE_ALIASES
 from ..config import DTYPE_BYTES as ENGINE_DTYPES
+from ..kv.groups import KV, KVLayout, held_blocks, kv_layout
 from ..kv_dtype import KVDtype, canonical_kv_dtype, resolve_kv_dtype
 from ..models.config import ModelConfig
 from ..util import cdiv
@@ -54,6 +62,9 @@ class KVCalc:
     weights_bytes: int
     active_weights_bytes: int = 0   # what one token reads (a mixture of experts: its top k experts)
     max_model_len_blocks: int = 0   # one sequence of max_model_len tokens, paged
+    groups: tuple[str, ...] = ("full",)   # the pool's layer groups' kinds (a block holds one group's)
+    state_blocks_per_seq: int = 0   # of blocks_per_seq: a hybrid's state groups' (a state a group)
+    max_tokens: int = 0             # tokens of K/V the pool holds (every KV group's blocks for each)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -78,7 +89,10 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     kv = resolve_kv_dtype(canonical_kv_dtype(kv_cache_dtype), DTYPE_ALIASES.get(dtype, dtype))
     kv.check_head_dim(cfg.head_dim)
     bpt = cfg.kv_bytes_per_token(kv)
-    bpb = bpt * block_size
+    layout = kv_layout([cfg.window(i) for i in range(cfg.num_layers)], cfg.state_layers)
+    bpb = kv.bytes_per_token(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
+    if layout.has_state:
+        _check_state_room(cfg, block_size)
     weights = param_count(cfg) * elt if weights_bytes is None else weights_bytes
     active = param_count(cfg, active=True) * weights // param_count(cfg)
     if budget_bytes is None:
@@ -89,13 +103,39 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     if budget_bytes < bpb:
         raise ValueError(f"the KV budget ({budget_bytes} bytes) is smaller than one block ({bpb} bytes)")
     num_blocks = budget_bytes // bpb
-    per_seq = cdiv(seq_len, block_size)
-    reserve = cdiv(max_model_len or cfg.max_position_embeddings, block_size)
+    per_seq = held_blocks(layout.windows, seq_len, block_size)
+    state = held_blocks([g.window for g in layout.groups if g.holds != KV], seq_len, block_size)
+    longest = max_model_len or cfg.max_position_embeddings
+    # reserve-max reserves max_model_len in one table a sequence: every layer's K/V in a block
+    # (a state model has no such table: 0)
+    one_table = kv.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
+    reserve_seqs = 0 if layout.has_state else budget_bytes // one_table // cdiv(longest, block_size)
     return KVCalc(kv_cache_dtype=kv.name, bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
                   m_kv_bytes=bpt * seq_len * batch,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,
-                  reserve_max_seqs=num_blocks // reserve, weights_bytes=weights,
-                  active_weights_bytes=active, max_model_len_blocks=reserve)
+                  reserve_max_seqs=reserve_seqs, weights_bytes=weights,
+                  active_weights_bytes=active, max_model_len_blocks=held_blocks(layout.windows, longest, block_size),
+                  groups=tuple(g.kind for g in layout.groups), state_blocks_per_seq=state,
+                  max_tokens=_max_tokens(layout, num_blocks, block_size))
+
+
+def _max_tokens(layout: KVLayout, num_blocks: int, block_size: int) -> int:
+    """The tokens of K/V a pool of num_blocks holds, as the engine logs it: each KV group keeps a
+    block for its tokens' blocks (a state group a block a sequence, not counted)."""
+    return num_blocks * block_size // max(1, sum(1 for g in layout.groups if g.holds == KV))
+
+
+def _check_state_room(cfg: ModelConfig, block_size: int) -> None:
+    """ValueError where a state layer's state does not fit one layer slot of a block (its K rows
+    hold the convolution's inputs, its V rows the scan's state), as the engine refuses it."""
+    rows = {"K": cfg.num_kv_heads * cfg.head_dim, "V": cfg.num_kv_heads * cfg.pool_v_dim}
+    states = dict(zip(("K", "V"), map(math.prod, cfg.state_shapes())))
+    need = {name: cdiv(states[name], rows[name]) if states[name] else 0 for name in rows}
+    name = max(need, key=need.get)
+    if block_size < need[name]:
+        raise ValueError(f"block_size {block_size} is too small for {cfg.model_type}'s state ({states[name]} values "
+                         f"a layer in a block's {name} rows, which hold {block_size * rows[name]}): use block_size "
+                         f">= {need[name]}")
 
 
 def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int, dtype: str,
@@ -107,17 +147,28 @@ def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int,
         f"  blocks per GiB:                     {2**30 // c.bytes_per_block:,}",
         f"  bytes per block:                    {c.bytes_per_block:,}",
         f"  M_KV for S={seq_len}, b={batch}:   {c.m_kv_bytes:,} bytes ({c.m_kv_bytes / gib:.3f} GiB)",
-        f"  blocks per sequence ceil(S/B):      {c.blocks_per_seq}",
+        f"  blocks per sequence{' ceil(S/B):     ' if len(c.groups) == 1 else ':               '} {c.blocks_per_seq}"
+        + _groups_note(c),
         f"  weights:                            {c.weights_bytes / gib:.2f} GiB"
         + (f" ({c.active_weights_bytes / gib:.2f} GiB active a token: its experts)"
            if c.active_weights_bytes != c.weights_bytes else ""),
         f"  KV budget: {c.budget_bytes / gib:.2f} GiB = {c.num_blocks:,} blocks",
         f"  sequences of {seq_len} tokens that fit: paged {c.paged_max_seqs:,}; "
-        f"reserve-max (max_model_len {max_model_len}) {c.reserve_max_seqs:,}",
+        + (f"reserve-max (max_model_len {max_model_len}) {c.reserve_max_seqs:,}" if not c.state_blocks_per_seq
+           else "reserve-max: not run (a recurrent state keeps block tables of its own)"),
         f"  one sequence of max_model_len {max_model_len}: {c.max_model_len_blocks:,} blocks: "
         + ("fits" if c.max_model_len_blocks <= c.num_blocks else
            f"does NOT fit the {c.num_blocks:,} blocks (vLLM would refuse to start; lower --max-model-len)"),
     ])
+
+
+def _groups_note(c: KVCalc) -> str:
+    """How a sequence's blocks split over the layer groups, where there are several."""
+    if len(c.groups) == 1:
+        return ""
+    kinds = ", ".join(f"{c.groups.count(k)} {k}" for k in dict.fromkeys(c.groups))
+    state = f", {c.state_blocks_per_seq} of them state" if c.state_blocks_per_seq else ""
+    return f" over {len(c.groups)} layer groups ({kinds}; a block holds one group's){state}"
 
 
 def _scales_note(kv_cache_dtype: str) -> str:

@@ -143,7 +143,7 @@ def _replica(cfg: ModelConfig, tp: int, gpu_bytes: int, a: ParallelAssumptions) 
                          f"{a.max_model_len}-token sequence ({need / GIB:.2f} GiB)")
         return out
     c = kv_calc(rank, a.dtype, a.max_model_len, block_size=a.block_size, budget_bytes=budget)
-    out.update(kv_blocks_per_replica=c.num_blocks, kv_tokens_per_replica=c.num_blocks * a.block_size)
+    out.update(kv_blocks_per_replica=c.num_blocks, kv_tokens_per_replica=c.max_tokens)
     return out
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 from ..kv_dtype import CHOICES as KV_CACHE_DTYPES
 from .workloads import WORKLOADS, WorkloadOptions
@@ -286,10 +287,14 @@ def _kv_calc(a) -> int:
         from ..loader.model_files import gguf_tensor_bytes
 
         weights = gguf_tensor_bytes(a.model)
-    c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
-                parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
-                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype,
-                weights)
+    try:
+        c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
+                    parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
+                    parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype,
+                    weights)
+    except ValueError as e:   # the flags, as the engine would refuse them
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(format_calc(name, c, a.seq_len, a.batch, a.block_size, a.dtype, a.max_model_len or cfg.max_position_embeddings))
     return 0
 

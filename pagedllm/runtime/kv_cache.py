@@ -154,12 +154,14 @@ def check_state_model(cfg: EngineConfig, mc: ModelConfig, kv: KVCache) -> None:
     if kv.kv_dtype.quantized:
         raise ValueError(f"kv_cache_dtype {kv.kv_dtype.name} is not supported for {mc.model_type}: its state "
                          "layers keep their state in the KV blocks as computed; use kv_cache_dtype auto")
-    for shape, pool, rows in zip(mc.state_shapes(), kv.pools[0], ("K", "V")):
-        state, room = math.prod(shape), pool[0].numel()
-        if state > room:
-            need = cdiv(state * cfg.block_size, room)
-            raise ValueError(f"block_size {cfg.block_size} is too small for {mc.model_type}'s state ({state} values "
-                             f"a layer in a block's {rows} rows, which hold {room}): use block_size >= {need}")
+    # the larger of the K and V rows' needs: naming the first short one sent a user to a size
+    # the other rows refused next
+    need, state, room, rows = max((cdiv(math.prod(shape) * cfg.block_size, pool[0].numel()), math.prod(shape),
+                                   pool[0].numel(), rows)
+                                  for shape, pool, rows in zip(mc.state_shapes(), kv.pools[0], ("K", "V")))
+    if state > room:
+        raise ValueError(f"block_size {cfg.block_size} is too small for {mc.model_type}'s state ({state} values "
+                         f"a layer in a block's {rows} rows, which hold {room}): use block_size >= {need}")
 
 
 def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,

@@ -44,6 +44,49 @@ def test_kv_calc_of_a_mixture_and_max_model_len():
         format_calc("m", small, 2048, 1, 16, "bfloat16", 4096)
 
 
+GRANITE_H = {"model_type": "granitemoehybrid", "hidden_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 16,
+             "num_key_value_heads": 4, "vocab_size": 49152, "intermediate_size": 4096, "max_position_embeddings": 4096,
+             "num_local_experts": 0, "shared_intermediate_size": 4096, "mamba_n_heads": 32, "mamba_d_head": 64,
+             "mamba_d_state": 128, "mamba_n_groups": 1, "mamba_d_conv": 4, "mamba_expand": 2,
+             "layer_types": ["mamba"] * 3 + ["attention"] + ["mamba"] * 5 + ["attention"] + ["mamba"] * 2}
+
+
+def test_kv_calc_counts_a_hybrids_state_blocks():
+    """Granite 4.0-H's shape: 2 attention layers and 10 Mamba-2 ones make 6 groups of 2 layer slots
+    (kv.groups); a sequence holds its K/V blocks and one state block in each of 5 state groups, so
+    4 GiB holds 292 sequences of 2,048 tokens, not the 1,024 its K/V alone would say; a block too
+    small for the state is refused naming the size its larger (V) rows need."""
+    from pagedllm.analysis.kv_calc import format_calc
+
+    cfg = ModelConfig.from_hf(GRANITE_H)
+    c = kv_calc(cfg, "bfloat16", seq_len=2048, block_size=1024, budget_bytes=4 * 2**30)
+    assert c.bytes_per_token == 2 * 2 * 4 * 64 * 2                 # M_KV's: the attention layers'
+    assert c.bytes_per_block == 2 * 2 * 4 * 64 * 2 * 1024          # g = 2 layer slots of 1,024 tokens
+    assert c.groups == ("full",) + ("state",) * 5
+    assert (c.num_blocks, c.blocks_per_seq, c.state_blocks_per_seq) == (2048, 7, 5)
+    assert c.paged_max_seqs == 292 and c.reserve_max_seqs == 0
+    text = format_calc("granite", c, 2048, 1, 1024, "bfloat16", 4096)
+    assert "7 over 6 layer groups (1 full, 5 state" in text and "reserve-max: not run" in text
+    with pytest.raises(ValueError, match=r"too small .* V rows, which hold 4096\): use block_size >= 1024"):
+        kv_calc(cfg, block_size=16)
+
+
+def test_kv_calc_counts_a_windowed_models_groups():
+    """Gemma 3's pattern (5 windowed layers to 1 full): a block holds 2 layer slots, and a
+    sequence of 2,048 tokens keeps 128 blocks in its full group and 32 (its 512-token window
+    and the block it writes in) in each of 5 windowed ones, as the engine keeps them."""
+    cfg = ModelConfig.from_hf({"model_type": "gemma3_text", "hidden_size": 640, "num_hidden_layers": 12,
+                               "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256,
+                               "sliding_window": 512, "vocab_size": 262144, "intermediate_size": 2048,
+                               "max_position_embeddings": 32768,
+                               "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2})
+    c = kv_calc(cfg, "bfloat16", seq_len=2048, block_size=16, budget_bytes=2**30)
+    assert c.bytes_per_block == 2 * 2 * 256 * 2 * 16 and c.num_blocks == 2**30 // c.bytes_per_block
+    assert c.blocks_per_seq == 128 + 5 * 32 and c.paged_max_seqs == c.num_blocks // 288
+    # reserve-max keeps one table of every layer's K/V for max_model_len
+    assert c.reserve_max_seqs == 2**30 // (12 * 2 * 256 * 2 * 16) // (32768 // 16)
+
+
 def test_simulator_paged_beats_reserve_max():
     rng = random.Random(0)
     lengths = [(rng.randint(20, 200), rng.randint(20, 200)) for _ in range(64)]

@@ -65,6 +65,7 @@ class KVCalc:
     groups: tuple[str, ...] = ("full",)   # the pool's layer groups' kinds (a block holds one group's)
     state_blocks_per_seq: int = 0   # of blocks_per_seq: a hybrid's state groups' (a state a group)
     max_tokens: int = 0             # tokens of K/V the pool holds (every KV group's blocks for each)
+    reserve_num_blocks: int = 0     # the budget in reserve-max's blocks (one table: every layer's K/V); 0: refused
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -89,7 +90,7 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     kv = resolve_kv_dtype(canonical_kv_dtype(kv_cache_dtype), DTYPE_ALIASES.get(dtype, dtype))
     kv.check_head_dim(cfg.head_dim)
     bpt = cfg.kv_bytes_per_token(kv)
-    layout = kv_layout([cfg.window(i) for i in range(cfg.num_layers)], cfg.state_layers)
+    layout = engine_groups(cfg)
     bpb = kv.bytes_per_token(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
     if layout.has_state:
         _check_state_room(cfg, block_size)
@@ -109,14 +110,20 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     # reserve-max reserves max_model_len in one table a sequence: every layer's K/V in a block
     # (a state model has no such table: 0)
     one_table = kv.bytes_per_token(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
-    reserve_seqs = 0 if layout.has_state else budget_bytes // one_table // cdiv(longest, block_size)
+    reserve_blocks = 0 if layout.has_state else budget_bytes // one_table
+    reserve_seqs = reserve_blocks // cdiv(longest, block_size)
     return KVCalc(kv_cache_dtype=kv.name, bytes_per_token=bpt, bytes_per_block=bpb, blocks_per_seq=per_seq,
                   m_kv_bytes=bpt * seq_len * batch,
                   budget_bytes=budget_bytes, num_blocks=num_blocks, paged_max_seqs=num_blocks // per_seq,
                   reserve_max_seqs=reserve_seqs, weights_bytes=weights,
                   active_weights_bytes=active, max_model_len_blocks=held_blocks(layout.windows, longest, block_size),
                   groups=tuple(g.kind for g in layout.groups), state_blocks_per_seq=state,
-                  max_tokens=_max_tokens(layout, num_blocks, block_size))
+                  max_tokens=_max_tokens(layout, num_blocks, block_size), reserve_num_blocks=reserve_blocks)
+
+
+def engine_groups(cfg: ModelConfig) -> KVLayout:
+    """The layer groups a paged engine lays this model's pool out in (kv.groups.kv_layout)."""
+    return kv_layout([cfg.window(i) for i in range(cfg.num_layers)], cfg.state_layers)
 
 
 def _max_tokens(layout: KVLayout, num_blocks: int, block_size: int) -> int:

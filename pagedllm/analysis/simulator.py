@@ -13,6 +13,7 @@ from ..engine.step_update import StepApplier
 from ..engine.stops import StopRules
 from ..config import EngineConfig
 from ..kv import KVCacheManager
+from ..kv.groups import KVLayout
 from ..plan import StepResult
 from ..sampling_params import SamplingParams
 
@@ -37,10 +38,16 @@ class SimResult:
 def simulate(lengths: list[tuple[int, int]], num_blocks: int, block_size: int = 16, policy: str = "paged",
              max_num_seqs: int = 256, max_num_batched_tokens: int = 2048, max_model_len: int = 2048,
              seed: int = 0, prompts: list[list[int]] | None = None,
-             enable_prefix_caching: bool = False, scheduling_policy: str | None = None) -> SimResult:
+             enable_prefix_caching: bool = False, scheduling_policy: str | None = None,
+             layout: KVLayout | None = None) -> SimResult:
     """Each (prompt_len, output_len) runs to exactly output_len tokens (ignore_eos), with
-    the engine's scheduling: same admission, chunking, preemption and block decisions."""
-    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, policy, max_model_len)
+    the engine's scheduling: same admission, chunking, preemption and block decisions.
+    layout: the model's layer groups (kv_calc.engine_groups; default one group of every layer),
+    num_blocks counted in its blocks, as the engine keeps them under the paged policy."""
+    groups = layout if layout is not None and policy == "paged" else None
+    kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, policy, max_model_len,
+                        max_step_tokens=max_num_batched_tokens if groups else 0,
+                        group_windows=groups.windows if groups else None, group_kinds=groups.kinds if groups else None)
     if scheduling_policy is None:  # the engine's default admission order
         scheduling_policy = EngineConfig.__dataclass_fields__["scheduling_policy"].default
     sched = Scheduler(kv, max_num_seqs, max_num_batched_tokens, max_model_len=max_model_len, policy=scheduling_policy)

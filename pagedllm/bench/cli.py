@@ -300,7 +300,7 @@ def _kv_calc(a) -> int:
 
 
 def _simulate(a) -> int:
-    from ..analysis.kv_calc import kv_calc
+    from ..analysis.kv_calc import engine_groups, kv_calc
     from ..analysis.simulator import simulate
     from ..config import parse_bytes
 
@@ -312,9 +312,18 @@ def _simulate(a) -> int:
     lengths = _sim_lengths(a)
     print(f"{name}: {c.num_blocks} blocks of {a.block_size} tokens ({c.budget_bytes / 2**30:.1f} GiB KV, "
           f"{c.bytes_per_token} bytes/token); {len(lengths)} {a.workload} requests")
+    layout = engine_groups(cfg)
+    if len(layout.groups) > 1:
+        print(f"  layer groups: {', '.join(c.groups)} (a block holds one group's"
+              + (f"; reserve-max keeps one table of every layer: {c.reserve_num_blocks} of its blocks)"
+                 if c.reserve_num_blocks else ")"))
     for policy in ("paged", "reserve-max"):
-        s = simulate(lengths, c.num_blocks, a.block_size, policy, a.max_num_seqs, a.max_num_batched_tokens,
-                     a.max_model_len, a.seed)
+        blocks = c.num_blocks if policy == "paged" else c.reserve_num_blocks
+        if not blocks:
+            print(f"  {policy:<12} not run: a recurrent state keeps block tables of its own")
+            continue
+        s = simulate(lengths, blocks, a.block_size, policy, a.max_num_seqs, a.max_num_batched_tokens,
+                     a.max_model_len, a.seed, layout=layout)
         print(f"  {policy:<12} steps {s.steps:>6}  max batch {s.max_concurrent_seqs:>4}  mean batch "
               f"{s.mean_batch_seqs:7.1f}  mean usage {s.mean_usage:6.1%}  mean waste {s.mean_waste:6.1%}  "
               f"preemptions {s.preemptions}")

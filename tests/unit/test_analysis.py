@@ -87,6 +87,19 @@ def test_kv_calc_counts_a_windowed_models_groups():
     assert c.reserve_max_seqs == 2**30 // (12 * 2 * 256 * 2 * 16) // (32768 // 16)
 
 
+def test_the_simulator_holds_a_hybrids_state_blocks():
+    """Replayed over Granite 4.0-H's groups (kv_calc.engine_groups), every running sequence holds a
+    block in each of the 5 state groups beside its K/V; one group of every layer would not."""
+    from pagedllm.analysis.kv_calc import engine_groups
+
+    layout = engine_groups(ModelConfig.from_hf(GRANITE_H))
+    lengths = [(300, 40)] * 6
+    grouped = simulate(lengths, 200, 1024, "paged", max_num_batched_tokens=2048, max_model_len=2048, layout=layout)
+    alone = simulate(lengths, 200, 1024, "paged", max_num_batched_tokens=2048, max_model_len=2048)
+    assert grouped.max_concurrent_seqs == alone.max_concurrent_seqs == 6
+    assert grouped.peak_used_blocks >= 6 * (1 + 5) and alone.peak_used_blocks == 6
+
+
 def test_simulator_paged_beats_reserve_max():
     rng = random.Random(0)
     lengths = [(rng.randint(20, 200), rng.randint(20, 200)) for _ in range(64)]

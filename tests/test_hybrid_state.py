@@ -16,7 +16,7 @@ from hf_random import PROMPTS, built, check_greedy_and_prompt_logprobs, hf_token
 from test_beam_search import hf_beams
 
 from pagedllm import BeamSearchParams, SamplingParams
-from pagedllm.analysis.kv_calc import kv_calc
+from pagedllm.analysis.kv_calc import kv_calc, param_count
 
 BLOCK = 32   # Granite's SSM state (4 heads x 32 x 8) fills a block's V rows of 32 tokens, as Qwen3-Next's and
 # Nemotron-H's (4 x 16 x 16)
@@ -97,6 +97,7 @@ def test_greedy_and_prompt_logprobs_match_hf_through_chunks_and_batches(make_llm
     calc = kv_calc(llm.engine.model_cfg, "float32", block_size=BLOCK, budget_bytes=16 * 2**20)
     assert (calc.groups, calc.bytes_per_block, calc.num_blocks) == \
         (tuple(kinds), llm.engine.runner.bytes_per_block, llm.get_stats().kv.num_blocks), "kv-calc counts this pool"
+    assert param_count(llm.engine.model_cfg) == sum(p.numel() for p in hf.parameters()), "and these weights"
     check_greedy_and_prompt_logprobs(llm, hf, hf_tokens)
     llm.engine.kv.check_integrity()
     assert llm.engine.kv.pool.num_used == 0, "every state block went back"

@@ -36,7 +36,7 @@ from ..models.config import ModelConfig
 from ..util import cdiv
 from ..config import canonical_dtype
 from ..kv_dtype import resolve_kv_dtype
-from .kv_calc import DTYPE_BYTES, kv_calc, param_count
+from .kv_calc import DTYPE_BYTES, engine_groups, kv_calc, param_count
 from .simulator import SimResult, simulate
 
 GIB = 2**30
@@ -181,7 +181,8 @@ def project_parallel(cfg: ModelConfig, lengths: list[tuple[int, int]], gpu_memor
                     key = (r["kv_blocks_per_replica"], g // t)
                     if key not in replays:
                         replays[key] = simulate(lengths[::g // t], key[0], a.block_size, "paged", a.max_num_seqs,
-                                                a.max_num_batched_tokens, a.max_model_len, seed)
+                                                a.max_num_batched_tokens, a.max_model_len, seed,
+                                                layout=engine_groups(cfg))
                     sim = replays[key]
                 rows.append(ParallelRow(
                     gpu_memory_bytes=mem, gpus=g, tp=t, dp=g // t, **r,

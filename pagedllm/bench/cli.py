@@ -4,9 +4,11 @@ comparisons with other engines (python -m benchmarks)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
+from typing import Callable
 
 from ..kv_dtype import CHOICES as KV_CACHE_DTYPES
 from .workloads import WORKLOADS, WorkloadOptions
@@ -277,6 +279,20 @@ def _latency(a, engine_config) -> int:
     return 0
 
 
+def _refusals_as_errors(command: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """The paper commands' refusals (a budget under a block, a block too small for a hybrid's
+    state: what the engine would refuse) as one line on stderr and exit 2, not a traceback."""
+    @functools.wraps(command)
+    def run(a: argparse.Namespace) -> int:
+        try:
+            return command(a)
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+    return run
+
+
+@_refusals_as_errors
 def _kv_calc(a) -> int:
     from ..analysis.kv_calc import format_calc, kv_calc
     from ..config import parse_bytes
@@ -287,18 +303,15 @@ def _kv_calc(a) -> int:
         from ..loader.model_files import gguf_tensor_bytes
 
         weights = gguf_tensor_bytes(a.model)
-    try:
-        c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
-                    parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
-                    parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype,
-                    weights)
-    except ValueError as e:   # the flags, as the engine would refuse them
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    c = kv_calc(cfg, a.dtype, a.seq_len, a.batch, a.block_size,
+                parse_bytes(a.kv_cache_memory) if a.kv_cache_memory else None, a.max_model_len,
+                parse_bytes(a.gpu_memory) if a.gpu_memory else None, a.gpu_memory_utilization, a.kv_cache_dtype,
+                weights)
     print(format_calc(name, c, a.seq_len, a.batch, a.block_size, a.dtype, a.max_model_len or cfg.max_position_embeddings))
     return 0
 
 
+@_refusals_as_errors
 def _simulate(a) -> int:
     from ..analysis.kv_calc import engine_groups, kv_calc
     from ..analysis.simulator import simulate
@@ -337,6 +350,7 @@ def _sim_lengths(a) -> list[tuple[int, int]]:
     return [(r.prompt_len, r.output_len) for r in reqs if r.prompt_len + r.output_len <= a.max_model_len]
 
 
+@_refusals_as_errors
 def _project_parallel(a) -> int:
     from ..analysis.parallel import ParallelAssumptions, format_projection, project_parallel
     from ..config import parse_bytes

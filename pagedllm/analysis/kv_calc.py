@@ -96,9 +96,7 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     kv.check_head_dim(cfg.head_dim)
     bpt = cfg.kv_bytes_per_token(kv)
     layout = engine_groups(cfg)
-    bpb = kv.bytes_per_token(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
-    if layout.has_state:
-        _check_state_room(cfg, block_size)
+    bpb = block_bytes(cfg, kv, layout, block_size)
     weights = param_count(cfg) * elt if weights_bytes is None else weights_bytes
     active = param_count(cfg, active=True) * weights // param_count(cfg)
     if budget_bytes is None:
@@ -124,6 +122,14 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
                   active_weights_bytes=active, max_model_len_blocks=held_blocks(layout.windows, longest, block_size),
                   groups=tuple(g.kind for g in layout.groups), state_blocks_per_seq=state,
                   max_tokens=_max_tokens(layout, num_blocks, block_size), reserve_num_blocks=reserve_blocks)
+
+
+def block_bytes(cfg: ModelConfig, kv: KVDtype, layout: KVLayout, block_size: int) -> int:
+    """A pool block's bytes in `layout`: its g layer slots' K/V (a state layer's slot holds its
+    state in them; ValueError where the state does not fit, as the engine refuses it)."""
+    if layout.has_state:
+        _check_state_room(cfg, block_size)
+    return kv.bytes_per_token(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
 
 
 def engine_groups(cfg: ModelConfig) -> KVLayout:

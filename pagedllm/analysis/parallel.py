@@ -33,10 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..models.config import ModelConfig
-from ..util import cdiv
 from ..config import canonical_dtype
+from ..kv.groups import held_blocks
 from ..kv_dtype import resolve_kv_dtype
-from .kv_calc import DTYPE_BYTES, engine_groups, kv_calc, param_count
+from .kv_calc import DTYPE_BYTES, block_bytes, engine_groups, kv_calc, param_count
 from .simulator import SimResult, simulate
 
 GIB = 2**30
@@ -130,8 +130,11 @@ def _replica(cfg: ModelConfig, tp: int, gpu_bytes: int, a: ParallelAssumptions) 
     elt = DTYPE_BYTES[a.dtype]
     weights = param_count(rank) * elt
     budget = int(gpu_bytes * a.gpu_memory_utilization) - weights - a.activation_reserve_bytes
-    bpt = rank.kv_bytes_per_token(resolve_kv_dtype("auto", canonical_dtype(a.dtype)))
-    need = cdiv(a.max_model_len, a.block_size) * a.block_size * bpt
+    kv = resolve_kv_dtype("auto", canonical_dtype(a.dtype))
+    bpt = rank.kv_bytes_per_token(kv)
+    # one max_model_len sequence's blocks as the engine keeps them (windows, state blocks)
+    layout = engine_groups(rank)
+    need = held_blocks(layout.windows, a.max_model_len, a.block_size) * block_bytes(rank, kv, layout, a.block_size)
     out = {"weights_per_gpu": weights, "reserve_per_gpu": a.activation_reserve_bytes, "kv_budget_per_gpu": budget,
            "kv_bytes_per_token_rank": bpt, "kv_tokens_per_replica": 0, "kv_blocks_per_replica": 0,
            "fits": budget >= need, "reason": ""}

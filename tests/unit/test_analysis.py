@@ -100,6 +100,21 @@ def test_the_simulator_holds_a_hybrids_state_blocks():
     assert grouped.peak_used_blocks >= 6 * (1 + 5) and alone.peak_used_blocks == 6
 
 
+def test_project_parallel_fits_a_hybrids_sequence_with_its_state_blocks():
+    """A replica fits when one max_model_len sequence does, counted as the engine keeps it: for
+    Granite 4.0-H's shape at 4,096 tokens in blocks of 1,024, 4 K/V blocks and one in each of 5
+    state groups (18 MiB), not 4,096 tokens of M_KV (8 MiB)."""
+    from pagedllm.analysis.kv_calc import param_count
+    from pagedllm.analysis.parallel import _replica
+
+    cfg = ModelConfig.from_hf(GRANITE_H)
+    a = ParallelAssumptions("bfloat16", 1.0, 0, 1024, 4096)
+    weights = 2 * param_count(cfg)
+    short = _replica(cfg, 1, weights + 12 * 2**20, a)
+    assert not short["fits"] and "(0.02 GiB)" in short["reason"], short["reason"]
+    assert _replica(cfg, 1, weights + 18 * 2**20, a)["fits"]
+
+
 def test_simulator_paged_beats_reserve_max():
     rng = random.Random(0)
     lengths = [(rng.randint(20, 200), rng.randint(20, 200)) for _ in range(64)]

@@ -7,7 +7,6 @@ in the slots' K/V rows). A model of one attention type has one group of every la
 arithmetic as it is."""
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 from ..config import DTYPE_ALIASES
@@ -37,9 +36,13 @@ def param_count(cfg: ModelConfig, active: bool = False) -> int:
     with torch.device("meta"):
         model = decoder_for(cfg.model_type)(cfg, get_backend("torch"))
     total = sum(p.numel() for p in model.parameters())
-    if active:
-        total -= sum(_mlp_params(cfg, i, False) - _mlp_params(cfg, i, True) for i in range(cfg.num_layers))
-    return total
+    return total - _unread_expert_params(cfg) if active else total
+
+
+def _unread_expert_params(cfg: ModelConfig) -> int:
+    """A mixture's experts a token does not read (num_experts - top_k of each sparse layer); 0
+    for a dense model."""
+    return sum(_mlp_params(cfg, i, False) - _mlp_params(cfg, i, True) for i in range(cfg.num_layers))
 
 
 def _mlp_params(cfg: ModelConfig, layer: int, active: bool) -> int:
@@ -97,8 +100,9 @@ def kv_calc(cfg: ModelConfig, dtype: str = "bfloat16", seq_len: int = 2048, batc
     bpt = cfg.kv_bytes_per_token(kv)
     layout = engine_groups(cfg)
     bpb = block_bytes(cfg, kv, layout, block_size)
-    weights = param_count(cfg) * elt if weights_bytes is None else weights_bytes
-    active = param_count(cfg, active=True) * weights // param_count(cfg)
+    total = param_count(cfg)
+    weights = total * elt if weights_bytes is None else weights_bytes
+    active = (total - _unread_expert_params(cfg)) * weights // total
     if budget_bytes is None:
         if device_bytes is None:
             budget_bytes = bpt * seq_len * batch
@@ -128,7 +132,7 @@ def block_bytes(cfg: ModelConfig, kv: KVDtype, layout: KVLayout, block_size: int
     """A pool block's bytes in `layout`: its g layer slots' K/V (a state layer's slot holds its
     state in them; ValueError where the state does not fit, as the engine refuses it)."""
     if layout.has_state:
-        _check_state_room(cfg, block_size)
+        cfg.check_state_room(block_size, (cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.pool_v_dim))
     return kv.bytes_per_token(layout.layers_per_block, cfg.num_kv_heads, cfg.head_dim, cfg.pool_v_dim) * block_size
 
 
@@ -141,19 +145,6 @@ def _max_tokens(layout: KVLayout, num_blocks: int, block_size: int) -> int:
     """The tokens of K/V a pool of num_blocks holds, as the engine logs it: each KV group keeps a
     block for its tokens' blocks (a state group a block a sequence, not counted)."""
     return num_blocks * block_size // max(1, sum(1 for g in layout.groups if g.holds == KV))
-
-
-def _check_state_room(cfg: ModelConfig, block_size: int) -> None:
-    """ValueError where a state layer's state does not fit one layer slot of a block (its K rows
-    hold the convolution's inputs, its V rows the scan's state), as the engine refuses it."""
-    rows = {"K": cfg.num_kv_heads * cfg.head_dim, "V": cfg.num_kv_heads * cfg.pool_v_dim}
-    states = dict(zip(("K", "V"), map(math.prod, cfg.state_shapes())))
-    need = {name: cdiv(states[name], rows[name]) if states[name] else 0 for name in rows}
-    name = max(need, key=need.get)
-    if block_size < need[name]:
-        raise ValueError(f"block_size {block_size} is too small for {cfg.model_type}'s state ({states[name]} values "
-                         f"a layer in a block's {name} rows, which hold {block_size * rows[name]}): use block_size "
-                         f">= {need[name]}")
 
 
 def format_calc(name: str, c: KVCalc, seq_len: int, batch: int, block_size: int, dtype: str,

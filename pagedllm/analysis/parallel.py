@@ -172,6 +172,7 @@ def project_parallel(cfg: ModelConfig, lengths: list[tuple[int, int]], gpu_memor
     for t in tp_sizes or []:
         _check_tp(cfg, t)
     replays: dict[tuple[int, int], SimResult] = {}
+    layout = engine_groups(cfg)   # every rank's: TP slices heads, not layers
     rows = []
     for mem in gpu_memory_bytes:
         for g in gpus:
@@ -184,8 +185,7 @@ def project_parallel(cfg: ModelConfig, lengths: list[tuple[int, int]], gpu_memor
                     key = (r["kv_blocks_per_replica"], g // t)
                     if key not in replays:
                         replays[key] = simulate(lengths[::g // t], key[0], a.block_size, "paged", a.max_num_seqs,
-                                                a.max_num_batched_tokens, a.max_model_len, seed,
-                                                layout=engine_groups(cfg))
+                                                a.max_num_batched_tokens, a.max_model_len, seed, layout=layout)
                     sim = replays[key]
                 rows.append(ParallelRow(
                     gpu_memory_bytes=mem, gpus=g, tp=t, dp=g // t, **r,

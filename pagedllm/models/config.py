@@ -5,10 +5,12 @@ decoder's options its checkpoints use. A new family that differs from Llama only
 costs a row in its own file (families/) and a registry line."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..kv_dtype import KVDtype
+from ..util import cdiv
 from . import registry
 from .family import EVERY_LAYER, LAYER_TYPES_ONLY, NO_WINDOWS, QWEN_LAYERS, Family
 from .deltanet_config import DeltaNetConfig
@@ -220,6 +222,21 @@ class ModelConfig:
             d = self.deltanet
             return (taps, d.conv_dim), (d.num_v_heads, d.k_dim, d.v_dim)
         return (taps, self.hidden_size), ()
+
+    def check_state_room(self, block_size: int, rows: tuple[int, int]) -> None:
+        """ValueError where a state layer's state does not fit one layer slot of a block of
+        block_size tokens whose K and V rows hold rows[0] and rows[1] values a token, naming the
+        block size the larger of the two needs (naming the first short one sent a user to a
+        size the other refused next). The engine checks its pool with it, kv-calc its arithmetic."""
+        needs = []
+        for shape, row, name in zip(self.state_shapes(), rows, ("K", "V")):
+            values = math.prod(shape) if shape else 0
+            needs.append((cdiv(values, row) if values else 0, values, row, name))
+        need, values, row, name = max(needs)
+        if block_size < need:
+            raise ValueError(f"block_size {block_size} is too small for {self.model_type}'s state ({values} values "
+                             f"a layer in a block's {name} rows, which hold {block_size * row}): use block_size "
+                             f">= {need}")
 
     def check_tensor_parallel(self, n: int, expert_parallel: bool = False) -> None:
         """Each rank takes whole heads, KV heads, MLP columns and vocab rows; of a mixture's experts

@@ -7,7 +7,6 @@ of every layer group, so one block id holds the g layers of whichever group owns
 from __future__ import annotations
 
 import logging
-import math
 import os
 from typing import Callable
 
@@ -19,7 +18,6 @@ from ..distributed import TPGroup
 from ..kv import KVLayout
 from ..kv.groups import KV
 from ..models import ModelConfig
-from ..util import cdiv
 from .host_pages import mapped, populate_all
 
 logger = logging.getLogger(__name__)
@@ -154,14 +152,8 @@ def check_state_model(cfg: EngineConfig, mc: ModelConfig, kv: KVCache) -> None:
     if kv.kv_dtype.quantized:
         raise ValueError(f"kv_cache_dtype {kv.kv_dtype.name} is not supported for {mc.model_type}: its state "
                          "layers keep their state in the KV blocks as computed; use kv_cache_dtype auto")
-    # the larger of the K and V rows' needs: naming the first short one sent a user to a size
-    # the other rows refused next
-    need, state, room, rows = max((cdiv(math.prod(shape) * cfg.block_size, pool[0].numel()), math.prod(shape),
-                                   pool[0].numel(), rows)
-                                  for shape, pool, rows in zip(mc.state_shapes(), kv.pools[0], ("K", "V")))
-    if state > room:
-        raise ValueError(f"block_size {cfg.block_size} is too small for {mc.model_type}'s state ({state} values "
-                         f"a layer in a block's {rows} rows, which hold {room}): use block_size >= {need}")
+    k_pool, v_pool = kv.pools[0]
+    mc.check_state_room(cfg.block_size, (k_pool[0].numel() // cfg.block_size, v_pool[0].numel() // cfg.block_size))
 
 
 def allocate_layers(mc: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,

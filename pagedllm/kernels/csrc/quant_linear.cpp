@@ -445,30 +445,6 @@ void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T*
 }
 
 #ifdef PAGEDLLM_BF16_DOT
-// 16 vectors of 16 dwords transposed in place: dword j of r[i] goes to dword i of r[j].
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {  // r[i + e], 128-bit lane l: dword 4l + e of rows i .. i + 3
-    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-  }
-  for (int e = 0; e < 4; ++e) {  // the 4 x 4 lanes of r[e], r[4 + e], r[8 + e], r[12 + e] transposed
-    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
-    const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
-    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
-    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
-    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
-    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = t[i];
-}
-
 // W's columns 32 p .. 32 p + 31 unpacked from their blocks (rounded to bf16 as BF16::unpack does)
 // into dst in the panels' layout [K / 2][32][2] (bf16_panels.h), zero past n: a block of 16 rows of
 // W is 16 vectors of k pairs, which a transpose turns into 16 k pairs of 16 columns each. Each row's

@@ -334,7 +334,15 @@ struct Segment {
   int64_t r0, r1;
 };
 
-struct SsdWork;
+constexpr int64_t SEG = 64;   // rows a segment at most
+constexpr int SV = SEG / L;   // vectors of a segment's rows
+constexpr int64_t SSD_MIN = 16;   // shorter chunks run row by row (at 16-40 rows the chunked form led already)
+
+// A task's scratch.
+struct SsdWork {
+  std::vector<float> mt, yt;
+  explicit SsdWork(int64_t p) : mt(SEG * SEG), yt(p * SEG) {}
+};
 
 // A chunk's segments for the chunked form (count 0: the chunk runs row by row): their rows, and
 // their groups' factors (ssd_group's).
@@ -344,9 +352,6 @@ struct SsdChunk {
   const float* factors;
   SsdWork* work;
 };
-
-constexpr int64_t SEG = 64;   // rows a segment at most
-constexpr int64_t SSD_MIN = 16;   // shorter chunks run row by row (at 16-40 rows the chunked form led already)
 
 // Chunk rows r0 .. r1 - 1 cut after every SEG rows and after each row that writes a state.
 void cut_segments(int64_t r0, int64_t r1, const int64_t* write_to, std::vector<Segment>& out) {
@@ -370,35 +375,6 @@ inline vf in_register(vf x) {
   return x;
 }
 
-// x[i][j] <- x[j][i]
-inline void transpose16(vf (&x)[L]) {
-#ifdef __AVX512F__
-  __m512 a[L], b[L];
-  for (int i = 0; i < L; i += 2) {   // pairs of rows: 2 x 2 blocks of single floats
-    a[i] = _mm512_unpacklo_ps((__m512)x[i], (__m512)x[i + 1]);
-    a[i + 1] = _mm512_unpackhi_ps((__m512)x[i], (__m512)x[i + 1]);
-  }
-  for (int i = 0; i < L; i += 4)     // 4 x 4 blocks
-    for (int j = 0; j < 2; ++j) {
-      b[i + 2 * j] = (__m512)_mm512_unpacklo_pd((__m512d)a[i + j], (__m512d)a[i + j + 2]);
-      b[i + 2 * j + 1] = (__m512)_mm512_unpackhi_pd((__m512d)a[i + j], (__m512d)a[i + j + 2]);
-    }
-  for (int i = 0; i < L; i += 8)     // 128-bit lanes: 8 x 8, then 16 x 16
-    for (int j = 0; j < 4; ++j) {
-      a[i + j] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0x88);
-      a[i + j + 4] = _mm512_shuffle_f32x4(b[i + j], b[i + j + 4], 0xdd);
-    }
-  for (int j = 0; j < 8; ++j) {
-    b[j] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0x88);
-    b[j + 8] = _mm512_shuffle_f32x4(a[j], a[j + 8], 0xdd);
-  }
-  for (int i = 0; i < L; ++i) x[i] = (vf)b[i];
-#else
-  for (int i = 0; i < L; ++i)
-    for (int j = i + 1; j < L; ++j) std::swap(x[i][j], x[j][i]);
-#endif
-}
-
 // A segment's factors of group g: ct [N, SEG] = C^T and bc [SEG, SEG] = B_s . C_t (zero past its rows).
 void ssd_group(const ScanRows& R, Segment sg, int64_t g, float* ct, float* bc) {
   const int64_t len = sg.r1 - sg.r0, n = R.n;
@@ -406,22 +382,16 @@ void ssd_group(const ScanRows& R, Segment sg, int64_t g, float* ct, float* bc) {
   for (int64_t t = 0; t < len; ++t)
     for (int64_t k = 0; k < n; ++k) ct[k * SEG + t] = R.c[(sg.r0 + t) * R.ld_c + g * n + k];
   for (int64_t s = 0; s < SEG; ++s) {
-    vf acc[(SEG / L)] = {};
+    vf acc[SV] = {};
     if (s < len)
       for (int64_t k = 0; k < n; ++k) {
         const vf b = splat(R.b[(sg.r0 + s) * R.ld_b + g * n + k]);
 #pragma GCC unroll 4
-        for (int v = 0; v < (SEG / L); ++v) acc[v] += b * loadf(ct + k * SEG + v * L);
+        for (int v = 0; v < SV; ++v) acc[v] += b * loadf(ct + k * SEG + v * L);
       }
-    for (int v = 0; v < (SEG / L); ++v) storef(bc + s * SEG + v * L, acc[v]);
+    for (int v = 0; v < SV; ++v) storef(bc + s * SEG + v * L, acc[v]);
   }
 }
-
-// A task's scratch.
-struct SsdWork {
-  std::vector<float> mt, yt;
-  explicit SsdWork(int64_t p) : mt(SEG * SEG), yt(p * SEG) {}
-};
 
 // One segment of head h: y of its rows, and the state s [P, N] (float32) from S_in to S_out.
 // TV: vectors of rows the segment's products run (len <= TV * 16).
@@ -561,7 +531,6 @@ void ssd_chunk(const ScanRows& R, T* states, int64_t block_stride, int64_t h, co
 bool ssd_runs(int64_t p_dim, int64_t n) {
   return p_dim % L == 0 && (n == 16 || n == 32 || n == 64 || n == 128 || n == 256);
 }
-
 
 template <class T>
 void scan_head(const ScanRows& R, T* states, int64_t block_stride, int64_t h, int64_t r0, int64_t r1, int64_t read,
@@ -709,10 +678,11 @@ void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at
   }
   first[chunks] = int64_t(segs.size());
   const int64_t per = n * SEG + SEG * SEG;
-  std::vector<float> factors(segs.size() * groups * per);
+  // uninitialised: ssd_group writes every value (a vector's zero fill was a second pass over them)
+  const std::unique_ptr<float[]> factors(new float[segs.size() * groups * per]);
   at::parallel_for(0, int64_t(segs.size()) * groups, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t j = lo; j < hi; ++j) {
-      float* f = factors.data() + j * per;
+      float* f = factors.get() + j * per;
       ssd_group(R, segs[j / groups], j % groups, f, f + n * SEG);
     }
   });
@@ -725,7 +695,7 @@ void mamba_scan(at::Tensor y, const at::Tensor& u, const at::Tensor& b, const at
       for (int64_t p = lo; p < hi; ++p) {
         const int64_t h = p / chunks, i = p % chunks;   // head-major (see the top)
         const SsdChunk ssd{segs.data() + first[i], first[i + 1] - first[i],
-                           factors.data() + first[i] * groups * per, work.get()};
+                           factors.get() + first[i] * groups * per, work.get()};
         scan_head<T>(R, st, states.stride(0), h, qs[i], qs[i + 1], rb[i], fr[i], wt, s, ssd);
       }
     });

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -93,6 +94,46 @@ inline void hsum4(vf a, vf b, vf c, vf d, float* out) {
   _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
 #else
   out[0] = hsum(a), out[1] = hsum(b), out[2] = hsum(c), out[3] = hsum(d);
+#endif
+}
+
+#ifdef __AVX512F__
+// 16 vectors of 16 dwords transposed in place: dword j of r[i] goes to dword i of r[j] (the
+// block kernels' unpacked rows into panels, the chunked scan's y^T into rows).
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {  // r[i + e], 128-bit lane l: dword 4l + e of rows i .. i + 3
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {  // the 4 x 4 lanes of r[e], r[4 + e], r[8 + e], r[12 + e] transposed
+    const __m512i a = _mm512_shuffle_i32x4(r[e], r[4 + e], 0x44), b = _mm512_shuffle_i32x4(r[e], r[4 + e], 0xEE);
+    const __m512i c = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0x44), d = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], 0xEE);
+    t[e] = _mm512_shuffle_i32x4(a, c, 0x88);
+    t[4 + e] = _mm512_shuffle_i32x4(a, c, 0xDD);
+    t[8 + e] = _mm512_shuffle_i32x4(b, d, 0x88);
+    t[12 + e] = _mm512_shuffle_i32x4(b, d, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+#endif
+
+// The same for 16 vectors of floats.
+inline void transpose16(vf (&x)[L]) {
+#ifdef __AVX512F__
+  __m512i r[L];
+  for (int i = 0; i < L; ++i) r[i] = (__m512i)x[i];
+  transpose16(r);
+  for (int i = 0; i < L; ++i) x[i] = (vf)r[i];
+#else
+  for (int i = 0; i < L; ++i)
+    for (int j = i + 1; j < L; ++j) std::swap(x[i][j], x[j][i]);
 #endif
 }
 

@@ -42,17 +42,20 @@ PROMPTS = ["The capital of France is", "Write a haiku about autumn.", "def fibon
 
 
 def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
-    """Perplexity of the fixed text (512 tokens: at 256 the figure moves by +-1 % between alphas
-    and calibrations; at 512 the ratio is 1,000 tokens' to 0.1 %, 1.0176 both in fp32 on an AVX2
-    CPU) through the engine, 64 tokens a step (the integer sums are exact and each row is quantized
-    on its own, so the figure does not depend on the step's rows; the greedy part runs the
-    decode-sized matmuls). Measured at 1,000 tokens: bf16 6.520, w8a8 6.600
-    (+1.2 %; without SmoothQuant +3.7 %); fp32 6.507, w8a8 6.621. At 512 tokens, bf16: 6.419 -> 6.542
-    (+1.92 %) on an AMD Zen 4, 6.550 (+2.04 %) on an Intel Xeon with AMX (oneDNN's AMX-INT8 sums
-    the same integers; the rest of the step rounds differently): the floor, +2.5 %, holds on both
-    with a margin and is still far under what a wrong scale gives. Greedy agreement over 8 prompts x 32
-    tokens (ignore_eos): mean common prefix measured 8.0 of 32, 1 prompt whole (a 135M
-    model's near-ties flip early); floor 5, which a wrong scale or channel misses by far."""
+    """Perplexity of the fixed text (512 tokens) through the engine, 64 tokens a step (the integer
+    sums are exact and each row is quantized on its own, so the figure does not depend on the
+    step's rows; the greedy part runs the decode-sized matmuls). The floor, +4 %, is for what
+    breaks a scale, not for SmoothQuant's gain: on this 135M model that gain is within the
+    figure's noise. A rounding-level change of the attention (3e-7 in the first layer's output,
+    the first chunk on torch's flash attention or on the paged kernel, fresh_prefill.py) flips
+    int8 codes downstream, and the ratio moves by a point: in fp32 on a 2-core AVX2 EPYC,
+    +1.76 % (paged) and +2.76 % (flash) smoothed, +2.50 % and +1.96 % unsmoothed; at 1,000
+    tokens +1.76 / +2.24 % smoothed, +2.85 / +2.61 % not. In bf16, +1.92 % on an AMD Zen 4 and
+    +2.04 % on an Intel Xeon with AMX. One scale for a whole weight instead of one per output
+    channel gives +54 %, and a fold applied to the weights only, not to the activations, gives
+    nonsense. Greedy agreement over 8 prompts x 32 tokens (ignore_eos): mean common prefix
+    measured 7.4-8.0 of 32 (a 135M model's near-ties flip early); floor 5, which a wrong scale
+    or channel misses by far."""
     from pagedllm.loader import load_tokenizer, resolve_model_dir
 
     ids = fixed_text_ids(load_tokenizer(resolve_model_dir(None)), 1000)[:512]
@@ -66,7 +69,7 @@ def test_perplexity_and_greedy_agreement_stay_with_bf16(make_llm):
         llm.close()
     mean, whole = common_prefix(outs[None], outs["w8a8"], 32)
     print(f"perplexity {ppl}; greedy agreement: mean common prefix {mean:.1f} of 32, {whole} of {len(PROMPTS)} whole")
-    assert 2 < ppl[None] < 30 and ppl["w8a8"] <= 1.025 * ppl[None], ppl
+    assert 2 < ppl[None] < 30 and ppl["w8a8"] <= 1.04 * ppl[None], ppl
     assert mean >= 5, (mean, whole)
 
 

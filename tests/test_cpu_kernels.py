@@ -1,5 +1,6 @@
 """The AVX2 copy of the compiled CPU kernels, built in its own cache and checked in its own
-process against the torch reference (the checks themselves: tests/unit/test_cpu_kernels.py)."""
+process against the torch reference (the checks themselves: tests/unit/test_cpu_kernels.py; the
+q8_0 block matmul's against the dequantized product)."""
 from __future__ import annotations
 
 import os
@@ -27,6 +28,15 @@ for dtype in (torch.float32, torch.bfloat16):
     ref = torch.log_softmax(logits.float(), -1)
     torch.testing.assert_close(lp, ref.gather(1, want[:, None])[:, 0], atol=1e-4, rtol=0)
     torch.testing.assert_close(vals, torch.topk(ref, 5).values, atol=1e-4, rtol=0)
+    # q8_0 blocks: a tile in registers (3 rows) and, without AVX-512, W unpacked a group at a time for sgemm (40)
+    qs = torch.randint(-127, 128, (37, 18, 32), generator=g, dtype=torch.int8)
+    qd = (torch.rand(37, 18, generator=g) * 0.02 + 1e-3).half()
+    w = (qs.float() * qd.float()[..., None]).reshape(37, 576)
+    for m in (1, 3, 40):
+        x = torch.randn(m, 576, generator=g).to(dtype); out = torch.empty(m, 37, dtype=dtype)
+        ops.q8_0_linear(out, x, qs, qd)
+        want = x.float() @ w.T
+        torch.testing.assert_close(out.float(), want, atol=1e-2 * want.abs().max().item(), rtol=1e-2)
 print("ok")
 """
 

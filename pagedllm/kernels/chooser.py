@@ -46,6 +46,10 @@ ROWS = (1, 4, 16, 32, 96, 256, 512)   # one sequence, a few, decode batches, a p
 COLD_ROWS = 32     # up to here a product is limited by its weight's bytes: time it from memory
 REPS = 3
 HOPELESS = 8
+# A call this long is timed in one pass after its first: the passes' spread is a few ms, small
+# beside it, and two more passes of a big layer at 512 rows cost seconds (Gemma 3's 262144 x 640
+# LM head took 116 s to choose on a 2-core AVX2 EPYC with three).
+LONG_CALL = 0.25
 # A second layout of a weight costs its memory again: kept only where the path it serves
 # wins by more than this at some row count; otherwise the one path closest to the best
 # everywhere runs every row count.
@@ -175,7 +179,7 @@ def machine(kernels_build: str | None) -> dict:
 def time_candidates(candidates: list[Candidate], make_weight: Callable[[torch.Generator], Any], weight_bytes: int,
                     make_input: Callable[[int], torch.Tensor], rows: tuple[int, ...]) -> dict[str, list[float]]:
     """Seconds a call of each candidate at each row count (median of REPS passes over the
-    weight's copies, the candidates alternating)."""
+    weight's copies, the candidates alternating; one pass for a call over LONG_CALL)."""
     copies = max(1, min(64, math.ceil(cold_bytes() / max(1, weight_bytes))))
     g = torch.Generator().manual_seed(0)
     layouts: dict[str, list] = {c.name: [] for c in candidates}
@@ -199,9 +203,10 @@ def time_candidates(candidates: list[Candidate], make_weight: Callable[[torch.Ge
         hopeless = {n for n, t in first.items() if t > HOPELESS * min(first.values()) and t > 2e-3}
         for n in hopeless:
             passes[n].append(first[n])
+        once = {n for n, t in first.items() if t > LONG_CALL}
         for rep in range(REPS):
             for c in (candidates if rep % 2 == 0 else candidates[::-1]):
-                if c.name in hopeless:
+                if c.name in hopeless or (rep > 0 and c.name in once):
                     continue
                 ws = layouts[c.name][:use]
                 t0 = time.perf_counter()

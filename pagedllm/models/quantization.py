@@ -229,6 +229,9 @@ def _block_parts(fmt: str) -> tuple[str, ...]:
     return ("qraw",) if fmt in RAW_TYPES else ("qs", "qd") if fmt == Q8_0 else ("qs", "qd", "qm")
 
 
+DEQUANT_MAX_BYTES = 256 << 20
+
+
 def blocks_verdict(layer: nn.Linear, kernels) -> Verdict:
     """Which path multiplies a quantized layer's blocks at each row count here: the block kernel,
     or the weight dequantized on each call and torch's matmul (oneDNN's: AMX where the CPU has
@@ -241,7 +244,10 @@ def blocks_verdict(layer: nn.Linear, kernels) -> Verdict:
                                **{p: getattr(layer, p).clone() for p in parts})
 
     cands = [Candidate("blocks", lambda w: w, lambda w, x: block_linear(w, x, kernels))]
-    if layer.qformat in (Q8_0, Q4_1):   # (a GGUF file's own types dequantize through numpy: never a match)
+    # (A GGUF file's own types dequantize through numpy: never a match. A weight past
+    # DEQUANT_MAX_BYTES dequantized, Gemma 3's 262144 x 640 LM head say, would be a transient
+    # copy of that size on every call, and timing it took a minute of a 2-core CPU.)
+    if layer.qformat in (Q8_0, Q4_1) and n * k * dtype.itemsize <= DEQUANT_MAX_BYTES:
         cands.append(Candidate("dequant", lambda w: w, lambda w, x: F.linear(x, dequantize(w, x.dtype))))
     nbytes = sum(getattr(layer, p).numel() * getattr(layer, p).element_size() for p in parts)
     return chooser().choose(f"blocks-{layer.qformat}-{dtype_name(dtype)}", (n, k), 2 * n * k, cands,

@@ -124,3 +124,26 @@ def test_a_verdict_of_the_whole_builds_file_is_moved_over_not_timed_again(tmp_pa
     old.path_for(machine("whole-build-key")).unlink()   # now in the new file
     again = KernelChooser(tmp_path, "config-1", "whole-build-key")
     assert _choose(again).seconds == v.seconds and again.take_measured() == []
+
+
+def test_a_long_call_is_timed_in_one_pass_after_its_first(monkeypatch):
+    """Candidates alternate over REPS passes, but a call over LONG_CALL runs once more only:
+    passes of a big layer at many rows cost seconds and their spread is small beside them."""
+    import time
+
+    from pagedllm.kernels import chooser as ch
+
+    monkeypatch.setattr(ch, "LONG_CALL", 0.05)
+    calls = {"short": 0, "long": 0}
+
+    def run(name: str, pause: float):
+        def go(_w, _x) -> None:
+            calls[name] += 1
+            time.sleep(pause)
+        return go
+
+    cands = [Candidate("short", lambda w: w, run("short", 0.01)),
+             Candidate("long", lambda w: w, run("long", 0.06))]   # under HOPELESS x: timed, not dropped
+    seconds = ch.time_candidates(cands, lambda g: None, 1 << 40, lambda m: torch.zeros(m, 1), (1, 4))
+    assert calls == {"short": 2 * (1 + ch.REPS), "long": 2 * 2}, calls
+    assert all(t >= 0.06 for t in seconds["long"]) and all(t < 0.06 for t in seconds["short"])

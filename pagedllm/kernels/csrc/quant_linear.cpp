@@ -23,7 +23,9 @@
 // at load (mxfp4_interleave, MX4IL) runs bf16 x at every row count on an int8 outer-product kernel
 // (run_il: ~600 GFLOP/s here, the bf16 panels 430-460).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
-// two AVX2 ones on CPUs without it; intrinsics only under #ifdef.
+// two AVX2 ones on CPUs without it; intrinsics only under #ifdef. Without AVX-512, fp32 x from
+// 2 rows runs run_sgemm instead of the tiles (W unpacked a group of rows at a time, then torch's
+// sgemm): GCC keeps 16-lane vectors in memory there, and the tiles ran at a tenth of sgemm's rate.
 // One request's decode is bound by streaming the weights: measured on one core of this
 // machine, SmolLM2-135M's 97 MB of q4_1 + q8_0 blocks take ~16 ms a token from memory,
 // ~10 ms when they sit in L2 (benchmarks/quantization.py, models/quantization.py). On both
@@ -385,6 +387,40 @@ inline void put(T* out, int64_t ldo, int64_t m0, int rows, int64_t n0, int cols,
 // once per group; W's unpacking is repeated once per chunk (a few percent at this size).
 constexpr int64_t CHUNK_BYTES = 256 * 1024;
 
+#ifndef __AVX512F__
+// Without AVX-512, fp32 x from SGEMM_MIN_M rows: W unpacked to fp32 a group of rows at a time
+// (a scratch that stays in L2) and multiplied by torch's sgemm (MKL). The tiles above hold 6 x 4
+// accumulators of 16 lanes: 48 of AVX2's 16 ymm registers, so every FMA spilled, and a prefill ran
+// at a tenth of sgemm's rate (19 GFLOP/s on a 2-core Zen 3 EPYC, where sgemm runs ~150).
+constexpr int64_t SGEMM_MIN_M = 2;
+
+template <class Q, class T>
+void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* out) {
+  const int64_t nblk = k / G;
+  // Columns a group: about 4 groups a thread (an even split of small layers), 16-128 of them.
+  const int64_t cols = std::clamp<int64_t>((n + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads()), 16, 128);
+  const int64_t groups = (n + cols - 1) / cols;
+  const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, at::kFloat);
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    std::vector<float> w(size_t(cols) * k), res(size_t(m) * cols);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * cols, c = std::min(cols, n - n0);
+      for (int64_t j = 0; j < c; ++j)
+        for (int64_t b = 0; b < nblk; ++b) {
+          vf lo, hi;
+          q.block(n0 + j, b, lo, hi);
+          storef(w.data() + j * k + b * G, lo);
+          storef(w.data() + j * k + b * G + L, hi);
+        }
+      at::Tensor r = at::from_blob(res.data(), {m, c}, at::kFloat);
+      at::mm_out(r, xt, at::from_blob(w.data(), {c, k}, at::kFloat).t());
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t j = 0; j < c; ++j) out[i * n + n0 + j] = T(res[i * c + j]);
+    }
+  });
+}
+#endif
+
 // out [m, n] = x [m, k] . W^T, W's blocks read through q (Q41 or Q80), P the arithmetic.
 // Up to MR rows each block is unpacked into registers and used at once. More rows unpack a
 // group of NB columns of W into an L1 scratch (P's words: bf16 pairs ready for vdpbf16ps)
@@ -392,6 +428,11 @@ constexpr int64_t CHUNK_BYTES = 256 * 1024;
 // paid once per group and chunk of rows, never as a copy of the layer.
 template <class P, class Q, class T>
 void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
+#ifndef __AVX512F__
+  if constexpr (std::is_same_v<P, F32>) {
+    if (m >= SGEMM_MIN_M) return run_sgemm(q, x, m, n, k, out);
+  }
+#endif
   const int64_t groups = (n + NB - 1) / NB, nblk = k / G;
   if (m <= MR) {
     const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS / std::max<int64_t>(1, nblk));

@@ -133,6 +133,27 @@ inline vf dot_bcast(vf acc, __m512bh x, const uint32_t* p) {
 }
 #endif
 
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// fp32 K/V without AVX-512: 16 lanes as two ymm halves in a struct. GCC 12 keeps a 16-lane
+// generic vector in memory on AVX2 (a splat is 16 scalar stores, an accumulator a round trip
+// through the stack each FMA); a struct of two 8-lane vectors stays in registers. On the score
+// loop alone, 7x (124 against 870 ns for 3 rows x 16 keys x 64 dims on a Zen 3 core).
+struct Half2 {
+  __m256 a, b;
+};
+inline Half2 load_h2(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline void store_h2(float* p, Half2 v) {
+  _mm256_storeu_ps(p, v.a);
+  _mm256_storeu_ps(p + 8, v.b);
+}
+inline void fma_h2(Half2& acc, float x, Half2 v) {
+  const __m256 s = _mm256_set1_ps(x);
+  acc.a = _mm256_fmadd_ps(s, v.a, acc.a);
+  acc.b = _mm256_fmadd_ps(s, v.b, acc.b);
+}
+#define PAGEDLLM_HALF2 1
+#endif
+
 // Scores S[r][0..16) (rows CHUNK apart) for R query rows against a K tile: kt(j) points
 // at pair-row j (16 keys x P dims). Dot path: q as bf16 pairs, scaled after; else q as
 // floats, already scaled.
@@ -163,6 +184,21 @@ inline void qk_block(const float* qs, const uint32_t* qp, float scale, float* S,
       }
     }
   } else {
+#ifdef PAGEDLLM_HALF2
+    if constexpr (std::is_same_v<T, float>) {
+      Half2 b0[R] = {}, b1[R] = {};
+      for (int d = 0; d < D; d += 2) {
+        const Half2 k0 = load_h2(kt(d)), k1 = load_h2(kt(d + 1));
+        for (int r = 0; r < R; ++r) {
+          fma_h2(b0[r], qs[r * D + d], k0);
+          fma_h2(b1[r], qs[r * D + d + 1], k1);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        store_h2(S + r * CHUNK, {_mm256_add_ps(b0[r].a, b1[r].a), _mm256_add_ps(b0[r].b, b1[r].b)});
+      return;
+    }
+#endif
     for (int d = 0; d < D; d += 2) {
       const vf k0 = load16(kt(d)), k1 = load16(kt(d + 1));
       for (int r = 0; r < R; ++r) {
@@ -193,6 +229,30 @@ inline void with_rows(int n, F f) {
 template <typename T, int NC, int RB, typename TILE>
 inline void pv_block(float* acc, const float* S, const uint32_t* pp, const float* alpha, int n, TILE tile) {
   constexpr int D = NC * L, P = PAIR<T>;
+#ifdef PAGEDLLM_HALF2
+  if constexpr (std::is_same_v<T, float>) {
+    Half2 h[RB][NC];
+    for (int r = 0; r < RB; ++r) {
+      const __m256 al = _mm256_set1_ps(alpha[r]);
+      for (int c = 0; c < NC; ++c) {
+        h[r][c] = load_h2(acc + r * D + c * L);
+        h[r][c] = {_mm256_mul_ps(h[r][c].a, al), _mm256_mul_ps(h[r][c].b, al)};
+      }
+    }
+    for (int t0 = 0; t0 < n; t0 += L) {
+      const auto vt = tile(t0);
+      const int keys = std::min(L, n - t0);
+      for (int i = 0; i < keys; ++i)
+        for (int c = 0; c < NC; ++c) {
+          const Half2 v = load_h2(vt(i, c));
+          for (int r = 0; r < RB; ++r) fma_h2(h[r][c], S[r * CHUNK + t0 + i], v);
+        }
+    }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < NC; ++c) store_h2(acc + r * D + c * L, h[r][c]);
+    return;
+  }
+#endif
   vf o[RB][NC];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NC; ++c) o[r][c] = loadf(acc + r * D + c * L) * alpha[r];

@@ -398,7 +398,8 @@ template <class Q, class T>
 void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* out) {
   const int64_t nblk = k / G;
   // Columns a group: about 4 groups a thread (an even split of small layers), 16-128 of them.
-  const int64_t cols = std::clamp<int64_t>((n + 4 * at::get_num_threads() - 1) / (4 * at::get_num_threads()), 16, 128);
+  const int64_t wanted_groups = 4 * at::get_num_threads();
+  const int64_t cols = std::clamp<int64_t>((n + wanted_groups - 1) / wanted_groups, 16, 128);
   const int64_t groups = (n + cols - 1) / cols;
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, at::kFloat);
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -414,8 +415,7 @@ void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
         }
       at::Tensor r = at::from_blob(res.data(), {m, c}, at::kFloat);
       at::mm_out(r, xt, at::from_blob(w.data(), {c, k}, at::kFloat).t());
-      for (int64_t i = 0; i < m; ++i)
-        for (int64_t j = 0; j < c; ++j) out[i * n + n0 + j] = T(res[i * c + j]);
+      put(out, n, 0, int(m), n0, int(c), res.data());
     }
   });
 }

@@ -36,13 +36,13 @@ def test_reordered_weights_write_the_same_tokens(monkeypatch, tiny_model, dtype)
     assert outs["0"] == outs["1"] == outs["panels"]
 
 
+@pytest.mark.needs_cpu("avx512_bf16")
 def test_greedy_rows_take_their_tokens_without_logits(monkeypatch, tiny_model):
     """In bf16 on panels, a greedy row nobody reads the logits of gets its token from the head's
     argmax kernel (Ops.argmax), the rows beside it (logprobs, sampling) their logits as before:
     the same prompts greedy with and without logprobs write the same tokens in one batch."""
-    if not panels_wanted(load_ops()):
-        pytest.skip("the CPU kernels have no AVX512-BF16 here")
     monkeypatch.setenv("PAGEDLLM_PREPACK", "panels")   # the head on panels whatever the chooser would time
+    assert panels_wanted(load_ops()), "the CPU has AVX512-BF16 but the kernels were built without the panels"
     llm = LLM(model=tiny_model, dtype="bfloat16", kv_cache_memory="64MiB", max_model_len=256)
     model = llm.engine.runner.model
     seen = {"argmax": 0, "logits": 0}

@@ -77,3 +77,34 @@ def test_strict_xfail_that_passes_still_fails(pytester, monkeypatch):
     for ci in ("true", ""):
         monkeypatch.setenv("CI", ci)
         pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(failed=1)
+
+
+def test_a_test_for_instructions_this_cpu_lacks_skips_in_ci_too(pytester, monkeypatch):
+    """needs_cpu: no install brings a CPU's instructions, so CI keeps that one skip, and only where
+    /proc/cpuinfo shows the CPU lacks them: where it has them, the same test skipping fails."""
+    from pagedllm.util import cpu_flags
+
+    had = sorted(cpu_flags() or {"fpu"})[0]   # a flag of this CPU's
+    pytester.makeconftest(CONFTEST)
+    pytester.makepyfile(test_cpu=f'''
+import pytest
+
+@pytest.mark.needs_cpu("no_such_flag", "nor_this_one")
+def test_lacking():
+    assert False, "never runs"
+
+@pytest.mark.needs_cpu("no_such_flag", "{had}")
+def test_has_one_but_skips():
+    pytest.skip("the kernel was not built")
+
+@pytest.mark.needs_cpu("{had}")
+def test_has_it():
+    pass
+''')
+    monkeypatch.setenv("CI", "true")
+    result = pytester.runpytest("-p", "no:cacheprovider", "-rs")
+    result.assert_outcomes(skipped=1, failed=1, passed=1)
+    result.stdout.fnmatch_lines(["*this CPU has none of no_such_flag, nor_this_one*"])
+    result.stdout.fnmatch_lines(["*skipped under CI=true*the kernel was not built*"])
+    monkeypatch.delenv("CI")
+    pytester.runpytest("-p", "no:cacheprovider").assert_outcomes(skipped=2, passed=1)

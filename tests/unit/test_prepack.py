@@ -82,13 +82,13 @@ def panel_kernels(monkeypatch):
     from pagedllm.kernels import load_ops
     from pagedllm.models.prepack import panels_wanted
 
-    k = load_ops()
-    if not panels_wanted(k):
-        pytest.skip("the CPU kernels have no AVX512-BF16 here")
     monkeypatch.setenv("PAGEDLLM_PREPACK", "panels")
+    k = load_ops()
+    assert panels_wanted(k), "the CPU has AVX512-BF16 but the kernels were built without the panels"
     return k
 
 
+@pytest.mark.needs_cpu("avx512_bf16")
 @pytest.mark.parametrize("rows", [0, 1, 13, 14, 15, 300])
 def test_panel_products_match_fp32(rows, panel_kernels):
     """bf16 products summed in fp32 and rounded once: within bf16's rounding of the fp32 result,
@@ -110,6 +110,7 @@ def test_panel_products_match_fp32(rows, panel_kernels):
         assert y.shape == (rows, 32)
 
 
+@pytest.mark.needs_cpu("avx512_bf16")
 @pytest.mark.parametrize("k", [576, 2048, 2050])
 def test_panel_rows_independent_of_the_batch(k, panel_kernels):
     """Alone (read in place) or among 40 (rows 4 KB apart, K = 2048, are packed first): the same
@@ -130,6 +131,7 @@ def _argmax_of_products(kernels, x: torch.Tensor, p: torch.Tensor, n: int) -> to
     return out.float().max(dim=-1).indices   # torch's rule: the first largest, a NaN the largest
 
 
+@pytest.mark.needs_cpu("avx512_bf16")
 @settings(max_examples=60, deadline=None)
 @given(m=st.integers(1, 40), n=st.integers(1, 100), k=st.sampled_from([2, 64, 578]),
        kind=st.sampled_from(["normal", "ties", "nan", "-inf"]), seed=st.integers(0, 2 ** 31 - 1))
@@ -138,11 +140,10 @@ def test_panel_argmax_is_the_argmax_of_the_products(m, n, k, kind, seed):
     the first of equal values (small integers make many), a NaN column first, index 0 for a row of
     -inf only, widths that fill no whole panel."""
     from pagedllm.kernels import load_ops
-    from pagedllm.models.prepack import panels_wanted, to_panels
+    from pagedllm.models.prepack import to_panels
 
     kernels = load_ops()
-    if not panels_wanted(kernels):
-        pytest.skip("the CPU kernels have no AVX512-BF16 here")
+    assert kernels.has_panel_linear(), "the CPU has AVX512-BF16 but the kernels were built without the panels"
     g = torch.Generator().manual_seed(seed)
     if kind == "ties":
         w = torch.randint(-2, 3, (n, k), generator=g).float()
@@ -158,6 +159,7 @@ def test_panel_argmax_is_the_argmax_of_the_products(m, n, k, kind, seed):
     assert torch.equal(kernels.panel_argmax(x, p, n), _argmax_of_products(kernels, x, p, n))
 
 
+@pytest.mark.needs_cpu("avx512_bf16")
 @pytest.mark.parametrize("m,k", [(300, 64), (40, 2048)])
 def test_panel_argmax_past_a_sweep_and_on_packed_rows(m, k, panel_kernels):
     """Rows past one 256-row sweep; rows 4 KB apart (K = 2048), which the kernel packs first;

@@ -204,13 +204,14 @@ def test_few_bf16_rows_are_int8_codes_times_the_blocks(fmt):
         assert off_codes < 0.6 * off_exact, (off_codes, off_exact)
 
 
-@pytest.mark.skipif(not load_ops().moe_can_w8a8(), reason="the repacked MXFP4 kernel needs AVX512-VNNI")
+@pytest.mark.needs_cpu("avx512_vnni")   # the repacked MXFP4 kernel
 def test_repacked_mxfp4_is_the_files_blocks_in_another_order():
     """mxfp4_interleave's bytes (16 rows' codes side by side, for the int8 outer-product kernel) give
     back the file's blocks exactly, and multiply as they do: fp32 x exactly, bf16 x through int8
     codes (as the 1-4 row path has always run); a bf16 row's result does not depend on the others."""
     from pagedllm.models.moe import MXFP4_IL, deinterleave_mxfp4
 
+    assert load_ops().moe_can_w8a8(), "the CPU has AVX512-VNNI but the kernels were built without it"
     g = torch.Generator().manual_seed(2)
     n, k = 48, 96   # three groups of 16 rows, three blocks
     blocks = random_raw("MXFP4", n, k, g)
@@ -238,7 +239,7 @@ def test_repacked_mxfp4_is_the_files_blocks_in_another_order():
         ops.mxfp4_interleave(raw[:40].contiguous())
 
 
-@pytest.mark.skipif(not load_ops().moe_can_w8a8(), reason="the repacked MXFP4 kernel needs AVX512-VNNI")
+@pytest.mark.needs_cpu("avx512_vnni")   # the repacked MXFP4 kernel
 def test_a_mixtures_mxfp4_experts_repacked_keep_their_weights_and_outputs():
     """interleave_experts repacks a mixture's MXFP4 stacks once: each expert's float weights are
     the same numbers after (the torch path's), and the layer's fp32 output is the same."""

@@ -671,19 +671,21 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       // Window: keys of the chunk below this row's first one (first >= 0 only with a window).
       const int first = a.window > 0 ? last_key[r] - a.window + 1 - c0 : 0;
       if (first >= visible) visible = 0;
-      vf mv = splat(m[r]);
-      for (int t0 = 0; t0 < visible; t0 += L) {
-        vf s = loadf(sr + t0);
-        s = IOTA + t0 < visible && IOTA + t0 >= first ? s : splat(NEG_INF);
-        storef(sr + t0, s);
+      // In the CPU's own width (vn): a sweep of single floats, no 16-key layout. Keys from
+      // visible to the end of its vector become 0 (an odd chunk's last pair reads one).
+      vn mv = vn{} + m[r];
+      for (int t0 = 0; t0 < visible; t0 += LN) {
+        vn s = loadn(sr + t0);
+        s = IOTAN + t0 < visible && IOTAN + t0 >= first ? s : vn{} + NEG_INF;
+        storen(sr + t0, s);
         mv = mv > s ? mv : s;
       }
-      const float mx = hmax(mv);
+      const float mx = hmaxn(mv);
       alpha[r] = visible > 0 ? std::exp2(m[r] - mx) : 1.f;  // 0 on the first visible chunk
-      vf sum{};
-      for (int t0 = 0; t0 < cn; t0 += L) {
-        const vf p = t0 < visible ? exp2v(loadf(sr + t0) - mx) : vf{};
-        storef(sr + t0, p);
+      vn sum{};
+      for (int t0 = 0; t0 < cn; t0 += LN) {
+        const vn p = t0 < visible ? exp2n(loadn(sr + t0) - mx) : vn{};
+        storen(sr + t0, p);
         sum += p;
 #if defined(__AVX512BF16__)
         if constexpr (BF16_DOT<T>)
@@ -692,7 +694,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
 #endif
       }
       if (visible > 0) {
-        l[r] = l[r] * alpha[r] + hsum(sum);
+        l[r] = l[r] * alpha[r] + hsumn(sum);
         m[r] = mx;
       }
     }

@@ -24,13 +24,13 @@ void for_rows(int64_t rows, int64_t cols, F f) {
 
 template <typename T>
 inline void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  vf acc{};
-  for (int64_t i = 0; i < n; i += L) {
-    const vf v = load16(x + i);
+  vn acc{};
+  for (int64_t i = 0; i < n; i += LN) {
+    const vn v = loadn(x + i);
     acc += v * v;
   }
-  const float inv = 1.f / std::sqrt(hsum(acc) / float(n) + eps);
-  for (int64_t i = 0; i < n; i += L) store16(out + i, load16(x + i) * inv * load16(w + i));
+  const float inv = 1.f / std::sqrt(hsumn(acc) / float(n) + eps);
+  for (int64_t i = 0; i < n; i += LN) storen(out + i, loadn(x + i) * inv * loadn(w + i));
 }
 
 template <typename T>
@@ -49,19 +49,19 @@ void add_rms_norm_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& w,
   const T* ws = w.data_ptr<T>();
   for_rows(x.size(0), n, [&](int64_t r) {
     T *xr = xs + r * n, *rr = rs + r * n;
-    for (int64_t i = 0; i < n; i += L) store16(rr + i, load16(rr + i) + load16(xr + i));
+    for (int64_t i = 0; i < n; i += LN) storen(rr + i, loadn(rr + i) + loadn(xr + i));
     norm_row(xr, rr, ws, n, float(eps));
   });
 }
 
 // silu(a) = a / (1 + e^-a)
-inline vf silu(vf a) { return a / (1.f + expv(-a)); }
+inline vn silu(vn a) { return a / (1.f + expn(-a)); }
 
 // The tanh form of GELU (torch's approximate="tanh", Gemma's gelu_pytorch_tanh):
 // 0.5 a (1 + tanh(u)) with u = sqrt(2/pi) (a + 0.044715 a^3), which is a sigmoid(2u).
-inline vf gelu_tanh(vf a) {
-  const vf u2 = (a + 0.044715f * a * a * a) * 1.5957691216057308f;  // 2 sqrt(2/pi)
-  return a / (1.f + expv(-u2));
+inline vn gelu_tanh(vn a) {
+  const vn u2 = (a + 0.044715f * a * a * a) * 1.5957691216057308f;  // 2 sqrt(2/pi)
+  return a / (1.f + expn(-u2));
 }
 
 // out = act(x[:, :n]) * x[:, n:]
@@ -72,7 +72,7 @@ void act_and_mul_impl(at::Tensor& out, const at::Tensor& x, Act act) {
   const T* xs = x.data_ptr<T>();
   for_rows(x.size(0), n, [&](int64_t r) {
     const T* g = xs + r * 2 * n;
-    for (int64_t i = 0; i < n; i += L) store16(o + r * n + i, act(load16(g + i)) * load16(g + n + i));
+    for (int64_t i = 0; i < n; i += LN) storen(o + r * n + i, act(loadn(g + i)) * loadn(g + n + i));
   });
 }
 
@@ -85,10 +85,10 @@ void rope_rows(T* base, int64_t s_tok, int64_t s_head, int64_t heads, int64_t d,
   const float* s = sin + pos[t] * half;
   for (int64_t h = 0; h < heads; ++h) {
     T* x = base + t * s_tok + h * s_head;
-    for (int64_t i = 0; i < half; i += L) {
-      const vf x1 = load16(x + i), x2 = load16(x + half + i), cv = loadf(c + i), sv = loadf(s + i);
-      store16(x + i, x1 * cv - x2 * sv);
-      store16(x + half + i, x2 * cv + x1 * sv);
+    for (int64_t i = 0; i < half; i += LN) {
+      const vn x1 = loadn(x + i), x2 = loadn(x + half + i), cv = loadn(c + i), sv = loadn(s + i);
+      storen(x + i, x1 * cv - x2 * sv);
+      storen(x + half + i, x2 * cv + x1 * sv);
     }
   }
 }

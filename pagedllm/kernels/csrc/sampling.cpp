@@ -35,8 +35,10 @@ void by_dtype(const at::Tensor& logits, const char* op, F run) {
   }
 }
 
+// The draws run in the CPU's own width (vec.h's vn, LN lanes): each lane's value depends on its
+// index alone, so a draw is the same whatever the width.
 // lowbias32 (Wellons): a well-mixed 32-bit hash, in vector lanes.
-inline vu mix(vu x) {
+inline vnu mix(vnu x) {
   x ^= x >> 16;
   x *= 0x7FEB352Du;
   x ^= x >> 15;
@@ -45,15 +47,15 @@ inline vu mix(vu x) {
   return x;
 }
 
-// Uniforms in (0, 1) for indices i..i+15 of the stream `key`.
-inline vf uniforms(uint64_t key, int64_t i) {
-  const vu idx = (vu)(IOTA + int32_t(i));
-  vu h = mix(idx * 0x9E3779B1u + uint32_t(key));
+// Uniforms in (0, 1) for indices i..i+LN-1 of the stream `key`.
+inline vn uniforms(uint64_t key, int64_t i) {
+  const vnu idx = (vnu)(IOTAN + int32_t(i));
+  vnu h = mix(idx * 0x9E3779B1u + uint32_t(key));
   h = mix(h ^ uint32_t(key >> 32));
-  return (__builtin_convertvector(h >> 8, vf) + 0.5f) * (1.f / 16777216.f);
+  return (__builtin_convertvector(h >> 8, vn) + 0.5f) * (1.f / 16777216.f);
 }
 
-inline vf gumbel(uint64_t key, int64_t i) { return -logv(-logv(uniforms(key, i))); }
+inline vn gumbel(uint64_t key, int64_t i) { return -logn(-logn(uniforms(key, i))); }
 
 // Tokens by score buckets: 1 / BIN_W buckets per unit of s over [-SPAN, 0]; everything
 // lower shares the last bucket. One pass finds which bucket a top-k or top-p cut falls
@@ -79,17 +81,17 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
                    std::vector<float>& s, std::vector<float>& w, std::vector<int32_t>& idx) {
   s.resize(V + L);
   w.resize(V + L);
-  const int64_t body = V / L * L;
-  vf mv = splat(NEG_INF);
-  for (int64_t i = 0; i < body; i += L) {
-    const vf v = load16(x + i);
+  const int64_t body = V / LN * LN;
+  vn mv = vn{} + NEG_INF;
+  for (int64_t i = 0; i < body; i += LN) {
+    const vn v = loadn(x + i);
     mv = mv > v ? mv : v;
   }
-  float mx = hmax(mv);
+  float mx = hmaxn(mv);
   for (int64_t i = body; i < V; ++i) mx = std::max(mx, float(x[i]));
   // A temperature below float32's range would divide by zero: tiny ones act as greedy.
   const float inv_t = 1.f / std::max(temp, 1e-30f);
-  for (int64_t i = 0; i < body; i += L) storef(s.data() + i, (load16(x + i) - mx) * inv_t);
+  for (int64_t i = 0; i < body; i += LN) storen(s.data() + i, (loadn(x + i) - mx) * inv_t);
   for (int64_t i = body; i < V; ++i) s[i] = (float(x[i]) - mx) * inv_t;  // <= 0, the top token at 0
   // Logits a processor pushed to +inf (a repetition penalty near 0 divides by it) give
   // inf - inf = NaN: the +inf tokens share the top, the others are out. (A NaN logit
@@ -100,7 +102,7 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
   float cut = NEG_INF;  // tokens below it are out
   const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
   if (use_k || use_p) {
-    for (int64_t i = 0; i < V; i += L) storef(w.data() + i, expv(loadf(s.data() + i)));
+    for (int64_t i = 0; i < V; i += LN) storen(w.data() + i, expn(loadn(s.data() + i)));
     float count[BINS] = {}, mass[BINS] = {};
     for (int64_t i = 0; i < V; ++i) {
       const int b = bin_of(s[i]);
@@ -128,25 +130,25 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
       float best_key = NEG_INF;
       for (int64_t j = 0; j < keep; ++j) {  // race among the nucleus only
         const int64_t t = idx[j];
-        const float g = gumbel(key, t & ~int64_t(L - 1))[t & (L - 1)];
+        const float g = gumbel(key, t & ~int64_t(LN - 1))[t & (LN - 1)];
         if (s[t] + g > best_key) { best_key = s[t] + g; best = t; }
       }
       return best;
     }
   }
-  vf best_key = splat(NEG_INF);
-  vi best = IOTA * 0;
-  for (int64_t i = 0; i < V; i += L) {
-    vf sv = loadf(s.data() + i);
-    const vi lane = IOTA + int32_t(i);
-    sv = (lane < int32_t(V)) & (sv >= cut) ? sv + gumbel(key, i) : splat(NEG_INF);
-    const vi take = sv > best_key;
+  vn best_key = vn{} + NEG_INF;
+  vni best = IOTAN * 0;
+  for (int64_t i = 0; i < V; i += LN) {
+    vn sv = loadn(s.data() + i);
+    const vni lane = IOTAN + int32_t(i);
+    sv = (lane < int32_t(V)) & (sv >= cut) ? sv + gumbel(key, i) : vn{} + NEG_INF;
+    const vni take = sv > best_key;
     best_key = take ? sv : best_key;
     best = take ? lane : best;
   }
   float bk = NEG_INF;
   int64_t bt = 0;
-  for (int j = 0; j < L; ++j)
+  for (int j = 0; j < LN; ++j)
     if (best_key[j] > bk) { bk = best_key[j]; bt = best[j]; }
   return bt;
 }
@@ -183,17 +185,17 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 // index. torch's reduction took 7 ms for 32 rows of Gemma 3's 262k logits here, ~9 % of a step.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t V) {
-  vf m = splat(NEG_INF);
-  vi nan{};
+  vn m = vn{} + NEG_INF;  // the CPU's own width (vec.h): a sweep of single values
+  vni nan{};
   int64_t i = 0;
-  for (; i + L <= V; i += L) {
-    const vf v = load16(x + i);
+  for (; i + LN <= V; i += LN) {
+    const vn v = loadn(x + i);
     nan |= (v != v);
     m = v > m ? v : m;
   }
-  float best = hmax(m);
+  float best = hmaxn(m);
   bool any_nan = false;
-  for (int j = 0; j < L; ++j) any_nan |= nan[j] != 0;
+  for (int j = 0; j < LN; ++j) any_nan |= nan[j] != 0;
   for (int64_t t = i; t < V; ++t) {
     const float v = float(x[t]);
     any_nan |= v != v;

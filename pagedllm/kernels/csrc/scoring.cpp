@@ -54,34 +54,34 @@ struct TopK {
 template <typename T>
 void score_row(const T* x, int64_t V, int64_t want, TopK& top, float& logprob, int32_t& rank) {
   // Pass 1: the max (lanes past V read as -inf).
-  vf m = splat(NEG_INF);
-  alignas(64) float tail[L];
-  const int64_t full = V / L * L;
-  for (int64_t i = 0; i < full; i += L) {
-    const vf v = load16(x + i);
+  vn m = vn{} + NEG_INF;  // the CPU's own width (vec.h)
+  alignas(64) float tail[LN];
+  const int64_t full = V / LN * LN;
+  for (int64_t i = 0; i < full; i += LN) {
+    const vn v = loadn(x + i);
     m = v > m ? v : m;
   }
-  for (int j = 0; j < L; ++j) tail[j] = full + j < V ? float(x[full + j]) : NEG_INF;
-  const vf vt = loadf(tail);
+  for (int j = 0; j < LN; ++j) tail[j] = full + j < V ? float(x[full + j]) : NEG_INF;
+  const vn vt = loadn(tail);
   m = vt > m ? vt : m;
-  const float mx = hmax(m);
+  const float mx = hmaxn(m);
   const float raw = float(x[want]);
   // Pass 2: sum of exp(x - max), the count above the token's logit, the top k.
-  vf sum = splat(0.f);
-  vi above = vi{} + 0;
+  vn sum{};
+  vni above{};
   top.reset();
-  auto chunk = [&](vf v, int64_t i) {
-    sum += expv(v - mx);
+  auto chunk = [&](vn v, int64_t i) {
+    sum += expn(v - mx);
     above += (v > raw) & 1;
-    const vi in = v > top.floor;
-    for (int j = 0; j < L; ++j)
+    const vni in = v > top.floor;
+    for (int j = 0; j < LN; ++j)
       if (in[j]) top.offer(v[j], int32_t(i + j));
   };
-  for (int64_t i = 0; i < full; i += L) chunk(load16(x + i), i);
+  for (int64_t i = 0; i < full; i += LN) chunk(loadn(x + i), i);
   chunk(vt, full);  // exp(-inf) = 0, and -inf is never above nor in the top
-  const float lse = mx + std::log(hsum(sum));
+  const float lse = mx + std::log(hsumn(sum));
   int32_t count = 0;
-  for (int j = 0; j < L; ++j) count += above[j];
+  for (int j = 0; j < LN; ++j) count += above[j];
   logprob = raw - lse;
   rank = count + 1;
   for (auto& v : top.val) v -= lse;

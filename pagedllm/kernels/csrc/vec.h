@@ -12,7 +12,7 @@
 #include <cstring>
 #include <limits>
 #include <utility>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -49,13 +49,16 @@ inline vf load16(const c10::Half* p) {
   return __builtin_convertvector(h, vf);
 }
 inline void store16(float* p, vf v) { storef(p, v); }
-inline void store16(c10::BFloat16* p, vf v) {
-  vu u = (vu)v;
+// fp32 lanes to bf16: V float lanes, U uint32 and H uint16 lanes of as many.
+template <typename V, typename U, typename H>
+inline void store_bf16_lanes(c10::BFloat16* p, V v) {
+  U u = (U)v;
   u = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // round to nearest even
-  u = (v != v) ? vu{} + 0x7FC0u : u;           // keep NaN a NaN
-  vh h = __builtin_convertvector(u, vh);
+  u = (v != v) ? U{} + 0x7FC0u : u;            // keep NaN a NaN
+  H h = __builtin_convertvector(u, H);
   std::memcpy(p, &h, sizeof h);
 }
+inline void store16(c10::BFloat16* p, vf v) { store_bf16_lanes<vf, vu, vh>(p, v); }
 inline void store16(c10::Half* p, vf v) {
   vhf h = __builtin_convertvector(v, vhf);
   std::memcpy(p, &h, sizeof h);
@@ -137,15 +140,17 @@ inline void transpose16(vf (&x)[L]) {
 #endif
 }
 
-// 2^x; x < -126 (and -inf) gives 0, x > 126 gives 2^126.
-inline vf exp2v(vf x) {
-  const vf magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
-  vf xc = x < -126.f ? splat(-126.f) : x;
-  xc = xc > 126.f ? splat(126.f) : xc;
-  vf n = (xc + magic) - magic;
-  vf t = (xc - n) * 0.6931471805599453f;  // |t| <= ln2 / 2
+// 2^x; x < -126 (and -inf) gives 0, x > 126 gives 2^126. V: a float vector of any width, I:
+// the int32 vector of as many lanes.
+template <typename V, typename I>
+inline V exp2_lanes(V x) {
+  const V magic = V{} + 12582912.f;  // 1.5 * 2^23: adding it rounds to an integer
+  V xc = x < -126.f ? V{} - 126.f : x;
+  xc = xc > 126.f ? V{} + 126.f : xc;
+  V n = (xc + magic) - magic;
+  V t = (xc - n) * 0.6931471805599453f;  // |t| <= ln2 / 2
   // e^t, Taylor to t^7: relative error < 2e-8 on the range.
-  vf p = splat(1.f / 5040);
+  V p = V{} + 1.f / 5040;
   p = p * t + 1.f / 720;
   p = p * t + 1.f / 120;
   p = p * t + 1.f / 24;
@@ -153,30 +158,95 @@ inline vf exp2v(vf x) {
   p = p * t + 0.5f;
   p = p * t + 1.f;
   p = p * t + 1.f;
-  vi e = __builtin_convertvector(n, vi) << 23;
-  vf r = (vf)((vi)p + e);
-  return x < -126.f ? vf{} : r;
+  I e = __builtin_convertvector(n, I) << 23;
+  V r = (V)((I)p + e);
+  return x < -126.f ? V{} : r;
 }
 
+inline vf exp2v(vf x) { return exp2_lanes<vf, vi>(x); }
 inline vf expv(vf x) { return exp2v(x * 1.4426950408889634f); }
 
+
+// The CPU's own width, for loops that need no 16-lane layout (rows of elementwise kernels, the
+// softmax's sweeps): vn, LN lanes, with loadn / storen / hsumn / exp2n. On x86 without AVX-512,
+// GCC 12 keeps a 16-lane vector in memory (a splat is 16 scalar stores, a value crosses the stack
+// at each use); an 8-lane one lives in a ymm register: silu_and_mul ran 3x slower than torch's
+// two ops on a Zen 3. Elsewhere vn is vf, and these are the 16-lane functions above.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define PAGEDLLM_NARROW 1
+constexpr int LN = 8;
+typedef float vn __attribute__((vector_size(32)));
+typedef int32_t vni __attribute__((vector_size(32)));
+typedef uint32_t vnu __attribute__((vector_size(32)));
+typedef uint16_t vnh __attribute__((vector_size(16)));
+typedef _Float16 vnhf __attribute__((vector_size(16)));
+constexpr vni IOTAN = {0, 1, 2, 3, 4, 5, 6, 7};
+
+inline vn loadn(const float* p) { vn v; std::memcpy(&v, p, sizeof v); return v; }
+inline vn loadn(const c10::BFloat16* p) {
+  vnh h;
+  std::memcpy(&h, p, sizeof h);
+  return (vn)(__builtin_convertvector(h, vnu) << 16);
+}
+inline vn loadn(const c10::Half* p) {
+  vnhf h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, vn);
+}
+inline void storen(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
+inline void storen(c10::BFloat16* p, vn v) { store_bf16_lanes<vn, vnu, vnh>(p, v); }
+inline void storen(c10::Half* p, vn v) {
+  vnhf h = __builtin_convertvector(v, vnhf);
+  std::memcpy(p, &h, sizeof h);
+}
+inline float hsumn(vn v) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline float hmaxn(vn v) {
+  const __m128 s = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+inline vn exp2n(vn x) { return exp2_lanes<vn, vni>(x); }
+#else
+constexpr int LN = L;
+typedef vf vn;
+typedef vi vni;
+typedef vu vnu;
+constexpr vni IOTAN = IOTA;
+template <typename T>
+inline vn loadn(const T* p) { return load16(p); }
+template <typename T>
+inline void storen(T* p, vn v) { store16(p, v); }
+inline float hsumn(vn v) { return hsum(v); }
+inline float hmaxn(vn v) { return hmax(v); }
+inline vn exp2n(vn x) { return exp2v(x); }
+#endif
+inline vn expn(vn x) { return exp2n(x * 1.4426950408889634f); }
+
 // Natural log for x > 0 (normal floats): x = 2^e * m, m in [sqrt(1/2), sqrt(2)),
-// log m = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172: series to t^11.
-inline vf logv(vf x) {
-  vi bits = (vi)x;
-  vi e = ((bits >> 23) & 0xFF) - 127;
-  vf m = (vf)((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
-  const vi big = m > 1.41421356f;
+// log m = 2 atanh(t), t = (m - 1) / (m + 1), |t| < 0.172: series to t^11. V, I as exp2_lanes.
+template <typename V, typename I>
+inline V log_lanes(V x) {
+  I bits = (I)x;
+  I e = ((bits >> 23) & 0xFF) - 127;
+  V m = (V)((bits & 0x007FFFFF) | 0x3F800000);  // [1, 2)
+  const I big = m > 1.41421356f;
   m = big ? m * 0.5f : m;
   e = big ? e + 1 : e;
-  const vf t = (m - 1.f) / (m + 1.f), t2 = t * t;
-  vf p = splat(1.f / 11);
+  const V t = (m - 1.f) / (m + 1.f), t2 = t * t;
+  V p = V{} + 1.f / 11;
   p = p * t2 + 1.f / 9;
   p = p * t2 + 1.f / 7;
   p = p * t2 + 1.f / 5;
   p = p * t2 + 1.f / 3;
   p = p * t2 + 1.f;
-  return 2.f * t * p + __builtin_convertvector(e, vf) * 0.6931471805599453f;
+  return 2.f * t * p + __builtin_convertvector(e, V) * 0.6931471805599453f;
 }
+
+inline vf logv(vf x) { return log_lanes<vf, vi>(x); }
+inline vn logn(vn x) { return log_lanes<vn, vni>(x); }
 
 }  // namespace pagedllm

@@ -673,7 +673,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       if (first >= visible) visible = 0;
       // In the CPU's own width (vn): a sweep of single floats, no 16-key layout. Keys from
       // visible to the end of its vector become 0 (an odd chunk's last pair reads one).
-      vn mv = vn{} + m[r];
+      vn mv = splatn(m[r]);
       for (int t0 = 0; t0 < visible; t0 += LN) {
         vn s = loadn(sr + t0);
         s = IOTAN + t0 < visible && IOTAN + t0 >= first ? s : vn{} + NEG_INF;

@@ -168,10 +168,11 @@ inline vf expv(vf x) { return exp2v(x * 1.4426950408889634f); }
 
 
 // The CPU's own width, for loops that need no 16-lane layout (rows of elementwise kernels, the
-// softmax's sweeps): vn, LN lanes, with loadn / storen / hsumn / exp2n. On x86 without AVX-512,
-// GCC 12 keeps a 16-lane vector in memory (a splat is 16 scalar stores, a value crosses the stack
-// at each use); an 8-lane one lives in a ymm register: silu_and_mul ran 3x slower than torch's
-// two ops on a Zen 3. Elsewhere vn is vf, and these are the 16-lane functions above.
+// softmax's sweeps): vn, LN lanes, with splatn, loadn, storen, hsumn, hmaxn, exp2n and logn. On
+// x86 without AVX-512, GCC 12 keeps a 16-lane vector in memory (a splat is 16 scalar stores, a
+// value crosses the stack at each use); an 8-lane one lives in a ymm register: silu_and_mul ran
+// 3x slower than torch's two ops on a Zen 3. Elsewhere vn is vf, and these are the 16-lane
+// functions above.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 #define PAGEDLLM_NARROW 1
 constexpr int LN = 8;
@@ -182,6 +183,7 @@ typedef uint16_t vnh __attribute__((vector_size(16)));
 typedef _Float16 vnhf __attribute__((vector_size(16)));
 constexpr vni IOTAN = {0, 1, 2, 3, 4, 5, 6, 7};
 
+inline vn splatn(float x) { return vn{x, x, x, x, x, x, x, x}; }
 inline vn loadn(const float* p) { vn v; std::memcpy(&v, p, sizeof v); return v; }
 inline vn loadn(const c10::BFloat16* p) {
   vnh h;
@@ -216,6 +218,7 @@ typedef vf vn;
 typedef vi vni;
 typedef vu vnu;
 constexpr vni IOTAN = IOTA;
+inline vn splatn(float x) { return splat(x); }
 template <typename T>
 inline vn loadn(const T* p) { return load16(p); }
 template <typename T>

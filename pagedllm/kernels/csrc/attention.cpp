@@ -676,7 +676,7 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       vn mv = splatn(m[r]);
       for (int t0 = 0; t0 < visible; t0 += LN) {
         vn s = loadn(sr + t0);
-        s = IOTAN + t0 < visible && IOTAN + t0 >= first ? s : vn{} + NEG_INF;
+        s = IOTAN + t0 < visible && IOTAN + t0 >= first ? s : splatn(NEG_INF);
         storen(sr + t0, s);
         mv = mv > s ? mv : s;
       }

@@ -82,7 +82,7 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
   s.resize(V + L);
   w.resize(V + L);
   const int64_t body = V / LN * LN;
-  vn mv = vn{} + NEG_INF;
+  vn mv = splatn(NEG_INF);
   for (int64_t i = 0; i < body; i += LN) {
     const vn v = loadn(x + i);
     mv = mv > v ? mv : v;
@@ -136,12 +136,12 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
       return best;
     }
   }
-  vn best_key = vn{} + NEG_INF;
-  vni best = IOTAN * 0;
+  vn best_key = splatn(NEG_INF);
+  vni best{};
   for (int64_t i = 0; i < V; i += LN) {
     vn sv = loadn(s.data() + i);
     const vni lane = IOTAN + int32_t(i);
-    sv = (lane < int32_t(V)) & (sv >= cut) ? sv + gumbel(key, i) : vn{} + NEG_INF;
+    sv = (lane < int32_t(V)) & (sv >= cut) ? sv + gumbel(key, i) : splatn(NEG_INF);
     const vni take = sv > best_key;
     best_key = take ? sv : best_key;
     best = take ? lane : best;
@@ -185,7 +185,7 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
 // index. torch's reduction took 7 ms for 32 rows of Gemma 3's 262k logits here, ~9 % of a step.
 template <typename T>
 int64_t argmax_row(const T* x, int64_t V) {
-  vn m = vn{} + NEG_INF;  // the CPU's own width (vec.h): a sweep of single values
+  vn m = splatn(NEG_INF);  // the CPU's own width (vec.h): a sweep of single values
   vni nan{};
   int64_t i = 0;
   for (; i + LN <= V; i += LN) {

@@ -54,7 +54,7 @@ struct TopK {
 template <typename T>
 void score_row(const T* x, int64_t V, int64_t want, TopK& top, float& logprob, int32_t& rank) {
   // Pass 1: the max (lanes past V read as -inf).
-  vn m = vn{} + NEG_INF;  // the CPU's own width (vec.h)
+  vn m = splatn(NEG_INF);  // the CPU's own width (vec.h)
   alignas(64) float tail[LN];
   const int64_t full = V / LN * LN;
   for (int64_t i = 0; i < full; i += LN) {

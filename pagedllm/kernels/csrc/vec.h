@@ -166,7 +166,6 @@ inline V exp2_lanes(V x) {
 inline vf exp2v(vf x) { return exp2_lanes<vf, vi>(x); }
 inline vf expv(vf x) { return exp2v(x * 1.4426950408889634f); }
 
-
 // The CPU's own width, for loops that need no 16-lane layout (rows of elementwise kernels, the
 // softmax's sweeps): vn, LN lanes, with splatn, loadn, storen, hsumn, hmaxn, exp2n and logn. On
 // x86 without AVX-512, GCC 12 keeps a 16-lane vector in memory (a splat is 16 scalar stores, a
@@ -174,7 +173,6 @@ inline vf expv(vf x) { return exp2v(x * 1.4426950408889634f); }
 // 3x slower than torch's two ops on a Zen 3. Elsewhere vn is vf, and these are the 16-lane
 // functions above.
 #if defined(__AVX2__) && !defined(__AVX512F__)
-#define PAGEDLLM_NARROW 1
 constexpr int LN = 8;
 typedef float vn __attribute__((vector_size(32)));
 typedef int32_t vni __attribute__((vector_size(32)));
@@ -211,7 +209,6 @@ inline float hmaxn(vn v) {
   const __m128 t = _mm_max_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
-inline vn exp2n(vn x) { return exp2_lanes<vn, vni>(x); }
 #else
 constexpr int LN = L;
 typedef vf vn;
@@ -225,8 +222,8 @@ template <typename T>
 inline void storen(T* p, vn v) { store16(p, v); }
 inline float hsumn(vn v) { return hsum(v); }
 inline float hmaxn(vn v) { return hmax(v); }
-inline vn exp2n(vn x) { return exp2v(x); }
 #endif
+inline vn exp2n(vn x) { return exp2_lanes<vn, vni>(x); }
 inline vn expn(vn x) { return exp2n(x * 1.4426950408889634f); }
 
 // Natural log for x > 0 (normal floats): x = 2^e * m, m in [sqrt(1/2), sqrt(2)),

@@ -19,6 +19,7 @@ sources are the same), the two alternating for `--rounds` rounds, medians compar
         --num-prompts 32 --output-len 64 --dtype bfloat16 --rounds 2   # another model's directory
     python -m benchmarks before_after --base aa8dbb9 --parts offline --model gemma-3-270m --quantization gguf \
         --dtype float32 --num-prompts 16 --max-prompt-len 512 --output-len 32   # a GGUF's own blocks
+    python -m benchmarks before_after --base b3183b5 --parts offline,B --kv-cache-dtype int8 --rounds 2   # a KV dtype
 """
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def offline(tree: Path, a: argparse.Namespace, out: Path) -> dict:
     model = ["--model", a.model] if getattr(a, "model", None) else []
     model += ["--block-size", str(a.block_size)] if getattr(a, "block_size", None) else []
     model += ["--quantization", a.quantization] if getattr(a, "quantization", None) else []
+    model += ["--kv-cache-dtype", a.kv_cache_dtype] if getattr(a, "kv_cache_dtype", None) else []
     r = run_py(tree, ["bench", "throughput", *workload(a), *model, "--dtype", a.dtype, "--warmup", "0",
                       "--out", str(out)], timeout=3600)
     if r.returncode != 0:
@@ -124,6 +126,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="offline: a model directory or GGUF (default: SmolLM2)")
     ap.add_argument("--block-size", type=int, default=None, help="offline: the engine's block size (a state model's)")
     ap.add_argument("--quantization", default=None, help="offline: gguf, int8, int4 or w8a8")
+    ap.add_argument("--kv-cache-dtype", default=None, help="offline: how the KV cache stores K/V (int8, fp8, int4...)")
     ap.add_argument("--parts", default="offline,serve", help=f"of offline, serve, {', '.join(CASES)}")
     ap.add_argument("--out", default="benchmarks/results/before_after.json")
     a = ap.parse_args()
@@ -159,7 +162,8 @@ def main() -> None:
                          "after_over_before": med["after"] / med["before"], "workload": workload(args[part]),
                          "model": getattr(args[part], "model", None),
                          "block_size": getattr(args[part], "block_size", None),
-                         "quantization": getattr(args[part], "quantization", None)}
+                         "quantization": getattr(args[part], "quantization", None),
+                         "kv_cache_dtype": getattr(args[part], "kv_cache_dtype", None)}
         print(f"{part}: before {med['before']:.1f} tok/s, after {med['after']:.1f} tok/s, "
               f"after/before {med['after'] / med['before']:.3f}")
     save_result({"benchmark": "before_after", "command": "python -m benchmarks before_after " + " ".join(sys.argv[1:]),

@@ -133,26 +133,15 @@ inline vf dot_bcast(vf acc, __m512bh x, const uint32_t* p) {
 }
 #endif
 
-#if defined(__AVX2__) && !defined(__AVX512F__)
-// fp32 K/V without AVX-512: 16 lanes as two ymm halves in a struct. GCC 12 keeps a 16-lane
-// generic vector in memory on AVX2 (a splat is 16 scalar stores, an accumulator a round trip
-// through the stack each FMA); a struct of two 8-lane vectors stays in registers. On the score
-// loop alone, 7x (124 against 870 ns for 3 rows x 16 keys x 64 dims on a Zen 3 core).
-struct Half2 {
-  __m256 a, b;
-};
-inline Half2 load_h2(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline void store_h2(float* p, Half2 v) {
-  _mm256_storeu_ps(p, v.a);
-  _mm256_storeu_ps(p + 8, v.b);
+// Chunks of LN dims that RB rows' accumulators over them leave room for in the registers:
+// the largest power of two up to budget / RB that divides the n chunks of a row.
+template <int RB>
+constexpr int chunks_per_pass(int n) {
+  constexpr int budget = LN == 8 ? 12 : 24;  // of 16 ymm / 32 zmm registers
+  int p = 8;
+  while (p > 1 && (p * RB > budget || n % p)) p /= 2;
+  return p;
 }
-inline void fma_h2(Half2& acc, float x, Half2 v) {
-  const __m256 s = _mm256_set1_ps(x);
-  acc.a = _mm256_fmadd_ps(s, v.a, acc.a);
-  acc.b = _mm256_fmadd_ps(s, v.b, acc.b);
-}
-#define PAGEDLLM_HALF2 1
-#endif
 
 // Scores S[r][0..16) (rows CHUNK apart) for R query rows against a K tile: kt(j) points
 // at pair-row j (16 keys x P dims). Dot path: q as bf16 pairs, scaled after; else q as
@@ -183,29 +172,23 @@ inline void qk_block(const float* qs, const uint32_t* qp, float scale, float* S,
         a1[r] += splat(qs[r * D + 2 * j + 1]) * hi;
       }
     }
-  } else {
-#ifdef PAGEDLLM_HALF2
-    if constexpr (std::is_same_v<T, float>) {
-      Half2 b0[R] = {}, b1[R] = {};
+  } else {  // fp32 keys, in the CPU's width: NH vectors of LN keys make the tile, as many
+    // at a time as their sums (two a row and vector: even and odd dims) fit in registers
+    constexpr int NH = L / LN, NHI = 2 * NH * R <= 12 ? NH : 1;
+    for (int h0 = 0; h0 < NH; h0 += NHI) {
+      vn b0[R][NHI] = {}, b1[R][NHI] = {};
       for (int d = 0; d < D; d += 2) {
-        const Half2 k0 = load_h2(kt(d)), k1 = load_h2(kt(d + 1));
+        vn k0[NHI], k1[NHI];
+        for (int h = 0; h < NHI; ++h) k0[h] = loadn(kt(d) + (h0 + h) * LN), k1[h] = loadn(kt(d + 1) + (h0 + h) * LN);
         for (int r = 0; r < R; ++r) {
-          fma_h2(b0[r], qs[r * D + d], k0);
-          fma_h2(b1[r], qs[r * D + d + 1], k1);
+          const vn q0 = splatn(qs[r * D + d]), q1 = splatn(qs[r * D + d + 1]);
+          for (int h = 0; h < NHI; ++h) b0[r][h] += q0 * k0[h], b1[r][h] += q1 * k1[h];
         }
       }
       for (int r = 0; r < R; ++r)
-        store_h2(S + r * CHUNK, {_mm256_add_ps(b0[r].a, b1[r].a), _mm256_add_ps(b0[r].b, b1[r].b)});
-      return;
+        for (int h = 0; h < NHI; ++h) storen(S + r * CHUNK + (h0 + h) * LN, b0[r][h] + b1[r][h]);
     }
-#endif
-    for (int d = 0; d < D; d += 2) {
-      const vf k0 = load16(kt(d)), k1 = load16(kt(d + 1));
-      for (int r = 0; r < R; ++r) {
-        a0[r] += splat(qs[r * D + d]) * k0;
-        a1[r] += splat(qs[r * D + d + 1]) * k1;
-      }
-    }
+    return;
   }
   for (int r = 0; r < R; ++r) storef(S + r * CHUNK, a0[r] + a1[r]);
 }
@@ -229,30 +212,27 @@ inline void with_rows(int n, F f) {
 template <typename T, int NC, int RB, typename TILE>
 inline void pv_block(float* acc, const float* S, const uint32_t* pp, const float* alpha, int n, TILE tile) {
   constexpr int D = NC * L, P = PAIR<T>;
-#ifdef PAGEDLLM_HALF2
-  if constexpr (std::is_same_v<T, float>) {
-    Half2 h[RB][NC];
-    for (int r = 0; r < RB; ++r) {
-      const __m256 al = _mm256_set1_ps(alpha[r]);
-      for (int c = 0; c < NC; ++c) {
-        h[r][c] = load_h2(acc + r * D + c * L);
-        h[r][c] = {_mm256_mul_ps(h[r][c].a, al), _mm256_mul_ps(h[r][c].b, al)};
+  if constexpr (std::is_same_v<T, float>) {  // in the CPU's width, over as many dims as the registers hold
+    constexpr int NCN = D / LN, CP = chunks_per_pass<RB>(NCN);
+    for (int c0 = 0; c0 < NCN; c0 += CP) {
+      vn o[RB][CP];
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < CP; ++c) o[r][c] = loadn(acc + r * D + (c0 + c) * LN) * alpha[r];
+      for (int t0 = 0; t0 < n; t0 += L) {
+        const auto vt = tile(t0);
+        const int keys = std::min(L, n - t0);
+        for (int i = 0; i < keys; ++i)
+          for (int c = 0; c < CP; ++c) {
+            const int d = (c0 + c) * LN;  // dims d .. d + LN - 1: in 16-dim row d / L
+            const vn v = loadn(vt(i, d / L) + d % L);
+            for (int r = 0; r < RB; ++r) o[r][c] += splatn(S[r * CHUNK + t0 + i]) * v;
+          }
       }
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < CP; ++c) storen(acc + r * D + (c0 + c) * LN, o[r][c]);
     }
-    for (int t0 = 0; t0 < n; t0 += L) {
-      const auto vt = tile(t0);
-      const int keys = std::min(L, n - t0);
-      for (int i = 0; i < keys; ++i)
-        for (int c = 0; c < NC; ++c) {
-          const Half2 v = load_h2(vt(i, c));
-          for (int r = 0; r < RB; ++r) fma_h2(h[r][c], S[r * CHUNK + t0 + i], v);
-        }
-    }
-    for (int r = 0; r < RB; ++r)
-      for (int c = 0; c < NC; ++c) store_h2(acc + r * D + c * L, h[r][c]);
     return;
   }
-#endif
   vf o[RB][NC];
   for (int r = 0; r < RB; ++r)
     for (int c = 0; c < NC; ++c) o[r][c] = loadf(acc + r * D + c * L) * alpha[r];
@@ -289,53 +269,87 @@ inline void pv_block(float* acc, const float* S, const uint32_t* pp, const float
 
 // Quantized K: scores S[r][0..16) of R rows against 16 keys whose lanes start at kb, one
 // line of 64 bytes per PER_LANE dims (lane_row bytes apart); ks / km: the keys' scales
-// (and int4's mins) per group of dims. A scale is per key, that is per lane: it multiplies
-// a group's finished dot products once; a min adds min * (the row's sum of q over the group).
+// (and int4's mins) per group of dims, 16 floats a group. A scale is per key, that is per
+// lane: it multiplies a group's finished dot products once; a min adds min * (the row's sum
+// of q over the group). In the CPU's width: LN keys at a time.
 template <Fmt F, int NC, int R>
 inline void qk_block_q(const float* qs, const float* qsum, float* S, const uint8_t* kb, int64_t lane_row,
-                       const vf* ks, const vf* km) {
+                       const float* ks, const float* km) {
   constexpr int D = NC * L, E = PER_LANE<F>, G = K_GROUPS<F, D>, LG = D / E / G;  // lanes per group
-  vf out[R] = {};
-  for (int grp = 0; grp < G; ++grp) {
-    vf a0[R] = {}, a1[R] = {};
-    for (int g = grp * LG; g < (grp + 1) * LG; ++g) {
-      vu u;
-      std::memcpy(&u, kb + g * lane_row, sizeof u);
-      for (int i = 0; i < E; i += 2) {
-        const vf k0 = k_elem<F>(u, i), k1 = k_elem<F>(u, i + 1);
-        for (int r = 0; r < R; ++r) {
-          a0[r] += splat(qs[r * D + g * E + i]) * k0;
-          a1[r] += splat(qs[r * D + g * E + i + 1]) * k1;
+  for (int h = 0; h < L; h += LN) {
+    vn out[R] = {};
+    for (int grp = 0; grp < G; ++grp) {
+      vn a0[R] = {}, a1[R] = {};
+      for (int g = grp * LG; g < (grp + 1) * LG; ++g) {
+        vnu u;
+        std::memcpy(&u, kb + g * lane_row + h * 4, sizeof u);
+        for (int i = 0; i < E; i += 2) {
+          const vn k0 = k_elem<F>(u, i), k1 = k_elem<F>(u, i + 1);
+          for (int r = 0; r < R; ++r) {
+            a0[r] += splatn(qs[r * D + g * E + i]) * k0;
+            a1[r] += splatn(qs[r * D + g * E + i + 1]) * k1;
+          }
         }
       }
+      for (int r = 0; r < R; ++r) {
+        out[r] += (a0[r] + a1[r]) * loadn(ks + grp * L + h);
+        if constexpr (K_ASYM<F>) out[r] += splatn(qsum[r * G + grp]) * loadn(km + grp * L + h);
+      }
     }
-    for (int r = 0; r < R; ++r) {
-      out[r] += (a0[r] + a1[r]) * ks[grp];
-      if constexpr (K_ASYM<F>) out[r] += splat(qsum[r * G + grp]) * km[grp];
-    }
+    for (int r = 0; r < R; ++r) storen(S + r * CHUNK + h, out[r]);
   }
-  for (int r = 0; r < R; ++r) storef(S + r * CHUNK, out[r]);
 }
 
 // Quantized V: acc[r] = acc[r] * alpha[r] + sum over keys t in [t_lo, n) of P[r][t] V[t],
-// the key's scale folded into its weight. row(t) gives (codes of key t, its scale).
+// the key's scale folded into its weight (vs[t]: 0 outside [t_lo, n)). Rows of the pool's
+// own layout: fp8 a key at a time (row(t): its codes), int8 and int4 a pair of keys at a
+// time (pair(i): the pair row of keys 2i, 2i + 1), decoded once for the RB rows. In the CPU's
+// width, over as many dims at a time as the registers hold.
 template <Fmt F, int NC, int RB, typename ROW>
-inline void pv_block_q(float* acc, const float* S, const float* alpha, int t_lo, int n, ROW row) {
-  constexpr int D = NC * L;
-  vf o[RB][NC];
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) o[r][c] = loadf(acc + r * D + c * L) * alpha[r];
-  for (int t = t_lo; t < n; ++t) {
-    const auto [codes, scale] = row(t);
-    vf vals[NC];
-    for (int c = 0; c < NC; ++c) vals[c] = v_chunk<F, NC>(codes, c);
-    for (int r = 0; r < RB; ++r) {
-      const vf p = splat(S[r * CHUNK + t] * scale);
-      for (int c = 0; c < NC; ++c) o[r][c] += p * vals[c];
+inline void pv_block_q(float* acc, const float* S, const float* vs, const float* alpha, int t_lo, int n, ROW row) {
+  constexpr int D = NC * L, NCN = D / LN;
+  constexpr bool pairs = V_PAIRS<F>, i4 = F == Fmt::i4;
+  constexpr int loads = i4 ? NCN / 2 : NCN;  // vectors of codes a row (pair row) of D dims takes
+  constexpr int CP = chunks_per_pass<RB * (i4 ? 2 : 1)>(loads);
+  for (int c0 = 0; c0 < loads; c0 += CP) {
+    vn o[RB][CP * (i4 ? 2 : 1)];
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CP; ++c) {
+        o[r][c] = loadn(acc + r * D + (c0 + c) * LN) * alpha[r];
+        if constexpr (i4) o[r][CP + c] = loadn(acc + r * D + D / 2 + (c0 + c) * LN) * alpha[r];
+      }
+    if constexpr (pairs) {
+      for (int t = t_lo & ~1; t < n; t += 2) {  // t even: chunks start on a whole tile
+        const uint8_t* pr = row(t / 2);
+        float w0[RB], w1[RB];
+        for (int r = 0; r < RB; ++r) {
+          w0[r] = S[r * CHUNK + t] * vs[t];
+          w1[r] = S[r * CHUNK + t + 1] * vs[t + 1];
+        }
+        for (int c = 0; c < CP; ++c) {
+          vn v[i4 ? 4 : 2];
+          v_pair<F>(pr + (c0 + c) * 2 * LN, v);
+          for (int r = 0; r < RB; ++r) {
+            o[r][c] += splatn(w0[r]) * v[0] + splatn(w1[r]) * v[1];
+            if constexpr (i4) o[r][CP + c] += splatn(w0[r]) * v[2] + splatn(w1[r]) * v[3];
+          }
+        }
+      }
+    } else {
+      for (int t = t_lo; t < n; ++t) {
+        const uint8_t* codes = row(t);
+        for (int c = 0; c < CP; ++c) {
+          const vn v = v_chunk<F>(codes, c0 + c);
+          for (int r = 0; r < RB; ++r) o[r][c] += splatn(S[r * CHUNK + t] * vs[t]) * v;
+        }
+      }
     }
+    for (int r = 0; r < RB; ++r)
+      for (int c = 0; c < CP; ++c) {
+        storen(acc + r * D + (c0 + c) * LN, o[r][c]);
+        if constexpr (i4) storen(acc + r * D + D / 2 + (c0 + c) * LN, o[r][CP + c]);
+      }
   }
-  for (int r = 0; r < RB; ++r)
-    for (int c = 0; c < NC; ++c) storef(acc + r * D + c * L, o[r][c]);
 }
 
 inline float bf16_at(const uint8_t* p) {
@@ -660,7 +674,8 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
               return;
             }
 #endif
-            qk_block_q<F, NC, R>(qs + r * D, sc.qsum.data() + r * KG, S + r * CHUNK + t0, kb, lane_row, ks, km);
+            qk_block_q<F, NC, R>(qs + r * D, sc.qsum.data() + r * KG, S + r * CHUNK + t0, kb, lane_row,
+                                 reinterpret_cast<const float*>(ks), reinterpret_cast<const float*>(km));
           });
       }
     }
@@ -701,19 +716,37 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
     // 3. acc += P . V, row block by row block, over the chunk's tiles.
     const int t_lo = std::max(0, need - c0);  // keys of the chunk below every row's window: not read
     uint8_t* pair_tile = reinterpret_cast<uint8_t*>(sc.vt.data());
-#if defined(__AVX512VNNI__)
-    if constexpr (PV_INT<F>) {
-      // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
-      float* vs = sc.vsc.data();  // V's scales of the chunk's keys, 0 past it and below the window
+    float* vs = sc.vsc.data();  // V's scales of the chunk's keys, 0 past it and below the window
+    if constexpr (F != Fmt::plain) {
       for (int t0 = 0; t0 < cn; t0 += L) {
         if (whole_tiles && t0 >= t_lo) {  // 16 keys of one block: their scales side by side
           const uint8_t* blk = a.vq + int64_t(table[(c0 + t0) / B]) * a.v_blk + it.kvh * a.v_head;
           const vf x = load16(reinterpret_cast<const c10::BFloat16*>(blk + a.v_code_bytes) + (c0 + t0) % B);
-          storef(vs + t0, IOTA + t0 < cn ? x : vf{});
+          storef(vs + t0, IOTA + t0 < cn ? x * DECODE_MUL<FQ> : vf{});
         } else {
           for (int t = t0; t < t0 + L; ++t) vs[t] = t < t_lo || t >= cn ? 0.f : vq_row(c0 + t).second;
         }
       }
+    }
+    // The pair row of chunk keys 2i, 2i + 1 (int8, int4): where it lies when blocks hold whole
+    // pairs; in odd blocks the two keys' bytes are gathered side by side (zero codes for keys
+    // outside [t_lo, cn), whose blocks may be gone).
+    auto pair = [&](int i) -> const uint8_t* {
+      const int j = c0 + 2 * i;
+      if (B % 2 == 0) {
+        const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
+        return blk + (j % B) / 2 * 2 * v_row;
+      }
+      for (int x = 0; x < 2; ++x) {
+        const bool real = 2 * i + x < cn && 2 * i + x >= t_lo;
+        const uint8_t* src = real ? vq_row(j + x).first : nullptr;
+        for (int b = 0; b < v_row; ++b) pair_tile[b * 2 + x] = real ? src[b * 2] : (F == Fmt::i4 ? 0x88 : 0);
+      }
+      return pair_tile;
+    };
+#if defined(__AVX512VNNI__)
+    if constexpr (PV_INT<F>) {
+      // Each row's weights times the keys' scales, as int16 of the row's max (pmul back).
       for (int r = 0; r < pv_rows; ++r) {
         const float* sr = S + r * CHUNK;
         vf mv{};
@@ -736,19 +769,6 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
       auto pv = [&](auto R) {
 #if defined(__AVX512VNNI__)
         if constexpr (PV_INT<F>) {
-          auto pair = [&](int i) -> const uint8_t* {
-            const int j = c0 + 2 * i;  // keys j, j + 1: one pair row when blocks hold whole pairs
-            if (B % 2 == 0) {
-              const uint8_t* blk = a.vq + int64_t(table[j / B]) * a.v_blk + it.kvh * a.v_head;
-              return blk + (j % B) / 2 * 2 * v_row;
-            }
-            for (int x = 0; x < 2; ++x) {  // odd blocks: the two keys' bytes side by side
-              const bool real = 2 * i + x < cn && 2 * i + x >= t_lo;
-              const uint8_t* src = real ? vq_row(j + x).first : nullptr;
-              for (int b = 0; b < v_row; ++b) pair_tile[b * 2 + x] = real ? src[b * 2] : (F == Fmt::i4 ? 0x88 : 0);
-            }
-            return pair_tile;
-          };
           constexpr int RB = std::min<int>(decltype(R)::value, PV_ROWS);
           pv_block_int<F, NC, RB>(acc + r * D, pp + r * CHUNK / 2, sc.pmul.data() + r, alpha + r, t_lo / 2,
                                   (cn + 1) / 2, pair);
@@ -756,8 +776,10 @@ void run_item(const Item& it, const Args<T>& a, Scratch& sc) {
         }
 #endif
         if constexpr (F != Fmt::plain) {
-          pv_block_q<F, NC, std::min<int>(R, PV_ROWS)>(acc + r * D, S + r * CHUNK, alpha + r, t_lo, cn,
-                                                       [&](int t) { return vq_row(c0 + t); });
+          constexpr int RB = std::min<int>(decltype(R)::value, PV_ROWS);
+          if constexpr (V_PAIRS<F>) pv_block_q<F, NC, RB>(acc + r * D, S + r * CHUNK, vs, alpha + r, t_lo, cn, pair);
+          else pv_block_q<F, NC, RB>(acc + r * D, S + r * CHUNK, vs, alpha + r, t_lo, cn,
+                                     [&](int t) { return vq_row(c0 + t).first; });
           return;
         }
         pv_block<T, NC, std::min<int>(R, PV_ROWS)>(acc + r * D, S + r * CHUNK, pp + r * CHUNK / 2, alpha + r, cn,

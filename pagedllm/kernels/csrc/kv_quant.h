@@ -53,51 +53,68 @@ constexpr float DECODE_MUL = F == Fmt::e4m3 ? 256.f : 1.f;
 
 typedef uint8_t vb __attribute__((vector_size(16)));
 
+// The readers work in the CPU's own width (vec.h's vn, LN lanes): on AVX2 a 16-lane vector
+// lives in memory, and a decode step of int8 or fp8 K/V cost 4-10x its fp32 read.
+
 // Low 16 bits of each lane as fp16 -> fp32 (exact, subnormals included).
-inline vf half_bits(vu h) {
-  const vh n = __builtin_convertvector(h, vh);
-  vhf f;
-  std::memcpy(&f, &n, sizeof f);
-  return __builtin_convertvector(f, vf);
+inline vn half_bits(vnu h) {
+#if defined(__AVX2__) && !defined(__AVX512F__)  // two halves packed (GCC's own narrowing takes four steps)
+  const __m256i x = (__m256i)h;
+  const __m128i n = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+  vnh w;
+  std::memcpy(&w, &n, sizeof w);
+  return half_to_float(w);
+#else
+  return half_to_float(__builtin_convertvector(h, vnh));
+#endif
 }
 
-// 16 codes (one per lane, in its low byte / nibble) -> values / DECODE_MUL.
+// LN codes (one per lane, in its low byte / nibble) -> values / DECODE_MUL.
 template <Fmt F>
-inline vf decode(vu b) {
-  if constexpr (F == Fmt::i8) return __builtin_convertvector((vi)b - 128, vf);
-  else if constexpr (F == Fmt::i4) return __builtin_convertvector((vi)b - 8, vf);
+inline vn decode(vnu b) {
+  if constexpr (F == Fmt::i8) return __builtin_convertvector((vni)b - 128, vn);
+  else if constexpr (F == Fmt::i4) return __builtin_convertvector((vni)b - 8, vn);
   else if constexpr (F == Fmt::e5m2) return half_bits(b << 8);  // e5m2 is fp16's top byte
   else return half_bits(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7));
 }
 
-// Element i of each K lane (16 keys, one dim); int4 keys: the raw code (asymmetric).
+// Element i of each K lane (LN keys, one dim); int4 keys: the raw code (asymmetric).
 template <Fmt F>
-inline vf k_elem(vu u, int i) {
+inline vn k_elem(vnu u, int i) {
   constexpr unsigned mask = (1u << BITS<F>) - 1;
-  if constexpr (K_ASYM<F>) return __builtin_convertvector((vi)((u >> (BITS<F> * i)) & mask), vf);
+  if constexpr (K_ASYM<F>) return __builtin_convertvector((vni)((u >> (BITS<F> * i)) & mask), vn);
   else return decode<F>((u >> (BITS<F> * i)) & mask);
 }
 
-typedef int8_t vsb __attribute__((vector_size(16)));
+typedef uint8_t vnb __attribute__((vector_size(LN)));
+typedef int16_t vns __attribute__((vector_size(2 * LN)));
 
-// Dims 16c..16c+15 of one key's V row (NC vectors of 16 dims in all); int8 and int4: `row`
-// points at the key's byte in its pair row (bytes 2 apart).
-template <Fmt F, int NC>
-inline vf v_chunk(const uint8_t* row, int c) {
+// fp8 V: dims LN*c .. LN*c + LN - 1 of one key's row.
+template <Fmt F>
+inline vn v_chunk(const uint8_t* row, int c) {
+  vnb x;
+  std::memcpy(&x, row + c * LN, sizeof x);
+  const vnh w = __builtin_convertvector(x, vnh);  // fp16 bits built in 16-bit lanes: no narrowing after
+  return half_to_float(F == Fmt::e5m2 ? vnh(w << 8) : vnh(((w & 0x80) << 8) | ((w & 0x7F) << 7)));
+}
+
+// int8 and int4 V, a pair row at a time (two keys' bytes side by side): the LN 16-bit lanes at
+// `p` hold (key 0's byte, key 1's byte) of LN consecutive bytes of the row, split here into
+// each key's values: int8 (dims of those bytes) in v[0] and v[1]; int4 also the high nibbles
+// (dims + D / 2) in v[2] and v[3]. Signed int8, int4 offset by 8.
+template <Fmt F>
+inline void v_pair(const uint8_t* p, vn (&v)[F == Fmt::i4 ? 4 : 2]) {
+  vns w;
+  std::memcpy(&w, p, sizeof w);
+  const vni x = __builtin_convertvector(w, vni);  // sign-extended: key 1's byte is the high one
   if constexpr (F == Fmt::i8) {
-    vsb x;
-    for (int i = 0; i < L; ++i) x[i] = int8_t(row[(c * L + i) * 2]);
-    return __builtin_convertvector(x, vf);
-  } else if constexpr (F == Fmt::i4) {
-    const int half = NC / 2;
-    vb x;
-    for (int i = 0; i < L; ++i) x[i] = row[((c % half) * L + i) * 2];
-    const vu u = __builtin_convertvector(x, vu);
-    return decode<F>(c < half ? (u & 0xFu) : (u >> 4));
+    v[0] = __builtin_convertvector((x << 24) >> 24, vn);
+    v[1] = __builtin_convertvector(x >> 8, vn);
   } else {
-    vb x;
-    std::memcpy(&x, row + c * L, sizeof x);
-    return decode<F>(__builtin_convertvector(x, vu));
+    v[0] = __builtin_convertvector((x & 0xF) - 8, vn);
+    v[1] = __builtin_convertvector(((x >> 8) & 0xF) - 8, vn);
+    v[2] = __builtin_convertvector(((x >> 4) & 0xF) - 8, vn);
+    v[3] = __builtin_convertvector(((x >> 12) & 0xF) - 8, vn);
   }
 }
 

@@ -44,9 +44,13 @@ inline vf load16(const c10::BFloat16* p) {
 #endif
 }
 inline vf load16(const c10::Half* p) {
+#ifdef __AVX512F__  // GCC 12 converts a _Float16 vector an element at a time without AVX512-FP16
+  return (vf)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#else
   vhf h;
   std::memcpy(&h, p, sizeof h);
   return __builtin_convertvector(h, vf);
+#endif
 }
 inline void store16(float* p, vf v) { storef(p, v); }
 // fp32 lanes to bf16: V float lanes, U uint32 and H uint16 lanes of as many.
@@ -188,16 +192,33 @@ inline vn loadn(const c10::BFloat16* p) {
   std::memcpy(&h, p, sizeof h);
   return (vn)(__builtin_convertvector(h, vnu) << 16);
 }
+// fp16 bits to fp32. GCC 12 converts a _Float16 vector an element at a time where the CPU has
+// no AVX512-FP16; F16C (every AVX2 CPU) converts eight in one instruction.
+inline vn half_to_float(vnh h) {
+#ifdef __F16C__
+  __m128i x;
+  std::memcpy(&x, &h, sizeof x);
+  return (vn)_mm256_cvtph_ps(x);
+#else
+  vnhf f;
+  std::memcpy(&f, &h, sizeof f);
+  return __builtin_convertvector(f, vn);
+#endif
+}
 inline vn loadn(const c10::Half* p) {
-  vnhf h;
+  vnh h;
   std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, vn);
+  return half_to_float(h);
 }
 inline void storen(float* p, vn v) { std::memcpy(p, &v, sizeof v); }
 inline void storen(c10::BFloat16* p, vn v) { store_bf16_lanes<vn, vnu, vnh>(p, v); }
 inline void storen(c10::Half* p, vn v) {
+#ifdef __F16C__
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph((__m256)v, _MM_FROUND_TO_NEAREST_INT));
+#else
   vnhf h = __builtin_convertvector(v, vnhf);
   std::memcpy(p, &h, sizeof h);
+#endif
 }
 inline float hsumn(vn v) {
   const __m128 s = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
@@ -214,7 +235,10 @@ constexpr int LN = L;
 typedef vf vn;
 typedef vi vni;
 typedef vu vnu;
+typedef vh vnh;
+typedef vhf vnhf;
 constexpr vni IOTAN = IOTA;
+inline vn half_to_float(vnh h) { return load16(reinterpret_cast<const c10::Half*>(&h)); }
 inline vn splatn(float x) { return splat(x); }
 template <typename T>
 inline vn loadn(const T* p) { return load16(p); }

@@ -9,7 +9,7 @@ import torch
 
 from pagedllm.kernels import load_ops
 from pagedllm.plan import SampleTarget
-from pagedllm.runtime.sampler import sample
+from pagedllm.runtime.sampler import sample, weights
 from pagedllm.sampling_params import SamplingParams
 
 PROBS = torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05, 0.0, 0.0])
@@ -101,3 +101,20 @@ def test_greedy_and_sampled_rows_mix_with_logprobs(kernels):
     assert out[0] == 0 and list(lps[0]) == [0, 1] and [lp.rank for lp in lps[0].values()] == [1, 2]
     assert list(lps[1]) == [out[1]] and lps[1][out[1]].rank == 1 + int((PROBS > PROBS[out[1]]).sum())
     assert abs(lps[0][0].logprob - float(torch.log(PROBS[0]))) < 1e-4
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.3), dict(top_k=12), dict(top_k=30, top_p=0.5), dict(top_p=0.9)])
+def test_a_large_vocabularys_bounds_are_the_references(kw):
+    """The kernel sorts only the score bucket where a top-k or top-p bound falls (a bucket is
+    1/16 of a unit of score): the tokens it draws are the reference's allowed set (weights),
+    every one of them, and none past it. 40 leading tokens, ~3 a bucket, above 4k flat ones;
+    top_p 0.9 ends inside the flat crowd, whose buckets hold hundreds."""
+    g = torch.Generator().manual_seed(1)
+    row = 0.3 * torch.randn(4096, generator=g)
+    row[:40] = 5 - 0.02 * torch.arange(40)
+    row = row[torch.randperm(4096, generator=g)]
+    allowed = set(torch.nonzero(weights(row, SamplingParams(temperature=1.0, **kw))).flatten().tolist())
+    n = 3000
+    out, _, _ = sample(row.repeat(n, 1), [[s] for s in seqs(n, temperature=1.0, **kw)], load_ops())
+    drawn = set(out.values())
+    assert drawn == allowed if len(allowed) < 40 else drawn <= allowed and len(drawn) > 1000, (len(drawn), len(allowed))

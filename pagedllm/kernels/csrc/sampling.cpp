@@ -68,17 +68,110 @@ inline int bin_of(float v) {
   return b < BINS - 1 ? int(b) : BINS - 1;  // -inf, very low scores and NaN: the last bucket
 }
 
-// Indices of the tokens with s >= cut whose bucket is at most `last`, best first.
-inline void best_first(const std::vector<float>& s, int64_t V, float cut, int last, std::vector<int32_t>& idx) {
+// The tokens of bucket b with s >= cut, best first (s descending, then index ascending).
+inline void bucket_best_first(const std::vector<float>& s, int64_t V, float cut, int b, std::vector<int32_t>& idx) {
   idx.clear();
   for (int64_t i = 0; i < V; ++i)
-    if (s[i] >= cut && bin_of(s[i]) <= last) idx.push_back(int32_t(i));
-  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+    if (s[i] >= cut && bin_of(s[i]) == b) idx.push_back(int32_t(i));
+  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+}
+
+// Top-k and top-p as two bounds on the best-first order of the tokens: s >= cut (the k-th best
+// score), and best first up to the token (top_s, top_i) (the nucleus's last). Only the bucket
+// where a bound falls is sorted: every bucket above it lies wholly inside. Sorting the whole
+// nucleus cost ~4 ms a row of 49k flat logits (a logit_bias can flatten a row), paid by the
+// step of every request in the batch.
+struct Bounds {
+  float cut = NEG_INF;
+  float top_s = NEG_INF;
+  int64_t top_i = std::numeric_limits<int32_t>::max();
+  bool empty = false;   // nothing finite to draw from
+  bool listed = false;  // the nucleus is small and `kept` lists it: the race runs over it alone
+};
+
+inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t V, int64_t top_k, float top_p,
+                     std::vector<int32_t>& idx, std::vector<int32_t>& kept) {
+  Bounds bd;
+  for (int64_t i = 0; i < V; i += LN) storen(w.data() + i, expn(loadn(s.data() + i)));
+  int64_t count[BINS] = {};
+  double mass[BINS] = {};
+  for (int64_t i = 0; i < V; ++i) {
+    const int b = bin_of(s[i]);
+    count[b] += 1;
+    mass[b] += w[i];
+  }
+  if (top_k > 0 && top_k < V) {  // the k-th best sits in the first bucket where the count reaches k
+    int last = 0;
+    int64_t before = 0;
+    for (; last < BINS - 1 && before + count[last] < top_k; ++last) before += count[last];
+    bucket_best_first(s, V, NEG_INF, last, idx);
+    if (before + int64_t(idx.size()) >= top_k) bd.cut = s[idx[top_k - before - 1]];
+  }
+  if (top_p < 1.f) {  // the nucleus: fewest best tokens holding top_p of the (top-k) mass
+    double z = 0;
+    for (int64_t i = 0; i < V; ++i) z += s[i] >= bd.cut ? w[i] : 0.f;
+    const double goal = double(top_p) * z;
+    int last = 0;
+    int64_t upto = 0;  // tokens in buckets up to `last`: at least the nucleus
+    for (double acc = 0; last < BINS - 1 && (acc += mass[last]) < goal; ++last) upto += count[last];
+    bd.listed = upto + count[last] <= V / 16;  // a race over a list costs a vector of noise a token
+    double acc = 0;  // the buckets before `last`, all in the nucleus; then bucket `last`, best first
+    kept.clear();
+    idx.clear();
+    for (int64_t i = 0; i < V; ++i) {
+      if (!(s[i] >= bd.cut)) continue;
+      const int b = bin_of(s[i]);
+      if (b < last) {
+        acc += w[i];
+        if (bd.listed) kept.push_back(int32_t(i));
+      } else if (b == last) {
+        idx.push_back(int32_t(i));
+      }
+    }
+    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+    if (idx.empty()) {  // bucket `last` holds nothing allowed: the nucleus is the buckets before it
+      bd.empty = acc == 0;  // (a token before `last` has s >= -SPAN: its weight is above 0)
+      bd.top_s = -float(last) * (SPAN / BINS);  // bin_of(v) < last exactly when v > this
+      bd.top_i = -1;
+    } else {
+      size_t j = 0;
+      while (j + 1 < idx.size() && (acc += w[idx[j]]) < goal) ++j;
+      bd.top_s = s[idx[j]];
+      bd.top_i = idx[j];
+      if (bd.listed) kept.insert(kept.end(), idx.begin(), idx.begin() + j + 1);
+    }
+  }
+  return bd;
+}
+
+// The race among the allowed tokens: s >= cut, and (NUCLEUS) at or before (top_s, top_i) best
+// first. Ties of two keys go to the lower index, as in the race over a list.
+template <bool NUCLEUS>
+int64_t race(const std::vector<float>& s, int64_t V, uint64_t key, const Bounds& bd) {
+  const vn cut = splatn(bd.cut), top_s = splatn(bd.top_s);
+  vn best_key = splatn(NEG_INF);
+  vni best{};
+  for (int64_t i = 0; i < V; i += LN) {
+    vn sv = loadn(s.data() + i);
+    const vni lane = IOTAN + int32_t(i);
+    vni in = (lane < int32_t(V)) & (sv >= cut);
+    if constexpr (NUCLEUS) in &= (sv > top_s) | ((sv == top_s) & (lane <= int32_t(bd.top_i)));
+    sv = in ? sv + gumbel(key, i) : splatn(NEG_INF);
+    const vni take = sv > best_key;
+    best_key = take ? sv : best_key;
+    best = take ? lane : best;
+  }
+  float bk = NEG_INF;
+  int64_t bt = 0;
+  for (int j = 0; j < LN; ++j)
+    if (best_key[j] > bk || (best_key[j] == bk && best[j] < bt)) bk = best_key[j], bt = best[j];
+  return bt;
 }
 
 template <typename T>
 int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p, uint64_t key,
-                   std::vector<float>& s, std::vector<float>& w, std::vector<int32_t>& idx) {
+                   std::vector<float>& s, std::vector<float>& w, std::vector<int32_t>& idx,
+                   std::vector<int32_t>& kept) {
   s.resize(V + L);
   w.resize(V + L);
   const int64_t body = V / LN * LN;
@@ -99,58 +192,18 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
   if (!std::isfinite(mx))
     for (int64_t i = 0; i < V; ++i)
       if (std::isnan(s[i])) s[i] = float(x[i]) == mx ? 0.f : NEG_INF;
-  float cut = NEG_INF;  // tokens below it are out
-  const bool use_k = top_k > 0 && top_k < V, use_p = top_p < 1.f;
-  if (use_k || use_p) {
-    for (int64_t i = 0; i < V; i += LN) storen(w.data() + i, expn(loadn(s.data() + i)));
-    float count[BINS] = {}, mass[BINS] = {};
-    for (int64_t i = 0; i < V; ++i) {
-      const int b = bin_of(s[i]);
-      count[b] += 1.f;
-      mass[b] += w[i];
+  const Bounds bd = (top_k > 0 && top_k < V) || top_p < 1.f ? bounds(s, w, V, top_k, top_p, idx, kept) : Bounds{};
+  if (bd.empty) return 0;
+  if (bd.listed) {  // ties of two keys go to the lower index, as in race()
+    int64_t bt = kept.empty() ? 0 : kept[0];
+    float bk = NEG_INF;
+    for (const int32_t t : kept) {
+      const float key_t = s[t] + gumbel(key, t & ~int64_t(LN - 1))[t & (LN - 1)];
+      if (key_t > bk || (key_t == bk && t < bt)) bk = key_t, bt = t;
     }
-    if (use_k) {  // the k-th best sits in the first bucket where the count reaches k
-      int last = 0;
-      for (float c = 0.f; last < BINS && (c += count[last]) < float(top_k); ++last) {}
-      best_first(s, V, NEG_INF, std::min(last, BINS - 1), idx);
-      cut = int64_t(idx.size()) >= top_k ? s[idx[top_k - 1]] : NEG_INF;
-    }
-    if (use_p) {  // the nucleus: fewest best tokens holding top_p of the (top-k) mass
-      float z = 0.f;
-      for (int64_t i = 0; i < V; ++i) z += s[i] >= cut ? w[i] : 0.f;
-      int last = 0;
-      for (float acc = 0.f; last < BINS - 1 && (acc += mass[last]) < top_p * z; ++last) {}
-      best_first(s, V, cut, last, idx);
-      if (idx.empty()) return 0;  // nothing finite to draw from (every logit -inf or NaN)
-      double acc = 0;
-      int64_t keep = int64_t(idx.size());
-      for (size_t j = 0; j < idx.size(); ++j)
-        if ((acc += w[idx[j]]) >= double(top_p) * z) { keep = int64_t(j) + 1; break; }
-      int64_t best = idx[0];
-      float best_key = NEG_INF;
-      for (int64_t j = 0; j < keep; ++j) {  // race among the nucleus only
-        const int64_t t = idx[j];
-        const float g = gumbel(key, t & ~int64_t(LN - 1))[t & (LN - 1)];
-        if (s[t] + g > best_key) { best_key = s[t] + g; best = t; }
-      }
-      return best;
-    }
+    return bt;
   }
-  vn best_key = splatn(NEG_INF);
-  vni best{};
-  for (int64_t i = 0; i < V; i += LN) {
-    vn sv = loadn(s.data() + i);
-    const vni lane = IOTAN + int32_t(i);
-    sv = (lane < int32_t(V)) & (sv >= cut) ? sv + gumbel(key, i) : splatn(NEG_INF);
-    const vni take = sv > best_key;
-    best_key = take ? sv : best_key;
-    best = take ? lane : best;
-  }
-  float bk = NEG_INF;
-  int64_t bt = 0;
-  for (int j = 0; j < LN; ++j)
-    if (best_key[j] > bk) { bk = best_key[j]; bt = best[j]; }
-  return bt;
+  return bd.top_s == NEG_INF ? race<false>(s, V, key, bd) : race<true>(s, V, key, bd);
 }
 
 // logits [R, V]; temperature f32, top_k int64 (0: off), top_p f32, seeds int64: [R] each.
@@ -172,8 +225,9 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& temperature, const
     const T* x = logits.data_ptr<T>();
     at::parallel_for(0, R, 1, [&](int64_t b, int64_t e) {
       std::vector<float> s, w;
-      std::vector<int32_t> idx;
-      for (int64_t r = b; r < e; ++r) o[r] = sample_row(x + r * V, V, t[r], k[r], p[r], uint64_t(sd[r]), s, w, idx);
+      std::vector<int32_t> idx, kept;
+      for (int64_t r = b; r < e; ++r)
+        o[r] = sample_row(x + r * V, V, t[r], k[r], p[r], uint64_t(sd[r]), s, w, idx, kept);
     });
   };
   by_dtype(logits, "sample", run);

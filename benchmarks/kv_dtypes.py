@@ -11,6 +11,7 @@ attention costs, and what throughput the engine keeps, per dtype.
    KV); each engine in a process of its own.
 
     python -m benchmarks kv_dtypes --out benchmarks/results/kv_dtypes.json [--parts memory,attention,throughput]
+    python -m benchmarks kv_dtypes --parts attention --dtype float32 --out benchmarks/results/kv_dtypes_avx2.json
 """
 from __future__ import annotations
 
@@ -54,16 +55,25 @@ def concurrency() -> list[dict]:
     return rows
 
 
-def attention() -> list[dict]:
+def attention(dtype: str = "bfloat16") -> list[dict]:
+    """Decode attention per KV dtype, each shape's time also as a ratio to the model dtype's own
+    pool (auto: the first row of the shape), measured in the same run."""
+    import torch
+
     from benchmarks.lib.attention import bench_decode
 
     rows = []
     for batch, context in ATTENTION_SHAPES:
+        base = None
         for kind in DTYPES:
-            r = bench_decode(batch, context, reference=False, kv_cache_dtype="auto" if kind == "bfloat16" else kind)
+            r = bench_decode(batch, context, reference=False, dtype=getattr(torch, dtype),
+                             kv_cache_dtype="auto" if kind == "bfloat16" else kind)
+            base = base or r["kernel_s"]
+            r["over_auto"] = r["kernel_s"] / base
             rows.append(r)
-            print(f"{batch:3d} x {context:5d} {kind:9s} kernel {r['kernel_s'] * 1e3:7.3f} ms  floor "
-                  f"{r['floor_s'] * 1e3:6.3f} ms  ({r['kv_bytes'] / 2**20:.1f} MiB)", flush=True)
+            print(f"{batch:3d} x {context:5d} {r['kv_cache_dtype']:9s} kernel {r['kernel_s'] * 1e3:7.3f} ms "
+                  f"({r['over_auto']:.2f}x auto's)  floor {r['floor_s'] * 1e3:6.3f} ms  "
+                  f"({r['kv_bytes'] / 2**20:.1f} MiB)", flush=True)
     return rows
 
 
@@ -97,6 +107,7 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/kv_dtypes.json")
     p.add_argument("--parts", default="memory,attention,throughput")
     p.add_argument("--shapes", default=",".join(SHAPES), help="throughput shapes: " + ", ".join(SHAPES))
+    p.add_argument("--dtype", default="bfloat16", help="attention: the model dtype (the queries, and auto's pool)")
     a = p.parse_args()
     from pagedllm.bench.provenance import save_result
 
@@ -108,7 +119,7 @@ def main() -> None:
     if "memory" in parts:
         res["concurrency"] = concurrency()
     if "attention" in parts:
-        res["attention"] = attention()
+        res["attention"] = attention(a.dtype)
     if "throughput" in parts:
         res["throughput"] = throughput(a.shapes.split(","))
     save_result(res, a.out)

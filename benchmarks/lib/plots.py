@@ -389,6 +389,14 @@ def plot_kv_dtypes(fig, data: dict) -> None:
         ax.set_xlabel(xlabel)
 
 
+def plot_sampling(ax, data: dict) -> None:
+    """The sampler (benchmarks/sampling.py): ms a step of `rows` rows per setting, temperature alone first."""
+    rows = data["results"]
+    _bars(ax, [r["setting"] for r in rows], [r["ms"] for r in rows],
+          [OURS if i == 0 else OTHER_COLOUR for i in range(len(rows))], "{:.1f} ms")
+    ax.set_xlabel(f"ms for {data['rows']} rows of {data['vocab']:,} logits, one thread")
+
+
 def plot_kv_tier(fig, data: dict) -> None:
     """The disk tier (benchmarks/kv_tier.py), a panel per part: the RAG document's first answer
     per setting, FCFS against LPM's TTFT, and swap against recompute by prompt length."""
@@ -795,6 +803,7 @@ PLOTTERS: list[Plotter] = [
      "A hybrid model's state behind a shared system prompt: TTFT", True),
     (lambda d: d.get("benchmark") == "mla" and "prefill" in d, plot_mla_prefill,
      "Multi-head latent attention's prefill: expanded heads or latent space", True),
+    (lambda d: d.get("benchmark") == "sampling", plot_sampling, "The sampler's cost per step by setting", False),
     (lambda d: d.get("benchmark") == "before_after", plot_before_after,
      "Throughput before and after a change", False),
     (lambda d: "groups_ms" in d, plot_step_profile, "Where a decode step's time goes", False),

@@ -15,6 +15,10 @@ from pagedllm.attention import triton_available
 if triton_available() is not None:
     pytest.skip(f"Triton kernels not tested: {triton_available()}", allow_module_level=True)
 
+# Imported first, it sets TRITON_INTERPRET=1 before anything imports triton: the fixtures' HF
+# transformers does, and triton read afterwards would not interpret (this file alone failed).
+from pagedllm.attention import triton_kernels  # noqa: E402, F401
+
 
 
 CUDA = torch.cuda.is_available()

@@ -138,7 +138,7 @@ inline vf dot_bcast(vf acc, __m512bh x, const uint32_t* p) {
 template <int RB>
 constexpr int chunks_per_pass(int n) {
   constexpr int budget = LN == 8 ? 12 : 24;  // of 16 ymm / 32 zmm registers
-  int p = 8;
+  int p = 16;  // (a head of 256 dims: one pass of 16 zmm, as before there was a pass at all)
   while (p > 1 && (p * RB > budget || n % p)) p /= 2;
   return p;
 }

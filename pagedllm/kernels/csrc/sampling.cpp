@@ -68,12 +68,17 @@ inline int bin_of(float v) {
   return b < BINS - 1 ? int(b) : BINS - 1;  // -inf, very low scores and NaN: the last bucket
 }
 
-// The tokens of bucket b with s >= cut, best first (s descending, then index ascending).
+// Tokens best first: s descending, then index ascending.
+inline void sort_best_first(const std::vector<float>& s, std::vector<int32_t>& idx) {
+  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+}
+
+// The tokens of bucket b with s >= cut, best first.
 inline void bucket_best_first(const std::vector<float>& s, int64_t V, float cut, int b, std::vector<int32_t>& idx) {
   idx.clear();
   for (int64_t i = 0; i < V; ++i)
     if (s[i] >= cut && bin_of(s[i]) == b) idx.push_back(int32_t(i));
-  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+  sort_best_first(s, idx);
 }
 
 // Top-k and top-p as two bounds on the best-first order of the tokens: s >= cut (the k-th best
@@ -128,7 +133,7 @@ inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t
         idx.push_back(int32_t(i));
       }
     }
-    std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
+    sort_best_first(s, idx);
     if (idx.empty()) {  // bucket `last` holds nothing allowed: the nucleus is the buckets before it
       bd.empty = acc == 0;  // (a token before `last` has s >= -SPAN: its weight is above 0)
       bd.top_s = -float(last) * (SPAN / BINS);  // bin_of(v) < last exactly when v > this
@@ -203,7 +208,7 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
     }
     return bt;
   }
-  return bd.top_s == NEG_INF ? race<false>(s, V, key, bd) : race<true>(s, V, key, bd);
+  return top_p < 1.f ? race<true>(s, V, key, bd) : race<false>(s, V, key, bd);
 }
 
 // logits [R, V]; temperature f32, top_k int64 (0: off), top_p f32, seeds int64: [R] each.

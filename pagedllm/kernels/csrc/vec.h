@@ -236,7 +236,6 @@ typedef vf vn;
 typedef vi vni;
 typedef vu vnu;
 typedef vh vnh;
-typedef vhf vnhf;
 constexpr vni IOTAN = IOTA;
 inline vn half_to_float(vnh h) { return load16(reinterpret_cast<const c10::Half*>(&h)); }
 inline vn splatn(float x) { return splat(x); }

@@ -117,14 +117,17 @@ def weights(row: torch.Tensor, p) -> torch.Tensor:
     x = torch.nan_to_num(row.float(), nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     top = x.max()
     x = torch.where(x == top, 0.0, float("-inf")) if top == float("inf") else x - top
-    x = x / max(float(p.temperature), 1e-30)
+    x = x / min(max(float(p.temperature), 1e-30), 1e20)  # the kernel's bounds (sampling.cpp)
     if 0 < p.top_k < x.shape[-1]:
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
     w = x.exp()
     if p.top_p < 1.0:
-        sw, order = w.sort(descending=True)
-        cum = sw.cumsum(0)
-        drop = cum - sw >= p.top_p * cum[-1]
+        # Best first by score, ties to the lower index: the kernel's order. (Weights tie where scores
+        # do not: under a high temperature every exp(s) rounds to nearly 1.)
+        order = x.argsort(descending=True, stable=True)
+        sw = w[order]
+        cum = sw.double().cumsum(0)
+        drop = cum - sw.double() >= p.top_p * cum[-1]
         drop[0] = False  # the top token always stays, even for a top_p below float32's range
         w = torch.zeros_like(w).scatter_(0, order, sw.masked_fill(drop, 0.0))
     return w

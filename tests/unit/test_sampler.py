@@ -103,18 +103,51 @@ def test_greedy_and_sampled_rows_mix_with_logprobs(kernels):
     assert abs(lps[0][0].logprob - float(torch.log(PROBS[0]))) < 1e-4
 
 
-@pytest.mark.parametrize("kw", [dict(top_p=0.3), dict(top_k=12), dict(top_k=30, top_p=0.5), dict(top_p=0.9)])
-def test_a_large_vocabularys_bounds_are_the_references(kw):
-    """The kernel sorts only the score bucket where a top-k or top-p bound falls (a bucket is
-    1/16 of a unit of score): the tokens it draws are the reference's allowed set (weights),
-    every one of them, and none past it. 40 leading tokens, ~3 a bucket, above 4k flat ones;
-    top_p 0.9 ends inside the flat crowd, whose buckets hold hundreds."""
+@pytest.mark.parametrize("temperature, kw", [
+    (1.0, dict(top_p=0.3)), (1.0, dict(top_k=12)), (1.0, dict(top_k=30, top_p=0.5)), (1.0, dict(top_p=0.9)),
+    # A client's high temperature squeezes every score near 0; past 1e20 the kernel's is 1e20.
+    (100.0, dict(top_p=0.01)), (1e6, dict(top_p=0.005)), (1e6, dict(top_k=12)), (1e38, dict(top_k=20, top_p=0.5))])
+def test_a_large_vocabularys_bounds_are_the_references(temperature, kw):
+    """The kernel searches only the score bucket where a top-k or top-p bound falls (a row's
+    buckets span its own scores): the tokens it draws are the reference's allowed set (weights),
+    every one of them, and none past it. 40 leading tokens above 4k flat ones; top_p 0.9 ends
+    inside the flat crowd, whose buckets hold hundreds."""
     g = torch.Generator().manual_seed(1)
     row = 0.3 * torch.randn(4096, generator=g)
     row[:40] = 5 - 0.02 * torch.arange(40)
     row = row[torch.randperm(4096, generator=g)]
+    allowed = set(torch.nonzero(weights(row, SamplingParams(temperature=temperature, **kw))).flatten().tolist())
+    n = 3000
+    out, _, _ = sample(row.repeat(n, 1), [[s] for s in seqs(n, temperature=temperature, **kw)], load_ops())
+    drawn = set(out.values())
+    assert drawn == allowed if len(allowed) <= 64 else drawn <= allowed and len(drawn) > 1000, (len(drawn), len(allowed))
+
+
+@pytest.mark.parametrize("temperature, kw", [(1.0, dict(top_p=0.02)), (1e6, dict(top_p=0.01)),
+                                             (1.0, dict(top_k=45)), (1.0, dict(top_k=2000, top_p=0.04))])
+def test_a_bound_inside_a_crowded_bucket_is_exact(temperature, kw):
+    """4,000 tokens within ~1e-3 of each other under 30 spread ones: the crowd shares one bucket, and
+    the bound falls inside it, so the kernel selects among 4,000 (never sorting them): it draws
+    exactly the reference's set, the 30 and the crowd's best few."""
+    g = torch.Generator().manual_seed(2)
+    row = 4.0 + 1e-4 * torch.randn(4030, generator=g)
+    row[:30] = 5 - 0.02 * torch.arange(30)
+    row = row[torch.randperm(4030, generator=g)]
+    allowed = set(torch.nonzero(weights(row, SamplingParams(temperature=temperature, **kw))).flatten().tolist())
+    assert 30 < len(allowed) <= 64
+    n = 3000
+    out, _, _ = sample(row.repeat(n, 1), [[s] for s in seqs(n, temperature=temperature, **kw)], load_ops())
+    assert set(out.values()) == allowed
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=0.005), dict(top_p=0.003), dict(top_k=3000, top_p=0.004)])
+def test_tied_scores_go_to_the_lowest_indices(kw):
+    """A row of one value (what a temperature near float's top makes of any row): best first is
+    index order, so top-p keeps the lowest indices, as the reference's stable sort does. (Top-k
+    keeps every token tied with its k-th, here all of them.)"""
+    row = torch.zeros(4096)
     allowed = set(torch.nonzero(weights(row, SamplingParams(temperature=1.0, **kw))).flatten().tolist())
+    assert allowed == set(range(len(allowed))) and 10 < len(allowed) < 40
     n = 3000
     out, _, _ = sample(row.repeat(n, 1), [[s] for s in seqs(n, temperature=1.0, **kw)], load_ops())
-    drawn = set(out.values())
-    assert drawn == allowed if len(allowed) < 40 else drawn <= allowed and len(drawn) > 1000, (len(drawn), len(allowed))
+    assert set(out.values()) == allowed

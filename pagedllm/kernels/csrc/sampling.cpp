@@ -57,35 +57,87 @@ inline vn uniforms(uint64_t key, int64_t i) {
 
 inline vn gumbel(uint64_t key, int64_t i) { return -logn(-logn(uniforms(key, i))); }
 
-// Tokens by score buckets: 1 / BIN_W buckets per unit of s over [-SPAN, 0]; everything
-// lower shares the last bucket. One pass finds which bucket a top-k or top-p cut falls
-// in; only the tokens above it are then sorted.
+// Tokens by score buckets, BINS of them over [-range, 0]; everything lower shares the last one.
+// One pass finds which bucket a top-k or top-p bound falls in; only that bucket's tokens are then
+// searched. The range is the row's own (down to its lowest finite score, at most SPAN): a client's
+// high temperature squeezes every score s = (x - max) / T near 0, and buckets of a fixed width then
+// held the whole vocabulary in one. The width is a power of two, so that bucket edges are exact.
 constexpr int BINS = 512;
-constexpr float SPAN = 32.f;
+constexpr float SPAN = 32.f;  // below -SPAN a weight exp(s) is < 1e-13 of the top token's
 
-inline int bin_of(float v) {
-  const float b = -v * (BINS / SPAN);
-  return b < BINS - 1 ? int(b) : BINS - 1;  // -inf, very low scores and NaN: the last bucket
-}
+struct Buckets {
+  float scale = BINS / SPAN;  // buckets per unit of s
 
-// Tokens best first: s descending, then index ascending.
-inline void sort_best_first(const std::vector<float>& s, std::vector<int32_t>& idx) {
-  std::sort(idx.begin(), idx.end(), [&](int32_t a, int32_t c) { return s[a] > s[c] || (s[a] == s[c] && a < c); });
-}
+  explicit Buckets(float lowest) {  // the row's lowest finite s (<= 0)
+    int e;
+    std::frexp(std::max(-lowest, 1e-30f), &e);  // -lowest < 2^e
+    scale = std::ldexp(1.f, std::clamp(9 - e, 4, 100));  // BINS = 2^9; at least BINS / SPAN
+  }
+  int of(float v) const {
+    const float b = -v * scale;
+    return b < BINS - 1 ? int(b) : BINS - 1;  // -inf, very low scores and NaN: the last bucket
+  }
+  float top(int b) const { return -float(b) / scale; }  // of(v) < b exactly when v > top(b)
+};
 
-// The tokens of bucket b with s >= cut, best first.
-inline void bucket_best_first(const std::vector<float>& s, int64_t V, float cut, int b, std::vector<int32_t>& idx) {
+// Tokens best first: s descending, then index ascending (a strict total order on the tokens).
+struct BestFirst {
+  const float* s;
+  bool operator()(int32_t a, int32_t c) const { return s[a] > s[c] || (s[a] == s[c] && a < c); }
+};
+
+// The tokens of bucket b but NaNs (never drawn; they would break the order), in index order.
+inline void bucket_members(const std::vector<float>& s, int64_t V, const Buckets& bk, int b,
+                           std::vector<int32_t>& idx) {
   idx.clear();
   for (int64_t i = 0; i < V; ++i)
-    if (s[i] >= cut && bin_of(s[i]) == b) idx.push_back(int32_t(i));
-  sort_best_first(s, idx);
+    if (bk.of(s[i]) == b && s[i] == s[i]) idx.push_back(int32_t(i));
+}
+
+// Whether idx's tokens all have one score: a temperature near float's top (a client's) rounds
+// every s to 0, and a selection among ties is its slowest case.
+inline bool tied(const std::vector<float>& s, const std::vector<int32_t>& idx) {
+  for (const int32_t i : idx)
+    if (s[i] != s[idx[0]]) return false;
+  return true;
+}
+
+// Where acc plus the weight of idx's best tokens first reaches goal: the position j (the last one if
+// it never does), with idx[0..j] rearranged to hold the j + 1 best, idx[j] the worst of them.
+// Selection, not a sort: expected linear time. A high temperature puts every score in one bucket
+// (s = (x - max) / T near 0), and sorting it cost ~4-6 ms a row of 49k, paid by every request in
+// the step; a client sets its own temperature.
+inline size_t mass_select(const std::vector<float>& s, const std::vector<float>& w, std::vector<int32_t>& idx,
+                          double acc, double goal) {
+  if (tied(s, idx)) {  // best first is index order, idx's own
+    size_t j = 0;
+    while (j + 1 < idx.size() && (acc += w[idx[j]]) < goal) ++j;
+    return j;
+  }
+  const BestFirst better{s.data()};
+  size_t lo = 0, hi = idx.size();  // the answer lies in [lo, hi); acc holds the weight of idx[0..lo)
+  while (hi - lo > 1) {
+    const size_t mid = lo + (hi - lo) / 2;
+    std::nth_element(idx.begin() + lo, idx.begin() + mid, idx.begin() + hi, better);
+    double upto = acc;
+    for (size_t t = lo; t < mid; ++t) upto += w[idx[t]];
+    if (upto >= goal) {
+      hi = mid;
+      continue;
+    }
+    upto += w[idx[mid]];
+    if (upto >= goal) return mid;
+    acc = upto;
+    lo = mid + 1;
+  }
+  return lo < hi ? lo : hi - 1;  // lo == hi: [lo, hi) emptied past the last token, which is the answer
 }
 
 // Top-k and top-p as two bounds on the best-first order of the tokens: s >= cut (the k-th best
 // score), and best first up to the token (top_s, top_i) (the nucleus's last). Only the bucket
-// where a bound falls is sorted: every bucket above it lies wholly inside. Sorting the whole
-// nucleus cost ~4 ms a row of 49k flat logits (a logit_bias can flatten a row), paid by the
-// step of every request in the batch.
+// where a bound falls is searched, by selection: every bucket above it lies wholly inside. Sorting
+// the whole nucleus cost ~4 ms a row of 49k flat logits (a logit_bias can flatten a row), paid by
+// the step of every request in the batch.
 struct Bounds {
   float cut = NEG_INF;
   float top_s = NEG_INF;
@@ -97,11 +149,19 @@ struct Bounds {
 inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t V, int64_t top_k, float top_p,
                      std::vector<int32_t>& idx, std::vector<int32_t>& kept) {
   Bounds bd;
-  for (int64_t i = 0; i < V; i += LN) storen(w.data() + i, expn(loadn(s.data() + i)));
+  vn low = splatn(0.f);  // the lowest finite s
+  for (int64_t i = 0; i < V; i += LN) {
+    const vn v = loadn(s.data() + i);
+    storen(w.data() + i, expn(v));
+    low = (v < low) & (v > splatn(NEG_INF)) & (IOTAN + int32_t(i) < int32_t(V)) ? v : low;
+  }
+  float lowest = 0.f;
+  for (int j = 0; j < LN; ++j) lowest = std::min(lowest, low[j]);
+  const Buckets bk(lowest);
   int64_t count[BINS] = {};
   double mass[BINS] = {};
   for (int64_t i = 0; i < V; ++i) {
-    const int b = bin_of(s[i]);
+    const int b = bk.of(s[i]);
     count[b] += 1;
     mass[b] += w[i];
   }
@@ -109,8 +169,12 @@ inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t
     int last = 0;
     int64_t before = 0;
     for (; last < BINS - 1 && before + count[last] < top_k; ++last) before += count[last];
-    bucket_best_first(s, V, NEG_INF, last, idx);
-    if (before + int64_t(idx.size()) >= top_k) bd.cut = s[idx[top_k - before - 1]];
+    bucket_members(s, V, bk, last, idx);
+    if (before + int64_t(idx.size()) >= top_k) {  // a selection, not a sort: see mass_select
+      const auto kth = idx.begin() + (top_k - before - 1);
+      if (!tied(s, idx)) std::nth_element(idx.begin(), kth, idx.end(), BestFirst{s.data()});
+      bd.cut = s[*kth];
+    }
   }
   if (top_p < 1.f) {  // the nucleus: fewest best tokens holding top_p of the (top-k) mass
     double z = 0;
@@ -125,7 +189,7 @@ inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t
     idx.clear();
     for (int64_t i = 0; i < V; ++i) {
       if (!(s[i] >= bd.cut)) continue;
-      const int b = bin_of(s[i]);
+      const int b = bk.of(s[i]);
       if (b < last) {
         acc += w[i];
         if (bd.listed) kept.push_back(int32_t(i));
@@ -133,14 +197,12 @@ inline Bounds bounds(const std::vector<float>& s, std::vector<float>& w, int64_t
         idx.push_back(int32_t(i));
       }
     }
-    sort_best_first(s, idx);
     if (idx.empty()) {  // bucket `last` holds nothing allowed: the nucleus is the buckets before it
       bd.empty = acc == 0;  // (a token before `last` has s >= -SPAN: its weight is above 0)
-      bd.top_s = -float(last) * (SPAN / BINS);  // bin_of(v) < last exactly when v > this
+      bd.top_s = bk.top(last);
       bd.top_i = -1;
     } else {
-      size_t j = 0;
-      while (j + 1 < idx.size() && (acc += w[idx[j]]) < goal) ++j;
+      const size_t j = mass_select(s, w, idx, acc, goal);
       bd.top_s = s[idx[j]];
       bd.top_i = idx[j];
       if (bd.listed) kept.insert(kept.end(), idx.begin(), idx.begin() + j + 1);
@@ -187,8 +249,10 @@ int64_t sample_row(const T* x, int64_t V, float temp, int64_t top_k, float top_p
   }
   float mx = hmaxn(mv);
   for (int64_t i = body; i < V; ++i) mx = std::max(mx, float(x[i]));
-  // A temperature below float32's range would divide by zero: tiny ones act as greedy.
-  const float inv_t = 1.f / std::max(temp, 1e-30f);
+  // A temperature below float32's range would divide by zero: tiny ones act as greedy. One near
+  // its top (a client's: any finite temperature is valid) made every s subnormal, and arithmetic on
+  // subnormals is ~10x slower here; past 1e20 every weight exp(s) is 1 in float already.
+  const float inv_t = 1.f / std::clamp(temp, 1e-30f, 1e20f);
   for (int64_t i = 0; i < body; i += LN) storen(s.data() + i, (loadn(x + i) - mx) * inv_t);
   for (int64_t i = body; i < V; ++i) s[i] = (float(x[i]) - mx) * inv_t;  // <= 0, the top token at 0
   // Logits a processor pushed to +inf (a repetition penalty near 0 divides by it) give

@@ -43,8 +43,9 @@ def test_block_kernels_are_the_dequantized_matmul(fmt, dtype, k):
     ops = load_ops()
     # a tile in registers (1-6 rows; q4_1 x bf16 up to 4 on its own path), the scratch path
     # with a short last tile, many tiles, chunks of rows (K=576: 222 rows of bf16 a chunk), and
-    # bf16 rows from 64 on: panels of 32 columns unpacked for the bf16 panels' tiles
-    for m in (1, 3, 5, 16, 40, 64, 500):
+    # bf16 rows from 64 on: panels of 32 columns unpacked for the bf16 panels' tiles. Without
+    # AVX-512, fp32 rows up to 16 take a row of W at a time, 8 rows of x at a time (9: 8 and 1)
+    for m in (1, 3, 5, 9, 16, 40, 64, 500):
         x = torch.randn(m, k, generator=g).to(dtype)
         want = x.float() @ w.T
         tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \

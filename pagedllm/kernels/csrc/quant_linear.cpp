@@ -421,6 +421,116 @@ void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// Without AVX-512, one request's decode (fp32 x, up to ROWS8_MAX_M rows) on q4_1 and q8_0, the
+// formats of `--quantization int4 / int8` and of most GGUF files' layers: a row of W at a time,
+// each 8 codes widened, scaled and multiplied into 8-lane accumulators, in intrinsics. The
+// generic tiles' 16-lane vectors (two ymm each) spill there, and rows 2-4 went through
+// run_sgemm, which writes the unpacked weights out and reads them back: SmolLM2's q4_1 blocks
+// decoded at 15.6 tok/s on a 2-core Zen 3, slower than its fp32 weights (22.5), which are 5.6x
+// the bytes. The weights and the sums are fp32's (w = d q + m, then FMAs): no codes for x.
+// Past 8 rows a row of W is taken again for the next 8, from L1. Against run_sgemm on SmolLM2's
+// layers from memory there: 4-6x at 1-8 rows, 1.6-2x at 16, even near 24-32: the bound sits below.
+#define PAGEDLLM_ROWS8 1
+constexpr int64_t ROWS8_MAX_M = 16;
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline __m256i bytes8_u(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+inline __m256i bytes8_s(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
+
+// R rows of x (k apart) times 8 weights at offset o, into accumulator a of each row. One row
+// keeps 4 accumulators, two rows 2 each: FMA chains long enough to hide FMA's latency.
+template <int R>
+struct Acc8 {
+  static constexpr int A = R == 1 ? 4 : R == 2 ? 2 : 1;
+  __m256 v[R][A];
+  Acc8() {
+    for (int r = 0; r < R; ++r)
+      for (int a = 0; a < A; ++a) v[r][a] = _mm256_setzero_ps();
+  }
+  inline __attribute__((always_inline)) void add(int a, __m256 w, const float* x, int64_t k, int64_t o) {
+    for (int r = 0; r < R; ++r) v[r][a % A] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * k + o), w, v[r][a % A]);
+  }
+  void sums(float* res) const {
+    for (int r = 0; r < R; ++r) {
+      __m256 s = v[r][0];
+      for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, v[r][a]);
+      res[r] = hsum8(s);
+    }
+  }
+};
+
+// Row n of a q4_1 W: a pair of blocks shares 32 bytes, one 8-byte load feeds 8 weights of each.
+template <int R>
+void row8(const Q41& q, int64_t n, const float* x, int64_t k, float* res) {
+  Acc8<R> acc;
+  const int64_t nblk = k / G;
+  const uint8_t* qs = q.qs + n * q.npair * G;
+  const c10::Half *d = q.d + n * 2 * q.npair, *mn = q.m + n * 2 * q.npair;
+  const __m256i low = _mm256_set1_epi32(15);
+  for (int64_t b = 0; b < nblk; b += 2) {
+    const uint8_t* p = qs + b / 2 * G;
+    const __m256 d0 = _mm256_set1_ps(h2f(d[b])), m0 = _mm256_set1_ps(h2f(mn[b]));
+    if (b + 1 < nblk) {
+      const __m256 d1 = _mm256_set1_ps(h2f(d[b + 1])), m1 = _mm256_set1_ps(h2f(mn[b + 1]));
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = bytes8_u(p + 8 * i);
+        acc.add(i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d0, m0), x, k, b * G + 8 * i);
+        acc.add(i + 1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d1, m1), x, k, (b + 1) * G + 8 * i);
+      }
+    } else {  // an odd last block: its pair's high nibbles are padding, and x ends here
+      for (int i = 0; i < 4; ++i) {
+        const __m256i v = bytes8_u(p + 8 * i);
+        acc.add(i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d0, m0), x, k, b * G + 8 * i);
+      }
+    }
+  }
+  acc.sums(res);
+}
+
+template <int R>
+void row8(const Q80& q, int64_t n, const float* x, int64_t k, float* res) {
+  Acc8<R> acc;
+  const int8_t* qs = q.qs + n * q.nblk * G;
+  const c10::Half* d = q.d + n * q.nblk;
+  for (int64_t b = 0; b < q.nblk; ++b) {
+    const __m256 db = _mm256_set1_ps(h2f(d[b]));
+    for (int i = 0; i < 4; ++i)
+      acc.add(i, _mm256_mul_ps(_mm256_cvtepi32_ps(bytes8_s(qs + b * G + 8 * i)), db), x, k, b * G + 8 * i);
+  }
+  acc.sums(res);
+}
+
+template <class Q, class T>
+void run_rows8(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* out) {
+  const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS * NB / std::max<int64_t>(1, k / G));
+  at::parallel_for(0, n, grain, [&](int64_t j0, int64_t j1) {
+    float res[ROWS8_MAX_M];
+    for (int64_t j = j0; j < j1; ++j) {
+      for (int64_t r0 = 0; r0 < m; r0 += 8) {  // a second pass finds W's row in L1
+        const float* xr = x + r0 * k;
+        float* rr = res + r0;
+        switch (std::min<int64_t>(8, m - r0)) {
+          case 1: row8<1>(q, j, xr, k, rr); break;
+          case 2: row8<2>(q, j, xr, k, rr); break;
+          case 3: row8<3>(q, j, xr, k, rr); break;
+          case 4: row8<4>(q, j, xr, k, rr); break;
+          case 5: row8<5>(q, j, xr, k, rr); break;
+          case 6: row8<6>(q, j, xr, k, rr); break;
+          case 7: row8<7>(q, j, xr, k, rr); break;
+          default: row8<8>(q, j, xr, k, rr); break;
+        }
+      }
+      put(out, n, 0, int(m), j, 1, res);
+    }
+  });
+}
+#endif
+
 // out [m, n] = x [m, k] . W^T, W's blocks read through q (Q41 or Q80), P the arithmetic.
 // Up to MR rows each block is unpacked into registers and used at once. More rows unpack a
 // group of NB columns of W into an L1 scratch (P's words: bf16 pairs ready for vdpbf16ps)
@@ -428,6 +538,11 @@ void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 // paid once per group and chunk of rows, never as a copy of the layer.
 template <class P, class Q, class T>
 void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
+#ifdef PAGEDLLM_ROWS8
+  if constexpr (std::is_same_v<P, F32> && (std::is_same_v<Q, Q41> || std::is_same_v<Q, Q80>)) {
+    if (m <= ROWS8_MAX_M) return run_rows8(q, x, m, n, k, out);
+  }
+#endif
 #ifndef __AVX512F__
   if constexpr (std::is_same_v<P, F32>) {
     if (m >= SGEMM_MIN_M) return run_sgemm(q, x, m, n, k, out);

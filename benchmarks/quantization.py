@@ -20,6 +20,11 @@ a cold pass then the median of 3 warm ones (prefix cache reset before each), eac
 its own process, alternating for `--rounds` rounds:
 
     python -m benchmarks quantization --parts prefill --out benchmarks/results/quantization_prefill.json
+
+`--dtype float32` makes fp32 the activations and the baseline (what `dtype=auto` runs on a CPU
+without native bf16, where bf16 would be a slow reference):
+
+    python -m benchmarks quantization --parts speed --dtype float32 --rounds 2 --out benchmarks/results/quantization_avx2.json
 """
 from __future__ import annotations
 
@@ -32,13 +37,18 @@ from pagedllm.bench.throughput import in_own_process, save
 from pagedllm.bench.quality import common_prefix, fixed_text_ids, perplexity
 from pagedllm.bench.workloads import sharegpt_truncated
 
-QUANTS = (None, "gguf", "int8", "int4")  # None: bf16
+QUANTS = (None, "gguf", "int8", "int4")  # None: the float weights (bf16, or --dtype's)
+DTYPE = "bfloat16"   # the activations' and the baseline's (--dtype)
 
 
-def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int) -> dict:
+def base_label() -> str:
+    return {"bfloat16": "bf16", "float32": "fp32"}[DTYPE]
+
+
+def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(dtype="bfloat16", max_model_len=2048, quantization=quantization)
+    llm = LLM(dtype=dtype, max_model_len=2048, quantization=quantization)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompts[0][:16]}], SamplingParams(max_tokens=4), use_tqdm=False)  # warm
     t0 = time.perf_counter()
@@ -100,13 +110,17 @@ def text_perplexity(kw: dict, ids: list[int]) -> float:
 
 
 def main() -> None:
+    global DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     ap.add_argument("--parts", default="speed,quality", help="comma list: speed, quality, prefill")
+    ap.add_argument("--dtype", default=DTYPE, choices=("bfloat16", "float32"),
+                    help="the activations and the baseline (speed part)")
     args = ap.parse_args()
+    DTYPE = args.dtype
     parts = set(args.parts.split(","))
-    res: dict = {"rounds": args.rounds}
+    res: dict = {"rounds": args.rounds, "dtype": DTYPE}
     if "prefill" in parts:
         res["prefill"] = prefill_part(args.rounds)
     if "speed" in parts:
@@ -125,16 +139,18 @@ def speed_part(rounds: int) -> list[dict]:
     for _ in range(rounds):
         for name, prompts, max_tokens in (("one request", one, 256), ("48 ShareGPT prompts", batch, 128)):
             for q in QUANTS:
-                runs[name].setdefault(q or "bf16", []).append(in_own_process(speed, q, prompts, max_tokens))
+                runs[name].setdefault(q or base_label(), []).append(
+                    in_own_process(speed, q, prompts, max_tokens, DTYPE))
     rows = []
     for name, by in runs.items():
-        base = statistics.median(r["output_tok_s"] for r in by["bf16"])
+        base = statistics.median(r["output_tok_s"] for r in by[base_label()])
         for label, rs in by.items():
             med = statistics.median(r["output_tok_s"] for r in rs)
             rows.append({"workload": name, "engine": f"pagedllm {label}, {name}", "output_tok_s": med,
-                         "rounds": [r["output_tok_s"] for r in rs], "vs_bf16": med / base, "runner": rs[0]["runner"]})
+                         "rounds": [r["output_tok_s"] for r in rs], f"vs_{base_label()}": med / base,
+                         "runner": rs[0]["runner"]})
             each = ", ".join(f"{r['output_tok_s']:.1f}" for r in rs)
-            print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x bf16)  rounds {each}")
+            print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x {base_label()})  rounds {each}")
     return rows
 
 

@@ -14,6 +14,8 @@ speculative decoding (ngram k=4) on or off.
 
     python -m benchmarks single_request --variants bf16,bf16+ngram,gguf,gguf+ngram \\
         --out benchmarks/results/single_request_spec_quant.json
+    python -m benchmarks single_request --dtype float32 --variants fp32,gguf,int4 \\
+        --out benchmarks/results/single_request_avx2.json   # a CPU without native bf16
 """
 from __future__ import annotations
 
@@ -46,11 +48,11 @@ def workloads() -> dict[str, list[tuple[list[int], int, bool]]]:
             "anchor": [([rng.randrange(0, 10000) for _ in range(64)], 256, True)]}
 
 
-def run_pagedllm(variant: str, work: dict) -> dict:
+def run_pagedllm(variant: str, work: dict, dtype: str = "bfloat16") -> dict:
     from pagedllm import LLM, SamplingParams
 
     weights, _, spec = variant.partition("+")
-    llm = LLM(dtype="bfloat16", max_model_len=2048, quantization=None if weights == "bf16" else weights,
+    llm = LLM(dtype=dtype, max_model_len=2048, quantization=None if weights in ("bf16", "fp32") else weights,
               speculative_config=NGRAM if spec == "ngram" else None)
     llm.generate([{"prompt_token_ids": [1, 2, 3, 4]}], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
     out = {"engine": f"pagedllm {variant}", "runner": llm.engine.runner.describe()}
@@ -99,13 +101,16 @@ def run_llama_cpp(work: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--variants", default="bf16,bf16+ngram",
-                    help="comma list of WEIGHTS[+ngram]; WEIGHTS: bf16 or a --quantization value")
+                    help="comma list of WEIGHTS[+ngram]; WEIGHTS: bf16 / fp32 (the float weights) or a "
+                         "--quantization value")
+    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                    help="activations (and float weights): float32 on a CPU without native bf16")
     ap.add_argument("--skip-llama-cpp", action="store_true")
     ap.add_argument("--out", default="benchmarks/results/single_request_spec_quant.json")
     args = ap.parse_args()
     work = workloads()
     runs = [] if args.skip_llama_cpp else [in_own_process(run_llama_cpp, work)]
-    runs += [in_own_process(run_pagedllm, v, work) for v in args.variants.split(",")]
+    runs += [in_own_process(run_pagedllm, v, work, args.dtype) for v in args.variants.split(",")]
     base = runs[0]
     print(f"{'engine':44s}" + "".join(f"{w:>22s}" for w in work))
     for r in runs:

@@ -137,8 +137,9 @@ def test_gguf_block_kernels_are_gguf_pys_dequantized_matmul(fmt, dtype):
     assert layer.weight is None and layer.qraw.shape == (37, k // RAW_TYPES[fmt][2] * RAW_TYPES[fmt][1])
     ops = load_ops()
     # int8 codes (1, 4), blocks unpacked to registers (7) or 4 columns at a time (40), and from 64
-    # rows whole panels of 32 columns (100: the second panel 5 columns, the last tile 2 rows)
-    for m in (1, 4, 7, 40, 100):
+    # rows whole panels of 32 columns (100: the second panel 5 columns, the last tile 2 rows);
+    # without AVX-512, fp32 rows up to 16 a row of W at a time, 8 rows of x at a time (12: 8 and 4)
+    for m in (1, 4, 7, 12, 40, 100):
         x = torch.randn(m, k, generator=g).to(dtype)
         want = x.float() @ w.T
         tol = dict(atol=1e-4 * want.abs().max().item(), rtol=1e-4) if dtype == torch.float32 else \

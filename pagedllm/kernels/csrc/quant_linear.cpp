@@ -505,6 +505,22 @@ void row8(const Q80& q, int64_t n, const float* x, int64_t k, float* res) {
   acc.sums(res);
 }
 
+// GGUF's other types: each block unpacked by its own reader (16-lane generic code) into 32 floats
+// in L1, then the same 8-lane FMAs.
+template <int R, class Q>
+void row8(const Q& q, int64_t n, const float* x, int64_t k, float* res) {
+  Acc8<R> acc;
+  alignas(64) float w[G];
+  for (int64_t b = 0; b < k / G; ++b) {
+    vf lo, hi;
+    q.block(n, b, lo, hi);
+    storef(w, lo);
+    storef(w + L, hi);
+    for (int i = 0; i < 4; ++i) acc.add(i, _mm256_load_ps(w + 8 * i), x, k, b * G + 8 * i);
+  }
+  acc.sums(res);
+}
+
 template <class Q, class T>
 void run_rows8(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* out) {
   const int64_t grain = std::max<int64_t>(1, GRAIN_BLOCKS * NB / std::max<int64_t>(1, k / G));
@@ -539,7 +555,7 @@ void run_rows8(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 template <class P, class Q, class T>
 void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
 #ifdef PAGEDLLM_ROWS8
-  if constexpr (std::is_same_v<P, F32> && (std::is_same_v<Q, Q41> || std::is_same_v<Q, Q80>)) {
+  if constexpr (std::is_same_v<P, F32>) {
     if (m <= ROWS8_MAX_M) return run_rows8(q, x, m, n, k, out);
   }
 #endif

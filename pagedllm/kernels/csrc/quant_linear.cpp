@@ -23,9 +23,10 @@
 // at load (mxfp4_interleave, MX4IL) runs bf16 x at every row count on an int8 outer-product kernel
 // (run_il: ~600 GFLOP/s here, the bf16 panels 430-460).
 // The generic code is GCC vector extensions (vec.h): one AVX-512 register per 16 lanes,
-// two AVX2 ones on CPUs without it; intrinsics only under #ifdef. Without AVX-512, fp32 x from
-// 2 rows runs run_sgemm instead of the tiles (W unpacked a group of rows at a time, then torch's
-// sgemm): GCC keeps 16-lane vectors in memory there, and the tiles ran at a tenth of sgemm's rate.
+// two AVX2 ones on CPUs without it; intrinsics only under #ifdef. Without AVX-512, fp32 x up to
+// 16 rows runs run_rows8 (a row of W at a time, 8-lane registers) and from 17 rows run_sgemm (W
+// unpacked a group of rows at a time, then torch's sgemm) instead of the tiles: GCC keeps 16-lane
+// vectors in memory there, and the tiles ran at a tenth of sgemm's rate.
 // One request's decode is bound by streaming the weights: measured on one core of this
 // machine, SmolLM2-135M's 97 MB of q4_1 + q8_0 blocks take ~16 ms a token from memory,
 // ~10 ms when they sit in L2 (benchmarks/quantization.py, models/quantization.py). On both
@@ -422,11 +423,12 @@ void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 #endif
 
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-// Without AVX-512, one request's decode (fp32 x, up to ROWS8_MAX_M rows) on q4_1 and q8_0, the
-// formats of `--quantization int4 / int8` and of most GGUF files' layers: a row of W at a time,
-// each 8 codes widened, scaled and multiplied into 8-lane accumulators, in intrinsics. The
-// generic tiles' 16-lane vectors (two ymm each) spill there, and rows 2-4 went through
-// run_sgemm, which writes the unpacked weights out and reads them back: SmolLM2's q4_1 blocks
+// Without AVX-512, a decode step's few rows (fp32 x, up to ROWS8_MAX_M) on any block type: a row
+// of W at a time, multiplied into 8-lane accumulators. q4_1 and q8_0 (`--quantization int4 / int8`,
+// most GGUF files' layers) widen and scale their codes 8 at a time in intrinsics; the other types
+// unpack a block with their own reader into L1 first. The generic tiles' 16-lane vectors (two ymm
+// each) spill there, and 2+ rows went through run_sgemm, which writes the unpacked weights out and
+// reads them back: SmolLM2's q4_1 blocks
 // decoded at 15.6 tok/s on a 2-core Zen 3, slower than its fp32 weights (22.5), which are 5.6x
 // the bytes. The weights and the sums are fp32's (w = d q + m, then FMAs): no codes for x.
 // Past 8 rows a row of W is taken again for the next 8, from L1. Against run_sgemm on SmolLM2's

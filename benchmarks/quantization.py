@@ -38,11 +38,7 @@ from pagedllm.bench.quality import common_prefix, fixed_text_ids, perplexity
 from pagedllm.bench.workloads import sharegpt_truncated
 
 QUANTS = (None, "gguf", "int8", "int4")  # None: the float weights (bf16, or --dtype's)
-DTYPE = "bfloat16"   # the activations' and the baseline's (--dtype)
-
-
-def base_label() -> str:
-    return {"bfloat16": "bf16", "float32": "fp32"}[DTYPE]
+LABELS = {"bfloat16": "bf16", "float32": "fp32"}   # --dtype: the activations' and the baseline's
 
 
 def speed(quantization: str | None, prompts: list[list[int]], max_tokens: int, dtype: str) -> dict:
@@ -110,28 +106,27 @@ def text_perplexity(kw: dict, ids: list[int]) -> float:
 
 
 def main() -> None:
-    global DTYPE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="benchmarks/results/quantization.json")
     ap.add_argument("--parts", default="speed,quality", help="comma list: speed, quality, prefill")
-    ap.add_argument("--dtype", default=DTYPE, choices=("bfloat16", "float32"),
+    ap.add_argument("--dtype", default="bfloat16", choices=tuple(LABELS),
                     help="the activations and the baseline (speed part)")
     args = ap.parse_args()
-    DTYPE = args.dtype
     parts = set(args.parts.split(","))
-    res: dict = {"rounds": args.rounds, "dtype": DTYPE}
+    res: dict = {"rounds": args.rounds, "dtype": args.dtype}
     if "prefill" in parts:
         res["prefill"] = prefill_part(args.rounds)
     if "speed" in parts:
-        res["results"] = speed_part(args.rounds)
+        res["results"] = speed_part(args.rounds, args.dtype)
     if "quality" in parts:
         res.update(quality_part())
     save(res, args.out)
     print(f"saved {args.out}")
 
 
-def speed_part(rounds: int) -> list[dict]:
+def speed_part(rounds: int, dtype: str) -> list[dict]:
+    label = LABELS[dtype]
     rng = random.Random(0)
     one = [[rng.randrange(0, 10000) for _ in range(64)]]
     batch = [list(r.prompt) for r in sharegpt_truncated(48, 256, 128)]
@@ -139,18 +134,17 @@ def speed_part(rounds: int) -> list[dict]:
     for _ in range(rounds):
         for name, prompts, max_tokens in (("one request", one, 256), ("48 ShareGPT prompts", batch, 128)):
             for q in QUANTS:
-                runs[name].setdefault(q or base_label(), []).append(
-                    in_own_process(speed, q, prompts, max_tokens, DTYPE))
+                runs[name].setdefault(q or label, []).append(in_own_process(speed, q, prompts, max_tokens, dtype))
     rows = []
     for name, by in runs.items():
-        base = statistics.median(r["output_tok_s"] for r in by[base_label()])
+        base = statistics.median(r["output_tok_s"] for r in by[label])
         for label, rs in by.items():
             med = statistics.median(r["output_tok_s"] for r in rs)
             rows.append({"workload": name, "engine": f"pagedllm {label}, {name}", "output_tok_s": med,
-                         "rounds": [r["output_tok_s"] for r in rs], f"vs_{base_label()}": med / base,
+                         "rounds": [r["output_tok_s"] for r in rs], f"vs_{label}": med / base,
                          "runner": rs[0]["runner"]})
             each = ", ".join(f"{r['output_tok_s']:.1f}" for r in rs)
-            print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x {base_label()})  rounds {each}")
+            print(f"{name:<20} {label:<5} {med:7.1f} out tok/s  ({med / base:.2f}x {label})  rounds {each}")
     return rows
 
 

@@ -436,11 +436,6 @@ void run_sgemm(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 #define PAGEDLLM_ROWS8 1
 constexpr int64_t ROWS8_MAX_M = 16;
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
 inline __m256i bytes8_u(const uint8_t* p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 inline __m256i bytes8_s(const int8_t* p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
 
@@ -461,7 +456,7 @@ struct Acc8 {
     for (int r = 0; r < R; ++r) {
       __m256 s = v[r][0];
       for (int a = 1; a < A; ++a) s = _mm256_add_ps(s, v[r][a]);
-      res[r] = hsum8(s);
+      res[r] = hsumn((vn)s);
     }
   }
 };
@@ -476,19 +471,14 @@ void row8(const Q41& q, int64_t n, const float* x, int64_t k, float* res) {
   const __m256i low = _mm256_set1_epi32(15);
   for (int64_t b = 0; b < nblk; b += 2) {
     const uint8_t* p = qs + b / 2 * G;
+    const bool two = b + 1 < nblk;  // an odd last block: its pair's high nibbles are padding, and x ends here
     const __m256 d0 = _mm256_set1_ps(h2f(d[b])), m0 = _mm256_set1_ps(h2f(mn[b]));
-    if (b + 1 < nblk) {
-      const __m256 d1 = _mm256_set1_ps(h2f(d[b + 1])), m1 = _mm256_set1_ps(h2f(mn[b + 1]));
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = bytes8_u(p + 8 * i);
-        acc.add(i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d0, m0), x, k, b * G + 8 * i);
+    const __m256 d1 = _mm256_set1_ps(h2f(d[b + 1])), m1 = _mm256_set1_ps(h2f(mn[b + 1]));  // (padded: in bounds)
+    for (int i = 0; i < 4; ++i) {
+      const __m256i v = bytes8_u(p + 8 * i);
+      acc.add(i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d0, m0), x, k, b * G + 8 * i);
+      if (two)
         acc.add(i + 1, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), d1, m1), x, k, (b + 1) * G + 8 * i);
-      }
-    } else {  // an odd last block: its pair's high nibbles are padding, and x ends here
-      for (int i = 0; i < 4; ++i) {
-        const __m256i v = bytes8_u(p + 8 * i);
-        acc.add(i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(v, low)), d0, m0), x, k, b * G + 8 * i);
-      }
     }
   }
   acc.sums(res);
@@ -556,13 +546,11 @@ void run_rows8(const Q& q, const float* x, int64_t m, int64_t n, int64_t k, T* o
 // paid once per group and chunk of rows, never as a copy of the layer.
 template <class P, class Q, class T>
 void run(const Q& q, const typename P::X* x, int64_t m, int64_t n, int64_t k, T* out) {
-#ifdef PAGEDLLM_ROWS8
-  if constexpr (std::is_same_v<P, F32>) {
-    if (m <= ROWS8_MAX_M) return run_rows8(q, x, m, n, k, out);
-  }
-#endif
 #ifndef __AVX512F__
   if constexpr (std::is_same_v<P, F32>) {
+#ifdef PAGEDLLM_ROWS8
+    if (m <= ROWS8_MAX_M) return run_rows8(q, x, m, n, k, out);
+#endif
     if (m >= SGEMM_MIN_M) return run_sgemm(q, x, m, n, k, out);
   }
 #endif
